@@ -1,0 +1,302 @@
+"""AttnStoreCache: a `transformers` cache that resumes a chat session from stored pre-RoPE KV."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from .config import TruncationConfig
+from .fingerprint import kv_geometry, model_fingerprint
+from .hooks import install_hooks
+from .rope import RopeAdapter
+from .store import AttnStore, SessionKV
+from .store.store import validate_session_id
+from .truncation import plan_reuse
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+def _as_prompt_ids(input_ids) -> torch.Tensor:
+    """Normalizes a prompt to a 1-D int64 CPU tensor; refuses batches and padding."""
+    mask = None
+    if isinstance(input_ids, Mapping):
+        mask = input_ids.get("attention_mask")
+        input_ids = input_ids["input_ids"]
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids.detach()
+    elif isinstance(input_ids, Sequence) and not isinstance(input_ids, (str, bytes)):
+        ids = torch.tensor(list(input_ids), dtype=torch.long)
+    else:
+        raise TypeError(f"`input_ids` must be a tensor or a list of token ids, got {type(input_ids).__name__}")
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(
+                f"AttnStoreCache holds one session, so `input_ids` must have batch size 1, got {ids.shape[0]}; "
+                "create one cache per session"
+            )
+        ids = ids[0]
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
+        raise ValueError(f"`input_ids` must be a non-empty [1, seq] or [seq] tensor of ids, got {tuple(ids.shape)}")
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        raise ValueError("padded prompts are not supported: pass the ids of one session without padding")
+    return ids.to("cpu", torch.long)
+
+
+class AttnStoreLayer(DynamicLayer):
+    """One layer of an :class:`AttnStoreCache`.
+
+    Until the layer's first `update()`, its reused KV stays in the store and only its length is known
+    (`generate` needs the length before any forward). The first update loads this layer alone and
+    re-applies RoPE for the new positions, so loading proceeds layer by layer with the forward pass.
+    """
+
+    def __init__(self, owner: "AttnStoreCache", layer_idx: int, reused: int):
+        super().__init__()
+        self._owner = owner
+        self._layer_idx = layer_idx
+        self._pending_reuse = reused
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return self._pending_reuse
+        return super().get_seq_length()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise ValueError(
+                f"AttnStoreCache supports batch size 1 (got {key_states.shape[0]}): no beam search, "
+                "num_return_sequences=1, one session per cache"
+            )
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.keys, self.values = self._owner._load_layer(
+                self._layer_idx, self._pending_reuse, key_states.dtype, key_states.device
+            )
+            self.is_initialized = True
+        self._owner._record(self._layer_idx, key_states, value_states)
+        return super().update(key_states, value_states)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if not self.is_initialized:
+            self._pending_reuse = max(0, self._pending_reuse + min(0, tokens_to_remove))
+            return
+        super().crop(tokens_to_remove)
+
+
+class AttnStoreCache(DynamicCache):
+    """A cache that reuses a chat session's stored KV and saves everything the model computes through it.
+
+    Keys are stored before RoPE. On load, each layer's keys are rotated for their (possibly new) positions
+    with the model's own rotary module, so a context that overflowed can be truncated without recomputing.
+    Only the longest common prefix of `input_ids` and the stored token ids is reused, and at least one token
+    is always left to compute: a history that does not match costs recomputation, never wrong output.
+
+    Args:
+        model: The causal LM the cache is used with (its fingerprint keys the stored entries).
+        store: Where sessions' KV lives between turns.
+        session_id: Any non-empty string naming the conversation.
+        input_ids: The full prompt of this turn (history + new message), ``[1, seq]`` or a list of ids.
+        context_window: Maximum tokens the model may see; ``None`` disables truncation.
+        truncation: ``"decoupled"`` (default), ``"recompute"`` or ``"naive"`` (evaluation baseline only).
+        truncation_ratio: Fraction of the window dropped at an overflow.
+        keep_first: Leading tokens always kept as attention sinks.
+
+    Attributes:
+        input_ids: The ids to pass to ``generate``/``forward`` (truncated if the context overflowed).
+        reused_tokens: How many of them come from the store; the rest is prefilled.
+        dropped_tokens: How many tokens truncation removed.
+
+    Example:
+        >>> store = AttnStore(host_bytes="1GiB")
+        >>> cache = AttnStoreCache(model, store, session_id="alice", input_ids=ids)  # doctest: +SKIP
+        >>> out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=64)  # doctest: +SKIP
+        >>> cache2 = AttnStoreCache(model, store, "alice", input_ids=next_turn_ids)  # doctest: +SKIP
+        >>> cache2.reused_tokens  # doctest: +SKIP
+        97
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        store: AttnStore,
+        session_id: str,
+        input_ids,
+        *,
+        context_window: int | None = None,
+        truncation: str = "decoupled",
+        truncation_ratio: float = 0.5,
+        keep_first: int = 4,
+    ):
+        if not isinstance(store, AttnStore):
+            raise TypeError(f"`store` must be an AttnStore, got {type(store).__name__}")
+        self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
+        self.session_id = validate_session_id(session_id)
+        prompt = _as_prompt_ids(input_ids)
+        self._rope = RopeAdapter(model)
+        if not self._rope.has_rope and context_window is not None and truncation != "recompute":
+            _warn_once(
+                f"norope-{self._rope.model_type}",
+                f"{self._rope.model_type} has no rotary embeddings, so cached keys cannot be re-positioned: "
+                "truncation falls back to 'recompute'",
+            )
+        self.fingerprint = model_fingerprint(model)
+        self._geometry = kv_geometry(model)
+        snapshot = self._validated(store.lookup(session_id, self.fingerprint))
+        self.plan = plan_reuse(
+            prompt, snapshot.token_ids if snapshot else None, self.truncation, has_rope=self._rope.has_rope
+        )
+        self.reused_tokens = self.plan.reused
+        self.dropped_tokens = self.plan.dropped
+        self.input_ids = self.plan.input_ids.to(model.device)
+        self._snapshot = snapshot if self.reused_tokens else None
+        self._keep_is_prefix = torch.equal(self.plan.keep, torch.arange(self.reused_tokens))
+        self._writer = store.open_turn(session_id, self.fingerprint, snapshot, self.plan.keep)
+        self._load_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._fed_ids: list[torch.Tensor] = []
+        self._pending: list | None = None
+        self._fwd_ids: torch.Tensor | None = None
+        self._fwd_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._save = True
+        self._broken = False
+        self.saved_tokens = 0
+        # Cache.__init__ directly: DynamicCache's would set up lazily-created DynamicLayers instead of ours.
+        Cache.__init__(self, layers=[AttnStoreLayer(self, i, self.reused_tokens) for i in range(self._geometry[0])])
+        install_hooks(model)
+
+    # -- what was reused -------------------------------------------------------------------------------
+    def _validated(self, snapshot: SessionKV | None) -> SessionKV | None:
+        """A stored entry whose shapes disagree with the model is a miss, never an error."""
+        if snapshot is None:
+            return None
+        layers, heads, dim = self._geometry
+        ok = len(snapshot.keys) == len(snapshot.values) == layers and all(
+            k.shape == v.shape == (1, heads, snapshot.length, dim) for k, v in zip(snapshot.keys, snapshot.values)
+        )
+        if not ok:
+            _warn_once("geometry", f"stored KV of session {self.session_id!r} does not fit the model: ignored")
+            return None
+        return snapshot
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """The ids the cache's KV covers so far: the reused prefix, then everything fed to the model."""
+        prefix = self.plan.input_ids[0, : self.reused_tokens]
+        return torch.cat([prefix] + [t.cpu() for t in self._fed_ids])
+
+    def _load_layer(self, idx: int, length: int, dtype: torch.dtype, device: torch.device):
+        """Reused KV of layer `idx` on `device`, keys rotated to their positions in this turn."""
+        if length == 0:
+            empty = torch.empty(1, self._geometry[1], 0, self._geometry[2], dtype=dtype, device=device)
+            return empty, empty.clone()
+        snap = self._snapshot
+        if self._keep_is_prefix:
+            keys, values = snap.keys[idx][:, :, :length], snap.values[idx][:, :, :length]
+        else:
+            keep = self.plan.keep[:length]
+            keys, values = snap.keys[idx].index_select(2, keep), snap.values[idx].index_select(2, keep)
+        non_blocking = keys.is_pinned()
+        keys = keys.to(device=device, dtype=dtype, non_blocking=non_blocking)
+        values = values.to(device=device, dtype=dtype, non_blocking=non_blocking)
+        if self._rope.has_rope:
+            # cos/sin are computed once per turn and shared by all layers: only the rotation is per layer.
+            rope_key = (length, device, dtype)
+            if rope_key not in self._load_rope:
+                positions = self.plan.key_positions[:length].to(device)
+                self._load_rope[rope_key] = self._rope.cos_sin(positions, dtype)
+            keys = self._rope.rotate(keys, *self._load_rope[rope_key])
+        if idx == self._geometry[0] - 1:
+            self._snapshot = None  # every layer is loaded: release the snapshot
+        return keys, values
+
+    # -- saving what the model computes ------------------------------------------------------------------
+    def _begin_forward(self, input_ids, inputs_embeds, position_ids) -> None:
+        """Called by the base model's pre-hook before each forward through this cache."""
+        if self._broken or self._pending is not None:
+            self._broken = True
+            raise RuntimeError(
+                "a previous forward through this AttnStoreCache did not complete, so its layers disagree; "
+                "create a new AttnStoreCache for this session (the store kept the last complete state)"
+            )
+        x = input_ids if input_ids is not None else inputs_embeds
+        batch, length = x.shape[0], x.shape[1]
+        if batch != 1:
+            raise ValueError(f"AttnStoreCache supports batch size 1, got a forward with batch {batch}")
+        past = self.get_seq_length()
+        positions = torch.arange(past, past + length, device=x.device)
+        if position_ids is not None and not torch.equal(position_ids.reshape(-1).to(x.device), positions):
+            raise ValueError(
+                "AttnStoreCache needs contiguous positions that continue the cache (no padding, no custom "
+                "`position_ids`)"
+            )
+        if input_ids is None:
+            self._save = False
+            _warn_once("embeds", "forward with `inputs_embeds` only: token ids are unknown, so the session is not saved")
+        else:
+            prompt_left = self.input_ids.shape[1] - past
+            n = min(length, max(prompt_left, 0))
+            if n and not torch.equal(input_ids[0, :n].to(self.input_ids.device), self.input_ids[0, past : past + n]):
+                raise ValueError(
+                    "the ids fed to the model differ from `cache.input_ids`: pass `cache.input_ids` (the full, "
+                    "possibly truncated prompt) to `generate`, or its remainder after `cache.get_seq_length()` "
+                    "tokens to a plain forward"
+                )
+            self._fwd_ids = input_ids.reshape(-1)
+        if self._rope.has_rope:
+            self._fwd_rope = self._rope.cos_sin(positions, torch.float32)
+        self._pending = [None] * self._geometry[0]
+
+    def _record(self, idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keeps a layer's new KV, keys un-rotated to pre-RoPE, until the forward completes."""
+        if self._pending is None:
+            raise RuntimeError(
+                "AttnStoreCache.update was called outside a forward of the model it was created with; "
+                "create the cache with the model that uses it"
+            )
+        if self._rope.has_rope:
+            cos, sin = self._fwd_rope
+            keys = self._rope.unrotate(keys, cos.to(keys.device), sin.to(keys.device))
+        self._pending[idx] = (keys, values)
+
+    def _end_forward(self) -> None:
+        """Called by the base model's post-hook: commits the forward's KV to the store."""
+        pending, self._pending = self._pending, None
+        if pending is None or all(p is None for p in pending):
+            return  # e.g. use_cache=False: nothing was added
+        assert all(p is not None for p in pending), "every layer must update the cache in a forward"
+        ids = self._fwd_ids
+        self._fed_ids.append(ids)
+        if self._save and ids is not None:
+            stored = self._writer.append(ids, [p[0] for p in pending], [p[1] for p in pending])
+            if stored:
+                self.saved_tokens += int(ids.numel())
+
+    # -- operations a single-session cache does not support -------------------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        total = self.get_seq_length()
+        kept = total - self.reused_tokens
+        fed = torch.cat(self._fed_ids) if self._fed_ids else torch.empty(0, dtype=torch.long)
+        self._fed_ids = [fed[: max(kept, 0)]]
+        self._writer.truncate(total)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise ValueError("AttnStoreCache holds one session: use num_beams=1 and num_return_sequences=1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if indices.numel() != 1:
+            raise ValueError("AttnStoreCache holds one session and cannot select several batch rows")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("AttnStoreCache does not support beam search: use num_beams=1")

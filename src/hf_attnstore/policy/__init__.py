@@ -1,0 +1,19 @@
+"""Eviction policies: which session leaves a tier first. One file per policy."""
+
+from __future__ import annotations
+
+from .base import EvictionPolicy
+from .fifo import FIFOPolicy
+from .lru import LRUPolicy
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "fifo": FIFOPolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """Creates a policy by name (``"lru"`` or ``"fifo"``)."""
+    if name not in POLICIES:
+        raise ValueError(f"`policy`={name!r} is unknown; choose one of {', '.join(sorted(POLICIES))}")
+    return POLICIES[name]()
+
+
+__all__ = ["EvictionPolicy", "FIFOPolicy", "LRUPolicy", "POLICIES", "make_policy"]

@@ -1,0 +1,36 @@
+"""The eviction policy interface."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+
+
+class EvictionPolicy:
+    """Orders the keys of one tier for eviction.
+
+    The store that owns the tier calls these methods under its index lock, so a policy needs no locking.
+    The base class keeps keys in insertion order; subclasses decide what an access does.
+    """
+
+    def __init__(self):
+        self._order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        """A key entered the tier."""
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: Hashable) -> None:
+        """A key was read or written."""
+
+    def remove(self, key: Hashable) -> None:
+        """A key left the tier."""
+        self._order.pop(key, None)
+
+    def victims(self) -> Iterator[Hashable]:
+        """Keys in the order they should be evicted (first = evict first)."""
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._order)

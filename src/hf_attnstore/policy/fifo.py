@@ -1,0 +1,9 @@
+"""First in, first out: accesses do not change the order."""
+
+from __future__ import annotations
+
+from .base import EvictionPolicy
+
+
+class FIFOPolicy(EvictionPolicy):
+    """Evicts the session that entered the tier first, however recently it was used."""

@@ -1,0 +1,103 @@
+"""Position decoupling: un-rotating keys to pre-RoPE form and re-rotating them for new positions.
+
+Keys are cached *before* rotary position embedding so that their positions can change (after a context
+overflow drops the oldest tokens) without invalidating them. We never re-implement a model's rotary
+frequencies: cos/sin always come from the model's own rotary module, so scaling variants (linear, yarn,
+llama3) are exact. Layout of every key tensor here: ``[batch, kv_heads, seq, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# Model types whose attention applies `rotate_half`-style RoPE to the first `cos.shape[-1]` dims of each head
+# (full rotary for most, partial for phi3/gpt_neox) with one rotary module shared by all layers. Each one is
+# covered by an equivalence test against full recomputation.
+SUPPORTED_ROPE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox"})
+# Models with absolute (or no) position embeddings: KV is reused as-is and never re-rotated.
+SUPPORTED_ABSOLUTE_MODEL_TYPES = frozenset({"gpt2"})
+# RoPE variants whose frequencies depend on the sequence length of each call: a key rotated in one call
+# could not be reproduced in another, so decoupling would be silently wrong.
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Rotates half the hidden dims, as transformers' Llama-family attention does."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RopeAdapter:
+    """Wraps a model's rotary module to rotate and un-rotate cached keys.
+
+    Args:
+        model: A causal LM from transformers.
+
+    Raises:
+        ValueError: If the model applies RoPE in a way we cannot invert exactly (per-layer-type rotary as in
+            gemma3, interleaved rotary, length-dependent scaling).
+    """
+
+    def __init__(self, model: nn.Module):
+        config = model.config.get_text_config(decoder=True)
+        self.model_type = config.model_type
+        base = model.base_model
+        rotary = getattr(base, "rotary_emb", None)
+        if self.model_type in SUPPORTED_ABSOLUTE_MODEL_TYPES:
+            self.rotary = None
+        elif self.model_type in SUPPORTED_ROPE_MODEL_TYPES and isinstance(rotary, nn.Module):
+            rope_type = getattr(rotary, "rope_type", "default")
+            if rope_type in _LENGTH_DEPENDENT_ROPE:
+                raise ValueError(
+                    f"RoPE type {rope_type!r} rescales frequencies with the sequence length of each call, so cached "
+                    "keys cannot be re-positioned exactly; use a model with a static RoPE type"
+                )
+            self.rotary = rotary
+        else:
+            supported = sorted(SUPPORTED_ROPE_MODEL_TYPES | SUPPORTED_ABSOLUTE_MODEL_TYPES)
+            raise ValueError(
+                f"model type {self.model_type!r} is not supported by AttnStoreCache (its position encoding is not "
+                f"verified to be invertible: e.g. per-layer-type rotary as in gemma3, or interleaved rotary); "
+                f"supported model types: {', '.join(supported)}"
+            )
+
+    @property
+    def has_rope(self) -> bool:
+        """Whether keys carry rotary positions (and therefore can be decoupled)."""
+        return self.rotary is not None
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape ``[1, 1, seq, rot_dim]`` for 1-D ``positions``, computed by the model's module."""
+        assert self.rotary is not None, "cos_sin needs a RoPE model"
+        dummy = torch.empty(0, dtype=dtype, device=positions.device)
+        cos, sin = self.rotary(dummy, positions.view(1, -1))
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    @staticmethod
+    def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Applies RoPE exactly as the model's attention does (partial rotary passes the tail dims)."""
+        rot = cos.shape[-1]
+        if rot == keys.shape[-1]:
+            return keys * cos + rotate_half(keys) * sin
+        head, tail = keys[..., :rot], keys[..., rot:]
+        return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
+
+    @staticmethod
+    def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Inverts :meth:`rotate` in fp32 and returns keys in their original dtype.
+
+        RoPE is a rotation by angle theta scaled by `attention_scaling` (s): k' = s·R(θ)k, so
+        k = R(-θ)k' / s² with s² = cos² + sin². Dividing keeps yarn-style scaled RoPE exact too.
+        """
+        rot = cos.shape[-1]
+        k32, cos32, sin32 = keys.float(), cos.float(), sin.float()
+        head = k32[..., :rot]
+        head = (head * cos32 - rotate_half(head) * sin32) / (cos32 * cos32 + sin32 * sin32)
+        if rot != keys.shape[-1]:
+            head = torch.cat((head, k32[..., rot:]), dim=-1)
+        return head.to(keys.dtype)
