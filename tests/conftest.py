@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random models (fast, exact) and the real SmolLM2 (integration tests)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 128
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+               num_attention_heads=4, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2)
+
+
+def _gqa(**extra):
+    return dict(_COMMON, num_key_value_heads=2, **extra)
+
+
+# Each entry builds a tiny model of one architecture we support. Partial rotary (phi3, gpt_neox), GQA,
+# qk-norm (qwen3) and a sliding-window mask shorter than the test sequences (mistral) are all covered.
+TINY_MODELS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**_gqa())),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**_gqa(sliding_window=24))),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_gqa())),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_gqa(head_dim=16))),
+    "phi3": lambda: Phi3ForCausalLM(Phi3Config(**_gqa(rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": 10000.0,
+                                                                          "partial_rotary_factor": 0.5}))),
+    "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**dict(_COMMON))),
+}
+ABSOLUTE_MODELS = {
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=512,
+                                               bos_token_id=1, eos_token_id=2)),
+}
+
+
+def make_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(seed)
+    builders = {**TINY_MODELS, **ABSOLUTE_MODELS}
+    return builders[arch]().to(dtype).eval()
+
+
+@pytest.fixture
+def tiny_llama():
+    return make_tiny("llama")
+
+
+def random_ids(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, n), generator=g)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from hf_attnstore import load_default_model
+
+    model, tokenizer = load_default_model(dtype="float32", device="cpu")
+    return model, tokenizer

@@ -1,0 +1,250 @@
+"""AttnStoreCache against full recomputation, on tiny random models (exact, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_attnstore import AttnStore, AttnStoreCache
+from hf_attnstore.rope import RopeAdapter
+
+from .conftest import ABSOLUTE_MODELS, TINY_MODELS, make_tiny, random_ids
+
+GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def run_turns(model, store, session, turns, new_tokens=6, **cache_kwargs):
+    """Runs a multi-turn chat twice, with AttnStoreCache and with DynamicCache recomputation."""
+    hist = ref_hist = None
+    records = []
+    for user in turns:
+        hist = user if hist is None else torch.cat([hist, user], dim=1)
+        ref_hist = user if ref_hist is None else torch.cat([ref_hist, user], dim=1)
+        cache = AttnStoreCache(model, store, session, hist, **cache_kwargs)
+        out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=new_tokens, **GREEDY)
+        ref = model.generate(ref_hist, past_key_values=DynamicCache(), max_new_tokens=new_tokens, **GREEDY)
+        records.append((cache, out, ref))
+        hist, ref_hist = out, ref
+    return records
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS) + sorted(ABSOLUTE_MODELS))
+def test_multi_turn_greedy_equals_recompute(arch):
+    model = make_tiny(arch)
+    store = AttnStore(host_bytes="64MiB")
+    turns = [random_ids(20, 1), random_ids(9, 2), random_ids(13, 3), random_ids(5, 4)]
+    records = run_turns(model, store, "s", turns)
+    expected_reuse = 0
+    for i, (cache, out, ref) in enumerate(records):
+        assert torch.equal(out, ref), f"turn {i} differs"
+        assert cache.reused_tokens == expected_reuse
+        # Everything but the last generated token went through the model and was saved.
+        expected_reuse = out.shape[1] - 1
+        assert torch.equal(cache.token_ids, out[0, :-1])
+    assert expected_reuse > 40  # the history really grew across turns
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_plain_forward_logits_equal_recompute(arch):
+    model = make_tiny(arch)
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(30, 5)
+    with torch.no_grad():
+        first = AttnStoreCache(model, store, "f", ids[:, :18])
+        model(first.input_ids, past_key_values=first)
+        second = AttnStoreCache(model, store, "f", ids)
+        assert second.reused_tokens == 18
+        rest = second.input_ids[:, second.get_seq_length():]
+        logits = model(rest, past_key_values=second).logits
+        full = model(ids).logits[:, 18:]
+    torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+def test_rerotated_keys_equal_model_post_rope_keys(arch):
+    """Stored pre-RoPE keys, re-rotated on load, equal the keys the model itself caches."""
+    model = make_tiny(arch)
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(40, 6)
+    with torch.no_grad():
+        first = AttnStoreCache(model, store, "k", ids)
+        model(first.input_ids, past_key_values=first)
+        ref = DynamicCache()
+        model(ids, past_key_values=ref)
+    resumed = AttnStoreCache(model, store, "k", torch.cat([ids, random_ids(1, 7)], dim=1))
+    assert resumed.reused_tokens == 40
+    for layer in range(len(resumed.layers)):
+        keys, values = resumed._load_layer(layer, 40, torch.float32, torch.device("cpu"))
+        torch.testing.assert_close(keys, ref.layers[layer].keys, atol=1e-5, rtol=0)
+        torch.testing.assert_close(values, ref.layers[layer].values, atol=0, rtol=0)
+
+
+def test_prefix_mismatch_reuses_exactly_the_common_prefix(tiny_llama):
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(30, 8)
+    with torch.no_grad():
+        cache = AttnStoreCache(tiny_llama, store, "p", ids)
+        tiny_llama(cache.input_ids, past_key_values=cache)
+    edited = ids.clone()
+    edited[0, 17] = (edited[0, 17] + 1) % 128
+    edited = torch.cat([edited, random_ids(4, 9)], dim=1)
+    cache = AttnStoreCache(tiny_llama, store, "p", edited)
+    assert cache.reused_tokens == 17
+    out = tiny_llama.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
+    ref = tiny_llama.generate(edited, max_new_tokens=5, **GREEDY)
+    assert torch.equal(out, ref)
+    # The session now holds the edited history: the next turn reuses all of it.
+    assert AttnStoreCache(tiny_llama, store, "p", out).reused_tokens == out.shape[1] - 1
+
+
+def test_identical_prompt_leaves_one_token_to_compute(tiny_llama):
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(12, 10)
+    with torch.no_grad():
+        cache = AttnStoreCache(tiny_llama, store, "i", ids)
+        tiny_llama(cache.input_ids, past_key_values=cache)
+    again = AttnStoreCache(tiny_llama, store, "i", ids)
+    assert again.reused_tokens == 11
+    out = tiny_llama.generate(again.input_ids, past_key_values=again, max_new_tokens=4, **GREEDY)
+    assert torch.equal(out, tiny_llama.generate(ids, max_new_tokens=4, **GREEDY))
+
+
+def test_other_model_or_dtype_is_a_miss(tiny_llama):
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(16, 11)
+    with torch.no_grad():
+        cache = AttnStoreCache(tiny_llama, store, "m", ids)
+        tiny_llama(cache.input_ids, past_key_values=cache)
+    assert AttnStoreCache(tiny_llama, store, "m", ids).reused_tokens == 15
+    other_weights = make_tiny("llama", seed=1)
+    assert AttnStoreCache(other_weights, store, "m", ids).reused_tokens == 0
+    bf16 = make_tiny("llama", seed=0, dtype=torch.bfloat16)
+    assert AttnStoreCache(bf16, store, "m", ids).reused_tokens == 0
+
+
+def test_sessions_are_isolated(tiny_llama):
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(16, 12)
+    with torch.no_grad():
+        cache = AttnStoreCache(tiny_llama, store, "alice", ids)
+        tiny_llama(cache.input_ids, past_key_values=cache)
+    assert AttnStoreCache(tiny_llama, store, "bob", ids).reused_tokens == 0
+
+
+def test_inputs_embeds_forward_is_not_saved(tiny_llama):
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(10, 13)
+    cache = AttnStoreCache(tiny_llama, store, "e", ids)
+    with torch.no_grad():
+        tiny_llama(inputs_embeds=tiny_llama.get_input_embeddings()(ids), past_key_values=cache)
+    assert cache.saved_tokens == 0
+    assert store.lookup("e", cache.fingerprint) is None
+
+
+def test_bf16_reuse_stays_close():
+    model = make_tiny("llama", dtype=torch.bfloat16)
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(40, 14)
+    with torch.no_grad():
+        first = AttnStoreCache(model, store, "b", ids[:, :30])
+        model(first.input_ids, past_key_values=first)
+        second = AttnStoreCache(model, store, "b", ids)
+        logits = model(second.input_ids[:, 30:], past_key_values=second).logits
+        full = model(ids).logits[:, 30:]
+    assert (logits.float() - full.float()).abs().max() < 0.1
+
+
+class TestBadInput:
+    def test_batch_of_two_is_refused(self, tiny_llama):
+        with pytest.raises(ValueError, match="batch size 1"):
+            AttnStoreCache(tiny_llama, AttnStore(), "x", random_ids(8, 0).repeat(2, 1))
+
+    def test_padding_is_refused(self, tiny_llama):
+        ids = random_ids(8, 0)
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0
+        with pytest.raises(ValueError, match="padded"):
+            AttnStoreCache(tiny_llama, AttnStore(), "x", {"input_ids": ids, "attention_mask": mask})
+
+    @pytest.mark.parametrize(
+        "kwargs, match",
+        [
+            (dict(truncation="fancy"), "unknown"),
+            (dict(context_window=8, keep_first=8), "keep_first"),
+            (dict(context_window=1), "context_window"),
+            (dict(truncation_ratio=0.0), "truncation_ratio"),
+            (dict(keep_first=-1), "keep_first"),
+        ],
+    )
+    def test_bad_options(self, tiny_llama, kwargs, match):
+        with pytest.raises(ValueError, match=match):
+            AttnStoreCache(tiny_llama, AttnStore(), "x", random_ids(8, 0), **kwargs)
+
+    @pytest.mark.parametrize("session_id, exc", [("", ValueError), (None, TypeError), (3, TypeError)])
+    def test_bad_session_ids(self, tiny_llama, session_id, exc):
+        with pytest.raises(exc, match="session_id"):
+            AttnStoreCache(tiny_llama, AttnStore(), session_id, random_ids(8, 0))
+
+    def test_empty_prompt(self, tiny_llama):
+        with pytest.raises(ValueError, match="non-empty"):
+            AttnStoreCache(tiny_llama, AttnStore(), "x", [])
+
+    def test_wrong_ids_fed_to_generate(self, tiny_llama):
+        store = AttnStore()
+        ids = random_ids(12, 0)
+        with torch.no_grad():
+            cache = AttnStoreCache(tiny_llama, store, "x", ids)
+            tiny_llama(cache.input_ids, past_key_values=cache)
+        cache = AttnStoreCache(tiny_llama, store, "x", torch.cat([ids, random_ids(3, 1)], dim=1))
+        with pytest.raises(ValueError, match="cache.input_ids"):
+            tiny_llama.generate(random_ids(15, 2), past_key_values=cache, max_new_tokens=2, **GREEDY)
+        # Nothing was saved by the refused call.
+        assert store.lookup("x", cache.fingerprint).length == 12
+
+    def test_beam_search_is_refused(self, tiny_llama):
+        ids = random_ids(8, 0)
+        cache = AttnStoreCache(tiny_llama, AttnStore(), "x", ids)
+        with pytest.raises(ValueError, match="num_beams|batch size 1"):
+            tiny_llama.generate(cache.input_ids, past_key_values=cache, max_new_tokens=2, num_beams=2, **GREEDY)
+
+    def test_unsupported_architecture(self):
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        model = Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=2, num_attention_heads=2,
+                                                   num_key_value_heads=1, head_dim=16))
+        with pytest.raises(ValueError, match="gemma3.*not supported"):
+            AttnStoreCache(model, AttnStore(), "x", random_ids(8, 0))
+
+    def test_length_dependent_rope_is_refused(self):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                  "rope_theta": 10000.0})
+        with pytest.raises(ValueError, match="dynamic"):
+            RopeAdapter(LlamaForCausalLM(cfg))
+
+    def test_failed_forward_poisons_only_the_cache(self, tiny_llama):
+        store = AttnStore()
+        ids = random_ids(10, 0)
+        cache = AttnStoreCache(tiny_llama, store, "x", ids)
+        layer = tiny_llama.model.layers[1]
+        original = layer.forward
+
+        def boom(*args, **kwargs):
+            raise RuntimeError("injected")
+
+        layer.forward = boom
+        try:
+            with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
+                tiny_llama(cache.input_ids, past_key_values=cache)
+        finally:
+            layer.forward = original
+        with pytest.raises(RuntimeError, match="did not complete"), torch.no_grad():
+            tiny_llama(cache.input_ids, past_key_values=cache)
+        assert store.lookup("x", cache.fingerprint) is None  # nothing half-written
+        fresh = AttnStoreCache(tiny_llama, store, "x", ids)
+        out = tiny_llama.generate(fresh.input_ids, past_key_values=fresh, max_new_tokens=3, **GREEDY)
+        assert torch.equal(out, tiny_llama.generate(ids, max_new_tokens=3, **GREEDY))
