@@ -1,0 +1,75 @@
+"""Token-level chat turns: a session's history is its token ids, never re-tokenized text.
+
+Re-tokenizing a rendered conversation can change tokens (a generated "ĊĊ" comes back as two "Ċ"), which
+would break the prefix match with the stored KV. So each turn appends to the ids: the generated ids, the
+template's end-of-turn tokens, then the next user message rendered by the tokenizer's own chat template.
+The pieces are found by rendering small probe conversations and taking differences of the text.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_PROBE_USER, _PROBE_REPLY = "\x00u\x00", "\x00a\x00"
+
+
+class ChatTokens:
+    """Builds the ids of successive chat turns with a tokenizer's chat template.
+
+    Args:
+        tokenizer: A tokenizer with a chat template.
+        system_prompt: Optional system message placed first.
+
+    Example:
+        >>> chat = ChatTokens(tokenizer)  # doctest: +SKIP
+        >>> ids = chat.first_turn("Hello!")  # doctest: +SKIP
+        >>> out = model.generate(ids, ...)  # doctest: +SKIP
+        >>> ids = chat.next_turn(out, "And then?")  # doctest: +SKIP
+    """
+
+    def __init__(self, tokenizer, system_prompt: str | None = None):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template: ChatTokens needs one to render turns")
+        self.tokenizer = tokenizer
+        self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        render = self._render
+        user = {"role": "user", "content": _PROBE_USER}
+        reply = {"role": "assistant", "content": _PROBE_REPLY}
+        t0 = render([user], generation_prompt=True)
+        t1 = render([user, reply], generation_prompt=False)
+        t2 = render([user, reply, user], generation_prompt=True)
+        if not t1.startswith(t0) or not t2.startswith(t1) or _PROBE_REPLY not in t1[len(t0):]:
+            raise ValueError("this chat template rewrites earlier turns, so turns cannot be appended as tokens")
+        # What closes an assistant turn (e.g. "<|im_end|>\n"), and what opens a user turn up to the reply.
+        self.end_of_turn = t1[len(t0) + len(_PROBE_REPLY):]
+        before, after = t2[len(t1):].split(_PROBE_USER)
+        self.user_prefix, self.user_suffix = before, after
+        self._eot_ids = self._encode(self.end_of_turn)
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            self.system + messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def first_turn(self, message: str) -> torch.Tensor:
+        """Ids of the conversation's first prompt, ``[1, seq]``."""
+        text = self._render([{"role": "user", "content": message}], generation_prompt=True)
+        return torch.tensor([self._encode(text)], dtype=torch.long)
+
+    def next_turn(self, history_ids: torch.Tensor, message: str) -> torch.Tensor:
+        """Appends the end of the assistant's turn and a new user message to ``history_ids`` (``[1, seq]``).
+
+        If generation stopped on the end-of-turn token itself, it is not repeated.
+        """
+        history = history_ids.view(-1).tolist()
+        eot = self._eot_ids
+        overlap = next((n for n in range(len(eot), 0, -1) if history[-n:] == eot[:n]), 0)
+        user = self._encode(self.user_prefix + message + self.user_suffix)
+        return torch.tensor([history + eot[overlap:] + user], dtype=torch.long)
+
+    def reply_text(self, generated_ids: torch.Tensor) -> str:
+        """Decodes a reply without special tokens."""
+        return self.tokenizer.decode(generated_ids.view(-1), skip_special_tokens=True)

@@ -1,0 +1,75 @@
+"""Integration tests on the real SmolLM2-135M-Instruct and real ShareGPT conversations (CPU, fp32)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_attnstore import AttnStore, AttnStoreCache
+from hf_attnstore.chat import ChatTokens
+from hf_attnstore.data import load_sharegpt
+from hf_attnstore.evaluation import nll_after_overflow
+
+pytestmark = pytest.mark.integration
+MAX_USER_TOKENS = 96  # long ShareGPT prompts are clipped so the test stays fast on two cores
+
+
+def clip(tokenizer, text: str) -> str:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:MAX_USER_TOKENS]
+    return tokenizer.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    return load_sharegpt(limit=2, min_user_turns=3)
+
+
+def test_chat_tokens_splice_matches_the_template(smollm2):
+    _, tokenizer = smollm2
+    chat = ChatTokens(tokenizer)
+    first = chat.first_turn("Hi")
+    reply = tokenizer("Hello! How can I help?<|im_end|>", add_special_tokens=False, return_tensors="pt")
+    ids = chat.next_turn(torch.cat([first, reply["input_ids"]], dim=1), "Tell me a joke")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+         {"role": "user", "content": "Tell me a joke"}], add_generation_prompt=True, return_tensors="pt")
+    assert ids.tolist() == rendered["input_ids"].tolist()
+
+
+def test_sharegpt_turns_equal_recompute(smollm2, conversations):
+    model, tokenizer = smollm2
+    chat = ChatTokens(tokenizer)
+    store = AttnStore(host_bytes="1GiB")
+    greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    for conv in conversations:
+        ids = None
+        for turn, message in enumerate(conv.user_turns[:3]):
+            message = clip(tokenizer, message)
+            ids = chat.first_turn(message) if ids is None else chat.next_turn(ids, message)
+            cache = AttnStoreCache(model, store, conv.id, ids)
+            out = model.generate(cache.input_ids, past_key_values=cache, **greedy)
+            ref = model.generate(ids, past_key_values=DynamicCache(), **greedy)
+            assert torch.equal(out, ref), f"{conv.id} turn {turn}"
+            if turn:
+                assert cache.reused_tokens > 0.5 * ids.shape[1]
+            ids = out
+
+
+def test_decoupled_truncation_keeps_perplexity(smollm2):
+    model, tokenizer = smollm2
+    texts = []
+    for conv in load_sharegpt(limit=40, min_user_turns=2):
+        ids = tokenizer.apply_chat_template(list(conv.messages), return_tensors="pt")["input_ids"]
+        if ids.shape[1] >= 1152:
+            texts.append(ids[:, :1152])
+        if len(texts) == 2:
+            break
+    ppl = {}
+    for mode in ("recompute", "decoupled", "naive"):
+        scores = [nll_after_overflow(model, ids, context_window=1024, score_tokens=128, mode=mode) for ids in texts]
+        ppl[mode] = math.exp(sum(s for s, _ in scores) / sum(n for _, n in scores))
+    assert abs(ppl["decoupled"] - ppl["recompute"]) / ppl["recompute"] < 0.05, ppl
+    assert ppl["naive"] > 3 * ppl["recompute"], ppl
