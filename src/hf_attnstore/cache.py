@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -11,9 +12,9 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from .config import TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint
-from .hooks import install_hooks
+from .hooks import ReuseFailed, install_hooks
 from .rope import RopeAdapter
-from .store import AttnStore, SessionKV
+from .store import AttnStore, LoadError, SessionKV
 from .store.store import validate_session_id
 from .truncation import plan_reuse
 
@@ -159,9 +160,18 @@ class AttnStoreCache(DynamicCache):
         self.reused_tokens = self.plan.reused
         self.dropped_tokens = self.plan.dropped
         self.input_ids = self.plan.input_ids.to(model.device)
+        self.kv_source = (snapshot.tier if snapshot is not None and self.reused_tokens else "miss")
+        self.recomputed = False  # set if stored KV proved unreadable mid-forward and the prompt was recomputed
+        self._store = store
         self._snapshot = snapshot if self.reused_tokens else None
+        if self._snapshot is not None and self._snapshot.loader is not None:
+            # From now on the disk loader runs at most `read_buffer_layers` ahead of our layers; release
+            # it when this cache goes away, even unused, so the loader never waits for a dead consumer.
+            self._snapshot.loader.attach()
+            weakref.finalize(self, self._snapshot.loader.release)
         self._keep_is_prefix = torch.equal(self.plan.keep, torch.arange(self.reused_tokens))
         self._writer = store.open_turn(session_id, self.fingerprint, snapshot, self.plan.keep)
+        self._prefetcher: _CudaPrefetcher | None = None
         self._load_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._fed_ids: list[torch.Tensor] = []
         self._pending: list | None = None
@@ -170,6 +180,7 @@ class AttnStoreCache(DynamicCache):
         self._save = True
         self._broken = False
         self.saved_tokens = 0
+        self._fwd_input_len = 0
         # Cache.__init__ directly: DynamicCache's would set up lazily-created DynamicLayers instead of ours.
         Cache.__init__(self, layers=[AttnStoreLayer(self, i, self.reused_tokens) for i in range(self._geometry[0])])
         install_hooks(model)
@@ -199,15 +210,18 @@ class AttnStoreCache(DynamicCache):
         if length == 0:
             empty = torch.empty(1, self._geometry[1], 0, self._geometry[2], dtype=dtype, device=device)
             return empty, empty.clone()
-        snap = self._snapshot
-        if self._keep_is_prefix:
-            keys, values = snap.keys[idx][:, :, :length], snap.values[idx][:, :, :length]
-        else:
-            keep = self.plan.keep[:length]
-            keys, values = snap.keys[idx].index_select(2, keep), snap.values[idx].index_select(2, keep)
-        non_blocking = keys.is_pinned()
-        keys = keys.to(device=device, dtype=dtype, non_blocking=non_blocking)
-        values = values.to(device=device, dtype=dtype, non_blocking=non_blocking)
+        try:
+            if idx == 0 and self._snapshot.loader is not None and not self._store.config.preload:
+                self._snapshot.loader.wait_all()  # NO-PL ablation: wait for the whole session first
+            if device.type == "cuda":
+                if self._prefetcher is None:
+                    self._prefetcher = _CudaPrefetcher(self, device, self._store.config.read_buffer_layers)
+                keys, values = self._prefetcher.get(idx, length)
+            else:
+                keys, values = self._host_layer(idx, length)
+        except LoadError as exc:
+            raise ReuseFailed(str(exc)) from exc
+        keys, values = keys.to(dtype=dtype), values.to(dtype=dtype)
         if self._rope.has_rope:
             # cos/sin are computed once per turn and shared by all layers: only the rotation is per layer.
             rope_key = (length, device, dtype)
@@ -216,8 +230,39 @@ class AttnStoreCache(DynamicCache):
                 self._load_rope[rope_key] = self._rope.cos_sin(positions, dtype)
             keys = self._rope.rotate(keys, *self._load_rope[rope_key])
         if idx == self._geometry[0] - 1:
-            self._snapshot = None  # every layer is loaded: release the snapshot
+            if self._snapshot.loader is not None:
+                self._snapshot.loader.release()
+            self._snapshot = self._prefetcher = None  # every layer is loaded: release the snapshot
         return keys, values
+
+    def _host_layer(self, idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `idx`'s reused pre-RoPE KV in host memory (waits for it if it is still loading)."""
+        keys, values = self._snapshot.layer(idx)
+        if self._keep_is_prefix:
+            return keys[:, :, :length], values[:, :, :length]
+        keep = self.plan.keep[:length]
+        return keys.index_select(2, keep), values.index_select(2, keep)
+
+    def _recompute_forward(self, original, args: tuple, kwargs: dict):
+        """Runs the current forward again over the whole prompt, without reused KV (see hooks.py)."""
+        _warn_once("recompute", f"stored KV of session {self.session_id!r} could not be loaded: recomputing it")
+        fed = self._fwd_input_len
+        total = self.reused_tokens + fed  # a load can only fail in the first forward of a turn
+        self.reused_tokens, self.kv_source, self.recomputed = 0, "miss", True
+        self._snapshot = self._prefetcher = None
+        self._keep_is_prefix = True
+        self._pending = None
+        self._writer = self._store.open_turn(self.session_id, self.fingerprint, None, torch.empty(0, dtype=torch.long))
+        self.layers = [AttnStoreLayer(self, i, 0) for i in range(self._geometry[0])]
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "attention_mask", "cache_position")}
+        kwargs["input_ids"] = self.input_ids[:, :total]
+        args = ()
+        self._begin_forward(kwargs["input_ids"], None, None)
+        output = original(*args, **kwargs)
+        self._end_forward()
+        # The caller asked for the last `fed` positions only.
+        output.last_hidden_state = output.last_hidden_state[:, -fed:]
+        return output
 
     # -- saving what the model computes ------------------------------------------------------------------
     def _begin_forward(self, input_ids, inputs_embeds, position_ids) -> None:
@@ -230,6 +275,7 @@ class AttnStoreCache(DynamicCache):
             )
         x = input_ids if input_ids is not None else inputs_embeds
         batch, length = x.shape[0], x.shape[1]
+        self._fwd_input_len = length
         if batch != 1:
             raise ValueError(f"AttnStoreCache supports batch size 1, got a forward with batch {batch}")
         past = self.get_seq_length()
@@ -300,3 +346,44 @@ class AttnStoreCache(DynamicCache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise ValueError("AttnStoreCache does not support beam search: use num_beams=1")
+
+
+class _CudaPrefetcher:
+    """Copies reused layers host -> GPU on a dedicated stream, up to `ahead` layers before they are needed.
+
+    Layer i's copy is issued at the latest when layer i is requested; layers i+1..i+ahead+1 are issued too
+    if their host data is already loaded (never waiting for the disk on their behalf). The compute stream
+    waits on each layer's event, not on the whole stream.
+    """
+
+    def __init__(self, cache: AttnStoreCache, device: torch.device, ahead: int | None):
+        self.cache, self.device = cache, device
+        self.ahead = cache._geometry[0] if ahead is None else ahead
+        self.stream = torch.cuda.Stream(device)
+        self.inflight: dict[int, tuple] = {}
+
+    def _issue(self, idx: int, length: int) -> None:
+        keys, values = self.cache._host_layer(idx, length)
+        # The copy stream must not read the host buffer before earlier work on the compute stream that
+        # produced it (a device-to-host save of the previous turn) is done.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            k = keys.to(self.device, non_blocking=True)
+            v = values.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.inflight[idx] = (k, v, event)
+
+    def get(self, idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        loader = self.cache._snapshot.loader
+        last = min(self.cache._geometry[0] - 1, idx + self.ahead + 1)
+        for j in range(idx, last + 1):
+            if j not in self.inflight and (j == idx or loader is None or loader.ready_layers > j):
+                self._issue(j, length)
+        k, v, event = self.inflight.pop(idx)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(event)
+        # Allocated on the copy stream, used on the compute stream: tell the allocator.
+        k.record_stream(current)
+        v.record_stream(current)
+        return k, v

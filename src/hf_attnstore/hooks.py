@@ -1,16 +1,25 @@
-"""Forward hooks that tell an :class:`AttnStoreCache` where each forward pass begins and ends.
+"""The forward wrapper that lets an :class:`AttnStoreCache` see where each forward pass begins and ends.
 
 In transformers 5.x `Cache.update()` receives no positions, so the cache learns them from the base model's
-inputs: a pre-hook reads `input_ids`/`position_ids`/`past_key_values`, a post-hook commits the forward's
-KV to the store. The hooks are installed once per model and act only when the forward's cache is an
-`AttnStoreCache`, so they cost nothing to other callers.
+inputs (`input_ids`, `position_ids`, `past_key_values`) before the forward, and commits the forward's KV
+to the store after it. We wrap `model.base_model.forward` rather than registering hooks because one more
+thing must be possible: if stored KV turns out to be unreadable in the middle of a forward (a damaged
+file found by its checksum after earlier layers already used their KV), the wrapper re-runs that forward
+over the whole prompt without the store, so the caller gets correct output and a miss, never an error.
+The wrapper is installed once per model and passes straight through for any other cache.
 """
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
-_HOOK_ATTR = "_hf_attnstore_hooks"
+_HOOK_ATTR = "_hf_attnstore_original_forward"
+
+
+class ReuseFailed(Exception):
+    """Raised inside a forward when the reused KV could not be loaded; caught by the wrapper."""
 
 
 def _cache_of(kwargs: dict):
@@ -20,27 +29,26 @@ def _cache_of(kwargs: dict):
     return cache if isinstance(cache, AttnStoreCache) else None
 
 
-def _pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-    cache = _cache_of(kwargs)
-    if cache is not None:
+def install_hooks(model: nn.Module) -> None:
+    """Wraps ``model.base_model.forward`` unless it is wrapped already."""
+    base = model.base_model
+    if getattr(base, _HOOK_ATTR, None) is not None:
+        return
+    original = base.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        cache = _cache_of(kwargs)
+        if cache is None:
+            return original(*args, **kwargs)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         cache._begin_forward(input_ids, kwargs.get("inputs_embeds"), kwargs.get("position_ids"))
-    return None
-
-
-def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output):
-    cache = _cache_of(kwargs)
-    if cache is not None:
+        try:
+            output = original(*args, **kwargs)
+        except ReuseFailed:
+            return cache._recompute_forward(original, args, kwargs)
         cache._end_forward()
-    return None
+        return output
 
-
-def install_hooks(model: nn.Module) -> None:
-    """Registers the hooks on ``model.base_model`` unless they are there already."""
-    base = model.base_model
-    if getattr(base, _HOOK_ATTR, None) is None:
-        handles = (
-            base.register_forward_pre_hook(_pre_hook, with_kwargs=True),
-            base.register_forward_hook(_post_hook, with_kwargs=True),
-        )
-        setattr(base, _HOOK_ATTR, handles)
+    base.forward = forward
+    setattr(base, _HOOK_ATTR, original)

@@ -1,6 +1,10 @@
-"""The KV store behind :class:`~hf_attnstore.AttnStoreCache`."""
+"""The hierarchical KV store behind :class:`~hf_attnstore.AttnStoreCache`."""
 
 from .buffer import SessionBuffer, SessionKV
-from .store import AttnStore, StoreConfig, StoreStats, TurnWriter
+from .config import StoreConfig
+from .format import FormatError
+from .loader import LoadError
+from .store import AttnStore, StoreIOError, StoreStats, TurnWriter
 
-__all__ = ["AttnStore", "SessionBuffer", "SessionKV", "StoreConfig", "StoreStats", "TurnWriter"]
+__all__ = ["AttnStore", "FormatError", "LoadError", "SessionBuffer", "SessionKV", "StoreConfig", "StoreIOError",
+           "StoreStats", "TurnWriter"]

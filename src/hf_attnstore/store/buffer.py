@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .loader import LoadHandle
+
 _GROW_TOKENS = 16  # capacity grows by 1.25x, rounded to whole 16-token blocks, so decoding rarely reallocates
 
 
@@ -21,16 +23,35 @@ class SessionKV:
         keys: Per layer, pre-RoPE keys ``[1, kv_heads, seq, head_dim]``.
         values: Per layer, values of the same shape.
         source: The buffer the views point into (used to append in place on the next turn).
+        loader: Set while the session is still being loaded from disk: read layers through :meth:`layer`.
+        tier: Where the KV came from: ``"host"`` or ``"disk"``.
+        generation: The session's generation when the snapshot was taken (it changes when the session's
+            history is cut or truncated), so that a later turn knows whether the snapshot's token
+            positions still mean the same tokens in the store.
     """
 
     token_ids: torch.Tensor
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     source: "SessionBuffer"
+    loader: LoadHandle | None = None
+    tier: str = "host"
+    generation: int = 0
 
     @property
     def length(self) -> int:
         return int(self.token_ids.numel())
+
+    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of layer `idx`, waiting for them if the session is still loading.
+
+        Raises:
+            LoadError: The load failed (damaged file, I/O error) or timed out.
+        """
+        if self.loader is not None:
+            self.loader.wait_layer(idx)
+        self.source.sync()
+        return self.keys[idx], self.values[idx]
 
 
 class SessionBuffer:
@@ -41,7 +62,8 @@ class SessionBuffer:
     first (copy-on-write). Appending at the end writes in place.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, pin_memory: bool):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, pin_memory: bool,
+                 capacity: int = 0):
         self.geometry = (num_layers, kv_heads, head_dim)
         self.dtype = dtype
         self.pin_memory = pin_memory
@@ -51,7 +73,8 @@ class SessionBuffer:
         self.token_ids = torch.empty(0, dtype=torch.long)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self._allocate(0)
+        self._event = None  # CUDA event of the last asynchronous device-to-host copy
+        self._allocate(capacity)
 
     @property
     def bytes_per_token(self) -> int:
@@ -81,14 +104,23 @@ class SessionBuffer:
         # The copy is private: nothing can see the new storage yet.
         self.high_water = n
 
-    def snapshot(self) -> SessionKV:
+    def snapshot(self, loader: LoadHandle | None = None, tier: str = "host", generation: int = 0) -> SessionKV:
         n = self.length
         return SessionKV(
             token_ids=self.token_ids[:n],
             keys=[k[:, :, :n] for k in self.keys],
             values=[v[:, :, :n] for v in self.values],
             source=self,
+            loader=loader,
+            tier=tier,
+            generation=generation,
         )
+
+    def sync(self) -> None:
+        """Waits for asynchronous copies from a GPU into this (pinned) buffer to land."""
+        event, self._event = self._event, None
+        if event is not None:
+            event.synchronize()
 
     def bytes_after_append(self, tokens: int) -> int:
         """Bytes the buffer would hold after appending `tokens` tokens."""
@@ -110,9 +142,15 @@ class SessionBuffer:
             self._allocate(capacity)
         a, b = self.length, self.length + n
         self.token_ids[a:b].copy_(token_ids.view(-1))
+        from_gpu = self.pin_memory and keys[0].is_cuda
         for dst, src in zip(self.keys + self.values, list(keys) + list(values)):
             assert src.shape == (1, heads, n, dim), f"expected {(1, heads, n, dim)}, got {tuple(src.shape)}"
-            dst[:, :, a:b].copy_(src, non_blocking=self.pin_memory)
+            # Into pinned memory the copy is asynchronous: it is ordered on the current stream, and readers
+            # of the buffer (the disk writer, a later turn) call sync() first.
+            dst[:, :, a:b].copy_(src, non_blocking=from_gpu)
+        if from_gpu:
+            self._event = torch.cuda.Event()
+            self._event.record()
         self.length = b
         self.high_water = max(self.high_water, b)
 
@@ -121,6 +159,11 @@ class SessionBuffer:
         assert 0 <= length <= self.length, f"cannot truncate {self.length} tokens to {length}"
         self.length = length
 
+    def fill(self, length: int) -> None:
+        """Marks `length` tokens as present (the disk loader wrote them directly into the buffers)."""
+        assert length <= self.capacity, "the loader never writes past the capacity"
+        self.length = self.high_water = length
+
     @classmethod
     def gathered(cls, base: SessionKV, keep: torch.Tensor, pin_memory: bool) -> "SessionBuffer":
         """A new buffer holding ``base``'s tokens at indices ``keep``, in order."""
@@ -128,6 +171,8 @@ class SessionBuffer:
         _, heads, _, dim = base.keys[0].shape
         buf = cls(layers, heads, dim, base.keys[0].dtype, pin_memory)
         keep = keep.to(torch.long)
+        assert base.loader is None or base.loader.done, "gather only fully loaded snapshots"
+        base.source.sync()
         buf.append(
             base.token_ids.index_select(0, keep),
             [k.index_select(2, keep) for k in base.keys],

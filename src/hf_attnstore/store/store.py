@@ -1,24 +1,37 @@
-"""AttnStore: where the KV of every chat session lives between turns."""
+"""AttnStore: the hierarchical KV store (host memory, then disk files) behind AttnStoreCache.
+
+Threads. The index (`_entries`, both policies, the byte counters) has one owner: the store, through
+methods that hold `_lock`. Two I/O threads only move bytes: the load thread reads chunk files into host
+buffers it was handed, the save thread writes host buffers to chunk files; both report back by calling
+the store's `_finish_*` methods, which take the lock. Loads have priority: the save thread waits for
+running loads between chunks (concurrent reads and writes slowed both by 18-20% in Pensieve).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from ..config import parse_bytes
 from ..policy import make_policy
 from .buffer import SessionBuffer, SessionKV
+from .config import StoreConfig
+from .disk import DiskTier
+from .format import FormatError, Manifest, Span
+from .loader import LoadError, LoadHandle
 
 logger = logging.getLogger(__name__)
-
 Key = tuple[str, str]  # (model fingerprint, session id)
+_LOAD_HEADROOM_TOKENS = 256  # a loaded session usually grows next turn: avoid an immediate reallocation
 
 
 def validate_session_id(session_id: object) -> str:
-    """Session ids are arbitrary non-empty strings; they are never used as paths."""
+    """Session ids are arbitrary non-empty strings; they never become paths (the disk tier hashes them)."""
     if not isinstance(session_id, str):
         raise TypeError(f"`session_id` must be a str, got {type(session_id).__name__}")
     if not session_id:
@@ -26,34 +39,8 @@ def validate_session_id(session_id: object) -> str:
     return session_id
 
 
-@dataclass(frozen=True)
-class StoreConfig:
-    """Settings of an :class:`AttnStore`.
-
-    Args:
-        host_bytes: Hard limit of the host (CPU memory) tier, in bytes or as a string like ``"2GiB"``.
-        policy: Eviction policy of the host tier: ``"lru"`` or ``"fifo"``.
-        pin_memory: Page-lock host buffers so copies to and from a GPU are asynchronous. Defaults to whether
-            CUDA is available (pinning is meaningless, and fails, without it).
-    """
-
-    host_bytes: int | str = "2GiB"
-    policy: str = "lru"
-    pin_memory: bool | None = None
-
-    def __post_init__(self):
-        object.__setattr__(self, "host_bytes", parse_bytes(self.host_bytes, "host_bytes"))
-        make_policy(self.policy)  # validates the name
-        if self.pin_memory is None:
-            object.__setattr__(self, "pin_memory", torch.cuda.is_available())
-        elif self.pin_memory and not torch.cuda.is_available():
-            raise ValueError("`pin_memory=True` needs CUDA; leave it as None to decide automatically")
-
-
-@dataclass
-class _Entry:
-    buffer: SessionBuffer
-    owner: int  # id of the turn allowed to write; a newer turn of the session takes over
+class StoreIOError(RuntimeError):
+    """Writing to the disk tier failed; the failed entries never became visible."""
 
 
 @dataclass
@@ -61,180 +48,686 @@ class StoreStats:
     """Counters of an :class:`AttnStore` (a copy is returned by :meth:`AttnStore.stats`)."""
 
     lookups: int = 0
-    hits: int = 0
+    hits_host: int = 0
+    hits_disk: int = 0
     misses: int = 0
     appended_tokens: int = 0
-    evictions: int = 0
+    demotions: int = 0  # host -> disk
+    host_drops: int = 0  # evicted from host with no disk copy
+    disk_drops: int = 0
     rejected_too_large: int = 0
     stale_writes: int = 0
+    write_errors: int = 0
+    load_errors: int = 0
+    ttl_expired: int = 0
+    prefetches: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
     sessions: int = 0
+    host_sessions: int = 0
+    disk_sessions: int = 0
     host_bytes_used: int = 0
     host_bytes_limit: int = 0
-    extra: dict = field(default_factory=dict)
+    disk_bytes_used: int = 0
+    disk_bytes_limit: int = 0
+    loads_in_flight: int = 0
+    saves_pending: int = 0
+
+    @property
+    def hits(self) -> int:
+        return self.hits_host + self.hits_disk
+
+    @property
+    def read_gbps(self) -> float:
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
+
+    @property
+    def write_gbps(self) -> float:
+        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: Key
+    host: SessionBuffer | None = None
+    host_accounted: int = 0
+    manifest: Manifest | None = None  # the durable prefix of the session (as it is, or will be, on disk)
+    chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # referenced chunk -> (bytes, tokens)
+    layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads
+    owner: int = 0
+    generation: int = 0
+    pins: int = 0
+    loading: LoadHandle | None = None
+    last_access: float = 0.0
+    last_write: float = 0.0
+    urgent: bool = False
+    evict_after_save: bool = False
+    disk_rejected: bool = False
+    write_failed: bool = False
+
+    @property
+    def length(self) -> int:
+        if self.host is not None:
+            return self.host.length
+        return self.manifest.length if self.manifest is not None else 0
+
+    @property
+    def persisted(self) -> int:
+        return self.manifest.length if self.manifest is not None else 0
+
+    @property
+    def dirty(self) -> bool:
+        return self.host is not None and self.persisted < self.host.length and not self.disk_rejected
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(size for size, _ in self.chunks.values())
 
 
 class AttnStore:
-    """A bounded store of pre-RoPE KV caches, one per (model, session).
+    """A bounded, hierarchical store of pre-RoPE KV caches, one per (model, session).
 
-    The store is the single owner of its index: every read and write of the index happens under one lock,
-    and the tensors handed out are immutable snapshots. This version keeps KV in host memory; the caller
-    never sees a failure of the store as an exception during generation, only as a miss.
-
-    Args:
-        host_bytes: Capacity of the host tier (``"2GiB"``, or a byte count).
-        policy: ``"lru"`` (default) or ``"fifo"``.
-        pin_memory: See :class:`StoreConfig`.
+    Host memory holds the sessions in use; sessions evicted from it are demoted to the disk tier (if
+    any), from which a later turn loads them back layer by layer. Everything a turn computes is saved
+    asynchronously: `generate` never waits for the disk. A failure of the store is never an exception
+    during generation: damaged or missing data is a miss (see :class:`StoreConfig` for the options).
 
     Example:
-        >>> store = AttnStore(host_bytes="512MiB")
-        >>> store.stats().host_bytes_limit
-        536870912
+        >>> store = AttnStore(host_bytes="8GiB", disk_dir="/tmp/kv", disk_bytes="100GiB")  # doctest: +SKIP
+        >>> store.flush()  # doctest: +SKIP
+        >>> store.stats().hits_disk  # doctest: +SKIP
     """
 
-    def __init__(self, host_bytes: int | str = "2GiB", policy: str = "lru", pin_memory: bool | None = None):
-        self.config = StoreConfig(host_bytes=host_bytes, policy=policy, pin_memory=pin_memory)
+    def __init__(self, host_bytes: int | str = "2GiB", disk_dir: str | None = None,
+                 disk_bytes: int | str = "100GiB", ttl_s: float | None = None, policy: str = "lru",
+                 chunk_tokens: int = 256, read_buffer_layers: int | None = None, preload: bool = True,
+                 idle_flush_s: float = 0.5, pin_memory: bool | None = None, fsync: bool = True,
+                 io_timeout_s: float = 60.0):
+        self.config = StoreConfig(
+            host_bytes=host_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes, ttl_s=ttl_s, policy=policy,
+            chunk_tokens=chunk_tokens, read_buffer_layers=read_buffer_layers, preload=preload,
+            idle_flush_s=idle_flush_s, pin_memory=pin_memory, fsync=fsync, io_timeout_s=io_timeout_s,
+        )
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._entries: dict[Key, _Entry] = {}
-        self._policy = make_policy(self.config.policy)
-        self._stats = StoreStats(host_bytes_limit=self.config.host_bytes)
+        self._host_policy = make_policy(self.config.policy)
+        self._disk_policy = make_policy(self.config.policy)
+        self._stats = StoreStats(host_bytes_limit=self.config.host_bytes, disk_bytes_limit=self.config.disk_bytes)
+        self._host_used = 0
+        self._disk_used = 0
         self._next_turn = 0
+        self._dirty: set[Key] = set()
+        self._deletes: list[Key] = []
+        self._errors: list[BaseException] = []
+        self._loads_active = 0
         self._warned: set[str] = set()
+        self._closed = False
+        self._disk = DiskTier(self.config.disk_dir, fsync=self.config.fsync) if self.config.disk_dir else None
+        self._threads: list[threading.Thread] = []
+        if self._disk is not None:
+            self._reopen()
+            self._load_queue: queue.Queue = queue.Queue()
+            for target, name in ((self._load_loop, "attnstore-load"), (self._save_loop, "attnstore-save")):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
-    # -- reading --------------------------------------------------------------------------------------
+    # -- public API -----------------------------------------------------------------------------------
     def lookup(self, session_id: str, fingerprint: str) -> SessionKV | None:
-        """Returns a snapshot of the session's KV for this model, or ``None`` (a miss)."""
+        """A snapshot of the session's KV for this model, or ``None`` (a miss).
+
+        A session found only on disk starts loading into host memory at once; the snapshot's
+        :meth:`~SessionKV.layer` waits for each layer as needed.
+        """
         key = (fingerprint, validate_session_id(session_id))
         with self._lock:
+            self._check_open()
+            self._expire()
             self._stats.lookups += 1
-            entry = self._entries.get(key)
-            if entry is None or entry.buffer.length == 0:
+            e = self._entries.get(key)
+            if e is None or e.length == 0:
                 self._stats.misses += 1
                 return None
-            self._stats.hits += 1
-            self._policy.touch(key)
-            return entry.buffer.snapshot()
+            self._touch(e)
+            if e.host is not None:
+                self._stats.hits_host += 1
+                return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation)
+            if not self._start_load(e):
+                self._stats.misses += 1
+                return None
+            self._stats.hits_disk += 1
+            return e.host.snapshot(loader=e.loading, tier="disk", generation=e.generation)
 
-    def __contains__(self, session_id: str) -> bool:
+    def open_turn(self, session_id: str, fingerprint: str, base: SessionKV | None, keep: torch.Tensor) -> "TurnWriter":
+        """Starts a turn: its writes make the session ``base[keep]`` followed by what it appends.
+
+        Nothing changes until the first append, so a turn that never runs loses nothing. The newest turn
+        of a session owns it; appends of older turns are dropped and counted as stale.
+        """
+        key = (fingerprint, validate_session_id(session_id))
         with self._lock:
-            return any(sid == session_id for _, sid in self._entries)
+            self._check_open()
+            self._next_turn += 1
+            return TurnWriter(self, key, self._next_turn, base, keep)
+
+    def prefetch(self, session_ids, fingerprint: str | None = None) -> int:
+        """Starts loading these sessions from disk into host memory. Returns how many loads started."""
+        started = 0
+        wanted = {validate_session_id(s) for s in session_ids}
+        with self._lock:
+            self._check_open()
+            for e in list(self._entries.values()):
+                if e.key[1] in wanted and (fingerprint is None or e.key[0] == fingerprint) and e.host is None:
+                    if self._start_load(e):
+                        started += 1
+                        self._stats.prefetches += 1
+        return started
+
+    def evict(self, session_id: str) -> None:
+        """Moves the session out of host memory: to disk (after its pending writes), or drops it."""
+        with self._lock:
+            for e in [e for k, e in self._entries.items() if k[1] == session_id and e.host is not None]:
+                if self._disk is None or e.disk_rejected:
+                    self._drop(e)
+                    self._stats.host_drops += 1
+                elif e.dirty:
+                    e.urgent = e.evict_after_save = True
+                    self._dirty.add(e.key)
+                    self._cond.notify_all()
+                elif e.pins == 0:
+                    self._set_host(e, None)
+                    self._stats.demotions += 1
+
+    def delete(self, session_id: str) -> bool:
+        """Removes the session's KV from every tier, for every model. Returns whether anything was removed."""
+        with self._lock:
+            victims = [e for k, e in self._entries.items() if k[1] == session_id]
+            for e in victims:
+                self._drop(e)
+            return bool(victims)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until every session is durable on disk (no-op without a disk tier).
+
+        Raises:
+            StoreIOError: Some writes failed since the last flush (full disk, I/O error); the sessions
+                keep being served from host memory, and their failed state never became visible.
+            TimeoutError: Not durable within `timeout` seconds.
+        """
+        if self._disk is None:
+            return
+        timeout = self.config.io_timeout_s if timeout is None else timeout
+        with self._cond:
+            for key in list(self._dirty):
+                self._entries[key].urgent = True
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: not self._dirty or self._closed, timeout):
+                raise TimeoutError(f"the disk tier did not become durable within {timeout} s")
+            errors, self._errors = self._errors, []
+        if errors:
+            raise StoreIOError(f"{len(errors)} write(s) to the disk tier failed; first: {errors[0]}") from errors[0]
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            s = StoreStats(**{f.name: getattr(self._stats, f.name) for f in fields(StoreStats)})
+            s.sessions = len(self._entries)
+            s.host_sessions = sum(e.host is not None for e in self._entries.values())
+            s.disk_sessions = sum(e.manifest is not None for e in self._entries.values())
+            s.host_bytes_used, s.disk_bytes_used = self._host_used, self._disk_used
+            s.loads_in_flight, s.saves_pending = self._loads_active, len(self._dirty)
+            return s
+
+    def tier_of(self, session_id: str, fingerprint: str) -> str | None:
+        """``"host"``, ``"disk"`` or ``None``: where the session's KV is now."""
+        with self._lock:
+            e = self._entries.get((fingerprint, session_id))
+            if e is None:
+                return None
+            return "host" if e.host is not None else "disk"
 
     def sessions(self) -> list[str]:
         """Session ids with stored KV (for any model)."""
         with self._lock:
             return sorted({sid for _, sid in self._entries})
 
-    def stats(self) -> StoreStats:
-        """A snapshot of the counters."""
+    def __contains__(self, session_id: str) -> bool:
         with self._lock:
-            s = StoreStats(**{k: getattr(self._stats, k) for k in StoreStats.__dataclass_fields__})
-            s.sessions = len(self._entries)
-            s.host_bytes_used = self._used_bytes()
-            return s
+            return any(sid == session_id for _, sid in self._entries)
 
-    # -- writing --------------------------------------------------------------------------------------
-    def open_turn(
-        self, session_id: str, fingerprint: str, base: SessionKV | None, keep: torch.Tensor
-    ) -> "TurnWriter":
-        """Starts a turn: its writes will make the session ``base[keep]`` followed by what it appends.
+    def close(self, flush: bool = True) -> None:
+        """Persists pending writes (unless `flush=False`) and stops the I/O threads. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if flush:
+                self.flush()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            if self._threads:
+                self._load_queue.put(None)
+            for thread in self._threads:
+                thread.join(timeout=self.config.io_timeout_s)
 
-        Nothing changes in the store until the first append, so a turn that never runs loses nothing. The
-        newest turn of a session owns it; appends of older turns are dropped (and counted as stale).
-        """
-        key = (fingerprint, validate_session_id(session_id))
-        with self._lock:
-            self._next_turn += 1
-            return TurnWriter(self, key, self._next_turn, base, keep)
+    def __enter__(self) -> "AttnStore":
+        return self
 
-    def delete(self, session_id: str) -> bool:
-        """Removes the session's KV for every model. Returns whether anything was removed."""
-        with self._lock:
-            keys = [k for k in self._entries if k[1] == session_id]
-            for key in keys:
-                self._remove(key)
-            return bool(keys)
+    def __exit__(self, *exc) -> None:
+        self.close()
 
-    evict = delete  # with a single tier, evicting a session drops it
+    # -- index bookkeeping (lock held) ----------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this AttnStore is closed")
 
-    def close(self) -> None:
-        """Releases all stored KV."""
-        with self._lock:
-            for key in list(self._entries):
-                self._remove(key)
-
-    # -- internals (called with the lock held) ------------------------------------------------------
-    def _used_bytes(self) -> int:
-        return sum(e.buffer.nbytes for e in self._entries.values())
-
-    def _remove(self, key: Key) -> None:
-        self._entries.pop(key, None)
-        self._policy.remove(key)
-
-    def _warn_once(self, kind: str, message: str) -> None:
+    def _warn_once(self, kind: str, message: str, *args) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            logger.warning(message)
+            logger.warning(message, *args)
 
+    def _touch(self, e: _Entry) -> None:
+        e.last_access = time.monotonic()
+        if e.host is not None:
+            self._host_policy.touch(e.key)
+        if e.manifest is not None:
+            self._disk_policy.touch(e.key)
+
+    def _set_host(self, e: _Entry, buf: SessionBuffer | None) -> None:
+        if buf is None and e.host is not None:
+            self._host_policy.remove(e.key)
+            self._dirty.discard(e.key)
+        elif buf is not None and e.host is None:
+            self._host_policy.insert(e.key)
+        e.host = buf
+        self._account(e)
+
+    def _account(self, e: _Entry) -> None:
+        now = e.host.nbytes if e.host is not None else 0
+        self._host_used += now - e.host_accounted
+        e.host_accounted = now
+
+    def _set_manifest(self, e: _Entry, manifest: Manifest | None, chunks: dict[str, tuple[int, int]]) -> None:
+        if manifest is None and e.manifest is not None:
+            self._disk_policy.remove(e.key)
+        elif manifest is not None and e.manifest is None:
+            self._disk_policy.insert(e.key)
+        self._disk_used -= e.disk_bytes
+        e.manifest = manifest
+        e.chunks = {c: chunks[c] for c in {s.chunk for s in manifest.spans}} if manifest else {}
+        self._disk_used += e.disk_bytes
+
+    def _drop(self, e: _Entry) -> None:
+        """Removes a session from the index and (asynchronously) from disk."""
+        if self._entries.get(e.key) is e:
+            del self._entries[e.key]
+        self._set_host(e, None)
+        self._set_manifest(e, None, {})
+        if self._disk is not None:
+            self._deletes.append(e.key)
+            self._cond.notify_all()
+
+    def _expire(self) -> None:
+        ttl = self.config.ttl_s
+        if ttl is None:
+            return
+        now = time.monotonic()
+        for e in [e for e in self._entries.values() if now - e.last_access > ttl and e.pins == 0]:
+            self._drop(e)
+            self._stats.ttl_expired += 1
+
+    def _make_host_room(self, extra: int, exclude: _Entry | None) -> bool:
+        """Demotes (or drops) host sessions until `extra` more bytes fit. Pinned ones stay; dirty ones are
+        persisted first and demoted when that completes."""
+        limit = self.config.host_bytes
+        for key in list(self._host_policy.victims()):
+            if self._host_used + extra <= limit:
+                break
+            e = self._entries[key]
+            if e is exclude or e.pins:
+                continue
+            if self._disk is None or e.disk_rejected:
+                self._drop(e)
+                self._stats.host_drops += 1
+            elif e.dirty:
+                e.urgent = e.evict_after_save = True
+                self._dirty.add(e.key)
+                self._cond.notify_all()
+            else:
+                self._set_host(e, None)
+                self._stats.demotions += 1
+        return self._host_used + extra <= limit
+
+    def _enforce_disk(self, current: _Entry | None) -> None:
+        """Drops disk victims while the disk tier is over its limit; a session larger than the whole tier
+        is kept in host memory only."""
+        limit = self.config.disk_bytes
+        for key in list(self._disk_policy.victims()):
+            if self._disk_used <= limit:
+                return
+            e = self._entries[key]
+            if e is current or e.pins:
+                continue
+            self._stats.disk_drops += 1
+            if e.host is None:
+                self._drop(e)
+            else:
+                self._set_manifest(e, None, {})
+                e.disk_rejected = True
+                self._deletes.append(e.key)
+        if self._disk_used > limit and current is not None and current.manifest is not None:
+            self._set_manifest(current, None, {})
+            current.disk_rejected = True
+            self._deletes.append(current.key)
+            self._stats.rejected_too_large += 1
+            self._warn_once("disk_too_large", "session %r is larger than the disk tier: it is kept in memory only",
+                            current.key[1])
+
+    # -- loading (disk -> host) ---------------------------------------------------------------------
+    def _start_load(self, e: _Entry) -> bool:
+        (layers, heads, dim), dtype = e.layout
+        length = e.manifest.length
+        buf = SessionBuffer(layers, heads, dim, dtype, self.config.pin_memory, capacity=length + _LOAD_HEADROOM_TOKENS)
+        if buf.nbytes > self.config.host_bytes:
+            buf = SessionBuffer(layers, heads, dim, dtype, self.config.pin_memory, capacity=length)
+        if buf.nbytes > self.config.host_bytes:
+            self._warn_once("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
+            return False
+        self._make_host_room(buf.nbytes, exclude=e)  # may overshoot while other sessions are in flight
+        buf.token_ids[:length].copy_(e.manifest.token_ids)
+        buf.fill(length)
+        e.loading = LoadHandle(layers, self.config.read_buffer_layers, self.config.io_timeout_s)
+        e.pins += 1
+        self._set_host(e, buf)
+        self._loads_active += 1
+        self._load_queue.put((e, e.loading, e.manifest, buf))
+        return True
+
+    def _load_loop(self) -> None:
+        while True:
+            job = self._load_queue.get()
+            if job is None:
+                return
+            e, handle, manifest, buf = job
+            started, nbytes, error = time.perf_counter(), 0, None
+            try:
+                nbytes = self._read_session(e.key, handle, manifest, buf)
+            except Exception as exc:  # every failure reaches the consumer through the handle
+                error = exc
+                handle.fail(exc)
+            self._finish_load(e, handle, nbytes, time.perf_counter() - started, error)
+
+    def _read_session(self, key: Key, handle: LoadHandle, manifest: Manifest, buf: SessionBuffer) -> int:
+        """Reads every layer of a session into `buf`, in layer order, verifying every byte."""
+        fp, sid = key
+        opened: dict[str, tuple] = {}
+        nbytes = 0
+        try:
+            pos = 0
+            for span in manifest.spans:
+                if span.chunk not in opened:
+                    opened[span.chunk] = self._disk.open_chunk(fp, sid, span.chunk)
+                fd, meta = opened[span.chunk]
+                if (meta.geometry, meta.dtype) != ((len(buf.keys), buf.geometry[1], buf.geometry[2]), buf.dtype):
+                    raise FormatError("chunk shapes changed since the session was indexed")
+                ids = self._disk.read_tensor(fd, meta, "ids")[span.start : span.end]
+                if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
+                    raise FormatError("chunk ids disagree with the manifest")
+                pos += span.length
+            for layer in range(len(buf.keys)):
+                handle.gate(layer)
+                pos = 0
+                for span in manifest.spans:
+                    fd, meta = opened[span.chunk]
+                    k, v = self._disk.read_layer(fd, meta, layer)
+                    nbytes += k.nbytes + v.nbytes
+                    buf.keys[layer][:, :, pos : pos + span.length].copy_(k[:, :, span.start : span.end])
+                    buf.values[layer][:, :, pos : pos + span.length].copy_(v[:, :, span.start : span.end])
+                    pos += span.length
+                handle.layer_ready(layer)
+        finally:
+            for fd, _ in opened.values():
+                os.close(fd)
+        return nbytes
+
+    def _finish_load(self, e: _Entry, handle: LoadHandle, nbytes: int, seconds: float, error) -> None:
+        with self._cond:
+            e.pins -= 1
+            self._loads_active -= 1
+            self._stats.bytes_read += nbytes
+            self._stats.read_seconds += seconds
+            if e.loading is handle:
+                e.loading = None
+            if error is not None:
+                self._stats.load_errors += 1
+                self._warn_once("load", "disk tier: session %r could not be loaded (%s); it is removed and will "
+                                "be recomputed", e.key[1], error)
+                if self._entries.get(e.key) is e:
+                    self._drop(e)
+            self._cond.notify_all()
+
+    # -- saving (host -> disk) ----------------------------------------------------------------------
     def _append(self, writer: "TurnWriter", token_ids, keys, values) -> bool:
-        with self._lock:
-            entry = self._entries.get(writer.key)
+        with self._cond:
+            self._check_open()
+            e = self._entries.get(writer.key)
             if not writer.started:
-                entry = self._start_turn(writer, entry)
-            elif entry is None or entry.owner != writer.turn:
+                e = self._start_turn(writer, e)
+            elif e is None or e.owner != writer.turn:
                 self._stats.stale_writes += 1
-                self._warn_once("stale", f"session {writer.key[1]!r} was taken over by a newer turn; "
-                                         "writes of the older turn are dropped")
+                self._warn_once("stale", "session %r was taken over by a newer turn (or removed); writes of the "
+                                "older turn are dropped", writer.key[1])
                 return False
-            buf = entry.buffer
+            buf = e.host
             needed = buf.bytes_after_append(int(token_ids.numel()))
-            if not self._make_room(writer.key, needed - buf.nbytes, needed):
-                self._remove(writer.key)
+            if needed > self.config.host_bytes:
+                self._drop(e)
                 self._stats.rejected_too_large += 1
-                self._warn_once("too_large", (
-                    f"session {writer.key[1]!r} needs {needed} bytes, more than the host tier's "
-                    f"{self.config.host_bytes}: it is not stored (raise `host_bytes` to keep it)"))
+                self._warn_once("too_large", "session %r needs %d bytes, more than the host tier's %d: it is not "
+                                "stored (raise `host_bytes` to keep it)", writer.key[1], needed, self.config.host_bytes)
                 writer.dead = True
                 return False
+            self._make_host_room(needed - buf.nbytes, exclude=e)
             buf.append(token_ids, keys, values)
-            self._policy.touch(writer.key)
+            self._account(e)
+            self._touch(e)
             self._stats.appended_tokens += int(token_ids.numel())
+            e.last_write = time.monotonic()
+            if self._disk is not None and e.dirty:
+                e.write_failed = False
+                self._dirty.add(e.key)
+                if e.length - e.persisted >= self.config.chunk_tokens:
+                    self._cond.notify_all()
             return True
 
-    def _start_turn(self, writer: "TurnWriter", entry: _Entry | None) -> _Entry:
+    def _start_turn(self, writer: "TurnWriter", e: _Entry | None) -> _Entry:
+        """The first write of a turn: rebases the session on ``base[keep]`` (copy-free when possible)."""
         writer.started = True
         base, keep = writer.base, writer.keep
+        writer.base = None  # the snapshot is no longer needed: let its memory go
         n = int(keep.numel())
-        in_place = (
-            entry is not None and base is not None and base.source is entry.buffer
-            and n <= entry.buffer.length and torch.equal(keep, torch.arange(n))
-        )
-        if in_place:
-            entry.buffer.truncate(n)
-            entry.owner = writer.turn
+        same_lineage = e is not None and base is not None and base.generation == e.generation and n > 0
+        if same_lineage and e.host is not None and base.source is e.host and n <= e.host.length \
+                and torch.equal(keep, torch.arange(n)):
+            e.host.truncate(n)  # the common case: append after the history, in place
+            self._account(e)
+            if e.persisted > n:
+                e.generation += 1
+                self._set_manifest(e, e.manifest.select([(0, n)]), e.chunks)
+        elif same_lineage:
+            buf = SessionBuffer.gathered(base, keep, self.config.pin_memory)
+            self._set_host(e, buf)
+            e.generation += 1
+            if e.manifest is not None:
+                # The kept tokens that were durable stay durable: only the manifest changes, no data is rewritten.
+                durable = keep[keep < e.persisted]
+                self._set_manifest(e, e.manifest.select(_ranges(durable)), e.chunks)
         else:
+            if e is not None:
+                self._drop(e)
             if base is not None and n:
                 buf = SessionBuffer.gathered(base, keep, self.config.pin_memory)
             else:
                 buf = SessionBuffer(*writer.geometry, writer.dtype, self.config.pin_memory)
-            entry = _Entry(buffer=buf, owner=writer.turn)
-            if writer.key in self._entries:
-                self._policy.remove(writer.key)
-            self._entries[writer.key] = entry
-            self._policy.insert(writer.key)
-        writer.base = None  # the snapshot is no longer needed: let its memory go
-        return entry
+            e = _Entry(key=writer.key, layout=(buf.geometry, buf.dtype))
+            e.last_access = time.monotonic()
+            self._entries[writer.key] = e
+            self._set_host(e, buf)
+        e.owner = writer.turn
+        e.disk_rejected = False
+        return e
 
-    def _make_room(self, key: Key, extra: int, total_for_key: int) -> bool:
-        """Evicts other sessions until `extra` more bytes fit. False if the session alone is too large."""
-        limit = self.config.host_bytes
-        if total_for_key > limit:
-            return False
-        for victim in self._policy.victims():
-            if self._used_bytes() + extra <= limit:
-                break
-            if victim != key:
-                self._remove(victim)
-                self._stats.evictions += 1
-        return self._used_bytes() + extra <= limit
+    def _save_loop(self) -> None:
+        while True:
+            with self._cond:
+                work = None
+                while True:
+                    deletes, self._deletes = self._deletes, []
+                    if deletes:
+                        break
+                    work = self._next_save()
+                    if work is not None or (self._closed and not self._dirty):
+                        break
+                    if self._closed:  # closing without flush: nothing more will be waited for
+                        return
+                    self._cond.wait(timeout=self.config.idle_flush_s / 2)
+                    self._expire()
+                if not deletes and work is None:
+                    return
+            for fp, sid in deletes:
+                self._disk.delete_session(fp, sid)
+            if work is not None:
+                self._persist(work)
+
+    def _next_save(self) -> _Entry | None:
+        now = time.monotonic()
+        best = None
+        for key in list(self._dirty):
+            e = self._entries.get(key)
+            if e is None or not e.dirty or e.write_failed:
+                self._dirty.discard(key)
+                continue
+            if e.pins or e.loading is not None:
+                continue
+            idle = now - e.last_write >= self.config.idle_flush_s
+            if e.urgent or idle or e.length - e.persisted >= self.config.chunk_tokens:
+                if best is None or (e.urgent and not best.urgent):
+                    best = e
+        return best
+
+    def _persist(self, e: _Entry) -> None:
+        """Writes the session's unpersisted tokens as new chunks, then its manifest (save thread)."""
+        chunk = self.config.chunk_tokens
+        with self._cond:
+            if self._entries.get(e.key) is not e or not e.dirty:
+                return
+            fp, sid = e.key
+            generation, buf = e.generation, e.host
+            base = e.manifest or Manifest(fp, sid, torch.empty(0, dtype=torch.long), (), 0)
+            start, end = base.length, buf.length
+            if base.spans:
+                last = base.spans[-1]
+                tokens = e.chunks[last.chunk][1]
+                if last.start == 0 and last.end == tokens < chunk:
+                    # Rewrite the trailing partial chunk together with the new tokens, so a session keeps at
+                    # most one partial chunk (older chunks are never rewritten).
+                    base = base.select([(0, start - tokens)])
+                    start -= tokens
+            if not (e.urgent or time.monotonic() - e.last_write >= self.config.idle_flush_s):
+                end = start + (end - start) // chunk * chunk  # during a turn, write whole chunks only
+            if end <= start:
+                return
+            snap = buf.snapshot()
+            e.pins += 1
+            next_chunk = base.next_chunk
+        new_chunks, spans, error = {}, list(base.spans), None
+        started = time.perf_counter()
+        try:
+            snap.source.sync()
+            for a in range(start, end, chunk):
+                self._yield_to_loads()
+                b, name = min(a + chunk, end), f"{next_chunk:08d}"
+                next_chunk += 1
+                size = self._disk.write_chunk(fp, sid, name, snap.token_ids[a:b],
+                                              [k[:, :, a:b] for k in snap.keys], [v[:, :, a:b] for v in snap.values])
+                new_chunks[name] = (size, b - a)
+                spans.append(Span(name, 0, b - a))
+            manifest = Manifest(fp, sid, snap.token_ids[:end].clone(), tuple(spans), next_chunk)
+            self._disk.write_manifest(manifest)
+        except OSError as exc:
+            error = exc
+        self._finish_persist(e, generation, manifest if error is None else None, new_chunks,
+                             time.perf_counter() - started, error)
+
+    def _finish_persist(self, e, generation, manifest, new_chunks, seconds, error) -> None:
+        keep: set[str] | None = None
+        with self._cond:
+            e.pins -= 1
+            current = self._entries.get(e.key) is e
+            if error is not None:
+                self._stats.write_errors += 1
+                self._errors.append(error)
+                self._warn_once("write", "disk tier: writing session %r failed (%s); it stays in host memory and "
+                                "its previous durable state is kept", e.key[1], error)
+                e.write_failed, e.urgent, e.evict_after_save = True, False, False
+                self._dirty.discard(e.key)
+                keep = set(e.chunks) if current else None
+            else:
+                self._stats.bytes_written += sum(size for size, _ in new_chunks.values())
+                self._stats.write_seconds += seconds
+                if current and e.generation == generation:
+                    self._set_manifest(e, manifest, {**e.chunks, **new_chunks})
+                    keep = set(e.chunks)
+                    if not e.dirty:
+                        self._dirty.discard(e.key)
+                        e.urgent = False
+                        if e.evict_after_save and e.pins == 0:
+                            e.evict_after_save = False
+                            self._set_host(e, None)
+                            self._stats.demotions += 1
+                    self._enforce_disk(e)
+                elif current:
+                    # The session was cut or truncated meanwhile: what we wrote is an older, consistent state;
+                    # keep the chunks both manifests use and write the new one next.
+                    keep = set(e.chunks) | {s.chunk for s in manifest.spans}
+            self._make_host_room(0, exclude=None)
+            self._cond.notify_all()
+        if keep is None:
+            if error is None or not current:
+                self._disk.delete_session(*e.key)
+        else:
+            self._disk.collect_garbage(*e.key, keep)
+
+    def _yield_to_loads(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._loads_active == 0 or self._closed, self.config.io_timeout_s)
+
+    # -- reopening --------------------------------------------------------------------------------------
+    def _reopen(self) -> None:
+        now_wall, now = time.time(), time.monotonic()
+        for manifest, chunks, layout, mtime in self._disk.scan():
+            if manifest.length == 0:
+                continue
+            e = _Entry(key=(manifest.fingerprint, manifest.session_id), layout=layout)
+            e.last_access = now - max(0.0, now_wall - mtime)
+            self._entries[e.key] = e
+            self._set_manifest(e, manifest, chunks)
+        self._expire()
+
+
+def _ranges(indices: torch.Tensor) -> list[tuple[int, int]]:
+    """Sorted indices as maximal ``[a, b)`` ranges."""
+    out: list[tuple[int, int]] = []
+    for i in indices.tolist():
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
 
 
 class TurnWriter:
@@ -251,18 +744,27 @@ class TurnWriter:
     def append(self, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
         """Appends tokens with their per-layer pre-RoPE keys and values ``[1, kv_heads, n, head_dim]``.
 
-        Returns whether the data was stored (False when the session was too large or taken over).
+        Returns whether the data was stored (False when the session is too large or was taken over).
         """
         if self.dead:
             return False
         if self.geometry is None:
             self.geometry = (len(keys), keys[0].shape[1], keys[0].shape[3])
             self.dtype = keys[0].dtype
+        if not self.started and self.base is not None and self.base.loader is not None:
+            try:
+                self.base.loader.wait_all()  # never wait under the store's lock
+            except LoadError:
+                self.base, self.keep = None, self.keep[:0]
         return self.store._append(self, token_ids.detach().to("cpu", torch.long).view(-1), keys, values)
 
     def truncate(self, length: int) -> None:
         """Cuts the session back to `length` tokens (e.g. after assisted decoding rejected tokens)."""
         with self.store._lock:
-            entry = self.store._entries.get(self.key)
-            if self.started and entry is not None and entry.owner == self.turn and length < entry.buffer.length:
-                entry.buffer.truncate(length)
+            e = self.store._entries.get(self.key)
+            if self.started and e is not None and e.owner == self.turn and e.host is not None \
+                    and length < e.host.length:
+                e.host.truncate(length)
+                if e.persisted > length:
+                    e.generation += 1
+                    self.store._set_manifest(e, e.manifest.select([(0, length)]), e.chunks)

@@ -1,0 +1,65 @@
+"""Typed settings of an AttnStore."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import parse_bytes
+from ..policy import make_policy
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Settings of an :class:`~hf_attnstore.AttnStore`.
+
+    Args:
+        host_bytes: Hard limit of the host (CPU memory) tier: a byte count or a string like ``"8GiB"``.
+        disk_dir: Folder of the disk tier; ``None`` = no disk tier (sessions evicted from host are dropped).
+        disk_bytes: Hard limit of the disk tier.
+        ttl_s: Sessions not used for this many seconds are deleted; ``None`` = never.
+        policy: Eviction policy of both tiers: ``"lru"`` or ``"fifo"``.
+        chunk_tokens: Tokens per chunk file. Appending writes new chunks only (and rewrites at most the
+            last, partial chunk); truncation rewrites only the manifest.
+        read_buffer_layers: Layers the disk loader may read ahead of the layer being computed, beyond
+            the next one (the paper's S_buf); ``None`` = no limit.
+        preload: ``True``: layer-wise pre-loading (compute of layer i waits for layer i only). ``False``:
+            a resumed session waits for all its layers before computing (the paper's NO-PL ablation).
+        idle_flush_s: A session whose last write is this old is persisted to disk (its turn has ended).
+        pin_memory: Page-lock host buffers (async GPU copies). ``None`` = when CUDA is available.
+        fsync: Make disk writes durable. Only tests and benchmarks of the page cache turn it off.
+        io_timeout_s: Longest wait for one layer of a load, and for `flush`.
+    """
+
+    host_bytes: int | str = "2GiB"
+    disk_dir: str | None = None
+    disk_bytes: int | str = "100GiB"
+    ttl_s: float | None = None
+    policy: str = "lru"
+    chunk_tokens: int = 256
+    read_buffer_layers: int | None = None
+    preload: bool = True
+    idle_flush_s: float = 0.5
+    pin_memory: bool | None = None
+    fsync: bool = True
+    io_timeout_s: float = 60.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "host_bytes", parse_bytes(self.host_bytes, "host_bytes"))
+        object.__setattr__(self, "disk_bytes", parse_bytes(self.disk_bytes, "disk_bytes"))
+        make_policy(self.policy)  # validates the name
+        if self.ttl_s is not None and not self.ttl_s > 0:
+            raise ValueError(f"`ttl_s` must be positive or None, got {self.ttl_s!r}")
+        if not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
+            raise ValueError(f"`chunk_tokens` must be a positive integer, got {self.chunk_tokens!r}")
+        if self.read_buffer_layers is not None and (
+            not isinstance(self.read_buffer_layers, int) or self.read_buffer_layers < 0
+        ):
+            raise ValueError(f"`read_buffer_layers` must be a non-negative integer or None, got {self.read_buffer_layers!r}")
+        if not self.idle_flush_s > 0 or not self.io_timeout_s > 0:
+            raise ValueError("`idle_flush_s` and `io_timeout_s` must be positive")
+        if self.pin_memory is None:
+            object.__setattr__(self, "pin_memory", torch.cuda.is_available())
+        elif self.pin_memory and not torch.cuda.is_available():
+            raise ValueError("`pin_memory=True` needs CUDA; leave it as None to decide automatically")

@@ -1,0 +1,195 @@
+"""The disk tier: one folder per session with immutable chunk files and a manifest.
+
+Every method here only moves bytes; which session lives where is decided by the store's index.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from .format import (
+    ChunkMeta,
+    FormatError,
+    Manifest,
+    bytes_to_tensor,
+    encode_chunk,
+    layer_names,
+    read_chunk_meta,
+    read_range,
+    session_dirname,
+)
+
+logger = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+CHUNK_SUFFIX = ".safetensors"
+TMP_PREFIX = ".tmp-"
+
+
+def _write_bytes(fd: int, data: bytes) -> None:
+    """Writes all of `data` (a seam for fault-injection tests: ENOSPC, EIO)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+class DiskTier:
+    """Files of the disk tier under `root` (created with mode 0700).
+
+    Args:
+        root: The folder (``~`` is expanded).
+        fsync: Whether writes are made durable (file and folder fsync). Only tests turn it off.
+    """
+
+    def __init__(self, root: str | os.PathLike, fsync: bool = True):
+        self.root = Path(os.path.expanduser(str(root))).resolve()
+        self.sessions_root = self.root / "sessions"
+        self.sessions_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.fsync = fsync
+
+    def session_dir(self, fingerprint: str, session_id: str) -> Path:
+        path = self.sessions_root / session_dirname(fingerprint, session_id)
+        assert path.parent == self.sessions_root, "session folders are hashes directly under sessions/"
+        return path
+
+    # -- writing ----------------------------------------------------------------------------------
+    def _write_atomic(self, folder: Path, name: str, data: bytes) -> int:
+        """temp file -> write -> fsync -> rename -> fsync folder. Nothing is visible unless complete."""
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = folder / f"{TMP_PREFIX}{secrets.token_hex(6)}-{name}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            _write_bytes(fd, data)
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        try:
+            os.replace(tmp, folder / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.fsync:
+            dfd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        return len(data)
+
+    def write_chunk(self, fingerprint: str, session_id: str, name: str, ids: torch.Tensor,
+                    keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
+        """Writes one chunk file; returns its size in bytes."""
+        data = encode_chunk(fingerprint, session_id, ids, keys, values)
+        return self._write_atomic(self.session_dir(fingerprint, session_id), name + CHUNK_SUFFIX, data)
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        self._write_atomic(self.session_dir(manifest.fingerprint, manifest.session_id), MANIFEST, manifest.encode())
+
+    def collect_garbage(self, fingerprint: str, session_id: str, keep: set[str]) -> None:
+        """Deletes chunk files of a session that no manifest references any more."""
+        folder = self.session_dir(fingerprint, session_id)
+        for path in folder.glob("*" + CHUNK_SUFFIX):
+            if path.name[: -len(CHUNK_SUFFIX)] not in keep and not path.name.startswith(TMP_PREFIX):
+                path.unlink(missing_ok=True)
+
+    def delete_session(self, fingerprint: str, session_id: str) -> None:
+        shutil.rmtree(self.session_dir(fingerprint, session_id), ignore_errors=True)
+
+    # -- reading --------------------------------------------------------------------------------------
+    def open_chunk(self, fingerprint: str, session_id: str, name: str) -> tuple[int, ChunkMeta]:
+        """Opens a chunk file and validates its header. The caller closes the fd."""
+        path = self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return fd, read_chunk_meta(fd, os.fstat(fd).st_size, fingerprint, session_id)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @staticmethod
+    def read_tensor(fd: int, meta: ChunkMeta, name: str) -> torch.Tensor:
+        begin, end = meta.offsets[name]
+        layers, heads, dim = meta.geometry
+        if name == "ids":
+            return bytes_to_tensor(read_range(fd, begin, end, name, meta), torch.int64, [meta.n_tokens])
+        return bytes_to_tensor(read_range(fd, begin, end, name, meta), meta.dtype, [1, heads, meta.n_tokens, dim])
+
+    def read_layer(self, fd: int, meta: ChunkMeta, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        kn, vn = layer_names(layer)
+        return self.read_tensor(fd, meta, kn), self.read_tensor(fd, meta, vn)
+
+    def chunk_size(self, fingerprint: str, session_id: str, name: str) -> int:
+        return (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).stat().st_size
+
+    def drop_page_cache(self, fingerprint: str, session_id: str) -> None:
+        """Asks the kernel to forget cached pages of a session's files (benchmarks of cold reads)."""
+        for path in self.session_dir(fingerprint, session_id).iterdir():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    # -- reopening --------------------------------------------------------------------------------------
+    def scan(self) -> Iterator[tuple[Manifest, dict[str, int], tuple, float]]:
+        """Yields ``(manifest, {chunk: (bytes, tokens)}, (geometry, dtype), mtime)`` of valid sessions, oldest first.
+
+        Temporary files, orphan chunks and sessions whose manifest or chunk headers fail validation
+        (damaged, truncated, another format, copied from another session's folder) are deleted.
+        """
+        found = []
+        for folder in self.sessions_root.iterdir():
+            if not folder.is_dir() or folder.is_symlink():
+                self._remove(folder)
+                continue
+            for tmp in folder.glob(TMP_PREFIX + "*"):
+                tmp.unlink(missing_ok=True)
+            try:
+                manifest, sizes, layout = self._validate(folder)
+            except (OSError, FormatError) as exc:
+                logger.warning("disk tier: removing damaged session folder %s (%s)", folder.name, exc)
+                self._remove(folder)
+                continue
+            self.collect_garbage(manifest.fingerprint, manifest.session_id, set(sizes))
+            found.append((manifest, sizes, layout, (folder / MANIFEST).stat().st_mtime))
+        found.sort(key=lambda item: item[3])
+        yield from found
+
+    def _validate(self, folder: Path) -> tuple[Manifest, dict[str, int], tuple]:
+        manifest = Manifest.decode((folder / MANIFEST).read_bytes())
+        if session_dirname(manifest.fingerprint, manifest.session_id) != folder.name:
+            raise FormatError("manifest does not belong to this folder")
+        sizes, pos, layouts = {}, 0, set()
+        for span in manifest.spans:
+            fd, meta = self.open_chunk(manifest.fingerprint, manifest.session_id, span.chunk)
+            try:
+                layouts.add((meta.geometry, meta.dtype))
+                if span.end > meta.n_tokens:
+                    raise FormatError("span beyond the chunk's tokens")
+                ids = self.read_tensor(fd, meta, "ids")[span.start : span.end]
+                if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
+                    raise FormatError("chunk ids disagree with the manifest")
+                sizes[span.chunk] = (os.fstat(fd).st_size, meta.n_tokens)
+            finally:
+                os.close(fd)
+            pos += span.length
+        if len(layouts) != 1:
+            raise FormatError("chunks of one session disagree on shapes or dtype (or there are none)")
+        return manifest, sizes, layouts.pop()
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)

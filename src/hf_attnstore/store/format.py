@@ -1,0 +1,237 @@
+"""On-disk format of the disk tier: safetensors chunk files and a checksummed JSON manifest per session.
+
+A chunk file is a plain safetensors file holding ``ids`` ``[n]`` (int64) and, per layer ``l``, pre-RoPE
+keys ``L{l:04d}.k`` and values ``L{l:04d}.v`` ``[1, kv_heads, n, head_dim]``; safetensors sorts tensors by
+alignment then name, so the file is laid out ids first, then layer by layer (a layer is one contiguous
+range: layer-wise loading reads it with a single `pread`). Its string metadata carries the format
+version, model fingerprint, full session id, geometry and an xxh64 checksum of every tensor.
+
+We parse the header ourselves instead of calling `safetensors.torch.load`: loading must read one layer
+range at a time into buffers we own, and every field is validated (offsets inside the file, contiguous,
+shapes and dtypes as expected). No pickle anywhere: JSON and raw little-endian tensor bytes only.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+from safetensors.torch import save as safetensors_save
+
+FORMAT = "hf_attnstore/1"
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class FormatError(ValueError):
+    """A stored file is damaged, truncated, of another format, model or session."""
+
+
+def session_dirname(fingerprint: str, session_id: str) -> str:
+    """The folder of a session: a hash, so hostile ids ('../x', NUL, 10 kB) never reach a path."""
+    return hashlib.sha256(f"{fingerprint}\0{session_id}".encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
+def checksum(data) -> str:
+    return xxhash.xxh64(data).hexdigest()
+
+
+def layer_names(layer: int) -> tuple[str, str]:
+    return f"L{layer:04d}.k", f"L{layer:04d}.v"
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a contiguous CPU tensor (bf16 viewed as int16: numpy lacks bf16)."""
+    t = t.detach().contiguous().cpu()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What a chunk file's header says, validated."""
+
+    fingerprint: str
+    session_id: str
+    n_tokens: int
+    geometry: tuple[int, int, int]  # layers, kv_heads, head_dim
+    dtype: torch.dtype
+    offsets: dict[str, tuple[int, int]]  # tensor name -> absolute [begin, end) in the file
+    checksums: dict[str, str]
+
+
+def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: list[torch.Tensor],
+                 values: list[torch.Tensor]) -> bytes:
+    """Serializes one chunk to safetensors bytes."""
+    tensors = {"ids": ids.detach().to("cpu", torch.int64).contiguous()}
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        kn, vn = layer_names(layer)
+        tensors[kn], tensors[vn] = k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
+    _, heads, n, dim = keys[0].shape
+    meta = {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "session_id": session_id,
+        "n_tokens": str(n),
+        "geometry": json.dumps([len(keys), heads, dim]),
+        "dtype": _DTYPE_NAMES[keys[0].dtype],
+        "checksums": json.dumps({name: checksum(tensor_bytes(t)) for name, t in tensors.items()}),
+    }
+    return safetensors_save(tensors, metadata=meta)
+
+
+def read_chunk_meta(fd: int, file_size: int, fingerprint: str, session_id: str) -> ChunkMeta:
+    """Reads and validates a chunk file's header. Raises FormatError on any doubt."""
+    if file_size < 8:
+        raise FormatError("file too short for a safetensors header")
+    (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
+        raise FormatError("header length out of range")
+    raw = os.pread(fd, header_len, 8)
+    try:
+        header = json.loads(raw)
+        meta = header.pop("__metadata__")
+        if meta.get("format") != FORMAT:
+            raise FormatError(f"format {meta.get('format')!r} is not {FORMAT!r}")
+        if meta.get("fingerprint") != fingerprint:
+            raise FormatError("chunk of another model")
+        if meta.get("session_id") != session_id:
+            raise FormatError("chunk of another session")
+        n = int(meta["n_tokens"])
+        geometry = tuple(int(x) for x in json.loads(meta["geometry"]))
+        dtype = _DTYPES[meta["dtype"]]
+        sums = json.loads(meta["checksums"])
+    except FormatError:
+        raise
+    except Exception as exc:  # any malformed field: the header is damaged
+        raise FormatError(f"unreadable header: {exc}") from exc
+    layers, heads, dim = geometry
+    expected = {"ids": ("I64", [n])}
+    for layer in range(layers):
+        for name in layer_names(layer):
+            expected[name] = (_DTYPE_NAMES[dtype], [1, heads, n, dim])
+    if set(header) != set(expected) or set(sums) != set(expected):
+        raise FormatError("unexpected tensor names")
+    offsets, data_start, spans = {}, 8 + header_len, []
+    for name, (dtype_name, shape) in expected.items():
+        info = header[name]
+        if info.get("dtype") != dtype_name or info.get("shape") != shape:
+            raise FormatError(f"tensor {name} has the wrong dtype or shape")
+        begin, end = info["data_offsets"]
+        size = int(np.prod(shape)) * torch.tensor([], dtype=_DTYPES[dtype_name]).element_size()
+        if end - begin != size:
+            raise FormatError(f"tensor {name} has the wrong byte size")
+        offsets[name] = (data_start + begin, data_start + end)
+        spans.append((begin, end))
+    spans.sort()
+    if spans[0][0] != 0 or any(a[1] != b[0] for a, b in zip(spans, spans[1:])) or data_start + spans[-1][1] != file_size:
+        raise FormatError("tensor data is not contiguous or the file is truncated")
+    return ChunkMeta(fingerprint, session_id, n, geometry, dtype, offsets, sums)
+
+
+def read_range(fd: int, begin: int, end: int, name: str, meta: ChunkMeta, out: torch.Tensor | None = None) -> bytes:
+    """Reads one tensor's bytes and verifies its checksum."""
+    data = os.pread(fd, end - begin, begin)
+    if len(data) != end - begin:
+        raise FormatError(f"short read of {name}: the file is truncated")
+    if checksum(data) != meta.checksums[name]:
+        raise FormatError(f"checksum mismatch in {name}")
+    return data
+
+
+def bytes_to_tensor(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    if dtype == torch.bfloat16:
+        return torch.frombuffer(bytearray(data), dtype=torch.int16).view(torch.bfloat16).view(*shape)
+    return torch.frombuffer(bytearray(data), dtype=dtype).view(*shape)
+
+
+# -- manifest -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Span:
+    """Tokens ``[start, end)`` of chunk file ``chunk``."""
+
+    chunk: str
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A session's durable state: its token ids and where their KV lies, in order."""
+
+    fingerprint: str
+    session_id: str
+    token_ids: torch.Tensor  # [length] int64
+    spans: tuple[Span, ...]
+    next_chunk: int  # chunk names are never reused, even after a restart
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.numel())
+
+    def select(self, ranges: list[tuple[int, int]]) -> "Manifest":
+        """The manifest of the logical token ranges `ranges` (in order), without touching any data."""
+        spans, ids, pos = [], [], 0
+        bounds = []
+        for span in self.spans:
+            bounds.append((pos, pos + span.length, span))
+            pos += span.length
+        for a, b in ranges:
+            ids.append(self.token_ids[a:b])
+            for lo, hi, span in bounds:
+                x, y = max(a, lo), min(b, hi)
+                if x < y:
+                    spans.append(Span(span.chunk, span.start + x - lo, span.start + y - lo))
+        token_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.long)
+        assert sum(s.length for s in spans) == token_ids.numel(), "spans must cover the selected tokens"
+        return Manifest(self.fingerprint, self.session_id, token_ids, tuple(spans), self.next_chunk)
+
+    def encode(self) -> bytes:
+        body = {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "session_id": self.session_id,
+            "token_ids": base64.b64encode(bytes(tensor_bytes(self.token_ids.to(torch.int64)))).decode(),
+            "spans": [[s.chunk, s.start, s.end] for s in self.spans],
+            "next_chunk": self.next_chunk,
+        }
+        text = json.dumps(body, sort_keys=True)
+        return json.dumps({"body": text, "xxh64": checksum(text.encode())}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, fingerprint: str | None = None) -> "Manifest":
+        """Parses and validates a manifest. Raises FormatError on any doubt."""
+        try:
+            outer = json.loads(data)
+            text = outer["body"]
+            if checksum(text.encode()) != outer["xxh64"]:
+                raise FormatError("manifest checksum mismatch")
+            body = json.loads(text)
+            if body["format"] != FORMAT:
+                raise FormatError(f"manifest format {body['format']!r} is not {FORMAT!r}")
+            raw = base64.b64decode(body["token_ids"], validate=True)
+            ids = torch.frombuffer(bytearray(raw), dtype=torch.int64).clone() if raw else torch.empty(0, dtype=torch.long)
+            spans = tuple(Span(str(c), int(a), int(b)) for c, a, b in body["spans"])
+            manifest = cls(str(body["fingerprint"]), str(body["session_id"]), ids, spans, int(body["next_chunk"]))
+        except FormatError:
+            raise
+        except Exception as exc:
+            raise FormatError(f"unreadable manifest: {exc}") from exc
+        if fingerprint is not None and manifest.fingerprint != fingerprint:
+            raise FormatError("manifest of another model")
+        if any(s.start < 0 or s.end <= s.start for s in spans) or sum(s.length for s in spans) != manifest.length:
+            raise FormatError("manifest spans do not cover its tokens")
+        return manifest

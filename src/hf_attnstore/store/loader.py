@@ -1,0 +1,94 @@
+"""Progress of a session being loaded from disk into host memory, layer by layer.
+
+The load thread marks each layer ready as soon as its bytes are verified; the consumer (a cache's layer
+about to compute) waits only for its own layer. The read buffer bounds how far the loader may run ahead
+of the consumer (the paper's S_buf, in layers).
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class LoadError(RuntimeError):
+    """A stored session could not be loaded (damaged or vanished files, I/O error)."""
+
+
+class LoadHandle:
+    """Shared between the load thread (producer) and the cache layers (consumer).
+
+    Args:
+        num_layers: Layers to load.
+        read_buffer_layers: How many layers the loader may load beyond the next one the consumer needs;
+            ``None`` = no limit. Only applies while a consumer is attached.
+        timeout_s: Longest wait for one layer before giving up (the load is then treated as failed).
+    """
+
+    def __init__(self, num_layers: int, read_buffer_layers: int | None, timeout_s: float):
+        self.num_layers = num_layers
+        self.read_buffer_layers = read_buffer_layers
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._ready = 0  # layers [0, _ready) are loaded
+        self._needed = -1  # highest layer the consumer has asked for
+        self._attached = False
+        self._error: BaseException | None = None
+
+    # -- consumer side ------------------------------------------------------------------------------
+    def attach(self) -> None:
+        """A cache will consume this load: from now on the read buffer limits run-ahead."""
+        with self._cond:
+            self._attached = True
+
+    def release(self) -> None:
+        """The consumer is gone (done or abandoned): the loader may finish at full speed."""
+        with self._cond:
+            self._attached = False
+            self._cond.notify_all()
+
+    def wait_layer(self, layer: int) -> None:
+        """Blocks until `layer` is loaded. Raises LoadError if the load failed or timed out."""
+        with self._cond:
+            if layer > self._needed:
+                self._needed = layer
+                self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._ready > layer or self._error is not None, self.timeout_s):
+                raise LoadError(f"layer {layer} was not loaded within {self.timeout_s} s")
+            if self._error is not None and self._ready <= layer:
+                raise LoadError(f"loading the session failed: {self._error}") from self._error
+
+    def wait_all(self) -> None:
+        self.wait_layer(self.num_layers - 1)
+
+    @property
+    def ready_layers(self) -> int:
+        """How many leading layers are loaded (never waits)."""
+        with self._cond:
+            return self._ready
+
+    @property
+    def done(self) -> bool:
+        with self._cond:
+            return self._ready == self.num_layers
+
+    # -- producer side ------------------------------------------------------------------------------
+    def gate(self, layer: int) -> None:
+        """Called by the loader before reading `layer`: waits while it is too far ahead of the consumer."""
+        if self.read_buffer_layers is None:
+            return
+        with self._cond:
+            self._cond.wait_for(
+                lambda: not self._attached or layer <= self._needed + 1 + self.read_buffer_layers,
+                self.timeout_s,
+            )
+
+    def layer_ready(self, layer: int) -> None:
+        with self._cond:
+            assert layer == self._ready, "layers are loaded in order"
+            self._ready = layer + 1
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
