@@ -114,6 +114,18 @@ def read_chunk_meta(fd: int, file_size: int, fingerprint: str, session_id: str) 
         raise
     except Exception as exc:  # any malformed field: the header is damaged
         raise FormatError(f"unreadable header: {exc}") from exc
+    try:
+        offsets = _validate_layout(header, sums, n, geometry, dtype, 8 + header_len, file_size)
+    except FormatError:
+        raise
+    except Exception as exc:  # a damaged field of any type
+        raise FormatError(f"unreadable header: {exc}") from exc
+    return ChunkMeta(fingerprint, session_id, n, geometry, dtype, offsets, sums)
+
+
+def _validate_layout(header: dict, sums: dict, n: int, geometry: tuple, dtype: torch.dtype, data_start: int,
+                     file_size: int) -> dict[str, tuple[int, int]]:
+    """Checks names, dtypes, shapes and offsets of every tensor; returns absolute byte ranges."""
     layers, heads, dim = geometry
     expected = {"ids": ("I64", [n])}
     for layer in range(layers):
@@ -121,7 +133,7 @@ def read_chunk_meta(fd: int, file_size: int, fingerprint: str, session_id: str) 
             expected[name] = (_DTYPE_NAMES[dtype], [1, heads, n, dim])
     if set(header) != set(expected) or set(sums) != set(expected):
         raise FormatError("unexpected tensor names")
-    offsets, data_start, spans = {}, 8 + header_len, []
+    offsets, spans = {}, []
     for name, (dtype_name, shape) in expected.items():
         info = header[name]
         if info.get("dtype") != dtype_name or info.get("shape") != shape:
@@ -135,10 +147,10 @@ def read_chunk_meta(fd: int, file_size: int, fingerprint: str, session_id: str) 
     spans.sort()
     if spans[0][0] != 0 or any(a[1] != b[0] for a, b in zip(spans, spans[1:])) or data_start + spans[-1][1] != file_size:
         raise FormatError("tensor data is not contiguous or the file is truncated")
-    return ChunkMeta(fingerprint, session_id, n, geometry, dtype, offsets, sums)
+    return offsets
 
 
-def read_range(fd: int, begin: int, end: int, name: str, meta: ChunkMeta, out: torch.Tensor | None = None) -> bytes:
+def read_range(fd: int, begin: int, end: int, name: str, meta: ChunkMeta) -> bytes:
     """Reads one tensor's bytes and verifies its checksum."""
     data = os.pread(fd, end - begin, begin)
     if len(data) != end - begin:

@@ -160,6 +160,7 @@ class AttnStore:
         self._disk_used = 0
         self._next_turn = 0
         self._dirty: set[Key] = set()
+        self._next_chunk: dict[Key, int] = {}  # per session, only ever grows
         self._deletes: list[Key] = []
         self._errors: list[BaseException] = []
         self._loads_active = 0
@@ -380,6 +381,14 @@ class AttnStore:
             self._drop(e)
             self._stats.ttl_expired += 1
 
+    def _cut(self, e: _Entry, length: int) -> None:
+        """Shortens a session. A new generation: a save in flight may hold tokens past the cut, and must not
+        commit them (it would describe a history that no longer exists)."""
+        e.host.truncate(length)
+        e.generation += 1
+        if e.persisted > length:
+            self._set_manifest(e, e.manifest.select([(0, length)]), e.chunks)
+
     def _make_host_room(self, extra: int, exclude: _Entry | None) -> bool:
         """Demotes (or drops) host sessions until `extra` more bytes fit. Pinned ones stay; dirty ones are
         persisted first and demoted when that completes."""
@@ -553,11 +562,9 @@ class AttnStore:
         same_lineage = e is not None and base is not None and base.generation == e.generation and n > 0
         if same_lineage and e.host is not None and base.source is e.host and n <= e.host.length \
                 and torch.equal(keep, torch.arange(n)):
-            e.host.truncate(n)  # the common case: append after the history, in place
-            self._account(e)
-            if e.persisted > n:
-                e.generation += 1
-                self._set_manifest(e, e.manifest.select([(0, n)]), e.chunks)
+            if n < e.host.length:
+                self._cut(e, n)
+            # else the common case: append after the history, in place
         elif same_lineage:
             buf = SessionBuffer.gathered(base, keep, self.config.pin_memory)
             self._set_host(e, buf)
@@ -643,7 +650,10 @@ class AttnStore:
                 return
             snap = buf.snapshot()
             e.pins += 1
-            next_chunk = base.next_chunk
+            # Reserve the names this job writes. Names are never reused for a session, even by a later entry
+            # replacing this one, so a chunk file never changes once a manifest may reference it.
+            next_chunk = self._next_chunk.get(e.key, 0)
+            self._next_chunk[e.key] = next_chunk + -(-(end - start) // chunk)
         new_chunks, spans, error = {}, list(base.spans), None
         started = time.perf_counter()
         try:
@@ -659,12 +669,24 @@ class AttnStore:
             manifest = Manifest(fp, sid, snap.token_ids[:end].clone(), tuple(spans), next_chunk)
             self._disk.write_manifest(manifest)
         except OSError as exc:
-            error = exc
-        self._finish_persist(e, generation, manifest if error is None else None, new_chunks,
-                             time.perf_counter() - started, error)
+            error, manifest = exc, None
+        # Collect garbage before reporting completion, so that a flush() covers it. If the session was cut or
+        # truncated meanwhile, its in-memory manifest (a selection of the old one) still uses old chunks.
+        with self._cond:
+            current = self._entries.get(e.key) is e
+            keep = {s.chunk for s in manifest.spans} if manifest is not None else set()
+            if manifest is None or e.generation != generation:
+                keep |= set(e.chunks)
+        try:
+            if current:
+                self._disk.collect_garbage(fp, sid, keep)
+            else:
+                self._disk.delete_session(fp, sid)
+        except OSError as exc:
+            self._warn_once("gc", "disk tier: removing unused files of session %r failed (%s)", sid, exc)
+        self._finish_persist(e, generation, manifest, new_chunks, time.perf_counter() - started, error)
 
     def _finish_persist(self, e, generation, manifest, new_chunks, seconds, error) -> None:
-        keep: set[str] | None = None
         with self._cond:
             e.pins -= 1
             current = self._entries.get(e.key) is e
@@ -675,13 +697,11 @@ class AttnStore:
                                 "its previous durable state is kept", e.key[1], error)
                 e.write_failed, e.urgent, e.evict_after_save = True, False, False
                 self._dirty.discard(e.key)
-                keep = set(e.chunks) if current else None
             else:
                 self._stats.bytes_written += sum(size for size, _ in new_chunks.values())
                 self._stats.write_seconds += seconds
                 if current and e.generation == generation:
                     self._set_manifest(e, manifest, {**e.chunks, **new_chunks})
-                    keep = set(e.chunks)
                     if not e.dirty:
                         self._dirty.discard(e.key)
                         e.urgent = False
@@ -690,17 +710,10 @@ class AttnStore:
                             self._set_host(e, None)
                             self._stats.demotions += 1
                     self._enforce_disk(e)
-                elif current:
-                    # The session was cut or truncated meanwhile: what we wrote is an older, consistent state;
-                    # keep the chunks both manifests use and write the new one next.
-                    keep = set(e.chunks) | {s.chunk for s in manifest.spans}
+                # else: the session was cut or truncated meanwhile (what we wrote is an older, consistent
+                # state; the next persist writes the new one), or removed (its folder is gone).
             self._make_host_room(0, exclude=None)
             self._cond.notify_all()
-        if keep is None:
-            if error is None or not current:
-                self._disk.delete_session(*e.key)
-        else:
-            self._disk.collect_garbage(*e.key, keep)
 
     def _yield_to_loads(self) -> None:
         with self._cond:
@@ -713,6 +726,7 @@ class AttnStore:
             if manifest.length == 0:
                 continue
             e = _Entry(key=(manifest.fingerprint, manifest.session_id), layout=layout)
+            self._next_chunk[e.key] = manifest.next_chunk
             e.last_access = now - max(0.0, now_wall - mtime)
             self._entries[e.key] = e
             self._set_manifest(e, manifest, chunks)
@@ -764,7 +778,4 @@ class TurnWriter:
             e = self.store._entries.get(self.key)
             if self.started and e is not None and e.owner == self.turn and e.host is not None \
                     and length < e.host.length:
-                e.host.truncate(length)
-                if e.persisted > length:
-                    e.generation += 1
-                    self.store._set_manifest(e, e.manifest.select([(0, length)]), e.chunks)
+                self.store._cut(e, length)

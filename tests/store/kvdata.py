@@ -1,0 +1,33 @@
+"""Synthetic KV whose every value encodes (session seed, layer, token), so any mix-up is detectable."""
+
+from __future__ import annotations
+
+import torch
+
+FP = "f" * 64
+LAYERS, HEADS, DIM = 3, 2, 4
+BYTES_PER_TOKEN = 2 * LAYERS * HEADS * DIM * 4 + 8
+
+
+def kv(ids: list[int], seed: float = 0.0):
+    t = torch.tensor(ids, dtype=torch.float32).view(1, 1, -1, 1)
+    keys = [(t + 1000 * layer + seed).expand(1, HEADS, len(ids), DIM).contiguous() for layer in range(LAYERS)]
+    return keys, [k + 0.5 for k in keys]
+
+
+def write_turn(store, session, ids, seed=0.0, keep_from=None, fp=FP):
+    """Appends `ids` after `keep_from` (a snapshot) or as a new session; returns the writer's result."""
+    base = keep_from
+    keep = torch.arange(base.length) if base is not None else torch.arange(0)
+    writer = store.open_turn(session, fp, base, keep)
+    return writer.append(torch.tensor(ids), *kv(ids, seed))
+
+
+def expect(snapshot, ids, seed=0.0):
+    """Asserts the snapshot holds exactly `ids` with the KV `kv(ids, seed)` would give."""
+    assert snapshot is not None
+    assert snapshot.token_ids.tolist() == list(ids)
+    keys, values = kv(ids, seed)
+    for layer in range(LAYERS):
+        k, v = snapshot.layer(layer)
+        assert torch.equal(k, keys[layer]) and torch.equal(v, values[layer]), f"layer {layer} differs"
