@@ -1,0 +1,121 @@
+"""AttnStoreCache over the hierarchical store: disk round trips, damaged data mid-forward, ablations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_attnstore import AttnStore, AttnStoreCache
+from hf_attnstore.store.format import session_dirname
+
+from .conftest import make_tiny, random_ids
+
+GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=16)
+
+
+def chat(model, store, sessions, turns=3, new_tokens=5):
+    """Round-robin turns over several sessions, each compared with full recomputation."""
+    hist = {s: random_ids(20, i) for i, s in enumerate(sessions)}
+    ref = dict(hist)
+    sources = []
+    for turn in range(turns):
+        for s in sessions:
+            cache = AttnStoreCache(model, store, s, hist[s])
+            out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=new_tokens, **GREEDY)
+            expected = model.generate(ref[s], past_key_values=DynamicCache(), max_new_tokens=new_tokens, **GREEDY)
+            assert torch.equal(out, expected), (turn, s)
+            sources.append(cache.kv_source)
+            extra = random_ids(6, 100 + turn)
+            hist[s], ref[s] = torch.cat([out, extra], dim=1), torch.cat([expected, extra], dim=1)
+    return sources, hist
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(preload=False), dict(read_buffer_layers=0)], ids=["layerwise", "no-preload", "buffer0"])
+def test_sessions_demoted_to_disk_resume_exactly(tmp_path, kw):
+    model = make_tiny("llama")
+    # Room for about one session in host memory: every other turn resumes from disk.
+    store = AttnStore(host_bytes=40_000, disk_dir=str(tmp_path), **FAST, **kw)
+    sources, _ = chat(model, store, ["a", "b", "c"])
+    assert sources.count("disk") >= 4
+    assert store.stats().demotions >= 4
+    store.close()
+
+
+def test_reopened_store_resumes_sessions(tmp_path):
+    model = make_tiny("qwen3")
+    store = AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), **FAST)
+    _, hist = chat(model, store, ["a"], turns=2)
+    store.close()
+    store = AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), **FAST)
+    cache = AttnStoreCache(model, store, "a", hist["a"])
+    # Everything but the 6 new tokens and the last generated one (never fed to the model) is reused.
+    assert cache.kv_source == "disk" and cache.reused_tokens == hist["a"].shape[1] - 7
+    out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=4, **GREEDY)
+    assert torch.equal(out, model.generate(hist["a"], max_new_tokens=4, **GREEDY))
+    store.close()
+
+
+def test_damaged_kv_found_mid_forward_is_recomputed_transparently(tmp_path):
+    model = make_tiny("llama")
+    ids = random_ids(40, 3)
+    with AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), **FAST) as store:
+        first = AttnStoreCache(model, store, "s", ids)
+        with torch.no_grad():
+            model(first.input_ids, past_key_values=first)
+    chunk = tmp_path / "sessions" / session_dirname(first.fingerprint, "s") / "00000000.safetensors"
+    data = bytearray(chunk.read_bytes())
+    data[-5] ^= 0x40  # the last layer's values: layers 0 and 1 load fine and are used first
+    chunk.write_bytes(bytes(data))
+    prompt = torch.cat([ids, random_ids(5, 4)], dim=1)
+    with AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), **FAST) as store:
+        cache = AttnStoreCache(model, store, "s", prompt)
+        assert cache.reused_tokens == 40 and cache.kv_source == "disk"
+        out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
+        assert torch.equal(out, model.generate(prompt, max_new_tokens=5, **GREEDY))
+        assert cache.recomputed and cache.reused_tokens == 0 and cache.kv_source == "miss"
+        assert store.stats().load_errors == 1
+        # The session was rewritten from the recomputed KV: the next turn reuses it.
+        nxt = AttnStoreCache(model, store, "s", torch.cat([out, random_ids(2, 5)], dim=1))
+        assert nxt.reused_tokens == out.shape[1] - 1
+
+
+def test_damaged_kv_in_a_plain_forward_returns_the_right_logits(tmp_path):
+    model = make_tiny("phi3")
+    ids = random_ids(30, 6)
+    with AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), **FAST) as store:
+        first = AttnStoreCache(model, store, "s", ids[:, :24])
+        with torch.no_grad():
+            model(first.input_ids, past_key_values=first)
+    chunk = tmp_path / "sessions" / session_dirname(first.fingerprint, "s") / "00000000.safetensors"
+    data = bytearray(chunk.read_bytes())
+    data[-5] ^= 0x40
+    chunk.write_bytes(bytes(data))
+    with AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), **FAST) as store, torch.no_grad():
+        cache = AttnStoreCache(model, store, "s", ids)
+        logits = model(cache.input_ids[:, 24:], past_key_values=cache).logits
+        assert cache.recomputed and logits.shape[1] == 6
+        torch.testing.assert_close(logits, model(ids).logits[:, 24:], atol=1e-5, rtol=1e-5)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("read_buffer_layers", [None, 0])
+def test_cuda_layerwise_prefetch_and_async_saving(tmp_path, read_buffer_layers):
+    model = make_tiny("llama").to("cuda")
+    store = AttnStore(host_bytes=40_000, disk_dir=str(tmp_path), read_buffer_layers=read_buffer_layers, **FAST)
+    assert store.config.pin_memory
+    hist = {s: random_ids(30, i).cuda() for i, s in enumerate("ab")}
+    for turn in range(3):
+        for s in "ab":
+            cache = AttnStoreCache(model, store, s, hist[s])
+            out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
+            assert torch.equal(out, model.generate(hist[s], past_key_values=DynamicCache(), max_new_tokens=5, **GREEDY))
+            hist[s] = torch.cat([out, random_ids(4, turn).cuda()], dim=1)
+    store.flush()
+    assert store.stats().hits_disk >= 1
+    store.close()
