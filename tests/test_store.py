@@ -54,8 +54,8 @@ def test_round_trip_and_miss():
     assert snap.token_ids.tolist() == list(range(10))
     keys, values = kv(10)
     for layer in range(LAYERS):
-        assert torch.equal(snap.keys[layer], keys[layer])
-        assert torch.equal(snap.values[layer], values[layer])
+        k, v = snap.layer(layer)
+        assert torch.equal(k, keys[layer]) and torch.equal(v, values[layer])
     assert store.lookup("a", "0" * 64) is None  # another model
     stats = store.stats()
     assert (stats.lookups, stats.hits, stats.misses, stats.sessions) == (3, 1, 2, 1)
@@ -69,11 +69,11 @@ def test_in_place_append_keeps_old_snapshots_intact():
     w.append(torch.tensor([4, 5]), *kv(2, start=3.0))
     new = store.lookup("a", FP)
     assert new.token_ids.tolist() == [1, 2, 3, 4, 5]
-    assert new.source is old.source  # appended in place: no copy of the history
+    assert new.source is old.source and new.parts[0][0] is old.parts[0][0]  # in place: no copy of the history
     assert old.token_ids.tolist() == [1, 2, 3]
 
 
-def test_cut_then_append_copies_instead_of_overwriting_visible_data():
+def test_cut_then_append_starts_a_new_segment_instead_of_overwriting_visible_data():
     store = AttnStore(host_bytes="1MiB")
     write(store, "a", [1, 2, 3, 4, 5])
     old = store.lookup("a", FP)
@@ -81,7 +81,7 @@ def test_cut_then_append_copies_instead_of_overwriting_visible_data():
     w.append(torch.tensor([9, 9]), *kv(2, start=50.0))
     assert store.lookup("a", FP).token_ids.tolist() == [1, 2, 9, 9]
     assert old.token_ids.tolist() == [1, 2, 3, 4, 5]
-    assert old.keys[0][0, 0, :, 0].tolist() == [1, 2, 3, 4, 5]
+    assert old.layer(0)[0][0, 0, :, 0].tolist() == [1, 2, 3, 4, 5]
 
 
 def test_gathered_rebase_for_truncation():
@@ -93,7 +93,10 @@ def test_gathered_rebase_for_truncation():
     w.append(torch.tensor([42]), *kv(1, start=42.0))
     snap = store.lookup("a", FP)
     assert snap.token_ids.tolist() == [0, 1, 6, 7, 8, 9, 42]
-    assert snap.keys[1][0, 0, :, 0].tolist() == [1000 + t for t in [0, 1, 6, 7, 8, 9, 42]]
+    assert snap.layer(1)[0][0, 0, :, 0].tolist() == [1000 + t for t in [0, 1, 6, 7, 8, 9, 42]]
+    # Both kept ranges still point into the old segment (no copy); the new token went in place after the
+    # old fill mark, extending the second range.
+    assert len(snap.parts) == 2 and snap.parts[0][0] is old.parts[0][0]
 
 
 def test_a_turn_that_never_writes_changes_nothing():

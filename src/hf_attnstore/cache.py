@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import weakref
 from collections.abc import Mapping, Sequence
@@ -80,11 +81,17 @@ class AttnStoreLayer(DynamicLayer):
                 "num_return_sequences=1, one session per cache"
             )
         if not self.is_initialized:
+            # First forward of the turn: load this layer's reused KV and concatenate it with the new KV in one
+            # copy (what DynamicLayer's own concatenation would cost anyway).
             self.dtype, self.device = key_states.dtype, key_states.device
-            self.keys, self.values = self._owner._load_layer(
+            keys, values = self._owner._load_layer(
                 self._layer_idx, self._pending_reuse, key_states.dtype, key_states.device
             )
+            self._owner._record(self._layer_idx, key_states, value_states)
+            self.keys = torch.cat(keys + [key_states], dim=-2)
+            self.values = torch.cat(values + [value_states], dim=-2)
             self.is_initialized = True
+            return self.keys, self.values
         self._owner._record(self._layer_idx, key_states, value_states)
         return super().update(key_states, value_states)
 
@@ -172,6 +179,7 @@ class AttnStoreCache(DynamicCache):
         self._keep_is_prefix = torch.equal(self.plan.keep, torch.arange(self.reused_tokens))
         self._writer = store.open_turn(session_id, self.fingerprint, snapshot, self.plan.keep)
         self._prefetcher: _CudaPrefetcher | None = None
+        self._selected: SessionKV | None = None
         self._load_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._fed_ids: list[torch.Tensor] = []
         self._pending: list | None = None
@@ -191,9 +199,7 @@ class AttnStoreCache(DynamicCache):
         if snapshot is None:
             return None
         layers, heads, dim = self._geometry
-        ok = len(snapshot.keys) == len(snapshot.values) == layers and all(
-            k.shape == v.shape == (1, heads, snapshot.length, dim) for k, v in zip(snapshot.keys, snapshot.values)
-        )
+        ok = snapshot.source.geometry == (layers, heads, dim)
         if not ok:
             _warn_once("geometry", f"stored KV of session {self.session_id!r} does not fit the model: ignored")
             return None
@@ -206,42 +212,53 @@ class AttnStoreCache(DynamicCache):
         return torch.cat([prefix] + [t.cpu() for t in self._fed_ids])
 
     def _load_layer(self, idx: int, length: int, dtype: torch.dtype, device: torch.device):
-        """Reused KV of layer `idx` on `device`, keys rotated to their positions in this turn."""
+        """Reused KV of layer `idx` on `device` as lists of pieces, keys rotated to their positions this turn.
+
+        Raises:
+            ReuseFailed: The stored KV could not be loaded (caught by the forward wrapper, see hooks.py).
+        """
         if length == 0:
-            empty = torch.empty(1, self._geometry[1], 0, self._geometry[2], dtype=dtype, device=device)
-            return empty, empty.clone()
+            return [], []
         try:
             if idx == 0 and self._snapshot.loader is not None and not self._store.config.preload:
                 self._snapshot.loader.wait_all()  # NO-PL ablation: wait for the whole session first
             if device.type == "cuda":
                 if self._prefetcher is None:
                     self._prefetcher = _CudaPrefetcher(self, device, self._store.config.read_buffer_layers)
-                keys, values = self._prefetcher.get(idx, length)
+                parts = self._prefetcher.get(idx, length)
             else:
-                keys, values = self._host_layer(idx, length)
+                parts = self._host_parts(idx, length)
         except LoadError as exc:
             raise ReuseFailed(str(exc)) from exc
-        keys, values = keys.to(dtype=dtype), values.to(dtype=dtype)
+        keys, values, pos = [], [], 0
         if self._rope.has_rope:
             # cos/sin are computed once per turn and shared by all layers: only the rotation is per layer.
             rope_key = (length, device, dtype)
             if rope_key not in self._load_rope:
                 positions = self.plan.key_positions[:length].to(device)
                 self._load_rope[rope_key] = self._rope.cos_sin(positions, dtype)
-            keys = self._rope.rotate(keys, *self._load_rope[rope_key])
+            cos, sin = self._load_rope[rope_key]
+        for k, v in parts:
+            n = k.shape[2]
+            k, v = k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
+            if self._rope.has_rope:
+                k = self._rope.rotate(k, cos[:, :, pos : pos + n], sin[:, :, pos : pos + n])
+            keys.append(k)
+            values.append(v)
+            pos += n
         if idx == self._geometry[0] - 1:
             if self._snapshot.loader is not None:
                 self._snapshot.loader.release()
             self._snapshot = self._prefetcher = None  # every layer is loaded: release the snapshot
         return keys, values
 
-    def _host_layer(self, idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `idx`'s reused pre-RoPE KV in host memory (waits for it if it is still loading)."""
-        keys, values = self._snapshot.layer(idx)
-        if self._keep_is_prefix:
-            return keys[:, :, :length], values[:, :, :length]
-        keep = self.plan.keep[:length]
-        return keys.index_select(2, keep), values.index_select(2, keep)
+    def _host_parts(self, idx: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views of layer `idx`'s reused pre-RoPE KV in host memory (waits if it is still loading)."""
+        if not self._keep_is_prefix and self._selected is None:
+            # A truncated history: the kept tokens, as views of the stored segments (no copy).
+            self._selected = dataclasses.replace(self._snapshot, parts=tuple(self._snapshot.select(self.plan.keep)),
+                                                 token_ids=self._snapshot.token_ids[self.plan.keep])
+        return (self._snapshot if self._keep_is_prefix else self._selected).layer_parts(idx, length)
 
     def _recompute_forward(self, original, args: tuple, kwargs: dict):
         """Runs the current forward again over the whole prompt, without reused KV (see hooks.py)."""
@@ -249,7 +266,7 @@ class AttnStoreCache(DynamicCache):
         fed = self._fwd_input_len
         total = self.reused_tokens + fed  # a load can only fail in the first forward of a turn
         self.reused_tokens, self.kv_source, self.recomputed = 0, "miss", True
-        self._snapshot = self._prefetcher = None
+        self._snapshot = self._prefetcher = self._selected = None
         self._keep_is_prefix = True
         self._pending = None
         self._writer = self._store.open_turn(self.session_id, self.fingerprint, None, torch.empty(0, dtype=torch.long))
@@ -363,27 +380,27 @@ class _CudaPrefetcher:
         self.inflight: dict[int, tuple] = {}
 
     def _issue(self, idx: int, length: int) -> None:
-        keys, values = self.cache._host_layer(idx, length)
+        parts = self.cache._host_parts(idx, length)
         # The copy stream must not read the host buffer before earlier work on the compute stream that
         # produced it (a device-to-host save of the previous turn) is done.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            k = keys.to(self.device, non_blocking=True)
-            v = values.to(self.device, non_blocking=True)
+            copies = [(k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)) for k, v in parts]
             event = torch.cuda.Event()
             event.record(self.stream)
-        self.inflight[idx] = (k, v, event)
+        self.inflight[idx] = (copies, event)
 
-    def get(self, idx: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, idx: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         loader = self.cache._snapshot.loader
         last = min(self.cache._geometry[0] - 1, idx + self.ahead + 1)
         for j in range(idx, last + 1):
             if j not in self.inflight and (j == idx or loader is None or loader.ready_layers > j):
                 self._issue(j, length)
-        k, v, event = self.inflight.pop(idx)
+        copies, event = self.inflight.pop(idx)
         current = torch.cuda.current_stream(self.device)
         current.wait_event(event)
-        # Allocated on the copy stream, used on the compute stream: tell the allocator.
-        k.record_stream(current)
-        v.record_stream(current)
-        return k, v
+        for k, v in copies:
+            # Allocated on the copy stream, used on the compute stream: tell the allocator.
+            k.record_stream(current)
+            v.record_stream(current)
+        return copies

@@ -19,19 +19,19 @@ WAIT = 5
 
 
 class PausedRead:
-    """Patches DiskTier.read_layer so the load thread stops inside layer 1 until released."""
+    """Patches DiskTier.read_layer_into so the load thread stops inside layer 1 until released."""
 
     def __init__(self, monkeypatch):
         self.reached, self.go = threading.Event(), threading.Event()
-        real = DiskTier.read_layer
+        real = DiskTier.read_layer_into
 
-        def read_layer(disk, fd, meta, layer):
+        def read_layer_into(disk, fd, meta, layer, *args):
             if layer == 1 and not self.go.is_set():
                 self.reached.set()
                 assert self.go.wait(WAIT), "the test never released the read"
-            return real(disk, fd, meta, layer)
+            return real(disk, fd, meta, layer, *args)
 
-        monkeypatch.setattr(DiskTier, "read_layer", read_layer)
+        monkeypatch.setattr(DiskTier, "read_layer_into", read_layer_into)
 
 
 def on_disk_only(tmp_path, ids):
@@ -136,6 +136,9 @@ def test_stress_no_mixups_no_deadlock_bounded_capacity(tmp_path):
                     store.delete(sid)
                 peak[0] = max(peak[0], store.stats().host_bytes_used)
         except Exception as exc:  # collected: a failing worker must fail the test, not vanish
+            import traceback
+
+            traceback.print_exc()
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]

@@ -1,6 +1,10 @@
-"""A session's KV in host memory: growable per-layer buffers and immutable snapshots of them.
+"""A session's KV in host memory: per-layer segments that are appended to, and immutable snapshots.
 
-Layout: keys and values of layer ``l`` are ``[1, kv_heads, capacity, head_dim]``; keys are pre-RoPE.
+Layout: a segment holds, for every layer, pre-RoPE keys and values ``[1, kv_heads, capacity, head_dim]``
+and the token ids ``[capacity]``. A session is an ordered list of parts ``(segment, start, end)``. Data of
+a segment below its fill mark never changes, so snapshots, and other sessions (a truncated copy shares
+its segments), can keep pointing at it: appending writes in place only right after the fill mark, and
+otherwise starts a new segment. Nothing is ever copied to grow or to cut a session.
 """
 
 from __future__ import annotations
@@ -11,7 +15,28 @@ import torch
 
 from .loader import LoadHandle
 
-_GROW_TOKENS = 16  # capacity grows by 1.25x, rounded to whole 16-token blocks, so decoding rarely reallocates
+_ROUND_TOKENS = 16
+
+
+def _round(n: int) -> int:
+    return -(-n // _ROUND_TOKENS) * _ROUND_TOKENS
+
+
+class Segment:
+    """Host memory for `capacity` tokens of every layer (pinned when asked: async GPU copies)."""
+
+    def __init__(self, geometry: tuple[int, int, int], dtype: torch.dtype, capacity: int, pin_memory: bool):
+        layers, heads, dim = geometry
+        self.capacity = capacity
+        self.filled = 0  # tokens [0, filled) are written and may be visible: never overwritten
+        self.token_ids = torch.empty(capacity, dtype=torch.long, pin_memory=pin_memory)
+        self.keys = [torch.empty(1, heads, capacity, dim, dtype=dtype, pin_memory=pin_memory) for _ in range(layers)]
+        self.values = [torch.empty(1, heads, capacity, dim, dtype=dtype, pin_memory=pin_memory) for _ in range(layers)]
+        itemsize = torch.tensor([], dtype=dtype).element_size()
+        self.nbytes = capacity * (2 * layers * heads * dim * itemsize + 8)
+
+
+Part = tuple[Segment, int, int]
 
 
 @dataclass(frozen=True)
@@ -20,19 +45,16 @@ class SessionKV:
 
     Attributes:
         token_ids: The ids the KV covers, ``[seq]`` (int64, CPU).
-        keys: Per layer, pre-RoPE keys ``[1, kv_heads, seq, head_dim]``.
-        values: Per layer, values of the same shape.
-        source: The buffer the views point into (used to append in place on the next turn).
-        loader: Set while the session is still being loaded from disk: read layers through :meth:`layer`.
+        parts: The segments holding it, in order (read them through :meth:`layer_parts`).
+        source: The buffer the snapshot was taken from.
+        loader: Set while the session is still being loaded from disk: layers are waited for.
         tier: Where the KV came from: ``"host"`` or ``"disk"``.
         generation: The session's generation when the snapshot was taken (it changes when the session's
-            history is cut or truncated), so that a later turn knows whether the snapshot's token
-            positions still mean the same tokens in the store.
+            history is cut or truncated): tells a later turn whether positions still mean the same tokens.
     """
 
     token_ids: torch.Tensor
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    parts: tuple[Part, ...]
     source: "SessionBuffer"
     loader: LoadHandle | None = None
     tier: str = "host"
@@ -42,8 +64,14 @@ class SessionKV:
     def length(self) -> int:
         return int(self.token_ids.numel())
 
-    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of layer `idx`, waiting for them if the session is still loading.
+    @property
+    def num_layers(self) -> int:
+        return len(self.parts[0][0].keys) if self.parts else 0
+
+    def layer_parts(self, idx: int, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views ``(keys, values)`` of layer `idx` covering the first `length` tokens, one per part.
+
+        Waits for the layer if the session is still loading.
 
         Raises:
             LoadError: The load failed (damaged file, I/O error) or timed out.
@@ -51,70 +79,91 @@ class SessionKV:
         if self.loader is not None:
             self.loader.wait_layer(idx)
         self.source.sync()
-        return self.keys[idx], self.values[idx]
+        remaining = self.length if length is None else length
+        out = []
+        for seg, a, b in self.parts:
+            if remaining <= 0:
+                break
+            b = min(b, a + remaining)
+            out.append((seg.keys[idx][:, :, a:b], seg.values[idx][:, :, a:b]))
+            remaining -= b - a
+        return out
+
+    def tensors(self, start: int, end: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Contiguous copies of tokens ``[start, end)``: ids and per-layer keys and values (for the writer)."""
+        self.source.sync()
+        pieces, pos = [], 0
+        for seg, a, b in self.parts:
+            x, y = max(start, pos), min(end, pos + b - a)
+            if x < y:
+                pieces.append((seg, a + x - pos, a + y - pos))
+            pos += b - a
+        ids = torch.cat([seg.token_ids[a:b] for seg, a, b in pieces])
+        layers = len(pieces[0][0].keys)
+        keys = [torch.cat([seg.keys[i][:, :, a:b] for seg, a, b in pieces], dim=2) for i in range(layers)]
+        values = [torch.cat([seg.values[i][:, :, a:b] for seg, a, b in pieces], dim=2) for i in range(layers)]
+        return ids, keys, values
+
+    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of layer `idx` as single tensors (a copy when there are several parts)."""
+        parts = self.layer_parts(idx)
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+
+    def select(self, keep: torch.Tensor) -> list[Part]:
+        """The parts holding tokens `keep` (sorted indices), in order; no data is copied."""
+        bounds, pos = [], 0
+        for seg, a, b in self.parts:
+            bounds.append((pos, pos + b - a, seg, a))
+            pos += b - a
+        out: list[Part] = []
+        for lo, hi in ranges(keep):
+            for start, end, seg, a in bounds:
+                x, y = max(lo, start), min(hi, end)
+                if x < y:
+                    out.append((seg, a + x - start, a + y - start))
+        return out
+
+
+def ranges(indices: torch.Tensor) -> list[tuple[int, int]]:
+    """Sorted indices as maximal ``[a, b)`` ranges."""
+    out: list[tuple[int, int]] = []
+    for i in indices.tolist():
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
 
 
 class SessionBuffer:
-    """Per-layer KV buffers of one session that grow by appending.
-
-    Snapshots are views of ``[0, length)``. Data below the high-water mark (the longest length ever reached)
-    may be visible through a snapshot, so it is never overwritten: appending below it copies the buffer
-    first (copy-on-write). Appending at the end writes in place.
-    """
+    """A session's KV in host memory: the parts it is made of, its length, and where to append."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, pin_memory: bool,
-                 capacity: int = 0):
+                 parts: list[Part] | None = None):
         self.geometry = (num_layers, kv_heads, head_dim)
         self.dtype = dtype
         self.pin_memory = pin_memory
-        self.capacity = 0
-        self.length = 0
-        self.high_water = 0
-        self.token_ids = torch.empty(0, dtype=torch.long)
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        self.parts: list[Part] = list(parts or [])
+        self.length = sum(b - a for _, a, b in self.parts)
         self._event = None  # CUDA event of the last asynchronous device-to-host copy
-        self._allocate(capacity)
-
-    @property
-    def bytes_per_token(self) -> int:
-        layers, heads, dim = self.geometry
-        return 2 * layers * heads * dim * torch.tensor([], dtype=self.dtype).element_size() + 8
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (capacity, not length: that is what occupies memory)."""
-        return self.capacity * self.bytes_per_token
+        """Bytes of the segments this session uses (whole segments: that is what occupies memory)."""
+        return sum(seg.nbytes for seg in {id(seg): seg for seg, _, _ in self.parts}.values())
 
-    def _allocate(self, capacity: int) -> None:
-        layers, heads, dim = self.geometry
-        old_ids, old_k, old_v, n = self.token_ids, self.keys, self.values, self.length
-
-        def empty(*shape, dtype):
-            return torch.empty(*shape, dtype=dtype, pin_memory=self.pin_memory)
-
-        self.token_ids = empty(capacity, dtype=torch.long)
-        self.keys = [empty(1, heads, capacity, dim, dtype=self.dtype) for _ in range(layers)]
-        self.values = [empty(1, heads, capacity, dim, dtype=self.dtype) for _ in range(layers)]
-        if n:
-            self.token_ids[:n].copy_(old_ids[:n])
-            for new, old in zip(self.keys + self.values, old_k + old_v):
-                new[:, :, :n].copy_(old[:, :, :n])
-        self.capacity = capacity
-        # The copy is private: nothing can see the new storage yet.
-        self.high_water = n
+    def new_segment(self, capacity: int) -> Segment:
+        return Segment(self.geometry, self.dtype, _round(capacity), self.pin_memory)
 
     def snapshot(self, loader: LoadHandle | None = None, tier: str = "host", generation: int = 0) -> SessionKV:
-        n = self.length
-        return SessionKV(
-            token_ids=self.token_ids[:n],
-            keys=[k[:, :, :n] for k in self.keys],
-            values=[v[:, :, :n] for v in self.values],
-            source=self,
-            loader=loader,
-            tier=tier,
-            generation=generation,
-        )
+        ids = [seg.token_ids[a:b] for seg, a, b in self.parts]
+        token_ids = torch.cat(ids) if len(ids) != 1 else ids[0]
+        if not ids:
+            token_ids = torch.empty(0, dtype=torch.long)
+        return SessionKV(token_ids=token_ids, parts=tuple(self.parts), source=self, loader=loader, tier=tier,
+                         generation=generation)
 
     def sync(self) -> None:
         """Waits for asynchronous copies from a GPU into this (pinned) buffer to land."""
@@ -122,60 +171,76 @@ class SessionBuffer:
         if event is not None:
             event.synchronize()
 
+    def _tail_room(self) -> int:
+        """Tokens that can be appended in place (0 if the last part does not end at its segment's fill mark)."""
+        if not self.parts:
+            return 0
+        seg, _, b = self.parts[-1]
+        return seg.capacity - b if b == seg.filled else 0
+
     def bytes_after_append(self, tokens: int) -> int:
         """Bytes the buffer would hold after appending `tokens` tokens."""
-        return self._capacity_for(self.length + tokens) * self.bytes_per_token
+        if tokens <= self._tail_room():
+            return self.nbytes
+        layers, heads, dim = self.geometry
+        per_token = 2 * layers * heads * dim * torch.tensor([], dtype=self.dtype).element_size() + 8
+        return self.nbytes + self._grow_capacity(tokens) * per_token
 
-    def _capacity_for(self, needed: int) -> int:
-        if needed <= self.capacity and self.length >= self.high_water:
-            return self.capacity
-        grown = max(needed, int(self.capacity * 1.25))
-        return -(-grown // _GROW_TOKENS) * _GROW_TOKENS
+    def _grow_capacity(self, tokens: int) -> int:
+        # A new segment holds at least a quarter of the history, so a session made of many turns and decoded
+        # tokens needs few segments.
+        return _round(max(tokens, self.length // 4))
 
     def append(self, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Appends ``len(token_ids)`` tokens (device tensors are copied to host)."""
         n = int(token_ids.numel())
         layers, heads, dim = self.geometry
         assert len(keys) == len(values) == layers, "one key/value tensor per layer is required"
-        capacity = self._capacity_for(self.length + n)
-        if capacity != self.capacity or self.length < self.high_water:
-            self._allocate(capacity)
-        a, b = self.length, self.length + n
-        self.token_ids[a:b].copy_(token_ids.view(-1))
+        if n <= self._tail_room():
+            seg, a, b = self.parts[-1]
+            self.parts[-1] = (seg, a, b + n)
+        else:
+            seg, b = self.new_segment(self._grow_capacity(n)), 0
+            self.parts.append((seg, 0, n))
+        seg.token_ids[b : b + n].copy_(token_ids.view(-1))
         from_gpu = self.pin_memory and keys[0].is_cuda
-        for dst, src in zip(self.keys + self.values, list(keys) + list(values)):
+        for dst, src in zip(seg.keys + seg.values, list(keys) + list(values)):
             assert src.shape == (1, heads, n, dim), f"expected {(1, heads, n, dim)}, got {tuple(src.shape)}"
             # Into pinned memory the copy is asynchronous: it is ordered on the current stream, and readers
             # of the buffer (the disk writer, a later turn) call sync() first.
-            dst[:, :, a:b].copy_(src, non_blocking=from_gpu)
+            dst[:, :, b : b + n].copy_(src, non_blocking=from_gpu)
+        seg.filled = b + n
         if from_gpu:
             self._event = torch.cuda.Event()
             self._event.record()
-        self.length = b
-        self.high_water = max(self.high_water, b)
+        self.length += n
 
     def truncate(self, length: int) -> None:
-        """Shortens the logical sequence; the data stays (snapshots may see it) until overwritten by a copy."""
+        """Keeps the first `length` tokens. The data stays (snapshots may see it); the next append starts a
+        new segment instead of overwriting it."""
         assert 0 <= length <= self.length, f"cannot truncate {self.length} tokens to {length}"
-        self.length = length
-
-    def fill(self, length: int) -> None:
-        """Marks `length` tokens as present (the disk loader wrote them directly into the buffers)."""
-        assert length <= self.capacity, "the loader never writes past the capacity"
-        self.length = self.high_water = length
+        parts, pos = [], 0
+        for seg, a, b in self.parts:
+            if pos >= length:
+                break
+            take = min(b - a, length - pos)
+            parts.append((seg, a, a + take))
+            pos += take
+        self.parts, self.length = parts, length
 
     @classmethod
-    def gathered(cls, base: SessionKV, keep: torch.Tensor, pin_memory: bool) -> "SessionBuffer":
-        """A new buffer holding ``base``'s tokens at indices ``keep``, in order."""
-        layers = len(base.keys)
-        _, heads, _, dim = base.keys[0].shape
-        buf = cls(layers, heads, dim, base.keys[0].dtype, pin_memory)
-        keep = keep.to(torch.long)
-        assert base.loader is None or base.loader.done, "gather only fully loaded snapshots"
-        base.source.sync()
-        buf.append(
-            base.token_ids.index_select(0, keep),
-            [k.index_select(2, keep) for k in base.keys],
-            [v.index_select(2, keep) for v in base.values],
-        )
+    def selected(cls, base: SessionKV, keep: torch.Tensor, pin_memory: bool) -> "SessionBuffer":
+        """A buffer of `base`'s tokens at sorted indices `keep`, sharing its segments (no copy)."""
+        assert base.loader is None or base.loader.done, "select only fully loaded snapshots"
+        seg = base.parts[0][0]
+        geometry = (len(seg.keys), seg.keys[0].shape[1], seg.keys[0].shape[3])
+        return cls(*geometry, seg.keys[0].dtype, pin_memory, parts=base.select(keep.to(torch.long)))
+
+    @classmethod
+    def for_load(cls, geometry, dtype, length: int, pin_memory: bool) -> "SessionBuffer":
+        """A buffer with one segment for `length` tokens, to be filled by the disk loader."""
+        buf = cls(*geometry, dtype, pin_memory)
+        seg = buf.new_segment(length)
+        seg.filled = length
+        buf.parts, buf.length = [(seg, 0, length)], length
         return buf

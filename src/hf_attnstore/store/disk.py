@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import xxhash
 
 from .format import (
     ChunkMeta,
@@ -30,6 +31,11 @@ logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 CHUNK_SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
+
+
+def _numpy(t: torch.Tensor):
+    """A writable numpy view of a contiguous CPU tensor (bf16 through int16: numpy has no bf16)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def _write_bytes(fd: int, data: bytes) -> None:
@@ -127,6 +133,33 @@ class DiskTier:
     def read_layer(self, fd: int, meta: ChunkMeta, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         kn, vn = layer_names(layer)
         return self.read_tensor(fd, meta, kn), self.read_tensor(fd, meta, vn)
+
+    def read_layer_into(self, fd: int, meta: ChunkMeta, layer: int, start: int, end: int,
+                        keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
+        """Reads tokens ``[start, end)`` of a layer into `keys_out`/`values_out` ``[1, heads, end-start, dim]``,
+        verifying the checksums. Returns the bytes read.
+
+        A whole chunk is read with one `preadv` straight into the destination (one buffer per head: each
+        head's tokens are contiguous both in the file and in a host segment) and hashed in place: no
+        intermediate copy. A partial span (after truncation) goes through a temporary tensor.
+        """
+        nbytes = 0
+        for name, out in zip(layer_names(layer), (keys_out, values_out)):
+            begin, stop = meta.offsets[name]
+            if start == 0 and end == meta.n_tokens:
+                views = [memoryview(_numpy(out[0, h])).cast("B") for h in range(out.shape[1])]
+                got = os.preadv(fd, views, begin)
+                if got != stop - begin:
+                    raise FormatError(f"short read of {name}: the file is truncated")
+                digest = xxhash.xxh64()
+                for view in views:
+                    digest.update(view)
+                if digest.hexdigest() != meta.checksums[name]:
+                    raise FormatError(f"checksum mismatch in {name}")
+            else:
+                out.copy_(self.read_tensor(fd, meta, name)[:, :, start:end])
+            nbytes += stop - begin
+        return nbytes
 
     def chunk_size(self, fingerprint: str, session_id: str, name: str) -> int:
         return (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).stat().st_size

@@ -27,7 +27,6 @@ from .loader import LoadError, LoadHandle
 
 logger = logging.getLogger(__name__)
 Key = tuple[str, str]  # (model fingerprint, session id)
-_LOAD_HEADROOM_TOKENS = 256  # a loaded session usually grows next turn: avoid an immediate reallocation
 
 
 def validate_session_id(session_id: object) -> str:
@@ -231,16 +230,7 @@ class AttnStore:
         """Moves the session out of host memory: to disk (after its pending writes), or drops it."""
         with self._lock:
             for e in [e for k, e in self._entries.items() if k[1] == session_id and e.host is not None]:
-                if self._disk is None or e.disk_rejected:
-                    self._drop(e)
-                    self._stats.host_drops += 1
-                elif e.dirty:
-                    e.urgent = e.evict_after_save = True
-                    self._dirty.add(e.key)
-                    self._cond.notify_all()
-                elif e.pins == 0:
-                    self._set_host(e, None)
-                    self._stats.demotions += 1
+                self._evict_from_host(e)
 
     def delete(self, session_id: str) -> bool:
         """Removes the session's KV from every tier, for every model. Returns whether anything was removed."""
@@ -397,19 +387,26 @@ class AttnStore:
             if self._host_used + extra <= limit:
                 break
             e = self._entries[key]
-            if e is exclude or e.pins:
-                continue
-            if self._disk is None or e.disk_rejected:
-                self._drop(e)
-                self._stats.host_drops += 1
-            elif e.dirty:
-                e.urgent = e.evict_after_save = True
-                self._dirty.add(e.key)
-                self._cond.notify_all()
-            else:
-                self._set_host(e, None)
-                self._stats.demotions += 1
+            if e is not exclude:
+                self._evict_from_host(e)
         return self._host_used + extra <= limit
+
+    def _evict_from_host(self, e: _Entry) -> None:
+        """Demotes a session to disk, or drops it when it cannot be kept there. Sessions being loaded or
+        written are pinned and stay; unwritten ones are written first (then demoted by _finish_persist)."""
+        if e.pins:
+            return
+        if self._disk is None or e.disk_rejected or e.length == 0:
+            self._drop(e)
+            self._stats.host_drops += 1
+        elif e.dirty:
+            e.urgent = e.evict_after_save = True
+            self._dirty.add(e.key)
+            self._cond.notify_all()
+        else:
+            assert e.manifest is not None and e.persisted == e.length, "a clean session is entirely on disk"
+            self._set_host(e, None)
+            self._stats.demotions += 1
 
     def _enforce_disk(self, current: _Entry | None) -> None:
         """Drops disk victims while the disk tier is over its limit; a session larger than the whole tier
@@ -422,33 +419,34 @@ class AttnStore:
             if e is current or e.pins:
                 continue
             self._stats.disk_drops += 1
-            if e.host is None:
-                self._drop(e)
-            else:
-                self._set_manifest(e, None, {})
-                e.disk_rejected = True
-                self._deletes.append(e.key)
+            self._drop_disk_copy(e)
         if self._disk_used > limit and current is not None and current.manifest is not None:
-            self._set_manifest(current, None, {})
-            current.disk_rejected = True
-            self._deletes.append(current.key)
+            self._drop_disk_copy(current)
             self._stats.rejected_too_large += 1
             self._warn_once("disk_too_large", "session %r is larger than the disk tier: it is kept in memory only",
                             current.key[1])
 
+    def _drop_disk_copy(self, e: _Entry) -> None:
+        """Removes a session from the disk tier; with no copy in host memory either, it is gone."""
+        if e.host is None:
+            self._drop(e)
+            return
+        self._set_manifest(e, None, {})
+        e.disk_rejected = True  # not written again: it would only push another session out
+        self._deletes.append(e.key)
+
     # -- loading (disk -> host) ---------------------------------------------------------------------
     def _start_load(self, e: _Entry) -> bool:
+        assert e.host is None and e.manifest is not None, "only sessions found only on disk are loaded"
         (layers, heads, dim), dtype = e.layout
         length = e.manifest.length
-        buf = SessionBuffer(layers, heads, dim, dtype, self.config.pin_memory, capacity=length + _LOAD_HEADROOM_TOKENS)
-        if buf.nbytes > self.config.host_bytes:
-            buf = SessionBuffer(layers, heads, dim, dtype, self.config.pin_memory, capacity=length)
+        # Exactly the session's size: the next turn appends in a new segment, without copying this one.
+        buf = SessionBuffer.for_load(e.layout[0], dtype, length, self.config.pin_memory)
         if buf.nbytes > self.config.host_bytes:
             self._warn_once("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
             return False
         self._make_host_room(buf.nbytes, exclude=e)  # may overshoot while other sessions are in flight
-        buf.token_ids[:length].copy_(e.manifest.token_ids)
-        buf.fill(length)
+        buf.parts[0][0].token_ids[:length].copy_(e.manifest.token_ids)
         e.loading = LoadHandle(layers, self.config.read_buffer_layers, self.config.io_timeout_s)
         e.pins += 1
         self._set_host(e, buf)
@@ -481,21 +479,21 @@ class AttnStore:
                 if span.chunk not in opened:
                     opened[span.chunk] = self._disk.open_chunk(fp, sid, span.chunk)
                 fd, meta = opened[span.chunk]
-                if (meta.geometry, meta.dtype) != ((len(buf.keys), buf.geometry[1], buf.geometry[2]), buf.dtype):
+                if (meta.geometry, meta.dtype) != (buf.geometry, buf.dtype):
                     raise FormatError("chunk shapes changed since the session was indexed")
                 ids = self._disk.read_tensor(fd, meta, "ids")[span.start : span.end]
                 if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
                     raise FormatError("chunk ids disagree with the manifest")
                 pos += span.length
-            for layer in range(len(buf.keys)):
+            seg = buf.parts[0][0]
+            for layer in range(buf.geometry[0]):
                 handle.gate(layer)
                 pos = 0
                 for span in manifest.spans:
                     fd, meta = opened[span.chunk]
-                    k, v = self._disk.read_layer(fd, meta, layer)
-                    nbytes += k.nbytes + v.nbytes
-                    buf.keys[layer][:, :, pos : pos + span.length].copy_(k[:, :, span.start : span.end])
-                    buf.values[layer][:, :, pos : pos + span.length].copy_(v[:, :, span.start : span.end])
+                    nbytes += self._disk.read_layer_into(fd, meta, layer, span.start, span.end,
+                                                         seg.keys[layer][:, :, pos : pos + span.length],
+                                                         seg.values[layer][:, :, pos : pos + span.length])
                     pos += span.length
                 handle.layer_ready(layer)
         finally:
@@ -540,7 +538,15 @@ class AttnStore:
                                 "stored (raise `host_bytes` to keep it)", writer.key[1], needed, self.config.host_bytes)
                 writer.dead = True
                 return False
-            self._make_host_room(needed - buf.nbytes, exclude=e)
+            if not self._make_host_room(needed - buf.nbytes, exclude=e) and self._disk is not None:
+                # Backpressure: the victims are still being written to disk. Wait (bounded) for the save
+                # thread to demote them rather than overshoot the limit by more than this one session.
+                deadline = time.monotonic() + self.config.io_timeout_s
+                while not self._make_host_room(needed - buf.nbytes, exclude=e) and time.monotonic() < deadline:
+                    self._cond.wait(timeout=0.05)
+                    if self._entries.get(writer.key) is not e or e.owner != writer.turn or e.host is not buf:
+                        self._stats.stale_writes += 1
+                        return False
             buf.append(token_ids, keys, values)
             self._account(e)
             self._touch(e)
@@ -566,7 +572,7 @@ class AttnStore:
                 self._cut(e, n)
             # else the common case: append after the history, in place
         elif same_lineage:
-            buf = SessionBuffer.gathered(base, keep, self.config.pin_memory)
+            buf = SessionBuffer.selected(base, keep, self.config.pin_memory)
             self._set_host(e, buf)
             e.generation += 1
             if e.manifest is not None:
@@ -577,7 +583,7 @@ class AttnStore:
             if e is not None:
                 self._drop(e)
             if base is not None and n:
-                buf = SessionBuffer.gathered(base, keep, self.config.pin_memory)
+                buf = SessionBuffer.selected(base, keep, self.config.pin_memory)
             else:
                 buf = SessionBuffer(*writer.geometry, writer.dtype, self.config.pin_memory)
             e = _Entry(key=writer.key, layout=(buf.geometry, buf.dtype))
@@ -657,13 +663,11 @@ class AttnStore:
         new_chunks, spans, error = {}, list(base.spans), None
         started = time.perf_counter()
         try:
-            snap.source.sync()
             for a in range(start, end, chunk):
                 self._yield_to_loads()
                 b, name = min(a + chunk, end), f"{next_chunk:08d}"
                 next_chunk += 1
-                size = self._disk.write_chunk(fp, sid, name, snap.token_ids[a:b],
-                                              [k[:, :, a:b] for k in snap.keys], [v[:, :, a:b] for v in snap.values])
+                size = self._disk.write_chunk(fp, sid, name, *snap.tensors(a, b))
                 new_chunks[name] = (size, b - a)
                 spans.append(Span(name, 0, b - a))
             manifest = Manifest(fp, sid, snap.token_ids[:end].clone(), tuple(spans), next_chunk)
@@ -702,14 +706,14 @@ class AttnStore:
                 self._stats.write_seconds += seconds
                 if current and e.generation == generation:
                     self._set_manifest(e, manifest, {**e.chunks, **new_chunks})
+                    self._enforce_disk(e)  # before demoting: a session too large for disk stays in memory
                     if not e.dirty:
                         self._dirty.discard(e.key)
                         e.urgent = False
-                        if e.evict_after_save and e.pins == 0:
+                        if e.evict_after_save and e.pins == 0 and e.manifest is not None:
                             e.evict_after_save = False
                             self._set_host(e, None)
                             self._stats.demotions += 1
-                    self._enforce_disk(e)
                 # else: the session was cut or truncated meanwhile (what we wrote is an older, consistent
                 # state; the next persist writes the new one), or removed (its folder is gone).
             self._make_host_room(0, exclude=None)

@@ -1,0 +1,181 @@
+"""The hierarchical store's benchmarks: TTFT per tier, pre-loading ablation, async saving, disk throughput.
+
+    python eval/bench_tiers.py --history 2048 --new 128 --reps 5 [--disk-dir DIR]
+
+All variants are measured in one run, interleaved per repetition, and medians are reported:
+
+  ttft      ideal (KV resident in a live DynamicCache) vs AS-host (session in the host tier) vs AS-disk
+            (session only on disk, its pages dropped from the page cache with posix_fadvise(DONTNEED)).
+            TTFT = building the cache + the prefill forward of the new tokens (which loads the KV).
+  preload   AS-disk without layer-wise pre-loading (wait for all layers, the paper's NO-PL) and with it,
+            read buffer 0, 4, 15 and all layers (the paper's PL-B0 ... Fig. 19).
+  saving    one turn (prefill + 32 decoded tokens) with a host-only store (no disk: the reference), with
+            the disk tier saving asynchronously (the default), and saving synchronously (flush before
+            the turn returns, Fig. 20's baseline).
+  disk      GB/s of loading sessions from disk (cold) vs a plain sequential read of the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
+from hf_attnstore.store.format import session_dirname
+
+
+def drop_page_cache(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def sequential_read(folder: Path) -> tuple[int, float]:
+    """Reads every file of `folder` once, in name order, 8 MiB at a time (the bound a loader can reach)."""
+    total, t = 0, time.perf_counter()
+    for path in sorted(folder.iterdir()):
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(8 << 20):
+                total += len(chunk)
+    return total, time.perf_counter() - t
+
+
+def med(xs):
+    return statistics.median(xs)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--history", type=int, default=2048)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--decode", type=int, default=32, help="tokens generated in the saving benchmark")
+    p.add_argument("--disk-dir", default=None, help="folder for the disk tier (default: a temporary one)")
+    p.add_argument("--dtype", default="float32")
+    args = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    model, _ = load_default_model(dtype=args.dtype)
+    H, N, R = args.history, args.new, args.reps
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, model.config.vocab_size, (1, H + N), generator=gen).to(model.device)
+    root = Path(args.disk_dir or tempfile.mkdtemp(prefix="attnstore-bench-"))
+    shutil.rmtree(root, ignore_errors=True)
+
+    # One prefill of the history; its KV is then written under one session id per measurement.
+    resident = DynamicCache()
+    model(ids[:, :H], past_key_values=resident)
+    seed_store = AttnStore(host_bytes="16GiB")
+    seed = AttnStoreCache(model, seed_store, "seed", ids[:, :H])
+    model(seed.input_ids, past_key_values=seed)
+    fp = seed.fingerprint
+    snap = seed_store.lookup("seed", fp)
+    snap_ids, snap_keys, snap_values = snap.tensors(0, snap.length)
+    variants = ["nopl"] + [f"pl{b}" for b in (0, 4, 15)] + ["plall"]
+    n_sessions = R * (2 + len(variants))
+    with AttnStore(host_bytes="16GiB", disk_dir=str(root)) as writer_store:
+        for i in range(n_sessions):
+            w = writer_store.open_turn(f"s{i}", fp, None, torch.arange(0))
+            w.append(snap_ids, snap_keys, snap_values)
+    kv_bytes = sum(k.nbytes + v.nbytes for k, v in zip(snap_keys, snap_values))
+    folders = [root / "sessions" / session_dirname(fp, f"s{i}") for i in range(n_sessions)]
+    model(ids[:, :8])  # warm-up
+
+    def turn(store, session, preload_wait=None):
+        t = time.perf_counter()
+        cache = AttnStoreCache(model, store, session, ids)
+        assert cache.reused_tokens == H, cache.reused_tokens
+        model(cache.input_ids[:, H:], past_key_values=cache)
+        return time.perf_counter() - t, cache.kv_source
+
+    rows: dict[str, list[float]] = {k: [] for k in ["RE", "ideal", "AS-host", "AS-disk"] + variants}
+    host_store = AttnStore(host_bytes="16GiB")
+    next_session = iter(range(n_sessions))
+    loads = []
+    for rep in range(R):
+        t = time.perf_counter()
+        model(ids, past_key_values=DynamicCache())
+        rows["RE"].append(time.perf_counter() - t)
+
+        ideal = DynamicCache()
+        for i, layer in enumerate(resident.layers):
+            ideal.update(layer.keys.clone(), layer.values.clone(), i)
+        t = time.perf_counter()
+        model(ids[:, H:], past_key_values=ideal)
+        rows["ideal"].append(time.perf_counter() - t)
+
+        w = host_store.open_turn(f"h{rep}", fp, None, torch.arange(0))
+        w.append(snap_ids, snap_keys, snap_values)
+        rows["AS-host"].append(turn(host_store, f"h{rep}")[0])
+
+        for name, kw in [("AS-disk", {})] + [
+            (v, dict(preload=False) if v == "nopl" else dict(read_buffer_layers=None if v == "plall" else int(v[2:])))
+            for v in variants
+        ]:
+            i = next(next_session)
+            store = AttnStore(host_bytes="16GiB", disk_dir=str(root), **kw)  # reopened: the session is on disk only
+            drop_page_cache(folders[i])
+            seconds, source = turn(store, f"s{i}")
+            assert source == "disk", source
+            rows[name].append(seconds)
+            store.close(flush=False)
+            s = store.stats()
+            loads.append((s.bytes_read, s.read_seconds))
+    print(f"SmolLM2-135M {args.dtype} on {model.device}, {torch.get_num_threads()} threads; history {H}, new {N}, "
+          f"{R} reps (medians); KV {kv_bytes / 2**20:.1f} MiB per session; disk tier in {root}")
+    ideal = med(rows["ideal"])
+    print("\n[ttft]")
+    for k in ["RE", "ideal", "AS-host", "AS-disk"]:
+        print(f"  {k:<9} {1000 * med(rows[k]):8.1f} ms   {med(rows[k]) / ideal:6.3f} x ideal")
+    print("\n[preload] AS-disk, cold page cache")
+    for k in variants:
+        label = {"nopl": "no pre-load (NO-PL)", "plall": "layer-wise, buffer all"}.get(k, f"layer-wise, buffer {k[2:]}")
+        print(f"  {label:<26} {1000 * med(rows[k]):8.1f} ms   {med(rows[k]) / ideal:6.3f} x ideal")
+
+    # -- saving: a whole turn, prefill + decode -------------------------------------------------------
+    save_rows = {"host only": [], "disk async": [], "disk sync": []}
+    save_root = root / "saving"
+    for rep in range(R):
+        for name in save_rows:
+            disk = None if name == "host only" else str(save_root / f"{name[5:]}{rep}")
+            store = AttnStore(host_bytes="16GiB", disk_dir=disk)
+            t = time.perf_counter()
+            cache = AttnStoreCache(model, store, "t", ids)
+            model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=args.decode, do_sample=False,
+                           min_new_tokens=args.decode, pad_token_id=0)
+            if name == "disk sync":
+                store.flush()
+            save_rows[name].append(time.perf_counter() - t)
+            store.close()
+    base = med(save_rows["host only"])
+    print(f"\n[saving] one turn from scratch: prefill {H + N} + decode {args.decode} tokens")
+    for k, v in save_rows.items():
+        print(f"  {k:<11} {med(v):7.3f} s   {100 * (med(v) / base - 1):+6.1f}% vs host only")
+
+    # -- disk throughput: loader vs plain sequential read, cold ---------------------------------------
+    load_gbps = [b / s / 1e9 for b, s in loads if s]
+    seq = []
+    for folder in folders[: max(3, R)]:
+        drop_page_cache(folder)
+        n, s = sequential_read(folder)
+        seq.append(n / s / 1e9)
+    print("\n[disk] cold reads")
+    print(f"  loader (layer by layer, verified) {med(load_gbps):6.2f} GB/s")
+    print(f"  plain sequential read             {med(seq):6.2f} GB/s   loader = {100 * med(load_gbps) / med(seq):.0f}%")
+    if args.disk_dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
