@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from hf_attnstore.store import AttnStore
+from hf_attnstore.store import AttnStore, LoadError
 from hf_attnstore.store.disk import DiskTier
 
 from .kvdata import BYTES_PER_TOKEN, FP, expect, kv, write_turn
@@ -109,7 +109,7 @@ def test_stress_no_mixups_no_deadlock_bounded_capacity(tmp_path):
     limit = 6 * 48 * BYTES_PER_TOKEN  # about six of the sessions' buffers
     store = AttnStore(host_bytes=limit, disk_dir=str(tmp_path / "kv"), **FAST)
     sessions = [f"s{i}" for i in range(12)]
-    errors, peak = [], [0]
+    errors, peak, load_errors = [], [0], [0]
 
     def worker(seed):
         rng = random.Random(seed)
@@ -120,7 +120,13 @@ def test_stress_no_mixups_no_deadlock_bounded_capacity(tmp_path):
                 if op < 0.5:
                     snap = store.lookup(sid, FP)
                     if snap is not None:
-                        expect(snap, snap.token_ids.tolist())  # KV always matches its own ids
+                        try:
+                            expect(snap, snap.token_ids.tolist())  # KV always matches its own ids
+                        except LoadError:
+                            # Deleted by another thread while loading from disk: the documented outcome
+                            # (a cache recomputes). Never wrong data.
+                            load_errors[0] += 1
+                            continue
                         if snap.length < session_tokens:
                             n = snap.length
                             writer = store.open_turn(sid, FP, snap, torch.arange(n))
@@ -136,9 +142,6 @@ def test_stress_no_mixups_no_deadlock_bounded_capacity(tmp_path):
                     store.delete(sid)
                 peak[0] = max(peak[0], store.stats().host_bytes_used)
         except Exception as exc:  # collected: a failing worker must fail the test, not vanish
-            import traceback
-
-            traceback.print_exc()
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
@@ -147,10 +150,10 @@ def test_stress_no_mixups_no_deadlock_bounded_capacity(tmp_path):
     for t in threads:
         t.join(60)
     assert not any(t.is_alive() for t in threads), "deadlock"
-    assert not errors, errors[0]
+    assert not errors, repr(errors[0])
     store.flush()
     # At most one in-flight session buffer (48 tokens with growth) beyond the limit, per thread at worst.
-    assert peak[0] <= limit + 8 * 64 * BYTES_PER_TOKEN
+    assert peak[0] <= limit + 8 * 64 * BYTES_PER_TOKEN, (peak[0], limit)
     for sid in sessions:
         snap = store.lookup(sid, FP)
         if snap is not None:
