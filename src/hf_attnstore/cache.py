@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -188,6 +189,7 @@ class AttnStoreCache(DynamicCache):
         self._save = True
         self._broken = False
         self.saved_tokens = 0
+        self.save_seconds = 0.0  # time this turn spent un-rotating keys and handing KV to the store
         self._fwd_input_len = 0
         # Cache.__init__ directly: DynamicCache's would set up lazily-created DynamicLayers instead of ours.
         Cache.__init__(self, layers=[AttnStoreLayer(self, i, self.reused_tokens) for i in range(self._geometry[0])])
@@ -326,10 +328,12 @@ class AttnStoreCache(DynamicCache):
                 "AttnStoreCache.update was called outside a forward of the model it was created with; "
                 "create the cache with the model that uses it"
             )
+        started = time.perf_counter()
         if self._rope.has_rope:
             cos, sin = self._fwd_rope
             keys = self._rope.unrotate(keys, cos.to(keys.device), sin.to(keys.device))
         self._pending[idx] = (keys, values)
+        self.save_seconds += time.perf_counter() - started
 
     def _end_forward(self) -> None:
         """Called by the base model's post-hook: commits the forward's KV to the store."""
@@ -340,7 +344,9 @@ class AttnStoreCache(DynamicCache):
         ids = self._fwd_ids
         self._fed_ids.append(ids)
         if self._save and ids is not None:
+            started = time.perf_counter()
             stored = self._writer.append(ids, [p[0] for p in pending], [p[1] for p in pending])
+            self.save_seconds += time.perf_counter() - started
             if stored:
                 self.saved_tokens += int(ids.numel())
 

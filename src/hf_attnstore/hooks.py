@@ -42,13 +42,17 @@ def install_hooks(model: nn.Module) -> None:
         if cache is None:
             return original(*args, **kwargs)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
-        cache._begin_forward(input_ids, kwargs.get("inputs_embeds"), kwargs.get("position_ids"))
+        cache._store._forward_started()  # the store's writer yields to compute (store.py)
         try:
-            output = original(*args, **kwargs)
-        except ReuseFailed:
-            return cache._recompute_forward(original, args, kwargs)
-        cache._end_forward()
-        return output
+            cache._begin_forward(input_ids, kwargs.get("inputs_embeds"), kwargs.get("position_ids"))
+            try:
+                output = original(*args, **kwargs)
+            except ReuseFailed:
+                return cache._recompute_forward(original, args, kwargs)
+            cache._end_forward()
+            return output
+        finally:
+            cache._store._forward_finished()
 
     base.forward = forward
     setattr(base, _HOOK_ATTR, original)

@@ -163,6 +163,8 @@ class AttnStore:
         self._deletes: list[Key] = []
         self._errors: list[BaseException] = []
         self._loads_active = 0
+        self._forwards_active = 0  # model forwards running through caches of this store
+        self._last_forward = 0.0
         self._warned: set[str] = set()
         self._closed = False
         self._disk = DiskTier(self.config.disk_dir, fsync=self.config.fsync) if self.config.disk_dir else None
@@ -616,6 +618,23 @@ class AttnStore:
             if work is not None:
                 self._persist(work)
 
+    def _compute_quiet(self, now: float) -> bool:
+        """Whether no forward runs or ran in the last `idle_flush_s`. Saving costs CPU (serializing,
+        hashing, writing): where the model computes on the same cores, writing during a turn slows it, so
+        non-urgent writes wait for the gap after it (the paper's write buffer). Flushes and demotions
+        needed to make room do not wait."""
+        return self._forwards_active == 0 and now - self._last_forward >= self.config.idle_flush_s
+
+    def _forward_started(self) -> None:
+        with self._lock:
+            self._forwards_active += 1
+
+    def _forward_finished(self) -> None:
+        with self._cond:
+            self._forwards_active -= 1
+            self._last_forward = time.monotonic()
+            self._cond.notify_all()
+
     def _next_save(self) -> _Entry | None:
         now = time.monotonic()
         best = None
@@ -627,6 +646,8 @@ class AttnStore:
             if e.pins or e.loading is not None:
                 continue
             idle = now - e.last_write >= self.config.idle_flush_s
+            if not e.urgent and not self._compute_quiet(now):
+                continue  # write behind: wait for the gap after the turn (see _compute_quiet)
             if e.urgent or idle or e.length - e.persisted >= self.config.chunk_tokens:
                 if best is None or (e.urgent and not best.urgent):
                     best = e
@@ -664,7 +685,7 @@ class AttnStore:
         started = time.perf_counter()
         try:
             for a in range(start, end, chunk):
-                self._yield_to_loads()
+                self._yield_to_loads_and_compute(e)
                 b, name = min(a + chunk, end), f"{next_chunk:08d}"
                 next_chunk += 1
                 size = self._disk.write_chunk(fp, sid, name, *snap.tensors(a, b))
@@ -719,9 +740,14 @@ class AttnStore:
             self._make_host_room(0, exclude=None)
             self._cond.notify_all()
 
-    def _yield_to_loads(self) -> None:
+    def _yield_to_loads_and_compute(self, e: _Entry) -> None:
+        """Between chunks: loads go first; a non-urgent save also waits for the model to be idle."""
         with self._cond:
-            self._cond.wait_for(lambda: self._loads_active == 0 or self._closed, self.config.io_timeout_s)
+            self._cond.wait_for(
+                lambda: self._closed or (self._loads_active == 0
+                                         and (e.urgent or self._compute_quiet(time.monotonic()))),
+                self.config.io_timeout_s,
+            )
 
     # -- reopening --------------------------------------------------------------------------------------
     def _reopen(self) -> None:
