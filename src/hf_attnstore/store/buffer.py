@@ -36,7 +36,20 @@ class Segment:
         self.nbytes = capacity * (2 * layers * heads * dim * itemsize + 8)
 
 
+    @classmethod
+    def adopt(cls, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> "Segment":
+        """A full segment made of the given CPU tensors, without copying them (they must not change)."""
+        seg = cls.__new__(cls)
+        n = int(token_ids.numel())
+        seg.capacity = seg.filled = n
+        seg.token_ids, seg.keys, seg.values = token_ids.clone(), list(keys), list(values)
+        itemsize = keys[0].element_size()
+        seg.nbytes = n * (2 * len(keys) * keys[0].shape[1] * keys[0].shape[3] * itemsize + 8)
+        return seg
+
+
 Part = tuple[Segment, int, int]
+_ADOPT_MIN_TOKENS = 64  # below this, appending copies into the tail segment (decoding: one token at a time)
 
 
 @dataclass(frozen=True)
@@ -196,6 +209,13 @@ class SessionBuffer:
         n = int(token_ids.numel())
         layers, heads, dim = self.geometry
         assert len(keys) == len(values) == layers, "one key/value tensor per layer is required"
+        if not self.pin_memory and n >= _ADOPT_MIN_TOKENS and n > self._tail_room() and not keys[0].is_cuda:
+            # A prefill's KV is freshly computed and never modified afterwards: keep it as a segment instead
+            # of copying it (this copy was most of the time saving adds to a turn).
+            assert all(t.shape == (1, heads, n, dim) for t in list(keys) + list(values)), "KV shape mismatch"
+            self.parts.append((Segment.adopt(token_ids.view(-1), keys, values), 0, n))
+            self.length += n
+            return
         if n <= self._tail_room():
             seg, a, b = self.parts[-1]
             self.parts[-1] = (seg, a, b + n)

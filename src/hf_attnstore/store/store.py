@@ -788,6 +788,7 @@ class TurnWriter:
     def append(self, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
         """Appends tokens with their per-layer pre-RoPE keys and values ``[1, kv_heads, n, head_dim]``.
 
+        Large CPU appends are kept without copying: do not modify the tensors afterwards.
         Returns whether the data was stored (False when the session is too large or was taken over).
         """
         if self.dead:
