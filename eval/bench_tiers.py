@@ -5,7 +5,8 @@
 All variants are measured in one run, interleaved per repetition, and medians are reported:
 
   ttft      ideal (KV resident in a live DynamicCache) vs AS-host (session in the host tier) vs AS-disk
-            (session only on disk, its pages dropped from the page cache with posix_fadvise(DONTNEED)).
+            (session only on disk, its pages dropped from the page cache with posix_fadvise(DONTNEED);
+            the store's default pre-loading for the model's device).
             TTFT = building the cache + the prefill forward of the new tokens (which loads the KV).
   preload   AS-disk without layer-wise pre-loading (wait for all layers, the paper's NO-PL) and with it,
             read buffer 0, 4, 15 and all layers (the paper's PL-B0 ... Fig. 19).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -120,10 +122,13 @@ def main(argv=None):
         w.append(snap_ids, snap_keys, snap_values)
         rows["AS-host"].append(turn(host_store, f"h{rep}")[0])
 
-        for name, kw in [("AS-disk", {})] + [
-            (v, dict(preload=False) if v == "nopl" else dict(read_buffer_layers=None if v == "plall" else int(v[2:])))
+        disk_variants = [("AS-disk", {})] + [
+            (v, dict(preload=False) if v == "nopl"
+             else dict(preload=True, read_buffer_layers=None if v == "plall" else int(v[2:])))
             for v in variants
-        ]:
+        ]
+        random.Random(rep).shuffle(disk_variants)  # no variant always runs first (this machine drifts)
+        for name, kw in disk_variants:
             i = next(next_session)
             store = AttnStore(host_bytes="16GiB", disk_dir=str(root), **kw)  # reopened: the session is on disk only
             drop_page_cache(folders[i])

@@ -32,7 +32,8 @@ def chat(model, store, sessions, turns=3, new_tokens=5):
     return sources, hist
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(preload=False), dict(read_buffer_layers=0)], ids=["layerwise", "no-preload", "buffer0"])
+@pytest.mark.parametrize("kw", [dict(), dict(preload=True), dict(preload=False), dict(preload=True, read_buffer_layers=0)],
+                         ids=["auto", "layerwise", "no-preload", "buffer0"])
 def test_sessions_demoted_to_disk_resume_exactly(tmp_path, kw):
     model = make_tiny("llama")
     # Room for about one session in host memory: every other turn resumes from disk.

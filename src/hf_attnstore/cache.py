@@ -222,8 +222,11 @@ class AttnStoreCache(DynamicCache):
         if length == 0:
             return [], []
         try:
-            if idx == 0 and self._snapshot.loader is not None and not self._store.config.preload:
-                self._snapshot.loader.wait_all()  # NO-PL ablation: wait for the whole session first
+            preload = self._store.config.preload
+            if preload is None:
+                preload = device.type == "cuda"  # see StoreConfig.preload
+            if idx == 0 and self._snapshot.loader is not None and not preload:
+                self._snapshot.loader.wait_all()  # wait for the whole session before computing (NO-PL)
             if device.type == "cuda":
                 if self._prefetcher is None:
                     self._prefetcher = _CudaPrefetcher(self, device, self._store.config.read_buffer_layers)

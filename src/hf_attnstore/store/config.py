@@ -25,7 +25,10 @@ class StoreConfig:
         read_buffer_layers: Layers the disk loader may read ahead of the layer being computed, beyond
             the next one (the paper's S_buf); ``None`` = no limit.
         preload: ``True``: layer-wise pre-loading (compute of layer i waits for layer i only). ``False``:
-            a resumed session waits for all its layers before computing (the paper's NO-PL ablation).
+            a resumed session waits for all its layers before computing (the paper's NO-PL). ``None``
+            (default): layer-wise when the model runs on CUDA, where loads are DMA copies; whole-session
+            on CPU, where the loader thread competes with the model's threads for the same cores and was
+            measured slower (docs/benchmarks.md).
         idle_flush_s: A session whose last write is this old is persisted to disk (its turn has ended).
         pin_memory: Page-lock host buffers (async GPU copies). ``None`` = when CUDA is available.
         fsync: Make disk writes durable. Only tests and benchmarks of the page cache turn it off.
@@ -39,7 +42,7 @@ class StoreConfig:
     policy: str = "lru"
     chunk_tokens: int = 256
     read_buffer_layers: int | None = None
-    preload: bool = True
+    preload: bool | None = None
     idle_flush_s: float = 0.5
     pin_memory: bool | None = None
     fsync: bool = True

@@ -141,7 +141,7 @@ class AttnStore:
 
     def __init__(self, host_bytes: int | str = "2GiB", disk_dir: str | None = None,
                  disk_bytes: int | str = "100GiB", ttl_s: float | None = None, policy: str = "lru",
-                 chunk_tokens: int = 256, read_buffer_layers: int | None = None, preload: bool = True,
+                 chunk_tokens: int = 256, read_buffer_layers: int | None = None, preload: bool | None = None,
                  idle_flush_s: float = 0.5, pin_memory: bool | None = None, fsync: bool = True,
                  io_timeout_s: float = 60.0):
         self.config = StoreConfig(
