@@ -195,6 +195,11 @@ class AttnStoreCache(DynamicCache):
         Cache.__init__(self, layers=[AttnStoreLayer(self, i, self.reused_tokens) for i in range(self._geometry[0])])
         install_hooks(model)
 
+    @staticmethod
+    def fingerprint_of(model: nn.Module) -> str:
+        """The fingerprint under which this model's sessions are stored."""
+        return model_fingerprint(model)
+
     # -- what was reused -------------------------------------------------------------------------------
     def _validated(self, snapshot: SessionKV | None) -> SessionKV | None:
         """A stored entry whose shapes disagree with the model is a miss, never an error."""

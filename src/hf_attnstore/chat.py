@@ -70,6 +70,10 @@ class ChatTokens:
         user = self._encode(self.user_prefix + message + self.user_suffix)
         return torch.tensor([history + eot[overlap:] + user], dtype=torch.long)
 
+    def message_ids(self, message: str) -> list[int]:
+        """The ids a user message adds to a conversation (its template wrapping included)."""
+        return self._encode(self.user_prefix + message + self.user_suffix)
+
     def reply_text(self, generated_ids: torch.Tensor) -> str:
         """Decodes a reply without special tokens."""
         return self.tokenizer.decode(generated_ids.view(-1), skip_special_tokens=True)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from .base import EvictionPolicy
 from .fifo import FIFOPolicy
+from .lookahead import LookaheadPolicy
 from .lru import LRUPolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "fifo": FIFOPolicy}
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "fifo": FIFOPolicy, "lookahead": LookaheadPolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    """Creates a policy by name (``"lru"`` or ``"fifo"``)."""
+    """Creates a policy by name (``"lru"``, ``"fifo"`` or ``"lookahead"``)."""
     if name not in POLICIES:
         raise ValueError(f"`policy`={name!r} is unknown; choose one of {', '.join(sorted(POLICIES))}")
     return POLICIES[name]()
 
 
-__all__ = ["EvictionPolicy", "FIFOPolicy", "LRUPolicy", "POLICIES", "make_policy"]
+__all__ = ["EvictionPolicy", "FIFOPolicy", "LRUPolicy", "LookaheadPolicy", "POLICIES", "make_policy"]

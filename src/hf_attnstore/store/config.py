@@ -19,7 +19,8 @@ class StoreConfig:
         disk_dir: Folder of the disk tier; ``None`` = no disk tier (sessions evicted from host are dropped).
         disk_bytes: Hard limit of the disk tier.
         ttl_s: Sessions not used for this many seconds are deleted; ``None`` = never.
-        policy: Eviction policy of both tiers: ``"lru"`` or ``"fifo"``.
+        policy: Eviction policy of both tiers: ``"lru"``, ``"fifo"`` or ``"lookahead"`` (scheduler-aware: fed
+            the job queue by :meth:`AttnStore.set_schedule`, e.g. by the ChatPipeline).
         chunk_tokens: Tokens per chunk file. Appending writes new chunks only (and rewrites at most the
             last, partial chunk); truncation rewrites only the manifest.
         read_buffer_layers: Layers the disk loader may read ahead of the layer being computed, beyond

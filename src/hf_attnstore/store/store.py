@@ -228,6 +228,16 @@ class AttnStore:
                         self._stats.prefetches += 1
         return started
 
+    def set_schedule(self, session_ids: list[str]) -> None:
+        """Tells a scheduler-aware policy (``policy="lookahead"``) the sessions of the waiting jobs, in order.
+
+        Ignored by policies that do not look ahead.
+        """
+        with self._lock:
+            for policy in (self._host_policy, self._disk_policy):
+                if hasattr(policy, "set_queue"):
+                    policy.set_queue(list(session_ids))
+
     def evict(self, session_id: str) -> None:
         """Moves the session out of host memory: to disk (after its pending writes), or drops it."""
         with self._lock:

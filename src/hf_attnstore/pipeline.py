@@ -1,0 +1,237 @@
+"""ChatPipeline: session-aware chat over `generate()`, whose request queue drives the store.
+
+One worker thread runs the queued turns in submission order (so the turns of a session are serialized).
+Before each turn it gives the store its look-ahead hints (AttentionStore §3.3-3.4): the sessions of the
+next `prefetch_window` jobs are fetched from disk to host memory while the current job runs, and the
+sessions of the next `eviction_window` jobs are told to a scheduler-aware policy (`policy="lookahead"`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from .cache import AttnStoreCache
+from .chat import ChatTokens
+from .config import TruncationConfig
+from .store import AttnStore
+from .store.store import validate_session_id
+from .timing import FirstTokenTimer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One turn's answer and what it cost.
+
+    Attributes:
+        kv_source: Where the reused KV came from: ``"host"``, ``"disk"``, ``"miss"`` (nothing reused),
+            or ``"truncated"`` (the context overflowed and was truncated this turn).
+    """
+
+    session_id: str
+    text: str
+    history_tokens: int  # prompt tokens of this turn (history + new message, after truncation)
+    reused_tokens: int
+    prefilled_tokens: int
+    generated_tokens: int
+    dropped_tokens: int
+    ttft_s: float
+    total_s: float
+    kv_source: str
+
+
+@dataclass
+class _Job:
+    session_id: str
+    message: str
+    future: Future
+    streamer: object | None
+    submitted: float
+
+
+class _Tee:
+    """Forwards `generate`'s streamer calls to several streamers (our TTFT timer and the caller's)."""
+
+    def __init__(self, *streamers):
+        self.streamers = [s for s in streamers if s is not None]
+
+    def put(self, value):
+        for s in self.streamers:
+            s.put(value)
+
+    def end(self):
+        for s in self.streamers:
+            s.end()
+
+
+class ChatPipeline:
+    """Multi-turn chat with KV reuse across turns.
+
+    Args:
+        model, tokenizer: A causal LM and its tokenizer (with a chat template).
+        store: The :class:`AttnStore` holding sessions between turns.
+        context_window: Maximum tokens the model sees; overflowing sessions are truncated (decoupled).
+        truncation, truncation_ratio, keep_first: See :class:`AttnStoreCache`.
+        system_prompt: A system message placed first in every session.
+        prefetch_window: Waiting jobs whose sessions are fetched ahead; default ``C_host / S_kv`` (host
+            capacity over the mean session KV size, measured as the store fills).
+        eviction_window: Waiting jobs told to the eviction policy; default ``(C_host + C_disk) / S_kv``.
+        max_new_tokens: Reply length limit; other `generate` keyword arguments are passed through.
+
+    Example:
+        >>> pipe = ChatPipeline(model, tokenizer, AttnStore("2GiB"), max_new_tokens=64)  # doctest: +SKIP
+        >>> pipe.chat("alice", "Hello!").text  # doctest: +SKIP
+    """
+
+    def __init__(self, model, tokenizer, store: AttnStore, *, context_window: int | None = None,
+                 truncation: str = "decoupled", truncation_ratio: float = 0.5, keep_first: int = 4,
+                 system_prompt: str | None = None, prefetch_window: int | None = None,
+                 eviction_window: int | None = None, max_new_tokens: int = 256, **generate_kwargs):
+        self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
+        for name, value in (("prefetch_window", prefetch_window), ("eviction_window", eviction_window)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"`{name}` must be a non-negative integer or None, got {value!r}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
+        self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.chat_tokens = ChatTokens(tokenizer, system_prompt)
+        self.prefetch_window, self.eviction_window = prefetch_window, eviction_window
+        self.generate_kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id, **generate_kwargs,
+                                "max_new_tokens": max_new_tokens}
+        self._history: dict[str, torch.Tensor] = {}  # each session's source of truth: its token ids
+        self._queue: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="attnstore-pipeline", daemon=True)
+        self._worker.start()
+
+    # -- public API ---------------------------------------------------------------------------------
+    def submit(self, session_id: str, message: str, streamer=None) -> Future:
+        """Queues a user message; the future resolves to a :class:`Reply`. Turns run in submission order.
+
+        Raises:
+            ValueError: An empty message, or one that alone does not fit the context window.
+        """
+        validate_session_id(session_id)
+        if not isinstance(message, str) or not message.strip():
+            raise ValueError("`message` must be a non-empty string")
+        window = self.truncation.context_window
+        if window is not None:
+            n = len(self.chat_tokens.message_ids(message))
+            room = window - self.truncation.keep_first - 1
+            if n > room:
+                raise ValueError(f"the message has {n} tokens but at most {room} fit the context window "
+                                 f"({window} minus {self.truncation.keep_first} kept tokens): shorten it")
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise ValueError("this ChatPipeline is closed")
+            self._queue.append(_Job(session_id, message, future, streamer, time.perf_counter()))
+            self._cond.notify_all()
+            waiting = [j.session_id for j in self._queue]
+        self._give_hints(waiting)  # the queue changed: fetch ahead now, not only when the next job starts
+        return future
+
+    def chat(self, session_id: str, message: str, timeout: float | None = None) -> Reply:
+        """Sends a message and waits for the reply."""
+        return self.submit(session_id, message).result(timeout)
+
+    def stream(self, session_id: str, message: str, timeout: float = 600.0) -> tuple[Iterator[str], Future]:
+        """Sends a message; returns an iterator over the reply's text as it is generated, and the future."""
+        from transformers import TextIteratorStreamer
+
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=timeout)
+        return iter(streamer), self.submit(session_id, message, streamer=streamer)
+
+    def session_stats(self, session_id: str) -> dict:
+        """Token count and tier of a known session. Raises KeyError for an unknown one."""
+        with self._cond:
+            if session_id not in self._history:
+                raise KeyError(f"unknown session {session_id!r}")
+            ids = self._history[session_id]
+        fp = AttnStoreCache.fingerprint_of(self.model)
+        return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": self.store.tier_of(session_id, fp)}
+
+    def reset(self, session_id: str) -> None:
+        """Forgets a session: its history and its stored KV."""
+        with self._cond:
+            self._history.pop(session_id, None)
+        self.store.delete(session_id)
+
+    def close(self, timeout: float | None = 600.0) -> None:
+        """Finishes the queued turns and stops the worker."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._worker.join(timeout)
+
+    def __enter__(self) -> "ChatPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the worker -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                waiting = [j.session_id for j in self._queue]
+            self._give_hints(waiting)
+            try:
+                job.future.set_result(self._turn(job))
+            except BaseException as exc:  # the caller sees it through the future
+                job.future.set_exception(exc)
+                if job.streamer is not None:
+                    job.streamer.end()
+
+    def _windows(self) -> tuple[int, int]:
+        s = self.store.stats()
+        sessions = max(1, s.host_sessions, s.disk_sessions)
+        mean = max(1, (s.disk_bytes_used if s.disk_sessions else s.host_bytes_used) // sessions)
+        prefetch = self.prefetch_window if self.prefetch_window is not None else max(1, s.host_bytes_limit // mean)
+        disk = s.disk_bytes_limit if self.store.config.disk_dir else 0
+        eviction = self.eviction_window if self.eviction_window is not None else max(1, (s.host_bytes_limit + disk) // mean)
+        return prefetch, eviction
+
+    def _give_hints(self, waiting: list[str]) -> None:
+        prefetch, eviction = self._windows()
+        self.store.set_schedule(waiting[:eviction])
+        ahead = list(dict.fromkeys(waiting[:prefetch]))
+        if ahead:
+            self.store.prefetch(ahead, AttnStoreCache.fingerprint_of(self.model))
+
+    def _turn(self, job: _Job) -> Reply:
+        with self._cond:
+            history = self._history.get(job.session_id)
+        ids = (self.chat_tokens.first_turn(job.message) if history is None
+               else self.chat_tokens.next_turn(history, job.message))
+        timer = FirstTokenTimer().start()
+        cache = AttnStoreCache(self.model, self.store, job.session_id, ids,
+                               context_window=self.truncation.context_window, truncation=self.truncation.mode,
+                               truncation_ratio=self.truncation.truncation_ratio, keep_first=self.truncation.keep_first)
+        prompt = cache.input_ids
+        out = self.model.generate(prompt, past_key_values=cache, streamer=_Tee(timer, job.streamer),
+                                  **self.generate_kwargs)
+        total = time.perf_counter() - timer.t0
+        generated = out[:, prompt.shape[1]:]
+        with self._cond:
+            self._history[job.session_id] = out.cpu()  # only a completed turn changes the history
+        source = "truncated" if cache.dropped_tokens else cache.kv_source
+        return Reply(session_id=job.session_id, text=self.chat_tokens.reply_text(generated),
+                     history_tokens=int(prompt.shape[1]), reused_tokens=cache.reused_tokens,
+                     prefilled_tokens=int(prompt.shape[1]) - cache.reused_tokens,
+                     generated_tokens=int(generated.shape[1]), dropped_tokens=cache.dropped_tokens,
+                     ttft_s=timer.ttft, total_s=total, kv_source=source)

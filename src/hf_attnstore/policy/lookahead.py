@@ -1,0 +1,39 @@
+"""Scheduler-aware eviction (AttentionStore §3.4): the job queue tells which sessions are needed soon."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator
+
+from .base import EvictionPolicy
+
+
+class LookaheadPolicy(EvictionPolicy):
+    """Evicts sessions with no queued job first (least recently used first), then sessions whose next
+    job is furthest away: the one nearest the tail of the look-ahead window goes first.
+
+    Used for both tiers: when demoting host → disk it keeps the sessions about to run in memory; when
+    dropping from disk it drops sessions outside the window first, then the last-arrived job's session.
+
+    The scheduler calls :meth:`set_queue` with the session ids of its waiting jobs, in order (the store
+    forwards :meth:`AttnStore.set_schedule`); keys are ``(fingerprint, session_id)``.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._next_job: dict[str, int] = {}
+
+    def set_queue(self, session_ids: list[str]) -> None:
+        """The session ids of the jobs in the look-ahead window, first to run first."""
+        self._next_job = {}
+        for position, sid in enumerate(session_ids):
+            self._next_job.setdefault(sid, position)
+
+    def touch(self, key: Hashable) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def victims(self) -> Iterator[Hashable]:
+        keys = list(self._order)
+        idle = [k for k in keys if k[1] not in self._next_job]
+        queued = sorted((k for k in keys if k[1] in self._next_job), key=lambda k: -self._next_job[k[1]])
+        return iter(idle + queued)

@@ -1,0 +1,165 @@
+"""ChatPipeline: queueing, look-ahead hints, correctness against recomputation, bad input."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import DynamicCache, PreTrainedTokenizerFast
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+from hf_attnstore import AttnStore
+from hf_attnstore.pipeline import ChatPipeline
+
+from .conftest import VOCAB, make_tiny
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over a 128-id vocabulary with a chat template (no download)."""
+    specials = ["<pad>", "<s>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    words = [f"w{i}" for i in range(VOCAB - len(specials) - 1)]
+    vocab = {t: i for i, t in enumerate(specials + words + ["<unk>"])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\s+"), behavior="removed")  # special tokens split first
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|end|>",
+                                   additional_special_tokens=specials[2:])
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+def words(seed: int, n: int = 6) -> str:
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, 100, (n,), generator=g))
+
+
+@pytest.fixture
+def setup():
+    model, tok = make_tiny("llama"), tiny_tokenizer()
+    return model, tok
+
+
+def test_turns_equal_recomputation(setup):
+    model, tok = setup
+    with ChatPipeline(model, tok, AttnStore(host_bytes="64MiB"), max_new_tokens=6, eos_token_id=None) as pipe:
+        ids = None
+        for turn in range(3):
+            reply = pipe.chat("a", words(turn), timeout=60)
+            ids = pipe.chat_tokens.first_turn(words(turn)) if ids is None else pipe.chat_tokens.next_turn(ids, words(turn))
+            ref = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=6, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+            assert reply.text == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+            assert reply.generated_tokens == 6 and reply.history_tokens == ids.shape[1]
+            assert reply.kv_source == ("miss" if turn == 0 else "host")
+            assert reply.reused_tokens + reply.prefilled_tokens == reply.history_tokens
+            ids = ref
+
+
+def test_prefetch_fetches_the_window_before_the_jobs_run(setup, tmp_path):
+    model, tok = setup
+    store = AttnStore(host_bytes="64MiB", disk_dir=str(tmp_path), fsync=False, idle_flush_s=0.05)
+    with ChatPipeline(model, tok, store, max_new_tokens=3, eos_token_id=None, prefetch_window=2) as pipe:
+        for sid in "ABCD":
+            pipe.chat(sid, words(1), timeout=60)
+        store.flush()
+        for sid in "BCD":
+            store.evict(sid)
+        store.flush()
+        assert [store.tier_of(s, model_fp(pipe)) for s in "ABCD"] == ["host", "disk", "disk", "disk"]
+        # Hold the worker on A's turn so B, C and D are queued behind it.
+        gate, started = threading.Event(), threading.Event()
+        original = pipe._turn
+
+        def held(job):
+            if job.session_id == "A":
+                started.set()
+                assert gate.wait(30)
+            return original(job)
+
+        pipe._turn = held
+        futures = [pipe.submit(s, words(2)) for s in "ABCD"]
+        assert started.wait(30)
+        # The hints were given when A started with [B, C, D] waiting: B and C (the window) are fetched.
+        for _ in range(200):
+            if store.stats().loads_in_flight == 0:
+                break
+            threading.Event().wait(0.01)
+        assert [store.tier_of(s, model_fp(pipe)) for s in "BCD"] == ["host", "host", "disk"]
+        gate.set()
+        replies = [f.result(60) for f in futures]
+        assert [r.kv_source for r in replies[1:3]] == ["host", "host"]
+    store.close()
+
+
+def model_fp(pipe):
+    from hf_attnstore import AttnStoreCache
+
+    return AttnStoreCache.fingerprint_of(pipe.model)
+
+
+def test_turns_of_a_session_run_in_submission_order(setup):
+    model, tok = setup
+    with ChatPipeline(model, tok, AttnStore(host_bytes="64MiB"), max_new_tokens=2, eos_token_id=None) as pipe:
+        futures = [pipe.submit("s", words(i)) for i in range(5)]
+        replies = [f.result(60) for f in futures]
+        lengths = [r.history_tokens for r in replies]
+        assert lengths == sorted(lengths) and len(set(lengths)) == 5
+        assert all(r.reused_tokens == prev.history_tokens + prev.generated_tokens - 1
+                   for prev, r in zip(replies, replies[1:]))
+
+
+def test_streaming(setup):
+    model, tok = setup
+    with ChatPipeline(model, tok, AttnStore(host_bytes="64MiB"), max_new_tokens=4, eos_token_id=None) as pipe:
+        chunks, future = pipe.stream("s", words(3))
+        text = "".join(chunks)
+        assert text.strip() == future.result(60).text.strip()
+
+
+class TestBadInput:
+    def test_empty_message(self, setup):
+        with ChatPipeline(*setup, AttnStore()) as pipe:
+            for bad in ("", "   ", None):
+                with pytest.raises(ValueError, match="message"):
+                    pipe.submit("s", bad)
+
+    def test_unknown_session_stats(self, setup):
+        with ChatPipeline(*setup, AttnStore()) as pipe:
+            with pytest.raises(KeyError, match="unknown session"):
+                pipe.session_stats("nobody")
+
+    def test_message_longer_than_the_window(self, setup):
+        model, tok = setup
+        with ChatPipeline(model, tok, AttnStore(), context_window=16, max_new_tokens=2, eos_token_id=None) as pipe:
+            pipe.chat("other", words(1, 3), timeout=60)
+            with pytest.raises(ValueError, match="fit the context window"):
+                pipe.submit("s", words(2, 40))
+            assert pipe.session_stats("other")["tokens"] > 0  # nothing lost elsewhere
+
+    def test_a_failing_turn_reaches_the_caller_and_keeps_the_history(self, setup):
+        model, tok = setup
+        with ChatPipeline(model, tok, AttnStore(), max_new_tokens=2, eos_token_id=None) as pipe:
+            pipe.chat("s", words(1), timeout=60)
+            before = pipe.session_stats("s")["tokens"]
+            original = model.generate
+
+            def boom(*args, **kwargs):
+                raise RuntimeError("injected")
+
+            model.generate = boom
+            try:
+                with pytest.raises(RuntimeError, match="injected"):
+                    pipe.chat("s", words(2), timeout=60)
+            finally:
+                model.generate = original
+            assert pipe.session_stats("s")["tokens"] == before
+            assert pipe.chat("s", words(3), timeout=60).reused_tokens > 0  # the session goes on
+
+    def test_bad_options(self, setup):
+        with pytest.raises(ValueError, match="prefetch_window"):
+            ChatPipeline(*setup, AttnStore(), prefetch_window=-1)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            ChatPipeline(*setup, AttnStore(), max_new_tokens=0)
