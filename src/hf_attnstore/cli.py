@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -15,16 +16,115 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if all(r.identical for r in results) else 1
 
 
+def _chat(args: argparse.Namespace) -> int:
+    from .models import load_default_model
+    from .pipeline import ChatPipeline
+    from .store import AttnStore
+
+    model, tokenizer = load_default_model(args.model)
+    store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir)
+    pipe = ChatPipeline(model, tokenizer, store, context_window=args.context_window,
+                        max_new_tokens=args.max_new_tokens, system_prompt=args.system)
+    print(f"session {args.session!r}; /stats, /reset, /quit", file=sys.stderr)
+    try:
+        for line in sys.stdin:
+            line = line.strip()
+            if not line:
+                continue
+            if line in ("/quit", "/exit"):
+                break
+            if line == "/reset":
+                pipe.reset(args.session)
+                print("(session reset)", file=sys.stderr)
+                continue
+            if line == "/stats":
+                try:
+                    info = pipe.session_stats(args.session)
+                except KeyError:
+                    info = {"session_id": args.session, "tokens": 0, "tier": None}
+                s = store.stats()
+                print(f"{info} | store: {s.sessions} sessions, hits host/disk {s.hits_host}/{s.hits_disk}, "
+                      f"misses {s.misses}, host {s.host_bytes_used / 2**20:.1f} MiB", file=sys.stderr)
+                continue
+            try:
+                chunks, future = pipe.stream(args.session, line)
+                for chunk in chunks:
+                    print(chunk, end="", flush=True)
+                reply = future.result()
+            except ValueError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                continue
+            print(f"\n[{reply.kv_source}: reused {reply.reused_tokens}/{reply.history_tokens} tokens, "
+                  f"TTFT {1000 * reply.ttft_s:.0f} ms]", file=sys.stderr)
+    finally:
+        pipe.close()
+        store.close()
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from .models import load_default_model
+    from .replay import conversation_jobs, replay
+
+    model, tokenizer = load_default_model(args.model)
+    jobs = conversation_jobs(args.conversations, args.turns, args.max_user_tokens, tokenizer)
+    # Host capacity for a fraction of the sessions, measured from the jobs' approximate final sizes.
+    from .fingerprint import kv_geometry
+
+    layers, heads, dim = kv_geometry(model)
+    per_token = 2 * layers * heads * dim * next(model.parameters()).element_size()
+    tokens = {}
+    for sid, msg in jobs:
+        tokens[sid] = tokens.get(sid, 0) + len(tokenizer(msg)["input_ids"]) + args.max_new_tokens + 8
+    host_bytes = max(1, int(args.host_fraction * sum(tokens.values()) * per_token))
+    rows = []
+    variants = [(p, p == "lookahead") for p in args.policies.split(",")]
+    for policy, prefetch in variants:
+        with tempfile.TemporaryDirectory(prefix="attnstore-replay-") as disk:
+            result = replay(model, tokenizer, jobs, host_bytes=host_bytes, disk_dir=disk, policy=policy,
+                            prefetch=prefetch, max_new_tokens=args.max_new_tokens)
+        rows.append(result.summary())
+    print(f"\n{len(jobs)} turns of {len(tokens)} ShareGPT conversations, host tier {host_bytes / 2**20:.1f} MiB "
+          f"(~{100 * args.host_fraction:.0f}% of the sessions' KV), disk for all")
+    print(f"{'policy':<22}{'hit rate':>10}{'from host':>11}{'TTFT':>10}{'TTFT resumed':>14}")
+    for r in rows:
+        print(f"{r['policy']:<22}{100 * r['hit_rate']:>9.1f}%{100 * r['host_share']:>10.1f}%"
+              f"{r['ttft_ms']:>8.0f}ms{r['ttft_resumed_ms']:>12.0f}ms")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnstore", description="Multi-turn KV cache reuse for transformers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+
     demo = sub.add_parser("demo", help="real ShareGPT conversations through SmolLM2: store vs recomputation")
     demo.add_argument("--conversations", type=int, default=3, help="how many multi-turn conversations")
     demo.add_argument("--turns", type=int, default=4, help="user turns per conversation (at most)")
     demo.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per turn")
     demo.add_argument("--max-user-tokens", type=int, default=128, help="user messages are clipped to this")
     demo.set_defaults(func=_demo)
+
+    chat = sub.add_parser("chat", help="an interactive chat (stdin) with streaming replies")
+    chat.add_argument("--session", default="default", help="session name (resumed if it is in --disk-dir)")
+    chat.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
+    chat.add_argument("--disk-dir", default=None, help="keep sessions on disk here (resumable across runs)")
+    chat.add_argument("--host-bytes", default="2GiB")
+    chat.add_argument("--context-window", type=int, default=None)
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.set_defaults(func=_chat)
+
+    rp = sub.add_parser("replay", help="ShareGPT conversations through the pipeline: hit rates per policy")
+    rp.add_argument("--model", default=None)
+    rp.add_argument("--conversations", type=int, default=30)
+    rp.add_argument("--turns", type=int, default=3)
+    rp.add_argument("--max-user-tokens", type=int, default=64)
+    rp.add_argument("--max-new-tokens", type=int, default=16)
+    rp.add_argument("--host-fraction", type=float, default=0.1, help="host capacity as a share of all KV")
+    rp.add_argument("--policies", default="lookahead,lru,fifo",
+                    help="comma-separated; lookahead runs with prefetch, the others without")
+    rp.set_defaults(func=_replay)
     return parser
 
 

@@ -109,6 +109,7 @@ class ChatPipeline:
                                 "max_new_tokens": max_new_tokens}
         self._history: dict[str, torch.Tensor] = {}  # each session's source of truth: its token ids
         self._queue: deque[_Job] = deque()
+        self._running: str | None = None
         self._cond = threading.Condition()
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="attnstore-pipeline", daemon=True)
@@ -188,6 +189,7 @@ class ChatPipeline:
                 if not self._queue:
                     return
                 job = self._queue.popleft()
+                self._running = job.session_id
                 waiting = [j.session_id for j in self._queue]
             self._give_hints(waiting)
             try:
@@ -198,17 +200,30 @@ class ChatPipeline:
                     job.streamer.end()
 
     def _windows(self) -> tuple[int, int]:
+        """The look-ahead windows: C_host / S_kv - 1 (the running job needs room too) for prefetching and
+        (C_host + C_disk) / S_kv for eviction, with S_kv the mean session size in host memory so far."""
         s = self.store.stats()
-        sessions = max(1, s.host_sessions, s.disk_sessions)
-        mean = max(1, (s.disk_bytes_used if s.disk_sessions else s.host_bytes_used) // sessions)
-        prefetch = self.prefetch_window if self.prefetch_window is not None else max(1, s.host_bytes_limit // mean)
+        if s.host_sessions:
+            mean = max(1, s.host_bytes_used // s.host_sessions)
+        elif s.disk_sessions:
+            mean = max(1, s.disk_bytes_used // s.disk_sessions)
+        else:
+            mean = s.host_bytes_limit  # nothing stored yet: nothing to fetch either
+        prefetch = self.prefetch_window
+        if prefetch is None:
+            prefetch = max(0, s.host_bytes_limit // mean - 1)
         disk = s.disk_bytes_limit if self.store.config.disk_dir else 0
-        eviction = self.eviction_window if self.eviction_window is not None else max(1, (s.host_bytes_limit + disk) // mean)
+        eviction = self.eviction_window
+        if eviction is None:
+            eviction = max(1, (s.host_bytes_limit + disk) // mean)
         return prefetch, eviction
 
     def _give_hints(self, waiting: list[str]) -> None:
         prefetch, eviction = self._windows()
-        self.store.set_schedule(waiting[:eviction])
+        # The running job's session comes first: the store holds its write buffer (the paper keeps it on
+        # the device), so it must be the last to be evicted.
+        running = [self._running] if self._running is not None else []
+        self.store.set_schedule(running + waiting[:eviction])
         ahead = list(dict.fromkeys(waiting[:prefetch]))
         if ahead:
             self.store.prefetch(ahead, AttnStoreCache.fingerprint_of(self.model))
@@ -216,6 +231,12 @@ class ChatPipeline:
     def _turn(self, job: _Job) -> Reply:
         with self._cond:
             history = self._history.get(job.session_id)
+        if history is None:
+            # A session this pipeline has not seen may be in the store (a previous process, same disk_dir).
+            # Its stored ids are the history but the last generated token (never fed to the model);
+            # `next_turn` re-adds the end-of-turn tokens, so a reply that ended on one resumes exactly.
+            stored = self.store.token_ids(job.session_id, AttnStoreCache.fingerprint_of(self.model))
+            history = stored.view(1, -1) if stored is not None else None
         ids = (self.chat_tokens.first_turn(job.message) if history is None
                else self.chat_tokens.next_turn(history, job.message))
         timer = FirstTokenTimer().start()

@@ -163,6 +163,7 @@ class AttnStore:
         self._deletes: list[Key] = []
         self._errors: list[BaseException] = []
         self._loads_active = 0
+        self._wanted: list[tuple[str | None, str]] = []  # the last prefetch request
         self._forwards_active = 0  # model forwards running through caches of this store
         self._last_forward = 0.0
         self._warned: set[str] = set()
@@ -217,15 +218,22 @@ class AttnStore:
 
     def prefetch(self, session_ids, fingerprint: str | None = None) -> int:
         """Starts loading these sessions from disk into host memory. Returns how many loads started."""
-        started = 0
-        wanted = {validate_session_id(s) for s in session_ids}
+        wanted = [validate_session_id(s) for s in session_ids]
         with self._lock:
             self._check_open()
-            for e in list(self._entries.values()):
-                if e.key[1] in wanted and (fingerprint is None or e.key[0] == fingerprint) and e.host is None:
-                    if self._start_load(e):
-                        started += 1
-                        self._stats.prefetches += 1
+            # Remembered, in order: sessions that do not fit yet are fetched when a write-out frees room.
+            self._wanted = [(fingerprint, sid) for sid in dict.fromkeys(wanted)]
+            return self._retry_prefetch()
+
+    def _retry_prefetch(self) -> int:
+        started = 0
+        for fingerprint, sid in self._wanted:
+            for e in [e for k, e in self._entries.items() if k[1] == sid and (fingerprint is None or k[0] == fingerprint)]:
+                if e.host is None and e.manifest is not None:
+                    if not self._start_load(e, must_fit=True):
+                        return started  # in order: a later session must not take the room of an earlier one
+                    started += 1
+                    self._stats.prefetches += 1
         return started
 
     def set_schedule(self, session_ids: list[str]) -> None:
@@ -283,6 +291,16 @@ class AttnStore:
             s.host_bytes_used, s.disk_bytes_used = self._host_used, self._disk_used
             s.loads_in_flight, s.saves_pending = self._loads_active, len(self._dirty)
             return s
+
+    def token_ids(self, session_id: str, fingerprint: str) -> torch.Tensor | None:
+        """The ids a session's stored KV covers (without loading anything), or ``None``."""
+        with self._lock:
+            e = self._entries.get((fingerprint, session_id))
+            if e is None or e.length == 0:
+                return None
+            if e.host is not None:
+                return e.host.snapshot().token_ids.clone()
+            return e.manifest.token_ids.clone()
 
     def tier_of(self, session_id: str, fingerprint: str) -> str | None:
         """``"host"``, ``"disk"`` or ``None``: where the session's KV is now."""
@@ -395,11 +413,15 @@ class AttnStore:
         """Demotes (or drops) host sessions until `extra` more bytes fit. Pinned ones stay; dirty ones are
         persisted first and demoted when that completes."""
         limit = self.config.host_bytes
+
+        def freeing() -> int:  # sessions already being written out, to be demoted when done
+            return sum(e.host_accounted for e in self._entries.values() if e.evict_after_save)
+
         for key in list(self._host_policy.victims()):
-            if self._host_used + extra <= limit:
-                break
+            if self._host_used - freeing() + extra <= limit:
+                break  # enough is on its way out: do not evict sessions needed sooner
             e = self._entries[key]
-            if e is not exclude:
+            if e is not exclude and not e.evict_after_save:
                 self._evict_from_host(e)
         return self._host_used + extra <= limit
 
@@ -448,7 +470,9 @@ class AttnStore:
         self._deletes.append(e.key)
 
     # -- loading (disk -> host) ---------------------------------------------------------------------
-    def _start_load(self, e: _Entry) -> bool:
+    def _start_load(self, e: _Entry, must_fit: bool = False) -> bool:
+        """Starts loading a disk-only session into host memory. A prefetch (`must_fit`) is skipped rather
+        than overshooting the host limit; a load a turn waits for may overshoot by this one session."""
         assert e.host is None and e.manifest is not None, "only sessions found only on disk are loaded"
         (layers, heads, dim), dtype = e.layout
         length = e.manifest.length
@@ -457,7 +481,8 @@ class AttnStore:
         if buf.nbytes > self.config.host_bytes:
             self._warn_once("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
             return False
-        self._make_host_room(buf.nbytes, exclude=e)  # may overshoot while other sessions are in flight
+        if not self._make_host_room(buf.nbytes, exclude=e) and must_fit:
+            return False
         buf.parts[0][0].token_ids[:length].copy_(e.manifest.token_ids)
         e.loading = LoadHandle(layers, self.config.read_buffer_layers, self.config.io_timeout_s)
         e.pins += 1
@@ -542,6 +567,10 @@ class AttnStore:
                                 "older turn are dropped", writer.key[1])
                 return False
             buf = e.host
+            if buf is None:  # evicted explicitly mid-turn: what was written is durable, the rest is dropped
+                self._stats.stale_writes += 1
+                writer.dead = True
+                return False
             needed = buf.bytes_after_append(int(token_ids.numel()))
             if needed > self.config.host_bytes:
                 self._drop(e)
@@ -748,6 +777,7 @@ class AttnStore:
                 # else: the session was cut or truncated meanwhile (what we wrote is an older, consistent
                 # state; the next persist writes the new one), or removed (its folder is gone).
             self._make_host_room(0, exclude=None)
+            self._retry_prefetch()
             self._cond.notify_all()
 
     def _yield_to_loads_and_compute(self, e: _Entry) -> None:
