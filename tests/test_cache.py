@@ -14,6 +14,14 @@ from .conftest import ABSOLUTE_MODELS, TINY_MODELS, make_tiny, random_ids
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
 
+def prefill(model, store, session, ids):
+    """Runs `ids` through an AttnStoreCache so that the session holds their KV; returns the cache."""
+    with torch.no_grad():
+        cache = AttnStoreCache(model, store, session, ids)
+        model(cache.input_ids, past_key_values=cache)
+    return cache
+
+
 def run_turns(model, store, session, turns, new_tokens=6, **cache_kwargs):
     """Runs a multi-turn chat twice, with AttnStoreCache and with DynamicCache recomputation."""
     hist = ref_hist = None
@@ -51,8 +59,7 @@ def test_plain_forward_logits_equal_recompute(arch):
     store = AttnStore(host_bytes="64MiB")
     ids = random_ids(30, 5)
     with torch.no_grad():
-        first = AttnStoreCache(model, store, "f", ids[:, :18])
-        model(first.input_ids, past_key_values=first)
+        prefill(model, store, "f", ids[:, :18])
         second = AttnStoreCache(model, store, "f", ids)
         assert second.reused_tokens == 18
         rest = second.input_ids[:, second.get_seq_length():]
@@ -68,8 +75,7 @@ def test_rerotated_keys_equal_model_post_rope_keys(arch):
     store = AttnStore(host_bytes="64MiB")
     ids = random_ids(40, 6)
     with torch.no_grad():
-        first = AttnStoreCache(model, store, "k", ids)
-        model(first.input_ids, past_key_values=first)
+        prefill(model, store, "k", ids)
         ref = DynamicCache()
         model(ids, past_key_values=ref)
     resumed = AttnStoreCache(model, store, "k", torch.cat([ids, random_ids(1, 7)], dim=1))
@@ -83,9 +89,7 @@ def test_rerotated_keys_equal_model_post_rope_keys(arch):
 def test_prefix_mismatch_reuses_exactly_the_common_prefix(tiny_llama):
     store = AttnStore(host_bytes="64MiB")
     ids = random_ids(30, 8)
-    with torch.no_grad():
-        cache = AttnStoreCache(tiny_llama, store, "p", ids)
-        tiny_llama(cache.input_ids, past_key_values=cache)
+    cache = prefill(tiny_llama, store, "p", ids)
     edited = ids.clone()
     edited[0, 17] = (edited[0, 17] + 1) % 128
     edited = torch.cat([edited, random_ids(4, 9)], dim=1)
@@ -101,9 +105,7 @@ def test_prefix_mismatch_reuses_exactly_the_common_prefix(tiny_llama):
 def test_identical_prompt_leaves_one_token_to_compute(tiny_llama):
     store = AttnStore(host_bytes="64MiB")
     ids = random_ids(12, 10)
-    with torch.no_grad():
-        cache = AttnStoreCache(tiny_llama, store, "i", ids)
-        tiny_llama(cache.input_ids, past_key_values=cache)
+    prefill(tiny_llama, store, "i", ids)
     again = AttnStoreCache(tiny_llama, store, "i", ids)
     assert again.reused_tokens == 11
     out = tiny_llama.generate(again.input_ids, past_key_values=again, max_new_tokens=4, **GREEDY)
@@ -113,9 +115,7 @@ def test_identical_prompt_leaves_one_token_to_compute(tiny_llama):
 def test_other_model_or_dtype_is_a_miss(tiny_llama):
     store = AttnStore(host_bytes="64MiB")
     ids = random_ids(16, 11)
-    with torch.no_grad():
-        cache = AttnStoreCache(tiny_llama, store, "m", ids)
-        tiny_llama(cache.input_ids, past_key_values=cache)
+    prefill(tiny_llama, store, "m", ids)
     assert AttnStoreCache(tiny_llama, store, "m", ids).reused_tokens == 15
     other_weights = make_tiny("llama", seed=1)
     assert AttnStoreCache(other_weights, store, "m", ids).reused_tokens == 0
@@ -126,9 +126,7 @@ def test_other_model_or_dtype_is_a_miss(tiny_llama):
 def test_sessions_are_isolated(tiny_llama):
     store = AttnStore(host_bytes="64MiB")
     ids = random_ids(16, 12)
-    with torch.no_grad():
-        cache = AttnStoreCache(tiny_llama, store, "alice", ids)
-        tiny_llama(cache.input_ids, past_key_values=cache)
+    prefill(tiny_llama, store, "alice", ids)
     assert AttnStoreCache(tiny_llama, store, "bob", ids).reused_tokens == 0
 
 
@@ -147,8 +145,7 @@ def test_bf16_reuse_stays_close():
     store = AttnStore(host_bytes="64MiB")
     ids = random_ids(40, 14)
     with torch.no_grad():
-        first = AttnStoreCache(model, store, "b", ids[:, :30])
-        model(first.input_ids, past_key_values=first)
+        prefill(model, store, "b", ids[:, :30])
         second = AttnStoreCache(model, store, "b", ids)
         logits = model(second.input_ids[:, 30:], past_key_values=second).logits
         full = model(ids).logits[:, 30:]

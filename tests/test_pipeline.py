@@ -163,3 +163,24 @@ class TestBadInput:
             ChatPipeline(*setup, AttnStore(), prefetch_window=-1)
         with pytest.raises(ValueError, match="max_new_tokens"):
             ChatPipeline(*setup, AttnStore(), max_new_tokens=0)
+
+
+def test_a_new_pipeline_resumes_sessions_from_the_disk_tier(setup, tmp_path):
+    model, tok = setup
+    with AttnStore(host_bytes="64MiB", disk_dir=str(tmp_path), fsync=False) as store:
+        with ChatPipeline(model, tok, store, max_new_tokens=4, eos_token_id=None) as pipe:
+            pipe.chat("a", words(1), timeout=60)
+            pipe.chat("a", words(2), timeout=60)
+    with AttnStore(host_bytes="64MiB", disk_dir=str(tmp_path), fsync=False) as store:
+        stored = store.token_ids("a", model_fp_of(model))
+        with ChatPipeline(model, tok, store, max_new_tokens=4, eos_token_id=None) as pipe:
+            reply = pipe.chat("a", words(3), timeout=60)
+        # Submitting prefetched it, so the turn found it in host memory; it came from disk all the same.
+        assert reply.kv_source in ("host", "disk") and reply.reused_tokens == stored.numel()
+        assert store.stats().bytes_read > 0
+
+
+def model_fp_of(model):
+    from hf_attnstore import AttnStoreCache
+
+    return AttnStoreCache.fingerprint_of(model)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..policy import make_policy
-from .buffer import SessionBuffer, SessionKV
+from .buffer import SessionBuffer, SessionKV, ranges
 from .config import StoreConfig
 from .disk import DiskTier
 from .format import FormatError, Manifest, Span
@@ -619,7 +619,7 @@ class AttnStore:
             if e.manifest is not None:
                 # The kept tokens that were durable stay durable: only the manifest changes, no data is rewritten.
                 durable = keep[keep < e.persisted]
-                self._set_manifest(e, e.manifest.select(_ranges(durable)), e.chunks)
+                self._set_manifest(e, e.manifest.select(ranges(durable)), e.chunks)
         else:
             if e is not None:
                 self._drop(e)
@@ -801,17 +801,6 @@ class AttnStore:
             self._entries[e.key] = e
             self._set_manifest(e, manifest, chunks)
         self._expire()
-
-
-def _ranges(indices: torch.Tensor) -> list[tuple[int, int]]:
-    """Sorted indices as maximal ``[a, b)`` ranges."""
-    out: list[tuple[int, int]] = []
-    for i in indices.tolist():
-        if out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        else:
-            out.append((i, i + 1))
-    return out
 
 
 class TurnWriter:

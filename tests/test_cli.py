@@ -1,0 +1,34 @@
+"""The `attnstore` command line, on the real SmolLM2 (integration)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_attnstore.cli import build_parser
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_parser_knows_the_commands():
+    parser = build_parser()
+    assert parser.parse_args(["chat", "--session", "x"]).session == "x"
+    assert parser.parse_args(["replay", "--conversations", "3"]).conversations == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["fly"])
+
+
+@pytest.mark.integration
+def test_chat_repl(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
+    commands = "Hello there\n/stats\nAnd again?\n/reset\n/stats\n/quit\n"
+    run = subprocess.run([sys.executable, "-m", "hf_attnstore", "chat", "--session", "t", "--max-new-tokens", "6",
+                          "--disk-dir", str(tmp_path)], input=commands, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip()  # streamed replies
+    assert "[miss: reused 0/" in run.stderr and "[host: reused" in run.stderr
+    assert "'tokens': 0" in run.stderr  # /stats after /reset
