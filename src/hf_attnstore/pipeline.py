@@ -211,7 +211,9 @@ class ChatPipeline:
             mean = s.host_bytes_limit  # nothing stored yet: nothing to fetch either
         prefetch = self.prefetch_window
         if prefetch is None:
-            prefetch = max(0, s.host_bytes_limit // mean - 1)
+            # An upper bound: the store fetches the sessions in queue order as long as they fit, never
+            # evicting one needed sooner, so the window adapts to the sessions' actual sizes.
+            prefetch = max(1, 2 * (s.host_bytes_limit // mean))
         disk = s.disk_bytes_limit if self.store.config.disk_dir else 0
         eviction = self.eviction_window
         if eviction is None:

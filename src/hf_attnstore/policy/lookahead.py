@@ -28,6 +28,10 @@ class LookaheadPolicy(EvictionPolicy):
         for position, sid in enumerate(session_ids):
             self._next_job.setdefault(sid, position)
 
+    def position(self, key: Hashable) -> int | None:
+        """Where the session's next job is in the queue (0 = next), or None if it has none."""
+        return self._next_job.get(key[1])
+
     def touch(self, key: Hashable) -> None:
         if key in self._order:
             self._order.move_to_end(key)

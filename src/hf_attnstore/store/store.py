@@ -409,10 +409,12 @@ class AttnStore:
         if e.persisted > length:
             self._set_manifest(e, e.manifest.select([(0, length)]), e.chunks)
 
-    def _make_host_room(self, extra: int, exclude: _Entry | None) -> bool:
+    def _make_host_room(self, extra: int, exclude: _Entry | None, keep_sooner_than: int | None = None) -> bool:
         """Demotes (or drops) host sessions until `extra` more bytes fit. Pinned ones stay; dirty ones are
-        persisted first and demoted when that completes."""
+        persisted first and demoted when that completes. With `keep_sooner_than` (a prefetch for the job at
+        that queue position), sessions whose next job comes sooner are never evicted for it."""
         limit = self.config.host_bytes
+        position = getattr(self._host_policy, "position", lambda key: None)
 
         def freeing() -> int:  # sessions already being written out, to be demoted when done
             return sum(e.host_accounted for e in self._entries.values() if e.evict_after_save)
@@ -421,6 +423,10 @@ class AttnStore:
             if self._host_used - freeing() + extra <= limit:
                 break  # enough is on its way out: do not evict sessions needed sooner
             e = self._entries[key]
+            if keep_sooner_than is not None:
+                pos = position(key)
+                if pos is not None and pos <= keep_sooner_than:
+                    break  # the rest of the victim order is needed even sooner
             if e is not exclude and not e.evict_after_save:
                 self._evict_from_host(e)
         return self._host_used + extra <= limit
@@ -481,7 +487,8 @@ class AttnStore:
         if buf.nbytes > self.config.host_bytes:
             self._warn_once("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
             return False
-        if not self._make_host_room(buf.nbytes, exclude=e) and must_fit:
+        position = getattr(self._host_policy, "position", lambda key: None)(e.key) if must_fit else None
+        if not self._make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
             return False
         buf.parts[0][0].token_ids[:length].copy_(e.manifest.token_ids)
         e.loading = LoadHandle(layers, self.config.read_buffer_layers, self.config.io_timeout_s)
