@@ -326,7 +326,7 @@ class AttnStoreCache(DynamicCache):
                 )
             self._fwd_ids = input_ids.reshape(-1)
         if self._rope.has_rope:
-            self._fwd_rope = self._rope.cos_sin(positions, torch.float32)
+            self._fwd_rope = self._rope.inverse(*self._rope.cos_sin(positions, torch.float32))
         self._pending = [None] * self._geometry[0]
 
     def _record(self, idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -338,8 +338,8 @@ class AttnStoreCache(DynamicCache):
             )
         started = time.perf_counter()
         if self._rope.has_rope:
-            cos, sin = self._fwd_rope
-            keys = self._rope.unrotate(keys, cos.to(keys.device), sin.to(keys.device))
+            inv_cos, inv_sin = self._fwd_rope
+            keys = self._rope.unrotate(keys, inv_cos.to(keys.device), inv_sin.to(keys.device))
         self._pending[idx] = (keys, values)
         self.save_seconds += time.perf_counter() - started
 

@@ -88,16 +88,23 @@ class RopeAdapter:
         return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
 
     @staticmethod
-    def unrotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Inverts :meth:`rotate` in fp32 and returns keys in their original dtype.
+    def inverse(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 factors that undo a rotation by ``(cos, sin)``: computed once per forward, used per layer.
 
         RoPE is a rotation by angle theta scaled by `attention_scaling` (s): k' = s·R(θ)k, so
         k = R(-θ)k' / s² with s² = cos² + sin². Dividing keeps yarn-style scaled RoPE exact too.
         """
-        rot = cos.shape[-1]
-        k32, cos32, sin32 = keys.float(), cos.float(), sin.float()
+        cos32, sin32 = cos.float(), sin.float()
+        norm = cos32 * cos32 + sin32 * sin32
+        return cos32 / norm, sin32 / norm
+
+    @staticmethod
+    def unrotate(keys: torch.Tensor, inv_cos: torch.Tensor, inv_sin: torch.Tensor) -> torch.Tensor:
+        """Inverts :meth:`rotate` in fp32 with factors from :meth:`inverse`; returns the keys' dtype."""
+        rot = inv_cos.shape[-1]
+        k32 = keys.float()
         head = k32[..., :rot]
-        head = (head * cos32 - rotate_half(head) * sin32) / (cos32 * cos32 + sin32 * sin32)
+        head = head * inv_cos - rotate_half(head) * inv_sin
         if rot != keys.shape[-1]:
             head = torch.cat((head, k32[..., rot:]), dim=-1)
         return head.to(keys.dtype)

@@ -414,6 +414,8 @@ class AttnStore:
         persisted first and demoted when that completes. With `keep_sooner_than` (a prefetch for the job at
         that queue position), sessions whose next job comes sooner are never evicted for it."""
         limit = self.config.host_bytes
+        if self._host_used + extra <= limit:
+            return True  # the common case, once per appended token: no scan of the index
         position = getattr(self._host_policy, "position", lambda key: None)
 
         def freeing() -> int:  # sessions already being written out, to be demoted when done
