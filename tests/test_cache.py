@@ -140,6 +140,29 @@ def test_inputs_embeds_forward_is_not_saved(tiny_llama):
     assert store.lookup("e", cache.fingerprint) is None
 
 
+def test_read_only_cache_reuses_and_leaves_the_store_unchanged(tiny_llama):
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(40, 15)
+    first = prefill(tiny_llama, store, "r", ids[:, :24])
+    before = store.token_ids("r", first.fingerprint).clone()
+    with torch.no_grad():
+        for tail in (ids[:, 24:], random_ids(9, 16), random_ids(3, 17)):
+            prompt = torch.cat([ids[:, :24], tail], dim=1)
+            cache = AttnStoreCache(tiny_llama, store, "r", prompt, save=False)
+            assert cache.reused_tokens == 24
+            out = tiny_llama.generate(cache.input_ids, past_key_values=cache, max_new_tokens=4, **GREEDY)
+            ref = tiny_llama.generate(prompt, past_key_values=DynamicCache(), max_new_tokens=4, **GREEDY)
+            assert torch.equal(out, ref)
+            assert cache.saved_tokens == 0
+            assert torch.equal(store.token_ids("r", first.fingerprint), before)
+    # Truncating read-only turns leave the stored history whole too.
+    cache = AttnStoreCache(tiny_llama, store, "r", ids, save=False, context_window=30, keep_first=2)
+    assert cache.dropped_tokens > 0 and cache.reused_tokens > 2
+    with torch.no_grad():
+        tiny_llama(cache.input_ids[:, cache.reused_tokens :], past_key_values=cache)
+    assert torch.equal(store.token_ids("r", first.fingerprint), before)
+
+
 def test_bf16_reuse_stays_close():
     model = make_tiny("llama", dtype=torch.bfloat16)
     store = AttnStore(host_bytes="64MiB")

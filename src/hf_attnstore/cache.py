@@ -120,6 +120,8 @@ class AttnStoreCache(DynamicCache):
         truncation: ``"decoupled"`` (default), ``"recompute"`` or ``"naive"`` (evaluation baseline only).
         truncation_ratio: Fraction of the window dropped at an overflow.
         keep_first: Leading tokens always kept as attention sinks.
+        save: If ``False`` the cache only reads: the turn reuses the stored KV but the store is left exactly
+            as it was (for scoring, evaluation, or branching several continuations off one history).
 
     Attributes:
         input_ids: The ids to pass to ``generate``/``forward`` (truncated if the context overflowed).
@@ -146,6 +148,7 @@ class AttnStoreCache(DynamicCache):
         truncation: str = "decoupled",
         truncation_ratio: float = 0.5,
         keep_first: int = 4,
+        save: bool = True,
     ):
         if not isinstance(store, AttnStore):
             raise TypeError(f"`store` must be an AttnStore, got {type(store).__name__}")
@@ -178,7 +181,7 @@ class AttnStoreCache(DynamicCache):
             self._snapshot.loader.attach()
             weakref.finalize(self, self._snapshot.loader.release)
         self._keep_is_prefix = torch.equal(self.plan.keep, torch.arange(self.reused_tokens))
-        self._writer = store.open_turn(session_id, self.fingerprint, snapshot, self.plan.keep)
+        self._writer = store.open_turn(session_id, self.fingerprint, snapshot, self.plan.keep) if save else None
         self._prefetcher: _CudaPrefetcher | None = None
         self._selected: SessionKV | None = None
         self._load_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -186,7 +189,7 @@ class AttnStoreCache(DynamicCache):
         self._pending: list | None = None
         self._fwd_ids: torch.Tensor | None = None
         self._fwd_rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._save = True
+        self._save = bool(save)
         self._broken = False
         self.saved_tokens = 0
         self.save_seconds = 0.0  # time this turn spent un-rotating keys and handing KV to the store
@@ -279,7 +282,8 @@ class AttnStoreCache(DynamicCache):
         self._snapshot = self._prefetcher = self._selected = None
         self._keep_is_prefix = True
         self._pending = None
-        self._writer = self._store.open_turn(self.session_id, self.fingerprint, None, torch.empty(0, dtype=torch.long))
+        if self._writer is not None:
+            self._writer = self._store.open_turn(self.session_id, self.fingerprint, None, torch.empty(0, dtype=torch.long))
         self.layers = [AttnStoreLayer(self, i, 0) for i in range(self._geometry[0])]
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "attention_mask", "cache_position")}
         kwargs["input_ids"] = self.input_ids[:, :total]
@@ -325,7 +329,7 @@ class AttnStoreCache(DynamicCache):
                     "tokens to a plain forward"
                 )
             self._fwd_ids = input_ids.reshape(-1)
-        if self._rope.has_rope:
+        if self._rope.has_rope and self._save:
             self._fwd_rope = self._rope.inverse(*self._rope.cos_sin(positions, torch.float32))
         self._pending = [None] * self._geometry[0]
 
@@ -336,6 +340,9 @@ class AttnStoreCache(DynamicCache):
                 "AttnStoreCache.update was called outside a forward of the model it was created with; "
                 "create the cache with the model that uses it"
             )
+        if not self._save:
+            self._pending[idx] = (None, None)  # read-only: nothing to un-rotate or keep
+            return
         started = time.perf_counter()
         if self._rope.has_rope:
             inv_cos, inv_sin = self._fwd_rope
@@ -365,7 +372,8 @@ class AttnStoreCache(DynamicCache):
         kept = total - self.reused_tokens
         fed = torch.cat(self._fed_ids) if self._fed_ids else torch.empty(0, dtype=torch.long)
         self._fed_ids = [fed[: max(kept, 0)]]
-        self._writer.truncate(total)
+        if self._writer is not None:
+            self._writer.truncate(total)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if repeats != 1:
