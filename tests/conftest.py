@@ -71,6 +71,28 @@ def random_ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, n), generator=g)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def char_tokenizer():
+    """A character-level tokenizer (printable ASCII and newline) within the tiny models' vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {t: i for i, t in enumerate(specials + chars + ["<unk>"])}
+    assert len(vocab) <= VOCAB
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|end|>",
+                                   additional_special_tokens=specials[2:])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from hf_attnstore import load_default_model

