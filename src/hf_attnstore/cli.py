@@ -130,6 +130,28 @@ def _eval_mmlu(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_fidelity(args: argparse.Namespace) -> int:
+    import torch
+
+    from .evaluation.fidelity import reuse_fidelity
+    from .models import load_default_model
+
+    torch.set_grad_enabled(False)
+    print("| dtype | resumed turns | identical greedy tokens | max abs logit diff | reused / prompt tokens | time |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    ok = True
+    for dtype in args.dtypes.split(","):
+        model, tokenizer = load_default_model(args.model, dtype=dtype)
+        r = reuse_fidelity(model, tokenizer, turns=args.turns, max_new_tokens=args.max_new_tokens,
+                           max_user_tokens=args.max_user_tokens)
+        print(f"| {dtype} | {r.turns} | {r.identical}/{r.turns} ({100 * r.identical_fraction:.1f}%) | "
+              f"{r.max_abs_logit_diff:.2e} | {r.reused_tokens}/{r.prompt_tokens} | {r.seconds:.0f} s |", flush=True)
+        if r.first_difference:
+            print(f"  differing turns (conversation, turn, first differing step): {r.first_difference[:10]}")
+        ok &= dtype != "float32" or r.identical == r.turns
+    return 0 if ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnstore", description="Multi-turn KV cache reuse for transformers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -184,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     mmlu.add_argument("--keep-first", type=int, default=4)
     mmlu.add_argument("--modes", default="none,recompute,decoupled,naive")
     mmlu.set_defaults(func=_eval_mmlu)
+    fid = ev_sub.add_parser("fidelity", help="resumed ShareGPT turns vs full recomputation: identical tokens, logits")
+    fid.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
+    fid.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; fails if float32 differs")
+    fid.add_argument("--turns", type=int, default=200, help="resumed turns compared")
+    fid.add_argument("--max-new-tokens", type=int, default=16)
+    fid.add_argument("--max-user-tokens", type=int, default=256)
+    fid.set_defaults(func=_eval_fidelity)
     return parser
 
 
