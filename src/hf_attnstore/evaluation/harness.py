@@ -87,6 +87,10 @@ class AttnStoreLM(TemplateLM):
             from ..models import load_default_model
 
             name = None if pretrained in (None, "", "smollm2", "default") else pretrained
+            if device is not None and str(device).startswith("cuda") and not torch.cuda.is_available():
+                # lm-eval's CLI passes --device (default "cuda"); like its HF model, fall back to the CPU.
+                logger.warning("device %r is not available: using the CPU", device)
+                device = "cpu"
             self.model, self.tokenizer = load_default_model(name, dtype=dtype, device=device)
         else:
             if tokenizer is None:
