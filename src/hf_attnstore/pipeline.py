@@ -22,6 +22,7 @@ from .cache import AttnStoreCache
 from .chat import ChatTokens
 from .config import TruncationConfig
 from .store import AttnStore
+from .store.placement import lookahead_windows
 from .store.store import validate_session_id
 from .timing import FirstTokenTimer
 
@@ -200,25 +201,11 @@ class ChatPipeline:
                     job.streamer.end()
 
     def _windows(self) -> tuple[int, int]:
-        """The look-ahead windows: C_host / S_kv - 1 (the running job needs room too) for prefetching and
-        (C_host + C_disk) / S_kv for eviction, with S_kv the mean session size in host memory so far."""
+        """The look-ahead windows for prefetching and eviction (see `placement.lookahead_windows`)."""
         s = self.store.stats()
-        if s.host_sessions:
-            mean = max(1, s.host_bytes_used // s.host_sessions)
-        elif s.disk_sessions:
-            mean = max(1, s.disk_bytes_used // s.disk_sessions)
-        else:
-            mean = s.host_bytes_limit  # nothing stored yet: nothing to fetch either
-        prefetch = self.prefetch_window
-        if prefetch is None:
-            # An upper bound: the store fetches the sessions in queue order as long as they fit, never
-            # evicting one needed sooner, so the window adapts to the sessions' actual sizes.
-            prefetch = max(1, 2 * (s.host_bytes_limit // mean))
         disk = s.disk_bytes_limit if self.store.config.disk_dir else 0
-        eviction = self.eviction_window
-        if eviction is None:
-            eviction = max(1, (s.host_bytes_limit + disk) // mean)
-        return prefetch, eviction
+        return lookahead_windows(s.host_bytes_limit, disk, s.host_bytes_used, s.host_sessions, s.disk_bytes_used,
+                                 s.disk_sessions, self.prefetch_window, self.eviction_window)
 
     def _give_hints(self, waiting: list[str]) -> None:
         prefetch, eviction = self._windows()

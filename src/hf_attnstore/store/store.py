@@ -24,6 +24,7 @@ from .config import StoreConfig
 from .disk import DiskTier
 from .format import FormatError, Manifest, Span
 from .loader import LoadError, LoadHandle
+from .placement import choose_victims
 
 logger = logging.getLogger(__name__)
 Key = tuple[str, str]  # (model fingerprint, session id)
@@ -416,21 +417,17 @@ class AttnStore:
         limit = self.config.host_bytes
         if self._host_used + extra <= limit:
             return True  # the common case, once per appended token: no scan of the index
-        position = getattr(self._host_policy, "position", lambda key: None)
+        freeing = sum(e.host_accounted for e in self._entries.values() if e.evict_after_save)
+        entries = self._entries
 
-        def freeing() -> int:  # sessions already being written out, to be demoted when done
-            return sum(e.host_accounted for e in self._entries.values() if e.evict_after_save)
+        def movable(key) -> bool:  # already being written out counts in `freeing`; pinned ones stay
+            e = entries[key]
+            return e is not exclude and not e.evict_after_save and e.pins == 0
 
-        for key in list(self._host_policy.victims()):
-            if self._host_used - freeing() + extra <= limit:
-                break  # enough is on its way out: do not evict sessions needed sooner
-            e = self._entries[key]
-            if keep_sooner_than is not None:
-                pos = position(key)
-                if pos is not None and pos <= keep_sooner_than:
-                    break  # the rest of the victim order is needed even sooner
-            if e is not exclude and not e.evict_after_save:
-                self._evict_from_host(e)
+        for key in choose_victims(self._host_policy.victims(), lambda key: entries[key].host_accounted, movable,
+                                  self._host_used - freeing + extra - limit,
+                                  getattr(self._host_policy, "position", None), keep_sooner_than):
+            self._evict_from_host(entries[key])
         return self._host_used + extra <= limit
 
     def _evict_from_host(self, e: _Entry) -> None:
@@ -454,14 +451,12 @@ class AttnStore:
         """Drops disk victims while the disk tier is over its limit; a session larger than the whole tier
         is kept in host memory only."""
         limit = self.config.disk_bytes
-        for key in list(self._disk_policy.victims()):
-            if self._disk_used <= limit:
-                return
-            e = self._entries[key]
-            if e is current or e.pins:
-                continue
+        entries = self._entries
+        for key in choose_victims(self._disk_policy.victims(), lambda key: entries[key].disk_bytes,
+                                  lambda key: entries[key] is not current and entries[key].pins == 0,
+                                  self._disk_used - limit):
             self._stats.disk_drops += 1
-            self._drop_disk_copy(e)
+            self._drop_disk_copy(entries[key])
         if self._disk_used > limit and current is not None and current.manifest is not None:
             self._drop_disk_copy(current)
             self._stats.rejected_too_large += 1

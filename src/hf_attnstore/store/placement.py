@@ -1,0 +1,61 @@
+"""Placement decisions shared by the store and the simulator (`eval/simulate.py`).
+
+The store calls these under its index lock with its real sessions; the simulator calls them with
+simulated sessions, so the hit rates it reports come from the code that runs in production.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+
+
+def choose_victims(victims: Iterable[Hashable], size: Callable[[Hashable], int], movable: Callable[[Hashable], bool],
+                   overflow: int, position: Callable[[Hashable], int | None] | None = None,
+                   keep_sooner_than: int | None = None) -> list[Hashable]:
+    """The sessions to move out of a tier, in the eviction policy's order, until `overflow` bytes are freed.
+
+    Args:
+        victims: Keys in eviction order (``policy.victims()``).
+        size: Bytes a key frees when it leaves.
+        movable: Whether a key may leave now (not pinned by a load, a write or the running turn).
+        overflow: Bytes over the limit; nothing is chosen when it is 0 or less.
+        position: The queue position of a key's next job (``LookaheadPolicy.position``), if known.
+        keep_sooner_than: Room is made for the job at this queue position (a prefetch): sessions needed
+            at or before it are never chosen, and neither is anything after them in the victim order.
+
+    Returns:
+        The keys to evict, in order. They may free less than `overflow` if too few can move.
+    """
+    chosen = []
+    for key in victims:
+        if overflow <= 0:
+            break
+        if keep_sooner_than is not None and position is not None:
+            pos = position(key)
+            if pos is not None and pos <= keep_sooner_than:
+                break  # the rest of the victim order is needed even sooner
+        if movable(key):
+            chosen.append(key)
+            overflow -= size(key)
+    return chosen
+
+
+def lookahead_windows(host_limit: int, disk_limit: int, host_used: int, host_sessions: int, disk_used: int,
+                      disk_sessions: int, prefetch_window: int | None = None,
+                      eviction_window: int | None = None) -> tuple[int, int]:
+    """The scheduler's look-ahead windows (AttentionStore §3.3-3.4), in jobs.
+
+    With S_kv the mean session size stored so far, the eviction window is ``(C_host + C_disk) / S_kv``; the
+    prefetch window is an upper bound of ``2 C_host / S_kv``: the store fetches the sessions in queue order
+    only while they fit, never evicting one needed sooner, so it adapts to the sessions' actual sizes.
+    Explicit windows override the computed ones.
+    """
+    if host_sessions:
+        mean = max(1, host_used // host_sessions)
+    elif disk_sessions:
+        mean = max(1, disk_used // disk_sessions)
+    else:
+        mean = max(1, host_limit)  # nothing stored yet: nothing to fetch either
+    prefetch = prefetch_window if prefetch_window is not None else max(1, 2 * (host_limit // mean))
+    eviction = eviction_window if eviction_window is not None else max(1, (host_limit + disk_limit) // mean)
+    return prefetch, eviction
