@@ -29,8 +29,12 @@ class EvictionPolicy:
         self._order.pop(key, None)
 
     def victims(self) -> Iterator[Hashable]:
-        """Keys in the order they should be evicted (first = evict first)."""
-        return iter(list(self._order))
+        """Keys in the order they should be evicted (first = evict first).
+
+        Lazy, so that finding the first few victims of a large tier is cheap: the caller must not change
+        the tier while iterating (`placement.choose_victims` chooses first, then evicts).
+        """
+        yield from self._order
 
     def __len__(self) -> int:
         return len(self._order)

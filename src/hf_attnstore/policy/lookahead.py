@@ -37,7 +37,7 @@ class LookaheadPolicy(EvictionPolicy):
             self._order.move_to_end(key)
 
     def victims(self) -> Iterator[Hashable]:
-        keys = list(self._order)
-        idle = [k for k in keys if k[1] not in self._next_job]
-        queued = sorted((k for k in keys if k[1] in self._next_job), key=lambda k: -self._next_job[k[1]])
-        return iter(idle + queued)
+        # Lazy: the idle sessions usually supply the victims, and the queued ones are only sorted if not.
+        yield from (k for k in self._order if k[1] not in self._next_job)
+        queued = [k for k in self._order if k[1] in self._next_job]
+        yield from sorted(queued, key=lambda k: -self._next_job[k[1]])

@@ -1,0 +1,350 @@
+"""A discrete-event simulation of AttentionStore at paper scale, driven by the store's own placement code.
+
+No model runs: a cost model gives each turn's prefill and decode time and KV size. What the simulation
+shares with the store is what decides hit rates: the eviction policies (`hf_attnstore.policy`), the victim
+choice and look-ahead windows (`store.placement`), the in-order prefetch that never evicts a session needed
+sooner, and the truncation rule (`truncation.tokens_to_drop`). Tiers are inclusive as in the store: every
+saved session is written to disk, so demoting a session from host memory costs nothing unless its disk
+copy was dropped.
+
+Serving model (stated in docs/benchmarks.md): sessions arrive as a Poisson process; a session's next turn
+arrives an exponential think time after its previous reply; jobs wait in one FIFO queue for one of
+`batch` slots of a continuously batching engine. A job takes ``stall + prefill_tokens * t_prefill +
+reply_tokens * t_decode``; a disk hit that was not prefetched stalls for its read (one SSD queue).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from .config import TruncationConfig
+from .policy import make_policy
+from .store.placement import choose_victims, lookahead_windows
+from .truncation import tokens_to_drop
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Per-token costs of a served model (A100-class GPUs, fp16)."""
+
+    name: str
+    kv_bytes_per_token: float
+    prefill_s_per_token: float
+    decode_s_per_step: float
+    context_window: int
+
+
+# KV bytes per token from the paper. Prefill: 2 * params FLOP per token at 50% of 312 TFLOP/s per A100,
+# across the GPUs the model needs (1 for 13B, 2 for 40B, 4 for 65B/70B). Decode: one step of a batch of
+# jobs, bound by reading the weights and the batch's KV (~30-40 ms).
+PROFILES = {
+    "llama-13b": ModelProfile("LLaMA-13B", 0.78e6, 1.7e-4, 0.030, 2048),
+    "llama-65b": ModelProfile("LLaMA-65B", 2.5e6, 2.1e-4, 0.040, 2048),
+    "llama-70b": ModelProfile("LLaMA-70B", 0.31e6, 2.2e-4, 0.040, 4096),
+    "falcon-40b": ModelProfile("Falcon-40B", 0.12e6, 2.6e-4, 0.035, 2048),
+}
+
+
+@dataclass
+class SimConfig:
+    """One simulated deployment.
+
+    Args:
+        host_bytes, disk_bytes: Tier capacities (0 disables a tier; both 0 is recomputation, RE).
+        policy: ``"lookahead"``, ``"lru"`` or ``"fifo"``.
+        prefetch: Fetch the sessions of waiting jobs from disk ahead (the scheduler's look-ahead).
+        truncation: ``"decoupled"`` (stored KV survives an overflow) or ``"invalidate"`` (an overflow
+            makes the stored KV useless, as with KV stored after RoPE).
+        arrival_rate: Sessions per second (Poisson).
+        think_time_s: Mean user think time between a reply and the next turn (exponential).
+        batch: Jobs the engine runs at once.
+        ssd_read_bytes_per_s: Disk read bandwidth for loads.
+        truncation_ratio, keep_first: The truncation rule at overflow.
+        seed: Random seed of arrivals and think times.
+    """
+
+    host_bytes: float = 128e9
+    disk_bytes: float = 10e12
+    policy: str = "lookahead"
+    prefetch: bool = True
+    truncation: str = "decoupled"
+    arrival_rate: float = 1.0
+    think_time_s: float = 30.0
+    batch: int = 32
+    ssd_read_bytes_per_s: float = 5e9
+    truncation_ratio: float = 0.5
+    keep_first: int = 4
+    seed: int = 0
+
+
+@dataclass
+class SimResult:
+    """Counts over the replayed turns; resumed turns are every turn but a session's first."""
+
+    turns: int = 0
+    resumed: int = 0
+    hits_host: int = 0
+    hits_disk: int = 0
+    misses_overflow: int = 0  # resumed turns whose KV an overflow invalidated
+    prefill_tokens: int = 0
+    prefill_tokens_recompute: int = 0
+    gpu_busy_s: float = 0.0
+    stall_s: float = 0.0
+    ttft_s: list = field(default_factory=list)
+    max_queue: int = 0
+    makespan_s: float = 0.0
+    demotions: int = 0
+    disk_drops: int = 0
+    prefetches: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.hits_host + self.hits_disk) / self.resumed if self.resumed else float("nan")
+
+    @property
+    def host_share(self) -> float:
+        hits = self.hits_host + self.hits_disk
+        return self.hits_host / hits if hits else float("nan")
+
+
+class _Tiers:
+    """Host and disk tiers as byte counts per session, placed by the store's policies and placement code."""
+
+    def __init__(self, cfg: SimConfig, result: SimResult):
+        self.cfg, self.result = cfg, result
+        self.host_policy, self.disk_policy = make_policy(cfg.policy), make_policy(cfg.policy)
+        self.host: dict[tuple, float] = {}
+        self.disk: dict[tuple, float] = {}
+        self.host_used = self.disk_used = 0.0
+        self.ready_at: dict[tuple, float] = {}  # sessions being loaded: when their read completes
+        self.ssd_free_at = 0.0
+        self.pinned: set[tuple] = set()  # sessions of running jobs
+
+    def position(self, key):
+        return getattr(self.host_policy, "position", lambda k: None)(key)
+
+    def _set(self, tier: dict, policy, key, nbytes: float | None) -> float:
+        old = tier.pop(key, None)
+        if old is not None and nbytes is None:
+            policy.remove(key)
+        if nbytes is not None:
+            if old is None:
+                policy.insert(key)
+            tier[key] = nbytes
+            policy.touch(key)
+        return (nbytes or 0.0) - (old or 0.0)
+
+    def set_host(self, key, nbytes):
+        self.host_used += self._set(self.host, self.host_policy, key, nbytes)
+
+    def set_disk(self, key, nbytes):
+        self.disk_used += self._set(self.disk, self.disk_policy, key, nbytes)
+
+    def make_host_room(self, extra: float, exclude, keep_sooner_than: int | None = None) -> bool:
+        movable = lambda k: k != exclude and k not in self.pinned and k not in self.ready_at  # noqa: E731
+        for key in choose_victims(self.host_policy.victims(), self.host.get, movable,
+                                  self.host_used + extra - self.cfg.host_bytes, self.position, keep_sooner_than):
+            self.set_host(key, None)  # inclusive tiers: its disk copy (if any) remains
+            self.result.demotions += 1
+        return self.host_used + extra <= self.cfg.host_bytes
+
+    def enforce_disk(self, current) -> None:
+        movable = lambda k: k != current and k not in self.ready_at  # noqa: E731
+        for key in choose_victims(self.disk_policy.victims(), self.disk.get, movable,
+                                  self.disk_used - self.cfg.disk_bytes):
+            self.set_disk(key, None)
+            self.result.disk_drops += 1
+        if self.disk_used > self.cfg.disk_bytes and current in self.disk:
+            self.set_disk(current, None)
+
+    def save(self, key, nbytes: float) -> None:
+        """A turn's KV: kept in host memory (making room) and written to disk."""
+        if nbytes <= self.cfg.host_bytes and self.make_host_room(nbytes - self.host.get(key, 0.0), exclude=key):
+            self.set_host(key, nbytes)
+        else:
+            self.set_host(key, None)
+        if self.cfg.disk_bytes > 0 and nbytes <= self.cfg.disk_bytes:
+            self.set_disk(key, nbytes)
+            self.enforce_disk(key)
+        else:
+            self.set_disk(key, None)
+
+    def load(self, key, now: float, must_fit: bool) -> bool:
+        """Reads a disk-only session into host memory; a prefetch (`must_fit`) never evicts a sooner one."""
+        nbytes = self.disk[key]
+        if nbytes > self.cfg.host_bytes:
+            return False
+        keep = self.position(key) if must_fit else None
+        if not self.make_host_room(nbytes, exclude=key, keep_sooner_than=keep) and must_fit:
+            return False
+        self.set_host(key, nbytes)
+        self.ssd_free_at = max(self.ssd_free_at, now) + nbytes / self.cfg.ssd_read_bytes_per_s
+        self.ready_at[key] = self.ssd_free_at
+        return True
+
+    def forget(self, key) -> None:
+        self.set_host(key, None)
+        self.set_disk(key, None)
+
+
+@dataclass
+class _Job:
+    sid: int
+    turn: int
+    arrival: float
+
+
+def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, cfg: SimConfig) -> SimResult:
+    """Replays conversations (per turn: user tokens, reply tokens) through the simulated deployment.
+
+    Returns:
+        A :class:`SimResult`.
+    """
+    if cfg.policy not in ("lookahead", "lru", "fifo"):
+        raise ValueError(f"unknown policy {cfg.policy!r}: expected lookahead, lru or fifo")
+    if cfg.truncation not in ("decoupled", "invalidate"):
+        raise ValueError(f"unknown truncation {cfg.truncation!r}: expected decoupled or invalidate")
+    rng = random.Random(cfg.seed)
+    result = SimResult()
+    tiers = _Tiers(cfg, result)
+    window = TruncationConfig(profile.context_window, cfg.truncation_ratio, cfg.keep_first, "recompute")
+    history = [0] * len(conversations)
+    events: list = []
+    seq = 0
+
+    def push(t, kind, payload):
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, payload))
+        seq += 1
+
+    t = 0.0
+    for sid in range(len(conversations)):
+        t += rng.expovariate(cfg.arrival_rate)
+        push(t, 0, _Job(sid, 0, t))
+    waiting: deque[_Job] = deque()
+    running: list[_Job] = []
+
+    def hints(now: float) -> None:
+        stored_host = len(tiers.host)
+        prefetch, evict = lookahead_windows(int(cfg.host_bytes), int(cfg.disk_bytes), int(tiers.host_used),
+                                            stored_host, int(tiers.disk_used), len(tiers.disk))
+        queue = [("sim", j.sid) for j in waiting]
+        if hasattr(tiers.host_policy, "set_queue"):
+            order = [k[1] for k in [("sim", j.sid) for j in running] + queue[:evict]]
+            tiers.host_policy.set_queue(order)
+            tiers.disk_policy.set_queue(order)
+        if cfg.prefetch:
+            for key in dict.fromkeys(queue[:prefetch]):
+                if key not in tiers.host and key in tiers.disk:
+                    if not tiers.load(key, now, must_fit=True):
+                        break  # in order: a later session must not take the room of an earlier one
+                    result.prefetches += 1
+
+    def start(job: _Job, now: float) -> None:
+        key = ("sim", job.sid)
+        user, reply = conversations[job.sid][job.turn]
+        hist = history[job.sid]
+        drop = tokens_to_drop(hist + user + reply, window)
+        kept = hist - min(drop, hist)
+        stall = 0.0
+        hit = None
+        if job.turn > 0:
+            result.resumed += 1
+            if key in tiers.host:
+                ready = tiers.ready_at.get(key, now)
+                hit = "host" if ready <= now else "disk"
+                stall = max(0.0, ready - now)
+            elif key in tiers.disk:
+                tiers.load(key, now, must_fit=False)
+                hit = "disk"
+                stall = tiers.ready_at[key] - now
+            if hit is not None and drop and cfg.truncation == "invalidate":
+                result.misses_overflow += 1
+                tiers.forget(key)
+                hit, stall = None, 0.0
+            if hit == "host":
+                result.hits_host += 1
+            elif hit == "disk":
+                result.hits_disk += 1
+            for k in [k for k, r in tiers.ready_at.items() if r <= now]:
+                del tiers.ready_at[k]
+        tiers.ready_at.pop(key, None)
+        tiers.pinned.add(key)
+        prefill = user if hit is not None else kept + user
+        result.turns += 1
+        result.prefill_tokens += prefill
+        result.prefill_tokens_recompute += kept + user
+        prefill_s = prefill * profile.prefill_s_per_token
+        service = stall + prefill_s + reply * profile.decode_s_per_step
+        result.gpu_busy_s += prefill_s + reply * profile.decode_s_per_step
+        result.stall_s += stall
+        result.ttft_s.append(now - job.arrival + stall + prefill_s)
+        history[job.sid] = kept + user + reply
+        running.append(job)
+        push(now + service, 1, job)
+
+    while events:
+        now, _, kind, job = heapq.heappop(events)
+        if kind == 0:
+            waiting.append(job)
+        else:
+            running.remove(job)
+            key = ("sim", job.sid)
+            tiers.pinned.discard(key)
+            if cfg.host_bytes > 0 or cfg.disk_bytes > 0:
+                tiers.save(key, history[job.sid] * profile.kv_bytes_per_token)
+            if job.turn + 1 < len(conversations[job.sid]):
+                nxt = now + rng.expovariate(1.0 / cfg.think_time_s) if cfg.think_time_s > 0 else now
+                push(nxt, 0, _Job(job.sid, job.turn + 1, nxt))
+        result.max_queue = max(result.max_queue, len(waiting))
+        while waiting and len(running) < cfg.batch:
+            start(waiting.popleft(), now)
+        hints(now)
+        result.makespan_s = now
+    return result
+
+
+def sharegpt_trace(tokenizer, limit: int | None = None) -> list[list[tuple[int, int]]]:
+    """Every ShareGPT conversation as (user tokens, reply tokens) per turn, counted with `tokenizer`.
+
+    A user message is paired with the assistant message that follows it (0 tokens if none). The counts
+    are cached under :func:`hf_attnstore.models.cache_root` (tokenizing 17,671 conversations takes a while).
+    """
+    import hashlib
+    import json
+    import os
+
+    from .data import iter_sharegpt
+    from .data.sharegpt import sharegpt_path
+    from .models import cache_root
+
+    path = sharegpt_path()
+    tag = hashlib.sha256(f"{path.stat().st_size}:{tokenizer.name_or_path}:{len(tokenizer)}".encode()).hexdigest()[:16]
+    cached = cache_root() / "traces" / f"sharegpt-{tag}.json"
+    if cached.is_file():
+        trace = [[tuple(t) for t in conv] for conv in json.loads(cached.read_text())]
+    else:
+        trace = []
+        for conv in iter_sharegpt():
+            turns, user = [], None
+            for m in conv.messages:
+                n = len(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
+                if m["role"] == "user":
+                    if user is not None:
+                        turns.append((user, 0))
+                    user = n
+                elif m["role"] == "assistant" and user is not None:
+                    turns.append((user, n))
+                    user = None
+            if user is not None:
+                turns.append((user, 0))
+            if turns:
+                trace.append(turns)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(trace))
+        os.replace(tmp, cached)
+    return trace[:limit] if limit is not None else trace
