@@ -257,9 +257,8 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
                 ready = tiers.ready_at.get(key, now)
                 hit = "host" if ready <= now else "disk"
                 stall = max(0.0, ready - now)
-            elif key in tiers.disk:
-                tiers.load(key, now, must_fit=False)
-                hit = "disk"
+            elif key in tiers.disk and tiers.load(key, now, must_fit=False):
+                hit = "disk"  # (a session larger than the host tier is a miss, as in the store)
                 stall = tiers.ready_at[key] - now
             if hit is not None and drop and cfg.truncation == "invalidate":
                 result.misses_overflow += 1

@@ -1,0 +1,116 @@
+"""Paper-scale hit rates by simulation: all ShareGPT conversations, Poisson arrivals, the store's own policies.
+
+    python eval/simulate.py                      # everything below, LLaMA-13B, all conversations
+    python eval/simulate.py --sessions 3000 --sections policies
+
+Sections:
+  policies   hit rate and where hits come from, per policy, at 128G/2T and 128G/10T (+ RE, no store)
+  overflow   decoupled truncation vs KV invalidated on overflow (Fig. 22), per model
+  capacity   hit rate vs disk capacity with 128 GB of DRAM (Fig. 23); writes docs/img/sim_capacity.png
+
+See `hf_attnstore.simulation` for the serving model and the cost model's assumptions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+from hf_attnstore.models import load_default_model
+from hf_attnstore.simulation import PROFILES, SimConfig, sharegpt_trace, simulate
+
+POLICIES = (("lookahead", True), ("lru", False), ("fifo", False))
+
+
+def row(label, r, re=None):
+    ttft = statistics.mean(r.ttft_s)
+    saved = 1 - r.prefill_tokens / r.prefill_tokens_recompute
+    gpu = f"{re.gpu_busy_s / r.gpu_busy_s:.2f}x" if re else ""
+    hit = f"{100 * r.hit_rate:.1f}%" if r.resumed else "–"
+    dram = f"{100 * r.host_share:.1f}%" if r.hits_host + r.hits_disk else "–"
+    dram_rate = f"{100 * r.hits_host / r.resumed:.1f}%" if r.resumed else "–"
+    return (f"| {label} | {hit} | {dram} | {dram_rate} | {r.disk_drops} | {100 * saved:.0f}% | {gpu} | "
+            f"{ttft:.1f} s | {r.max_queue} |")
+
+
+HEADER = ("| configuration | hit rate | hits from DRAM | DRAM hit rate | disk drops | prefill saved | GPU time RE/AS "
+          "| mean TTFT (incl. queue) | max queue |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-13b", choices=sorted(PROFILES))
+    p.add_argument("--sessions", type=int, default=None, help="conversations replayed (default: all)")
+    p.add_argument("--rate", type=float, default=1.0, help="session arrivals per second (Poisson)")
+    p.add_argument("--think", type=float, default=30.0, help="mean think time between turns, seconds")
+    p.add_argument("--batch", type=int, default=32, help="jobs the engine runs at once")
+    p.add_argument("--sections", default="policies,overflow,capacity")
+    p.add_argument("--plot", default="docs/img/sim_capacity.png")
+    args = p.parse_args(argv)
+    _, tokenizer = load_default_model()
+    trace = sharegpt_trace(tokenizer, args.sessions)
+    turns = sum(len(c) for c in trace)
+    base = SimConfig(arrival_rate=args.rate, think_time_s=args.think, batch=args.batch)
+    profile = PROFILES[args.model]
+    print(f"{len(trace)} ShareGPT conversations, {turns} turns ({turns / len(trace):.2f} per conversation), "
+          f"Poisson {args.rate}/s, think time {args.think} s (exponential), batch {args.batch}")
+    print(f"{profile}")
+    started = time.perf_counter()
+    sections = args.sections.split(",")
+
+    if "policies" in sections:
+        re = simulate(trace, profile, dataclasses.replace(base, host_bytes=0, disk_bytes=0, prefetch=False))
+        print(f"\n## {profile.name}: policies\n\n{HEADER}")
+        print(row("RE (no store)", re))
+        for host, disk in ((128e9, 2e12), (128e9, 10e12)):
+            for policy, prefetch in POLICIES:
+                cfg = dataclasses.replace(base, host_bytes=host, disk_bytes=disk, policy=policy, prefetch=prefetch)
+                r = simulate(trace, profile, cfg)
+                label = f"{host / 1e9:.0f}G/{disk / 1e12:.0f}T {policy}{' + prefetch' if prefetch else ''}"
+                print(row(label, r, re), flush=True)
+
+    if "overflow" in sections:
+        print("\n## Overflow: decoupled truncation vs KV invalidated (lookahead + prefetch, 128G/10T)\n")
+        print("| model | window | hit rate decoupled | hit rate invalidated | overflowed turns |\n| --- | --- | --- | --- | --- |")
+        for name in ("llama-13b", "llama-65b", "llama-70b", "falcon-40b"):
+            prof = PROFILES[name]
+            dec = simulate(trace, prof, base)
+            inv = simulate(trace, prof, dataclasses.replace(base, truncation="invalidate"))
+            print(f"| {prof.name} | {prof.context_window} | {100 * dec.hit_rate:.1f}% | {100 * inv.hit_rate:.1f}% | "
+                  f"{inv.misses_overflow} |", flush=True)
+
+    if "capacity" in sections:
+        disks = (0, 0.25e12, 0.5e12, 1e12, 2e12, 5e12, 10e12)
+        curves = {}
+        print(f"\n## {profile.name}: hit rate vs disk capacity (128 GB DRAM)\n")
+        print("| disk | " + " | ".join(f"{p}" for p, _ in POLICIES) + " |\n| --- |" + " --- |" * len(POLICIES))
+        for disk in disks:
+            cells = []
+            for policy, prefetch in POLICIES:
+                r = simulate(trace, profile, dataclasses.replace(base, disk_bytes=disk, policy=policy, prefetch=prefetch))
+                curves.setdefault(policy, []).append(100 * r.hit_rate)
+                cells.append(f"{100 * r.hit_rate:.1f}% ({100 * r.host_share:.0f}% DRAM)")
+            print(f"| {disk / 1e12:g} TB | " + " | ".join(cells) + " |", flush=True)
+        if args.plot:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            fig, ax = plt.subplots(figsize=(5, 3.2))
+            for policy, values in curves.items():
+                ax.plot([d / 1e12 for d in disks], values, marker="o", label=policy)
+            ax.set_xlabel("disk capacity (TB), 128 GB DRAM")
+            ax.set_ylabel("hit rate (%)")
+            ax.set_title(f"{profile.name}, {len(trace)} ShareGPT sessions")
+            ax.legend()
+            fig.tight_layout()
+            fig.savefig(args.plot, dpi=120)
+            print(f"\nplot: {args.plot}")
+    print(f"\nsimulated in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The simulator: exact outcomes on small synthetic traces, and that it runs the store's placement code."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hf_attnstore import simulation
+from hf_attnstore.simulation import ModelProfile, SimConfig, simulate
+
+# 1 byte of KV per token keeps capacities readable: a 40-token session takes 40 bytes.
+PROFILE = ModelProfile("toy", kv_bytes_per_token=1.0, prefill_s_per_token=0.01, decode_s_per_step=0.01,
+                       context_window=200)
+TRACE = [[(10, 10)] * 4 for _ in range(30)]  # 30 sessions of 4 turns, 20 tokens a turn
+BIG = SimConfig(host_bytes=1e9, disk_bytes=1e9, think_time_s=5.0, batch=4)
+
+
+def test_unbounded_tiers_hit_every_resumed_turn():
+    r = simulate(TRACE, PROFILE, BIG)
+    assert (r.turns, r.resumed) == (120, 90)
+    assert r.hits_host == 90 and r.hits_disk == 0 and r.hit_rate == 1.0
+    # Each resumed turn prefills only its 10 new tokens; recomputation would prefill the history too.
+    assert r.prefill_tokens == 30 * 10 + 90 * 10
+    assert r.prefill_tokens_recompute == 30 * (10 + 30 + 50 + 70)
+
+
+def test_no_store_is_recomputation():
+    r = simulate(TRACE, PROFILE, dataclasses.replace(BIG, host_bytes=0, disk_bytes=0, prefetch=False))
+    assert r.hits_host == r.hits_disk == 0 and r.hit_rate == 0.0
+    assert r.prefill_tokens == r.prefill_tokens_recompute
+
+
+def test_a_small_host_tier_serves_from_disk_unless_prefetched():
+    # ~2 sessions of ~60 bytes in host memory; one engine slot, so that jobs queue and can be seen ahead.
+    small = dataclasses.replace(BIG, host_bytes=100, batch=1)
+    lru = simulate(TRACE, PROFILE, dataclasses.replace(small, policy="lru", prefetch=False))
+    ahead = simulate(TRACE, PROFILE, small)
+    assert lru.hit_rate == ahead.hit_rate == 1.0  # the disk holds everything
+    assert ahead.host_share > lru.host_share
+    assert ahead.prefetches > 0 and lru.prefetches == 0
+
+
+def test_overflow_invalidation_loses_the_overflowed_sessions():
+    tight = dataclasses.replace(PROFILE, context_window=50)  # the third turn of every session overflows
+    dec = simulate(TRACE, tight, BIG)
+    inv = simulate(TRACE, tight, dataclasses.replace(BIG, truncation="invalidate"))
+    assert dec.hit_rate == 1.0 and inv.misses_overflow > 0
+    assert inv.hit_rate == pytest.approx(1 - inv.misses_overflow / inv.resumed)
+    assert inv.prefill_tokens > dec.prefill_tokens
+
+
+def test_a_disk_too_small_drops_sessions_and_costs_hits():
+    r = simulate(TRACE, PROFILE, dataclasses.replace(BIG, host_bytes=50, disk_bytes=200, policy="fifo",
+                                                     prefetch=False))
+    assert r.disk_drops > 0 and r.hit_rate < 1.0
+
+
+def test_runs_the_stores_placement_code(monkeypatch):
+    calls = []
+    real = simulation.choose_victims
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(simulation, "choose_victims", spy)
+    simulate(TRACE, PROFILE, dataclasses.replace(BIG, host_bytes=100))
+    assert calls and real.__module__ == "hf_attnstore.store.placement"
+
+
+def test_deterministic_and_bad_input():
+    assert simulate(TRACE, PROFILE, BIG).ttft_s == simulate(TRACE, PROFILE, BIG).ttft_s
+    with pytest.raises(ValueError, match="policy"):
+        simulate(TRACE, PROFILE, dataclasses.replace(BIG, policy="random"))
+    with pytest.raises(ValueError, match="truncation"):
+        simulate(TRACE, PROFILE, dataclasses.replace(BIG, truncation="naive"))
