@@ -91,7 +91,7 @@ class SimResult:
     misses_overflow: int = 0  # resumed turns whose KV an overflow invalidated
     prefill_tokens: int = 0
     prefill_tokens_recompute: int = 0
-    gpu_busy_s: float = 0.0
+    gpu_busy_s: float = 0.0  # prefill time plus each job's share of the batched decode steps
     stall_s: float = 0.0
     ttft_s: list = field(default_factory=list)
     max_queue: int = 0
@@ -278,7 +278,8 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
         result.prefill_tokens_recompute += kept + user
         prefill_s = prefill * profile.prefill_s_per_token
         service = stall + prefill_s + reply * profile.decode_s_per_step
-        result.gpu_busy_s += prefill_s + reply * profile.decode_s_per_step
+        # A decode step serves the whole batch, so a job's share of the GPU is a 1/batch of each step.
+        result.gpu_busy_s += prefill_s + reply * profile.decode_s_per_step / cfg.batch
         result.stall_s += stall
         result.ttft_s.append(now - job.arrival + stall + prefill_s)
         history[job.sid] = kept + user + reply
