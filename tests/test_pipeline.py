@@ -58,6 +58,21 @@ def test_turns_equal_recomputation(setup):
             ids = ref
 
 
+def test_without_a_store_every_turn_is_recomputed_with_token_truncation(setup):
+    model, tok = setup
+    kwargs = dict(max_new_tokens=6, eos_token_id=None, context_window=40, keep_first=2)
+    with ChatPipeline(model, tok, None, **kwargs) as re, \
+            ChatPipeline(model, tok, AttnStore(host_bytes="64MiB"), truncation="recompute", **kwargs) as ref:
+        for turn in range(5):
+            a, b = re.chat("s", words(turn), timeout=60), ref.chat("s", words(turn), timeout=60)
+            assert a.text == b.text and a.history_tokens == b.history_tokens
+            assert a.reused_tokens == 0 and a.kv_source in ("recompute", "truncated")
+            assert a.dropped_tokens == b.dropped_tokens and a.queued_s >= 0
+        assert a.dropped_tokens > 0  # the window overflowed on the way
+        assert re.session_stats("s")["tier"] is None
+        re.reset("s")
+
+
 def test_prefetch_fetches_the_window_before_the_jobs_run(setup, tmp_path):
     model, tok = setup
     store = AttnStore(host_bytes="64MiB", disk_dir=str(tmp_path), fsync=False, idle_flush_s=0.05)

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from .cache import AttnStoreCache
 from .chat import ChatTokens
@@ -25,6 +26,7 @@ from .store import AttnStore
 from .store.placement import lookahead_windows
 from .store.store import validate_session_id
 from .timing import FirstTokenTimer
+from .truncation import tokens_to_drop
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,8 @@ class Reply:
 
     Attributes:
         kv_source: Where the reused KV came from: ``"host"``, ``"disk"``, ``"miss"`` (nothing reused),
-            or ``"truncated"`` (the context overflowed and was truncated this turn).
+            ``"truncated"`` (the context overflowed and was truncated this turn), or ``"recompute"``
+            (a pipeline without a store).
     """
 
     session_id: str
@@ -48,6 +51,7 @@ class Reply:
     ttft_s: float
     total_s: float
     kv_source: str
+    queued_s: float = 0.0  # from submit() until the turn started
 
 
 @dataclass
@@ -79,7 +83,8 @@ class ChatPipeline:
 
     Args:
         model, tokenizer: A causal LM and its tokenizer (with a chat template).
-        store: The :class:`AttnStore` holding sessions between turns.
+        store: The :class:`AttnStore` holding sessions between turns, or ``None`` to recompute the whole
+            history every turn (the RE baseline: token truncation on overflow, no reuse).
         context_window: Maximum tokens the model sees; overflowing sessions are truncated (decoupled).
         truncation, truncation_ratio, keep_first: See :class:`AttnStoreCache`.
         system_prompt: A system message placed first in every session.
@@ -93,7 +98,7 @@ class ChatPipeline:
         >>> pipe.chat("alice", "Hello!").text  # doctest: +SKIP
     """
 
-    def __init__(self, model, tokenizer, store: AttnStore, *, context_window: int | None = None,
+    def __init__(self, model, tokenizer, store: AttnStore | None, *, context_window: int | None = None,
                  truncation: str = "decoupled", truncation_ratio: float = 0.5, keep_first: int = 4,
                  system_prompt: str | None = None, prefetch_window: int | None = None,
                  eviction_window: int | None = None, max_new_tokens: int = 256, **generate_kwargs):
@@ -160,6 +165,8 @@ class ChatPipeline:
             if session_id not in self._history:
                 raise KeyError(f"unknown session {session_id!r}")
             ids = self._history[session_id]
+        if self.store is None:
+            return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": None}
         fp = AttnStoreCache.fingerprint_of(self.model)
         return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": self.store.tier_of(session_id, fp)}
 
@@ -167,7 +174,8 @@ class ChatPipeline:
         """Forgets a session: its history and its stored KV."""
         with self._cond:
             self._history.pop(session_id, None)
-        self.store.delete(session_id)
+        if self.store is not None:
+            self.store.delete(session_id)
 
     def close(self, timeout: float | None = 600.0) -> None:
         """Finishes the queued turns and stops the worker."""
@@ -208,6 +216,8 @@ class ChatPipeline:
                                  s.disk_sessions, self.prefetch_window, self.eviction_window)
 
     def _give_hints(self, waiting: list[str]) -> None:
+        if self.store is None:
+            return
         prefetch, eviction = self._windows()
         # The running job's session comes first: the store holds its write buffer (the paper keeps it on
         # the device), so it must be the last to be evicted.
@@ -218,9 +228,10 @@ class ChatPipeline:
             self.store.prefetch(ahead, AttnStoreCache.fingerprint_of(self.model))
 
     def _turn(self, job: _Job) -> Reply:
+        started = time.perf_counter()
         with self._cond:
             history = self._history.get(job.session_id)
-        if history is None:
+        if history is None and self.store is not None:
             # A session this pipeline has not seen may be in the store (a previous process, same disk_dir).
             # Its stored ids are the history but the last generated token (never fed to the model);
             # `next_turn` re-adds the end-of-turn tokens, so a reply that ended on one resumes exactly.
@@ -229,19 +240,26 @@ class ChatPipeline:
         ids = (self.chat_tokens.first_turn(job.message) if history is None
                else self.chat_tokens.next_turn(history, job.message))
         timer = FirstTokenTimer().start()
-        cache = AttnStoreCache(self.model, self.store, job.session_id, ids,
-                               context_window=self.truncation.context_window, truncation=self.truncation.mode,
-                               truncation_ratio=self.truncation.truncation_ratio, keep_first=self.truncation.keep_first)
-        prompt = cache.input_ids
+        if self.store is None:
+            cache, reused, dropped = DynamicCache(), 0, tokens_to_drop(ids.shape[1], self.truncation)
+            k = self.truncation.keep_first
+            prompt = torch.cat([ids[:, :k], ids[:, k + dropped :]], dim=1) if dropped else ids
+            source = "truncated" if dropped else "recompute"
+        else:
+            cache = AttnStoreCache(self.model, self.store, job.session_id, ids,
+                                   context_window=self.truncation.context_window, truncation=self.truncation.mode,
+                                   truncation_ratio=self.truncation.truncation_ratio,
+                                   keep_first=self.truncation.keep_first)
+            prompt, reused, dropped = cache.input_ids, cache.reused_tokens, cache.dropped_tokens
+            source = "truncated" if dropped else cache.kv_source
         out = self.model.generate(prompt, past_key_values=cache, streamer=_Tee(timer, job.streamer),
                                   **self.generate_kwargs)
         total = time.perf_counter() - timer.t0
         generated = out[:, prompt.shape[1]:]
         with self._cond:
             self._history[job.session_id] = out.cpu()  # only a completed turn changes the history
-        source = "truncated" if cache.dropped_tokens else cache.kv_source
         return Reply(session_id=job.session_id, text=self.chat_tokens.reply_text(generated),
-                     history_tokens=int(prompt.shape[1]), reused_tokens=cache.reused_tokens,
-                     prefilled_tokens=int(prompt.shape[1]) - cache.reused_tokens,
-                     generated_tokens=int(generated.shape[1]), dropped_tokens=cache.dropped_tokens,
-                     ttft_s=timer.ttft, total_s=total, kv_source=source)
+                     history_tokens=int(prompt.shape[1]), reused_tokens=reused,
+                     prefilled_tokens=int(prompt.shape[1]) - reused, generated_tokens=int(generated.shape[1]),
+                     dropped_tokens=dropped, ttft_s=timer.ttft, total_s=total, kv_source=source,
+                     queued_s=started - job.submitted)
