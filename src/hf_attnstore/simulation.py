@@ -93,7 +93,8 @@ class SimResult:
     prefill_tokens_recompute: int = 0
     gpu_busy_s: float = 0.0  # prefill time plus each job's share of the batched decode steps
     stall_s: float = 0.0
-    ttft_s: list = field(default_factory=list)
+    ttft_s: list = field(default_factory=list)  # from the job's arrival: queueing + load stall + prefill
+    service_ttft_s: list = field(default_factory=list)  # from the job's start: load stall + prefill
     max_queue: int = 0
     makespan_s: float = 0.0
     demotions: int = 0
@@ -282,6 +283,7 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
         result.gpu_busy_s += prefill_s + reply * profile.decode_s_per_step / cfg.batch
         result.stall_s += stall
         result.ttft_s.append(now - job.arrival + stall + prefill_s)
+        result.service_ttft_s.append(stall + prefill_s)
         history[job.sid] = kept + user + reply
         running.append(job)
         push(now + service, 1, job)
