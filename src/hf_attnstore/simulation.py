@@ -229,12 +229,12 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
     running: list[_Job] = []
 
     def hints(now: float) -> None:
-        stored_host = len(tiers.host)
         prefetch, evict = lookahead_windows(int(cfg.host_bytes), int(cfg.disk_bytes), int(tiers.host_used),
-                                            stored_host, int(tiers.disk_used), len(tiers.disk))
+                                            len(tiers.host), int(tiers.disk_used), len(tiers.disk))
         queue = [("sim", j.sid) for j in waiting]
         if hasattr(tiers.host_policy, "set_queue"):
-            order = [k[1] for k in [("sim", j.sid) for j in running] + queue[:evict]]
+            # As the pipeline does: running sessions first, then the waiting jobs in the eviction window.
+            order = [j.sid for j in running] + [k[1] for k in queue[:evict]]
             tiers.host_policy.set_queue(order)
             tiers.disk_policy.set_queue(order)
         if cfg.prefetch:
