@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, PreTrainedTokenizerFast
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-from hf_attnstore import AttnStore
+from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.pipeline import ChatPipeline
 
 from .conftest import VOCAB, make_tiny
@@ -71,6 +71,43 @@ def test_without_a_store_every_turn_is_recomputed_with_token_truncation(setup):
         assert a.dropped_tokens > 0  # the window overflowed on the way
         assert re.session_stats("s")["tier"] is None
         re.reset("s")
+
+
+def test_given_replies_are_read_exactly_and_equal_recomputation(setup):
+    """A turn with a given reply leaves the session as if it had generated it; greedy_ids is the argmax at
+    every reply position, the same with reuse, without a store, and by one forward over the whole turn."""
+    model, tok = setup
+    kwargs = dict(context_window=60, keep_first=2)
+    with ChatPipeline(model, tok, AttnStore(host_bytes="64MiB"), **kwargs) as pipe, \
+            ChatPipeline(model, tok, None, **kwargs) as re:
+        ids = None
+        for turn in range(3):
+            a = pipe.submit("s", words(turn), reply=words(50 + turn, 5)).result(60)
+            b = re.submit("s", words(turn), reply=words(50 + turn, 5)).result(60)
+            ids = pipe.chat_tokens.first_turn(words(turn)) if ids is None else pipe.chat_tokens.next_turn(ids, words(turn))
+            reply = pipe.chat_tokens.reply_ids(words(50 + turn, 5))
+            assert reply.shape[1] == 6  # five words and the end-of-turn token
+            full = torch.cat([ids, reply], dim=1)
+            logits = model(full).logits[0, ids.shape[1] - 1 : -1]
+            assert a.greedy_ids == b.greedy_ids == tuple(logits.argmax(-1).tolist())
+            assert a.text == words(50 + turn, 5) and a.generated_tokens == 6 and a.dropped_tokens == 0
+            assert a.tier == ("miss" if turn == 0 else "host") and b.tier is None
+            assert a.reused_tokens == (0 if turn == 0 else ids.shape[1] - len(pipe.chat_tokens.message_ids(words(turn))))
+            assert 0 < a.ttft_s <= a.total_s
+            assert pipe.session_stats("s")["tokens"] == full.shape[1]
+            ids = full
+        # The whole turn, reply included, is in the store: the next turn reuses all of it.
+        stored = pipe.store.token_ids("s", AttnStoreCache.fingerprint_of(model))
+        assert torch.equal(stored.view(-1), ids.view(-1))
+
+
+def test_a_given_reply_needs_text_and_no_streamer(setup):
+    with ChatPipeline(*setup, None) as pipe:
+        with pytest.raises(ValueError, match="reply"):
+            pipe.submit("s", "w1 w2", reply=3)
+        with pytest.raises(ValueError, match="stream"):
+            pipe.submit("s", "w1 w2", reply="w3", streamer=object())
+        assert pipe.submit("s", "w1 w2", reply="").result(60).generated_tokens == 1  # just the end of turn
 
 
 def test_prefetch_fetches_the_window_before_the_jobs_run(setup, tmp_path):

@@ -74,6 +74,10 @@ class ChatTokens:
         """The ids a user message adds to a conversation (its template wrapping included)."""
         return self._encode(self.user_prefix + message + self.user_suffix)
 
+    def reply_ids(self, reply: str) -> torch.Tensor:
+        """Ids of a given assistant reply closed by the end-of-turn tokens, ``[1, n]`` (for teacher forcing)."""
+        return torch.tensor([self._encode(reply) + self._eot_ids], dtype=torch.long)
+
     def reply_text(self, generated_ids: torch.Tensor) -> str:
         """Decodes a reply without special tokens."""
         return self.tokenizer.decode(generated_ids.view(-1), skip_special_tokens=True)

@@ -36,6 +36,9 @@ class Reply:
     """One turn's answer and what it cost.
 
     Attributes:
+        text: The reply: generated, or the given one for a turn submitted with ``reply=``.
+        ttft_s: Seconds from the start of the turn (cache lookup included) to the first token's logits.
+        total_s: Seconds of the whole turn (prefill and decoding, or prefill and reading a given reply).
         kv_source: Where the reused KV came from: ``"host"``, ``"disk"``, ``"miss"`` (nothing reused),
             ``"truncated"`` (the context overflowed and was truncated this turn), or ``"recompute"``
             (a pipeline without a store).
@@ -52,6 +55,9 @@ class Reply:
     total_s: float
     kv_source: str
     queued_s: float = 0.0  # from submit() until the turn started
+    tier: str | None = None  # where reused KV came from even when truncated: "host", "disk", "miss"; None: no store
+    # Generated ids (greedy decoding), or for a given reply the greedy choice at each of its positions.
+    greedy_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -61,6 +67,7 @@ class _Job:
     future: Future
     streamer: object | None
     submitted: float
+    reply: str | None = None
 
 
 class _Tee:
@@ -122,8 +129,17 @@ class ChatPipeline:
         self._worker.start()
 
     # -- public API ---------------------------------------------------------------------------------
-    def submit(self, session_id: str, message: str, streamer=None) -> Future:
+    def submit(self, session_id: str, message: str, streamer=None, reply: str | None = None) -> Future:
         """Queues a user message; the future resolves to a :class:`Reply`. Turns run in submission order.
+
+        Args:
+            session_id: The conversation.
+            message: The user's message.
+            streamer: Optional `generate` streamer for the reply's text.
+            reply: Take this text as the assistant's answer instead of generating one (replaying a recorded
+                conversation, or importing one into the store). The model reads the prompt, then the reply
+                in one forward (teacher forcing), so the session ends up exactly as if it had generated
+                this reply; :attr:`Reply.greedy_ids` holds the token it would have chosen at each position.
 
         Raises:
             ValueError: An empty message, or one that alone does not fit the context window.
@@ -131,6 +147,10 @@ class ChatPipeline:
         validate_session_id(session_id)
         if not isinstance(message, str) or not message.strip():
             raise ValueError("`message` must be a non-empty string")
+        if reply is not None and not isinstance(reply, str):
+            raise ValueError(f"`reply` must be a string or None, got {type(reply).__name__}")
+        if reply is not None and streamer is not None:
+            raise ValueError("a turn with a given `reply` generates nothing to stream: pass one or the other")
         window = self.truncation.context_window
         if window is not None:
             n = len(self.chat_tokens.message_ids(message))
@@ -142,7 +162,7 @@ class ChatPipeline:
         with self._cond:
             if self._closed:
                 raise ValueError("this ChatPipeline is closed")
-            self._queue.append(_Job(session_id, message, future, streamer, time.perf_counter()))
+            self._queue.append(_Job(session_id, message, future, streamer, time.perf_counter(), reply))
             self._cond.notify_all()
             waiting = [j.session_id for j in self._queue]
         self._give_hints(waiting)  # the queue changed: fetch ahead now, not only when the next job starts
@@ -252,14 +272,43 @@ class ChatPipeline:
                                    keep_first=self.truncation.keep_first)
             prompt, reused, dropped = cache.input_ids, cache.reused_tokens, cache.dropped_tokens
             source = "truncated" if dropped else cache.kv_source
-        out = self.model.generate(prompt, past_key_values=cache, streamer=_Tee(timer, job.streamer),
-                                  **self.generate_kwargs)
+        if job.reply is None:
+            out = self.model.generate(prompt, past_key_values=cache, streamer=_Tee(timer, job.streamer),
+                                      **self.generate_kwargs)
+            ttft = timer.ttft
+            generated = out[:, prompt.shape[1]:]
+            text, greedy = self.chat_tokens.reply_text(generated), [] if self._sampling else generated.view(-1).tolist()
+        else:
+            out, greedy, ttft = self._read_reply(prompt, cache, reused, job.reply, timer.t0)
+            greedy = greedy.tolist()
+            generated, text = out[:, prompt.shape[1]:], job.reply
         total = time.perf_counter() - timer.t0
-        generated = out[:, prompt.shape[1]:]
         with self._cond:
             self._history[job.session_id] = out.cpu()  # only a completed turn changes the history
-        return Reply(session_id=job.session_id, text=self.chat_tokens.reply_text(generated),
+        return Reply(session_id=job.session_id, text=text,
                      history_tokens=int(prompt.shape[1]), reused_tokens=reused,
                      prefilled_tokens=int(prompt.shape[1]) - reused, generated_tokens=int(generated.shape[1]),
-                     dropped_tokens=dropped, ttft_s=timer.ttft, total_s=total, kv_source=source,
-                     queued_s=started - job.submitted)
+                     dropped_tokens=dropped, ttft_s=ttft, total_s=total, kv_source=source,
+                     queued_s=started - job.submitted, tier=None if self.store is None else cache.kv_source,
+                     greedy_ids=tuple(greedy))
+
+    @property
+    def _sampling(self) -> bool:
+        return bool(self.generate_kwargs.get("do_sample"))
+
+    @torch.no_grad()
+    def _read_reply(self, prompt: torch.Tensor, cache, reused: int, reply: str, t0: float):
+        """A turn whose answer is given: prefill the prompt, then read the reply's tokens in one forward.
+
+        Returns the turn's ids (prompt + reply + end of turn), the greedy choice at each reply position, and
+        the TTFT (until the first token's logits are on the host, as `generate` would have them).
+        """
+        device = self.model.device
+        reply_ids = self.chat_tokens.reply_ids(reply).to(device)
+        prompt = prompt.to(device)
+        logits = self.model(prompt[:, reused:], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        first = logits[:, -1].argmax(-1).cpu()  # the copy to the host waits for the device, like a real TTFT
+        ttft = time.perf_counter() - t0
+        rest = self.model(reply_ids, past_key_values=cache, use_cache=True).logits[0, :-1].argmax(-1).cpu()
+        greedy = torch.cat([first, rest])
+        return torch.cat([prompt, reply_ids], dim=1), greedy, ttft
