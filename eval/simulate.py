@@ -24,21 +24,22 @@ from hf_attnstore.simulation import PROFILES, SimConfig, sharegpt_trace, simulat
 POLICIES = (("lookahead", True), ("lru", False), ("fifo", False))
 
 
-def row(label, r, re=None):
+def row(label, r, re=None, profile=None, cfg=None, re_cfg=None):
     ttft = statistics.mean(r.ttft_s)
     service = statistics.mean(r.service_ttft_s)
     saved = 1 - r.prefill_tokens / r.prefill_tokens_recompute
     gpu = f"{re.gpu_busy_s / r.gpu_busy_s:.2f}x" if re else ""
+    cost = f"{100 * (r.cost(profile, cfg)['total'] / re.cost(profile, re_cfg)['total'] - 1):+.0f}%" if re else ""
     hit = f"{100 * r.hit_rate:.1f}%" if r.resumed else "–"
     dram = f"{100 * r.host_share:.1f}%" if r.hits_host + r.hits_disk else "–"
     dram_rate = f"{100 * r.hits_host / r.resumed:.1f}%" if r.resumed else "–"
     return (f"| {label} | {hit} | {dram} | {dram_rate} | {r.disk_drops} | {100 * saved:.0f}% | {gpu} | "
-            f"{1000 * service:.0f} ms | {ttft:.1f} s | {r.max_queue} |")
+            f"{cost} | {1000 * service:.0f} ms | {ttft:.1f} s | {r.max_queue} |")
 
 
 HEADER = ("| configuration | hit rate | hits from DRAM | DRAM hit rate | disk drops | prefill saved | GPU time RE/AS "
-          "| mean TTFT (stall + prefill) | mean TTFT (incl. queue) | max queue |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| cost vs RE | mean TTFT (stall + prefill) | mean TTFT (incl. queue) | max queue |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def main(argv=None):
@@ -63,15 +64,20 @@ def main(argv=None):
     sections = args.sections.split(",")
 
     if "policies" in sections:
-        re = simulate(trace, profile, dataclasses.replace(base, host_bytes=0, disk_bytes=0, prefetch=False))
-        print(f"\n## {profile.name}: policies\n\n{HEADER}")
+        re_cfg = dataclasses.replace(base, host_bytes=0, disk_bytes=0, prefetch=False)
+        re = simulate(trace, profile, re_cfg)
+        from hf_attnstore.costs import CostModel
+
+        c = CostModel()
+        print(f"\n## {profile.name}: policies (cost: ${c.gpu_per_hour}/h per GPU x {profile.gpus} busy time, DRAM "
+              f"${c.dram_per_gb_hour}/GB·h and SSD ${c.ssd_per_gb_hour}/GB·h provisioned over the run)\n\n{HEADER}")
         print(row("RE (no store)", re))
         for host, disk in ((128e9, 2e12), (128e9, 10e12)):
             for policy, prefetch in POLICIES:
                 cfg = dataclasses.replace(base, host_bytes=host, disk_bytes=disk, policy=policy, prefetch=prefetch)
                 r = simulate(trace, profile, cfg)
                 label = f"{host / 1e9:.0f}G/{disk / 1e12:.0f}T {policy}{' + prefetch' if prefetch else ''}"
-                print(row(label, r, re), flush=True)
+                print(row(label, r, re, profile, cfg, re_cfg), flush=True)
 
     if "overflow" in sections:
         print("\n## Overflow: decoupled truncation vs KV invalidated (lookahead + prefetch, 128G/10T)\n")

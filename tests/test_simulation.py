@@ -75,3 +75,12 @@ def test_deterministic_and_bad_input():
         simulate(TRACE, PROFILE, dataclasses.replace(BIG, policy="random"))
     with pytest.raises(ValueError, match="truncation"):
         simulate(TRACE, PROFILE, dataclasses.replace(BIG, truncation="naive"))
+
+
+def test_cost_is_gpu_time_plus_provisioned_tiers():
+    re_cfg = dataclasses.replace(BIG, host_bytes=0, disk_bytes=0, prefetch=False)
+    re, stored = simulate(TRACE, PROFILE, re_cfg), simulate(TRACE, PROFILE, BIG)
+    c_re, c_as = re.cost(PROFILE, re_cfg), stored.cost(PROFILE, BIG)
+    assert c_re["gpu"] == pytest.approx(re.gpu_busy_s / 3600 * 5.0) and c_re["dram"] == c_re["ssd"] == 0
+    assert c_as["dram"] == pytest.approx(1.0 * stored.makespan_s / 3600 * 0.0088)  # 1e9 bytes = 1 GB
+    assert c_as["gpu"] < c_re["gpu"]  # fewer prefill tokens

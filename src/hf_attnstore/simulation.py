@@ -19,6 +19,7 @@ import heapq
 import random
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .config import TruncationConfig
 from .policy import make_policy
@@ -35,16 +36,17 @@ class ModelProfile:
     prefill_s_per_token: float
     decode_s_per_step: float
     context_window: int
+    gpus: int = 1  # A100s the model is served on (the prefill and decode times are those of the group)
 
 
 # KV bytes per token from the paper. Prefill: 2 * params FLOP per token at 50% of 312 TFLOP/s per A100,
 # across the GPUs the model needs (1 for 13B, 2 for 40B, 4 for 65B/70B). Decode: one step of a batch of
 # jobs, bound by reading the weights and the batch's KV (~30-40 ms).
 PROFILES = {
-    "llama-13b": ModelProfile("LLaMA-13B", 0.78e6, 1.7e-4, 0.030, 2048),
-    "llama-65b": ModelProfile("LLaMA-65B", 2.5e6, 2.1e-4, 0.040, 2048),
-    "llama-70b": ModelProfile("LLaMA-70B", 0.31e6, 2.2e-4, 0.040, 4096),
-    "falcon-40b": ModelProfile("Falcon-40B", 0.12e6, 2.6e-4, 0.035, 2048),
+    "llama-13b": ModelProfile("LLaMA-13B", 0.78e6, 1.7e-4, 0.030, 2048, gpus=1),
+    "llama-65b": ModelProfile("LLaMA-65B", 2.5e6, 2.1e-4, 0.040, 2048, gpus=4),
+    "llama-70b": ModelProfile("LLaMA-70B", 0.31e6, 2.2e-4, 0.040, 4096, gpus=4),
+    "falcon-40b": ModelProfile("Falcon-40B", 0.12e6, 2.6e-4, 0.035, 2048, gpus=2),
 }
 
 
@@ -104,6 +106,13 @@ class SimResult:
     @property
     def hit_rate(self) -> float:
         return (self.hits_host + self.hits_disk) / self.resumed if self.resumed else float("nan")
+
+    def cost(self, profile: ModelProfile, cfg: "SimConfig", prices=None) -> dict[str, float]:
+        """Dollars of GPU time (busy time x the model's GPUs) plus the provisioned DRAM and SSD over the run."""
+        from .costs import CostModel
+
+        return (prices or CostModel()).cost(self.gpu_busy_s * profile.gpus, cfg.host_bytes, cfg.disk_bytes,
+                                            self.makespan_s)
 
     @property
     def host_share(self) -> float:
@@ -231,14 +240,15 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
     def hints(now: float) -> None:
         prefetch, evict = lookahead_windows(int(cfg.host_bytes), int(cfg.disk_bytes), int(tiers.host_used),
                                             len(tiers.host), int(tiers.disk_used), len(tiers.disk))
-        queue = [("sim", j.sid) for j in waiting]
+        # Only the windows' head of the queue matters (a saturated engine can have thousands waiting).
+        sids = [j.sid for j in islice(waiting, max(prefetch, evict))]
         if hasattr(tiers.host_policy, "set_queue"):
             # As the pipeline does: running sessions first, then the waiting jobs in the eviction window.
-            order = [j.sid for j in running] + [k[1] for k in queue[:evict]]
+            order = [j.sid for j in running] + sids[:evict]
             tiers.host_policy.set_queue(order)
             tiers.disk_policy.set_queue(order)
         if cfg.prefetch:
-            for key in dict.fromkeys(queue[:prefetch]):
+            for key in (("sim", sid) for sid in dict.fromkeys(sids[:prefetch])):
                 if key not in tiers.host and key in tiers.disk:
                     if not tiers.load(key, now, must_fit=True):
                         break  # in order: a later session must not take the room of an earlier one
@@ -330,21 +340,9 @@ def sharegpt_trace(tokenizer, limit: int | None = None) -> list[list[tuple[int, 
         trace = [[tuple(t) for t in conv] for conv in json.loads(cached.read_text())]
     else:
         trace = []
-        for conv in iter_sharegpt():
-            turns, user = [], None
-            for m in conv.messages:
-                n = len(tokenizer(m["content"], add_special_tokens=False)["input_ids"])
-                if m["role"] == "user":
-                    if user is not None:
-                        turns.append((user, 0))
-                    user = n
-                elif m["role"] == "assistant" and user is not None:
-                    turns.append((user, n))
-                    user = None
-            if user is not None:
-                turns.append((user, 0))
-            if turns:
-                trace.append(turns)
+        encode = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0  # noqa: E731
+        trace = [[(encode(u), encode(r)) for u, r in conv.turns] for conv in iter_sharegpt()]
+        trace = [t for t in trace if t]
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(trace))

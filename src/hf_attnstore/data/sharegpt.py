@@ -29,6 +29,24 @@ class Conversation:
         """The user's messages, in order: what a replay sends to the model."""
         return [m["content"] for m in self.messages if m["role"] == "user"]
 
+    @property
+    def turns(self) -> list[tuple[str, str]]:
+        """(user message, assistant reply) pairs in order; the reply is ``""`` where none followed
+        (two user messages in a row, or a last message without an answer). System messages are left out."""
+        pairs: list[tuple[str, str]] = []
+        user = None
+        for m in self.messages:
+            if m["role"] == "user":
+                if user is not None:
+                    pairs.append((user, ""))
+                user = m["content"]
+            elif m["role"] == "assistant" and user is not None:
+                pairs.append((user, m["content"]))
+                user = None
+        if user is not None:
+            pairs.append((user, ""))
+        return pairs
+
 
 def sharegpt_path() -> Path:
     """The packaged JSON file, found without importing the package."""
