@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tempfile
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -63,33 +62,21 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    import torch
+
     from .models import load_default_model
-    from .replay import conversation_jobs, replay
+    from .replay import ReplayConfig, report
 
-    model, tokenizer = load_default_model(args.model)
-    jobs = conversation_jobs(args.conversations, args.turns, args.max_user_tokens, tokenizer)
-    # Host capacity for a fraction of the sessions, measured from the jobs' approximate final sizes.
-    from .fingerprint import kv_geometry
-
-    layers, heads, dim = kv_geometry(model)
-    per_token = 2 * layers * heads * dim * next(model.parameters()).element_size()
-    tokens = {}
-    for sid, msg in jobs:
-        tokens[sid] = tokens.get(sid, 0) + len(tokenizer(msg)["input_ids"]) + args.max_new_tokens + 8
-    host_bytes = max(1, int(args.host_fraction * sum(tokens.values()) * per_token))
-    rows = []
-    variants = [(p, p == "lookahead") for p in args.policies.split(",")]
-    for policy, prefetch in variants:
-        with tempfile.TemporaryDirectory(prefix="attnstore-replay-") as disk:
-            result = replay(model, tokenizer, jobs, host_bytes=host_bytes, disk_dir=disk, policy=policy,
-                            prefetch=prefetch, max_new_tokens=args.max_new_tokens)
-        rows.append(result.summary())
-    print(f"\n{len(jobs)} turns of {len(tokens)} ShareGPT conversations, host tier {host_bytes / 2**20:.1f} MiB "
-          f"(~{100 * args.host_fraction:.0f}% of the sessions' KV), disk for all")
-    print(f"{'policy':<22}{'hit rate':>10}{'from host':>11}{'TTFT':>10}{'TTFT resumed':>14}")
-    for r in rows:
-        print(f"{r['policy']:<22}{100 * r['hit_rate']:>9.1f}%{100 * r['host_share']:>10.1f}%"
-              f"{r['ttft_ms']:>8.0f}ms{r['ttft_resumed_ms']:>12.0f}ms")
+    cfg = ReplayConfig(conversations=args.conversations, arrival_rate=args.rate, think_time_s=args.think,
+                       max_turns=args.max_turns, max_user_tokens=args.max_user_tokens,
+                       max_reply_tokens=args.max_reply_tokens, replies=args.replies,
+                       max_new_tokens=args.max_new_tokens, context_window=args.window,
+                       host_fraction=args.host_fraction, seed=args.seed)
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_default_model(args.model, dtype=args.dtype)
+    policies = [(p, p == "lookahead") for p in args.policies.split(",") if p]
+    report(model, tokenizer, cfg, policies, recompute=not args.no_recompute, plot_path=args.plot,
+           json_path=args.json)
     return 0
 
 
@@ -174,15 +161,27 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=_chat)
 
-    rp = sub.add_parser("replay", help="ShareGPT conversations through the pipeline: hit rates per policy")
-    rp.add_argument("--model", default=None)
-    rp.add_argument("--conversations", type=int, default=30)
-    rp.add_argument("--turns", type=int, default=3)
-    rp.add_argument("--max-user-tokens", type=int, default=64)
-    rp.add_argument("--max-new-tokens", type=int, default=16)
-    rp.add_argument("--host-fraction", type=float, default=0.1, help="host capacity as a share of all KV")
-    rp.add_argument("--policies", default="lookahead,lru,fifo",
-                    help="comma-separated; lookahead runs with prefetch, the others without")
+    rp = sub.add_parser("replay", help="ShareGPT conversations with Poisson arrivals: recomputation (RE) vs the "
+                        "store (AS): TTFT, prefill throughput, hit rates by tier, cost")
+    rp.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
+    rp.add_argument("--dtype", default="float32")
+    rp.add_argument("--conversations", type=int, default=40, help="K multi-turn conversations")
+    rp.add_argument("--rate", type=float, default=0.1, help="session arrivals per (virtual) second, Poisson")
+    rp.add_argument("--think", type=float, default=30.0, help="mean think time between turns, seconds")
+    rp.add_argument("--max-turns", type=int, default=None, help="user turns per conversation at most")
+    rp.add_argument("--max-user-tokens", type=int, default=256, help="user messages are clipped to this")
+    rp.add_argument("--max-reply-tokens", type=int, default=512, help="recorded replies are clipped to this")
+    rp.add_argument("--replies", choices=("trace", "generate"), default="trace",
+                    help="read the recorded replies (default) or let the model generate --max-new-tokens")
+    rp.add_argument("--max-new-tokens", type=int, default=32)
+    rp.add_argument("--window", type=int, default=2048, help="context window; overflow drops the oldest half")
+    rp.add_argument("--host-fraction", type=float, default=0.25, help="host tier as a share of all sessions' KV")
+    rp.add_argument("--policies", default="lookahead",
+                    help="AS runs, comma-separated: lookahead (with prefetch), lru, fifo (without)")
+    rp.add_argument("--no-recompute", action="store_true", help="skip the RE run")
+    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--plot", default=None, help="write the plots to this PNG")
+    rp.add_argument("--json", default=None, help="write summaries and per-turn records to this file")
     rp.set_defaults(func=_replay)
 
     ev = sub.add_parser("eval", help="accuracy evaluations of the truncation modes")
