@@ -1,91 +1,197 @@
-"""TTFT of one turn: recomputation (RE) vs resuming from the store (AS-host) vs the ideal (KV resident).
+"""TTFT of one turn vs history length: recomputation (RE), the store (AS-host, AS-disk) and the ideal.
 
-    python eval/bench_turn.py --history 2048 --new 128 --reps 5
+    python eval/bench_turn.py --sections sweep,grid --reps 3 --plot docs/img/bench_turn.png
 
-Each repetition runs the three variants back to back on the same ids (interleaved, so machine noise hits
-them alike) and the medians are reported. TTFT here is the wall time of the prefill forward that produces
-the first token's logits, plus, for AS, building the cache (store lookup, reuse plan); KV loading and RoPE
-re-application happen layer by layer inside that forward.
-  * RE:    a fresh DynamicCache, prefill history + new tokens.
-  * ideal: a DynamicCache already holding the history's KV (as if it never left the device), prefill new.
-  * AS:    AttnStoreCache over an AttnStore whose host tier holds the session, prefill new (and save it).
+Sections:
+  sweep   histories 256 ... 4096 tokens x 64 / 128 / 256 new tokens (--histories, --news)
+  grid    1K tokens split as history/new = 500/500, 600/400, 700/300, 800/200, 900/100 (the paper's Fig. 18)
+
+Variants, run back to back on the same ids for each point and repetition (in a shuffled order, so this
+machine's drift hits them alike; medians reported):
+  * RE:      a fresh DynamicCache, prefill history + new tokens.
+  * ideal:   a DynamicCache already holding the history's KV (as if it never left the device), prefill new.
+  * AS-host: AttnStoreCache over a store whose host tier holds the session, prefill new (and save the turn).
+  * AS-disk: the same from a store that has the session on disk only: a store reopened on the folder, the
+             session's pages dropped from the page cache (cold read), the store's default pre-loading.
+TTFT = building the cache (lookup, reuse plan) + the prefill forward of what is not reused, which loads the
+KV layer by layer and re-applies RoPE. The pre-loading ablation (Fig. 19) and sync vs async saving (Fig. 20)
+are in eval/bench_tiers.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+from bench_tiers import drop_page_cache
 from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
+from hf_attnstore.store.format import session_dirname
+
+VARIANTS = ("RE", "ideal", "AS-host", "AS-disk")
+GRID = ((500, 500), (600, 400), (700, 300), (800, 200), (900, 100))
 
 
-def timed(fn):
-    t = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t, out
+def measure_history(model, ids: torch.Tensor, H: int, news: list[int], reps: int, root: Path) -> dict:
+    """Medians of every variant for one history length and each number of new tokens."""
+    resident = DynamicCache()
+    model(ids[:, :H], past_key_values=resident)
+    seed_store = AttnStore(host_bytes="16GiB")
+    seed = AttnStoreCache(model, seed_store, "seed", ids[:, :H])
+    model(seed.input_ids, past_key_values=seed)
+    fp = seed.fingerprint
+    snap = seed_store.lookup("seed", fp)
+    snapshot = snap.tensors(0, snap.length)
+    seed_store.close()
+    sessions = [f"d{n}-{r}" for n in news for r in range(reps)]
+    with AttnStore(host_bytes="16GiB", disk_dir=str(root)) as writer:
+        for s in sessions:
+            writer.open_turn(s, fp, None, torch.arange(0)).append(*snapshot)
+    host = AttnStore(host_bytes="16GiB")
+    out = {}
+    for n in news:
+        prompt = ids[:, : H + n]
+        rows = {v: [] for v in VARIANTS}
+        for rep in range(reps):
+
+            def resume(store, session):
+                cache = AttnStoreCache(model, store, session, prompt)
+                assert cache.reused_tokens == H, (cache.reused_tokens, H)
+                model(cache.input_ids[:, H:], past_key_values=cache)
+                return cache.kv_source
+
+            def run(variant):
+                if variant == "RE":
+                    t = time.perf_counter()
+                    model(prompt, past_key_values=DynamicCache())
+                elif variant == "ideal":
+                    cache = DynamicCache()
+                    for i, layer in enumerate(resident.layers):
+                        cache.update(layer.keys.clone(), layer.values.clone(), i)
+                    t = time.perf_counter()
+                    model(prompt[:, H:], past_key_values=cache)
+                elif variant == "AS-host":
+                    session = f"h{n}-{rep}"
+                    host.open_turn(session, fp, None, torch.arange(0)).append(*snapshot)
+                    t = time.perf_counter()
+                    assert resume(host, session) == "host"
+                else:
+                    session = f"d{n}-{rep}"
+                    store = AttnStore(host_bytes="16GiB", disk_dir=str(root))  # reopened: on disk only
+                    drop_page_cache(root / "sessions" / session_dirname(fp, session))
+                    t = time.perf_counter()
+                    assert resume(store, session) == "disk"
+                    seconds = time.perf_counter() - t
+                    store.close(flush=False)
+                    return seconds
+                return time.perf_counter() - t
+
+            order = list(VARIANTS)
+            random.Random(H * 1000 + n * 10 + rep).shuffle(order)
+            for v in order:
+                rows[v].append(run(v))
+        out[n] = {v: statistics.median(x) for v, x in rows.items()}
+        out[n]["all"] = rows
+        ideal = out[n]["ideal"]
+        print(f"  history {H:5d} new {n:4d}: " + "  ".join(f"{v} {1000 * out[n][v]:7.1f} ms" for v in VARIANTS)
+              + f"   AS-host/ideal {out[n]['AS-host'] / ideal:.3f}  AS-disk/ideal {out[n]['AS-disk'] / ideal:.3f}"
+              f"  RE/AS-host {out[n]['RE'] / out[n]['AS-host']:.2f}x", flush=True)
+    host.close()
+    shutil.rmtree(root / "sessions", ignore_errors=True)
+    return out
+
+
+def table(points: dict) -> str:
+    lines = ["| history | new | RE | ideal | AS-host | AS-disk | AS-host / ideal | AS-disk / ideal | RE / AS-host |",
+             "| --- " * 9 + "|"]
+    for (H, n), m in points.items():
+        lines.append(f"| {H} | {n} | {1000 * m['RE']:.0f} ms | {1000 * m['ideal']:.0f} ms | {1000 * m['AS-host']:.0f} ms | "
+                     f"{1000 * m['AS-disk']:.0f} ms | {m['AS-host'] / m['ideal']:.3f} | {m['AS-disk'] / m['ideal']:.3f} | "
+                     f"{m['RE'] / m['AS-host']:.1f}x |")
+    return "\n".join(lines)
+
+
+def plot(sweep: dict, grid: dict, news: list[int], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    if sweep:
+        n = 128 if 128 in news else news[0]
+        hs = sorted(H for H, m in sweep if m == n)
+        for v, style in zip(VARIANTS, ("o-", "s--", "^-", "v-")):
+            axes[0].plot(hs, [1000 * sweep[(H, n)][v] for H in hs], style, label=v, ms=4)
+        axes[0].set(xscale="log", yscale="log", xlabel="history tokens", ylabel="TTFT (ms)",
+                    title=f"TTFT vs history, {n} new tokens")
+        axes[0].set_xticks(hs, [str(h) for h in hs])
+        axes[0].legend(fontsize=8)
+    if grid:
+        labels = [f"{H}/{n}" for H, n in grid]
+        width = 0.2
+        for j, v in enumerate(VARIANTS):
+            axes[1].bar([i + (j - 1.5) * width for i in range(len(labels))], [1000 * m[v] for m in grid.values()],
+                        width, label=v)
+        axes[1].set_xticks(range(len(labels)), labels)
+        axes[1].set(xlabel="history / new tokens (1K in all)", ylabel="TTFT (ms)", title="Fig. 18 grid")
+        axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--history", type=int, default=2048)
-    p.add_argument("--new", type=int, default=128)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--sections", default="sweep,grid")
+    p.add_argument("--histories", default="256,512,1024,2048,4096")
+    p.add_argument("--news", default="64,128,256")
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--disk-dir", default=None, help="folder for the disk tier (default: a temporary one)")
+    p.add_argument("--plot", default=None, help="write the plots to this PNG")
+    p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args(argv)
+    sections = set(args.sections.split(","))
     torch.set_grad_enabled(False)
     model, _ = load_default_model(dtype=args.dtype)
-    H, N = args.history, args.new
+    histories = [int(x) for x in args.histories.split(",")]
+    news = [int(x) for x in args.news.split(",")]
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, model.config.vocab_size, (1, H + N), generator=gen).to(model.device)
-    store = AttnStore(host_bytes="8GiB")
-    resident = DynamicCache()
-    model(ids[:, :H], past_key_values=resident)
+    ids = torch.randint(100, model.config.vocab_size, (1, max(histories) + max(news) + 1000), generator=gen)
+    ids = ids.to(model.device)
+    root = Path(args.disk_dir or tempfile.mkdtemp(prefix="attnstore-bench-"))
     model(ids[:, :8])  # warm-up
-    rows = {"RE": [], "ideal": [], "AS-host": [], "AS-load-only": []}
-    for rep in range(args.reps):
-        session = f"bench-{rep}"
-        seed = AttnStoreCache(model, store, session, ids[:, :H])
-        model(seed.input_ids, past_key_values=seed)  # untimed: puts the history in the host tier
-
-        t, _ = timed(lambda: model(ids, past_key_values=DynamicCache()))
-        rows["RE"].append(t)
-
-        ideal = DynamicCache()
-        for i, layer in enumerate(resident.layers):
-            ideal.update(layer.keys.clone(), layer.values.clone(), i)
-        t, _ = timed(lambda: model(ids[:, H:], past_key_values=ideal))
-        rows["ideal"].append(t)
-
-        def resume():
-            cache = AttnStoreCache(model, store, session, ids)
-            assert cache.reused_tokens == H
-            model(cache.input_ids[:, H:], past_key_values=cache)
-
-        t, _ = timed(resume)
-        rows["AS-host"].append(t)
-
-        probe = AttnStoreCache(model, store, f"bench-{rep}", ids[:, : H + 1])
-        t, _ = timed(lambda: [probe._load_layer(i, H, model.dtype, model.device) for i in range(len(probe.layers))])
-        rows["AS-load-only"].append(t)
-        store.delete(session)
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"SmolLM2-135M {args.dtype}, history {H}, new {N}, {args.reps} reps, device {model.device}, "
-          f"{torch.get_num_threads()} threads")
-    for k, v in med.items():
-        print(f"  {k:<13} median {1000 * v:8.1f} ms   (min {1000 * min(rows[k]):.1f}, max {1000 * max(rows[k]):.1f})")
-    print(f"  AS-host / ideal = {med['AS-host'] / med['ideal']:.3f}   RE / AS-host = {med['RE'] / med['AS-host']:.2f}x")
-    print(f"  loading {H} tokens x {len(resident.layers)} layers with RoPE re-applied: "
-          f"{1000 * med['AS-load-only']:.1f} ms ({100 * med['AS-load-only'] / med['ideal']:.0f}% of ideal TTFT, "
-          "done layer by layer inside the AS-host forward)")
+    print(f"SmolLM2-135M {args.dtype} on {model.device}, {torch.get_num_threads()} threads, {args.reps} reps (medians)")
+    started = time.perf_counter()
+    sweep, grid = {}, {}
+    if "sweep" in sections:
+        for H in histories:
+            for n, m in measure_history(model, ids, H, news, args.reps, root).items():
+                sweep[(H, n)] = m
+        print("\n[sweep]\n" + table(sweep))
+    if "grid" in sections:
+        for H, n in GRID:
+            grid[(H, n)] = measure_history(model, ids, H, [n], args.reps, root)[n]
+        print("\n[grid] 1K tokens, history/new (Fig. 18)\n" + table(grid))
+    print(f"\nmeasured in {time.perf_counter() - started:.0f} s")
+    if args.plot:
+        plot(sweep, grid, news, args.plot)
+        print(f"plot: {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "median_s": med, "all_s": rows}, f, indent=2)
+            json.dump({"args": vars(args), "points": [{"history": H, "new": n, **m} for (H, n), m in
+                                                      {**sweep, **grid}.items()]}, f, indent=1)
+    if args.disk_dir is None:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":
