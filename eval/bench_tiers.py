@@ -54,6 +54,24 @@ def sequential_read(folder: Path) -> tuple[int, float]:
     return total, time.perf_counter() - t
 
 
+def history_snapshot(model, ids: torch.Tensor, H: int):
+    """Prefills ``ids[:, :H]`` into a live DynamicCache (the ideal) and through a store.
+
+    Returns:
+        The DynamicCache, the model's fingerprint, and the stored session as (ids, pre-RoPE keys, values),
+        to be written under other session ids with ``open_turn(...).append(*snapshot)``.
+    """
+    resident = DynamicCache()
+    model(ids[:, :H], past_key_values=resident)
+    store = AttnStore(host_bytes="16GiB")
+    seed = AttnStoreCache(model, store, "seed", ids[:, :H])
+    model(seed.input_ids, past_key_values=seed)
+    snap = store.lookup("seed", seed.fingerprint)
+    snapshot = snap.tensors(0, snap.length)
+    store.close()
+    return resident, seed.fingerprint, snapshot
+
+
 def med(xs):
     return statistics.median(xs)
 
@@ -78,14 +96,7 @@ def main(argv=None):
     shutil.rmtree(root, ignore_errors=True)
 
     # One prefill of the history; its KV is then written under one session id per measurement.
-    resident = DynamicCache()
-    model(ids[:, :H], past_key_values=resident)
-    seed_store = AttnStore(host_bytes="16GiB")
-    seed = AttnStoreCache(model, seed_store, "seed", ids[:, :H])
-    model(seed.input_ids, past_key_values=seed)
-    fp = seed.fingerprint
-    snap = seed_store.lookup("seed", fp)
-    snap_ids, snap_keys, snap_values = snap.tensors(0, snap.length)
+    resident, fp, (snap_ids, snap_keys, snap_values) = history_snapshot(model, ids, H)
     variants = ["nopl"] + [f"pl{b}" for b in (0, 4, 15)] + ["plall"]
     n_sessions = R * (2 + len(variants))
     with AttnStore(host_bytes="16GiB", disk_dir=str(root)) as writer_store:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_tiers import drop_page_cache
+from bench_tiers import drop_page_cache, history_snapshot
 from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
@@ -42,15 +42,7 @@ GRID = ((500, 500), (600, 400), (700, 300), (800, 200), (900, 100))
 
 def measure_history(model, ids: torch.Tensor, H: int, news: list[int], reps: int, root: Path) -> dict:
     """Medians of every variant for one history length and each number of new tokens."""
-    resident = DynamicCache()
-    model(ids[:, :H], past_key_values=resident)
-    seed_store = AttnStore(host_bytes="16GiB")
-    seed = AttnStoreCache(model, seed_store, "seed", ids[:, :H])
-    model(seed.input_ids, past_key_values=seed)
-    fp = seed.fingerprint
-    snap = seed_store.lookup("seed", fp)
-    snapshot = snap.tensors(0, snap.length)
-    seed_store.close()
+    resident, fp, snapshot = history_snapshot(model, ids, H)
     sessions = [f"d{n}-{r}" for n in news for r in range(reps)]
     with AttnStore(host_bytes="16GiB", disk_dir=str(root)) as writer:
         for s in sessions:

@@ -239,9 +239,13 @@ def kv_bytes_per_token(model) -> int:
     return 2 * layers * heads * dim * next(model.parameters()).element_size()
 
 
-def host_capacity(model, tokenizer, trace: Trace, cfg: ReplayConfig) -> int:
+def host_capacity(model, tokenizer, trace: Trace, cfg: ReplayConfig) -> tuple[int, int]:
     """`cfg.host_fraction` of the sessions' final KV (each capped at the context window), and at least the
-    largest a session can get (a full window plus a reply), which the store would otherwise refuse."""
+    largest a session can get (a full window plus a reply), which the store would otherwise refuse.
+
+    Returns:
+        The host tier's bytes, and the estimate of all sessions' final KV bytes it is a share of.
+    """
     total = 0
     reply_max = cfg.max_reply_tokens if cfg.replies == "trace" else cfg.max_new_tokens
     for turns in trace.turns:
@@ -249,7 +253,8 @@ def host_capacity(model, tokenizer, trace: Trace, cfg: ReplayConfig) -> int:
                                                         else cfg.max_new_tokens) + 8 for u, r in turns)
         total += min(tokens, cfg.context_window)
     largest = cfg.context_window + reply_max + 16
-    return int(max(cfg.host_fraction * total, largest) * kv_bytes_per_token(model))
+    per_token = kv_bytes_per_token(model)
+    return int(max(cfg.host_fraction * total, largest) * per_token), total * per_token
 
 
 def run_recompute(model, tokenizer, trace: Trace, cfg: ReplayConfig, progress: bool = True) -> ReplayRun:
@@ -264,7 +269,7 @@ def run_recompute(model, tokenizer, trace: Trace, cfg: ReplayConfig, progress: b
 def run_store(model, tokenizer, trace: Trace, cfg: ReplayConfig, *, policy: str = "lookahead",
               prefetch: bool = True, host_bytes: int | None = None, progress: bool = True) -> ReplayRun:
     """AS: the pipeline over a fresh AttnStore (host tier, and a temporary disk tier for all sessions)."""
-    host_bytes = host_bytes or host_capacity(model, tokenizer, trace, cfg)
+    host_bytes = host_bytes or host_capacity(model, tokenizer, trace, cfg)[0]
     label = f"AS {policy}" + (" + prefetch" if prefetch else "")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="attnstore-replay-") as disk:
@@ -313,6 +318,7 @@ def plot(runs: list[ReplayRun], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, NullFormatter
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.6))
     for run in runs:
@@ -322,9 +328,11 @@ def plot(runs: list[ReplayRun], path: str) -> None:
         xs = sorted(k for k, v in by_turn.items() if len(v) >= 3)  # indices with too few turns are noise
         a.plot(xs, [statistics.mean(by_turn[k]) for k in xs], marker="o", ms=3, label=run.label)
         ttfts = sorted(1000 * r.reply.ttft_s for r in run.records if r.turn > 0)
-        b.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=run.label)
-    a.set(xlabel="turn index", ylabel="mean TTFT (ms)", title="TTFT by turn")
-    b.set(xlabel="TTFT of resumed turns (ms)", ylabel="CDF", xscale="log", title="TTFT CDF (turns >= 2)")
+        b.step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post", label=run.label)
+    a.set(xlabel="turn index", ylabel="mean TTFT (ms)", title="TTFT by turn (indices with >= 3 turns)")
+    a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    b.set(xlabel="TTFT of resumed turns (ms, log)", ylabel="CDF", xscale="log", title="TTFT CDF (turns >= 2)")
+    b.xaxis.set_minor_formatter(NullFormatter())
     stores = [run for run in runs if run.stats is not None]
     names = [run.label.removeprefix("AS ") for run in stores]
     bottom = [0.0] * len(stores)
@@ -350,7 +358,7 @@ def report(model, tokenizer, cfg: ReplayConfig, policies: list[tuple[str, bool]]
     import torch
 
     trace = build_trace(tokenizer, cfg, conversations)
-    host = host_capacity(model, tokenizer, trace, cfg)
+    host, all_kv = host_capacity(model, tokenizer, trace, cfg)
     runs = [run_recompute(model, tokenizer, trace, cfg, progress)] if recompute else []
     for policy, prefetch in policies:
         runs.append(run_store(model, tokenizer, trace, cfg, policy=policy, prefetch=prefetch, host_bytes=host,
@@ -362,7 +370,7 @@ def report(model, tokenizer, cfg: ReplayConfig, policies: list[tuple[str, bool]]
           f"({trace.num_turns / len(trace.turns):.2f} per conversation); Poisson {cfg.arrival_rate}/s, think time "
           f"{cfg.think_time_s} s (virtual time); replies: {cfg.replies}; messages <= {cfg.max_user_tokens} tokens, "
           f"replies <= {cfg.max_reply_tokens if cfg.replies == 'trace' else cfg.max_new_tokens}; window "
-          f"{cfg.context_window}; host tier {host / 2**20:.1f} MiB ({100 * cfg.host_fraction:.0f}% of the KV)"
+          f"{cfg.context_window}; host tier {host / 2**20:.1f} MiB ({100 * host / all_kv:.0f}% of all sessions' KV)"
           f"{', disk for all' if cfg.disk else ''}")
     print(f"{type(model).__name__} {next(model.parameters()).dtype} on {model.device}, "
           f"{torch.get_num_threads()} threads\n")
