@@ -159,3 +159,42 @@ def test_stress_no_mixups_no_deadlock_bounded_capacity(tmp_path):
         if snap is not None:
             expect(snap, snap.token_ids.tolist())
     store.close()
+
+
+def test_an_append_waiting_for_room_does_not_wait_on_a_write_that_yields_to_compute(tmp_path, monkeypatch):
+    """Regression (found by the ShareGPT replay): a background write of session P (pinned while written)
+    yields to the model between chunks, while a forward's append waits for room that only the urgent
+    demotion of Q can free, queued behind P. Each waited for the other until `io_timeout_s` (60 s)."""
+    reached, go = threading.Event(), threading.Event()
+    real = DiskTier.write_chunk
+
+    def write_chunk(disk, *args):
+        if not go.is_set():
+            reached.set()
+            assert go.wait(WAIT), "the test never released the write"
+        return real(disk, *args)
+
+    monkeypatch.setattr(DiskTier, "write_chunk", write_chunk)
+    # Room for two 16-token sessions (3,200 bytes each), not three.
+    store = AttnStore(host_bytes=8000, disk_dir=str(tmp_path / "kv"), **{**FAST, "io_timeout_s": 60})
+    write_turn(store, "x", list(range(16)))
+    write_turn(store, "y", list(range(100, 116)), seed=1.0)
+    assert reached.wait(WAIT)  # the save thread is writing the first chunk of one of them (non-urgent)
+    store._forward_started()  # a model forward runs: non-urgent writes now yield to it
+    done = threading.Event()
+
+    def append():
+        write_turn(store, "b", list(range(200, 216)), seed=2.0)  # needs the other session demoted
+        done.set()
+
+    t = threading.Thread(target=append)
+    t.start()
+    go.set()
+    assert done.wait(WAIT), "the append and the write waited for each other"
+    t.join(WAIT)
+    store._forward_finished()
+    expect(store.lookup("x", FP), list(range(16)))
+    expect(store.lookup("y", FP), list(range(100, 116)), seed=1.0)
+    expect(store.lookup("b", FP), list(range(200, 216)), seed=2.0)
+    assert store.stats().demotions >= 1
+    store.close()

@@ -166,6 +166,7 @@ class AttnStore:
         self._loads_active = 0
         self._wanted: list[tuple[str | None, str]] = []  # the last prefetch request
         self._forwards_active = 0  # model forwards running through caches of this store
+        self._room_waiters = 0  # appends blocked until demotions free host memory
         self._last_forward = 0.0
         self._warned: set[str] = set()
         self._closed = False
@@ -586,12 +587,19 @@ class AttnStore:
             if not self._make_host_room(needed - buf.nbytes, exclude=e) and self._disk is not None:
                 # Backpressure: the victims are still being written to disk. Wait (bounded) for the save
                 # thread to demote them rather than overshoot the limit by more than this one session.
+                # While it waits, the save thread must not yield to compute (this append *is* the compute):
+                # see `_yield_to_loads_and_compute`.
                 deadline = time.monotonic() + self.config.io_timeout_s
-                while not self._make_host_room(needed - buf.nbytes, exclude=e) and time.monotonic() < deadline:
-                    self._cond.wait(timeout=0.05)
-                    if self._entries.get(writer.key) is not e or e.owner != writer.turn or e.host is not buf:
-                        self._stats.stale_writes += 1
-                        return False
+                self._room_waiters += 1
+                self._cond.notify_all()
+                try:
+                    while not self._make_host_room(needed - buf.nbytes, exclude=e) and time.monotonic() < deadline:
+                        self._cond.wait(timeout=0.05)
+                        if self._entries.get(writer.key) is not e or e.owner != writer.turn or e.host is not buf:
+                            self._stats.stale_writes += 1
+                            return False
+                finally:
+                    self._room_waiters -= 1
             buf.append(token_ids, keys, values)
             self._account(e)
             self._touch(e)
@@ -785,11 +793,14 @@ class AttnStore:
             self._cond.notify_all()
 
     def _yield_to_loads_and_compute(self, e: _Entry) -> None:
-        """Between chunks: loads go first; a non-urgent save also waits for the model to be idle."""
+        """Between chunks: loads go first; a non-urgent save also waits for the model to be idle, unless an
+        append is blocked on host room. Then the model cannot go idle until writes free memory: waiting
+        for it would stall both threads for `io_timeout_s` (the session being written is pinned, and the
+        urgent victims queue behind it)."""
         with self._cond:
             self._cond.wait_for(
-                lambda: self._closed or (self._loads_active == 0
-                                         and (e.urgent or self._compute_quiet(time.monotonic()))),
+                lambda: self._closed or (self._loads_active == 0 and (
+                    e.urgent or self._room_waiters > 0 or self._compute_quiet(time.monotonic()))),
                 self.config.io_timeout_s,
             )
 
