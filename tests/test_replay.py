@@ -106,3 +106,14 @@ def test_recompute_and_store_replay_the_same_trace(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| RE |" in out and "| AS lookahead + prefetch |" in out and "identical to RE on" in out
     assert (tmp_path / "r.png").stat().st_size > 1000 and (tmp_path / "r.json").stat().st_size > 100
+
+
+def test_generated_replies_are_the_same_with_and_without_the_store():
+    model, tok = make_tiny("llama"), char_tokenizer()
+    cfg = ReplayConfig(conversations=2, max_turns=3, max_user_tokens=20, replies="generate", max_new_tokens=4,
+                       context_window=400, timeout_s=60)
+    trace = build_trace(tok, cfg, CONVS)
+    re, store = run_recompute(model, tok, trace, cfg, progress=False), run_store(model, tok, trace, cfg, progress=False)
+    assert same_outputs(re, store) == (6, 6)
+    assert all(len(r.reply.greedy_ids) == 4 for r in store.records)
+    assert sum(r.reply.reused_tokens for r in store.records) > 0

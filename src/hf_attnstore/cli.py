@@ -76,7 +76,7 @@ def _replay(args: argparse.Namespace) -> int:
     model, tokenizer = load_default_model(args.model, dtype=args.dtype)
     policies = [(p, p == "lookahead") for p in args.policies.split(",") if p]
     report(model, tokenizer, cfg, policies, recompute=not args.no_recompute, plot_path=args.plot,
-           json_path=args.json)
+           json_path=args.json, host_only=args.host_only)
     return 0
 
 
@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--policies", default="lookahead",
                     help="AS runs, comma-separated: lookahead (with prefetch), lru, fifo (without)")
     rp.add_argument("--no-recompute", action="store_true", help="skip the RE run")
+    rp.add_argument("--host-only", action="store_true",
+                    help="add an AS run whose host tier holds every session, without a disk (no tier traffic)")
     rp.add_argument("--seed", type=int, default=0)
     rp.add_argument("--plot", default=None, help="write the plots to this PNG")
     rp.add_argument("--json", default=None, help="write summaries and per-turn records to this file")

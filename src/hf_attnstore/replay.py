@@ -241,20 +241,20 @@ def kv_bytes_per_token(model) -> int:
 
 def host_capacity(model, tokenizer, trace: Trace, cfg: ReplayConfig) -> tuple[int, int]:
     """`cfg.host_fraction` of the sessions' final KV (each capped at the context window), and at least the
-    largest a session can get (a full window plus a reply), which the store would otherwise refuse.
+    largest session (its capped KV plus a reply), which the store would otherwise refuse to keep.
 
     Returns:
         The host tier's bytes, and the estimate of all sessions' final KV bytes it is a share of.
     """
-    total = 0
     reply_max = cfg.max_reply_tokens if cfg.replies == "trace" else cfg.max_new_tokens
+    sizes = []
     for turns in trace.turns:
         tokens = sum(len(tokenizer(u)["input_ids"]) + (len(tokenizer(r)["input_ids"]) if r is not None
                                                         else cfg.max_new_tokens) + 8 for u, r in turns)
-        total += min(tokens, cfg.context_window)
-    largest = cfg.context_window + reply_max + 16
+        sizes.append(min(tokens, cfg.context_window))
     per_token = kv_bytes_per_token(model)
-    return int(max(cfg.host_fraction * total, largest) * per_token), total * per_token
+    largest = max(sizes) + reply_max + 16
+    return int(max(cfg.host_fraction * sum(sizes), largest) * per_token), sum(sizes) * per_token
 
 
 def run_recompute(model, tokenizer, trace: Trace, cfg: ReplayConfig, progress: bool = True) -> ReplayRun:
@@ -267,13 +267,16 @@ def run_recompute(model, tokenizer, trace: Trace, cfg: ReplayConfig, progress: b
 
 
 def run_store(model, tokenizer, trace: Trace, cfg: ReplayConfig, *, policy: str = "lookahead",
-              prefetch: bool = True, host_bytes: int | None = None, progress: bool = True) -> ReplayRun:
-    """AS: the pipeline over a fresh AttnStore (host tier, and a temporary disk tier for all sessions)."""
+              prefetch: bool = True, host_bytes: int | None = None, disk: bool | None = None,
+              label: str | None = None, progress: bool = True) -> ReplayRun:
+    """AS: the pipeline over a fresh AttnStore (host tier, and a temporary disk tier for all sessions
+    unless `disk` or `cfg.disk` says otherwise)."""
     host_bytes = host_bytes or host_capacity(model, tokenizer, trace, cfg)[0]
-    label = f"AS {policy}" + (" + prefetch" if prefetch else "")
+    disk = cfg.disk if disk is None else disk
+    label = label or f"AS {policy}" + (" + prefetch" if prefetch else "")
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="attnstore-replay-") as disk:
-        store = AttnStore(host_bytes=host_bytes, disk_dir=disk if cfg.disk else None, disk_bytes=1 << 50,
+    with tempfile.TemporaryDirectory(prefix="attnstore-replay-") as folder:
+        store = AttnStore(host_bytes=host_bytes, disk_dir=folder if disk else None, disk_bytes=1 << 50,
                           policy=policy, idle_flush_s=0.05)
         peaks = {"host": 0, "disk": 0}
 
@@ -351,8 +354,11 @@ def plot(runs: list[ReplayRun], path: str) -> None:
 
 def report(model, tokenizer, cfg: ReplayConfig, policies: list[tuple[str, bool]], *, recompute: bool = True,
            plot_path: str | None = None, json_path: str | None = None, progress: bool = True,
-           conversations=None) -> list[ReplayRun]:
-    """Runs RE and AS (one run per ``(policy, prefetch)``) on one trace and prints the comparison."""
+           conversations=None, host_only: bool = False) -> list[ReplayRun]:
+    """Runs RE and AS (one run per ``(policy, prefetch)``) on one trace and prints the comparison.
+
+    With `host_only`, one more AS run has a host tier that holds every session and no disk: reuse without
+    any tier traffic, the bound the tiered runs approach."""
     import json
 
     import torch
@@ -363,6 +369,9 @@ def report(model, tokenizer, cfg: ReplayConfig, policies: list[tuple[str, bool]]
     for policy, prefetch in policies:
         runs.append(run_store(model, tokenizer, trace, cfg, policy=policy, prefetch=prefetch, host_bytes=host,
                               progress=progress))
+    if host_only:
+        runs.append(run_store(model, tokenizer, trace, cfg, policy="lru", prefetch=False, host_bytes=2 * all_kv + host,
+                              disk=False, label="AS host only (all fit)", progress=progress))
     costs = CostModel()
     rows = [run.summary(costs) for run in runs]
     base = rows[0] if recompute else None
