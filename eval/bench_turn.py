@@ -116,6 +116,7 @@ def plot(sweep: dict, grid: dict, news: list[int], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     if sweep:
@@ -126,6 +127,7 @@ def plot(sweep: dict, grid: dict, news: list[int], path: str) -> None:
         axes[0].set(xscale="log", yscale="log", xlabel="history tokens", ylabel="TTFT (ms)",
                     title=f"TTFT vs history, {n} new tokens")
         axes[0].set_xticks(hs, [str(h) for h in hs])
+        axes[0].xaxis.set_minor_formatter(NullFormatter())
         axes[0].legend(fontsize=8)
     if grid:
         labels = [f"{H}/{n}" for H, n in grid]
@@ -151,7 +153,15 @@ def main(argv=None):
     p.add_argument("--disk-dir", default=None, help="folder for the disk tier (default: a temporary one)")
     p.add_argument("--plot", default=None, help="write the plots to this PNG")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--replot", default=None, help="only redraw --plot from a --json file of an earlier run")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            points = {(x["history"], x["new"]): x for x in json.load(f)["points"]}
+        grid = {k: v for k, v in points.items() if k in GRID}
+        plot({k: v for k, v in points.items() if k not in GRID}, grid, [int(x) for x in args.news.split(",")],
+             args.plot)
+        return
     sections = set(args.sections.split(","))
     torch.set_grad_enabled(False)
     model, _ = load_default_model(dtype=args.dtype)
