@@ -51,13 +51,15 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=32, help="jobs the engine runs at once")
     p.add_argument("--sections", default="policies,overflow,capacity")
     p.add_argument("--plot", default="docs/img/sim_capacity.png")
+    p.add_argument("--rejoin", action="store_true",
+                   help="join the parts the packaged (split) ShareGPT cut conversations into (see iter_sharegpt)")
     args = p.parse_args(argv)
     _, tokenizer = load_default_model()
-    trace = sharegpt_trace(tokenizer, args.sessions)
+    trace = sharegpt_trace(tokenizer, args.sessions, rejoin=args.rejoin)
     turns = sum(len(c) for c in trace)
     base = SimConfig(arrival_rate=args.rate, think_time_s=args.think, batch=args.batch)
     profile = PROFILES[args.model]
-    print(f"{len(trace)} ShareGPT conversations, {turns} turns ({turns / len(trace):.2f} per conversation), "
+    print(f"{len(trace)} ShareGPT conversations{' (split parts rejoined)' if args.rejoin else ''}, {turns} turns ({turns / len(trace):.2f} per conversation), "
           f"Poisson {args.rate}/s, think time {args.think} s (exponential), batch {args.batch}")
     print(f"{profile}")
     started = time.perf_counter()

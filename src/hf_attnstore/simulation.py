@@ -319,10 +319,11 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
     return result
 
 
-def sharegpt_trace(tokenizer, limit: int | None = None) -> list[list[tuple[int, int]]]:
+def sharegpt_trace(tokenizer, limit: int | None = None, rejoin: bool = False) -> list[list[tuple[int, int]]]:
     """Every ShareGPT conversation as (user tokens, reply tokens) per turn, counted with `tokenizer`.
 
-    A user message is paired with the assistant message that follows it (0 tokens if none). The counts
+    A user message is paired with the assistant message that follows it (0 tokens if none). With `rejoin`,
+    the parts of conversations the packaged (split) file cut apart are joined (see `iter_sharegpt`). The counts
     are cached under :func:`hf_attnstore.models.cache_root` (tokenizing 17,671 conversations takes a while).
     """
     import hashlib
@@ -334,14 +335,15 @@ def sharegpt_trace(tokenizer, limit: int | None = None) -> list[list[tuple[int, 
     from .models import cache_root
 
     path = sharegpt_path()
-    tag = hashlib.sha256(f"{path.stat().st_size}:{tokenizer.name_or_path}:{len(tokenizer)}".encode()).hexdigest()[:16]
+    key = f"{path.stat().st_size}:{tokenizer.name_or_path}:{len(tokenizer)}" + (":rejoin" if rejoin else "")
+    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     cached = cache_root() / "traces" / f"sharegpt-{tag}.json"
     if cached.is_file():
         trace = [[tuple(t) for t in conv] for conv in json.loads(cached.read_text())]
     else:
         trace = []
         encode = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0  # noqa: E731
-        trace = [[(encode(u), encode(r)) for u, r in conv.turns] for conv in iter_sharegpt()]
+        trace = [[(encode(u), encode(r)) for u, r in conv.turns] for conv in iter_sharegpt(rejoin=rejoin)]
         trace = [t for t in trace if t]
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".{os.getpid()}.tmp")

@@ -72,7 +72,8 @@ def _normalize(record: dict) -> Conversation | None:
     return Conversation(id=str(record.get("id", "")), messages=tuple(messages))
 
 
-def iter_sharegpt(path: str | Path | None = None, limit: int | None = None, raw: bool = False) -> Iterator:
+def iter_sharegpt(path: str | Path | None = None, limit: int | None = None, raw: bool = False,
+                  rejoin: bool = False) -> Iterator:
     """Yields conversations until the last complete record (or `limit`).
 
     Args:
@@ -80,7 +81,14 @@ def iter_sharegpt(path: str | Path | None = None, limit: int | None = None, raw:
         limit: Stop after this many conversations.
         raw: Yield the JSON records as they are (including empty conversations) instead of
             :class:`Conversation` objects.
+        rejoin: The packaged file is the *split* ShareGPT: long conversations were cut into parts that
+            fit 2,048 LLaMA tokens, stored as consecutive records ``<id>_0``, ``<id>_<k>``... With
+            `rejoin`, consecutive parts are joined back into one conversation (id without the suffix),
+            which is what a chat service sees as one session.
     """
+    if rejoin:
+        yield from _rejoined(path, limit)
+        return
     text = Path(path or sharegpt_path()).read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
@@ -109,3 +117,29 @@ def load_sharegpt(limit: int | None = None, min_user_turns: int = 1) -> list[Con
             if limit is not None and len(out) >= limit:
                 break
     return out
+
+
+def _base_id(record: dict) -> str:
+    rid = str(record.get("id", ""))
+    head, _, tail = rid.rpartition("_")
+    return head if head and tail.isdigit() else rid
+
+
+def _rejoined(path, limit: int | None) -> Iterator[Conversation]:
+    count, group, base = 0, [], None
+    for record in iter_sharegpt(path, raw=True):
+        b = _base_id(record)
+        if group and b != base:
+            conv = _normalize({"id": base, "conversations": group})
+            if conv is not None:
+                yield conv
+                count += 1
+                if limit is not None and count >= limit:
+                    return
+            group = []
+        base = b
+        group = group + list(record.get("conversations") or [])
+    if group:  # the last complete group (a part cut off by the file's end is already left out)
+        conv = _normalize({"id": base, "conversations": group})
+        if conv is not None and (limit is None or count < limit):
+            yield conv
