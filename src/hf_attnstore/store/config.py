@@ -15,7 +15,9 @@ class StoreConfig:
     """Settings of an :class:`~hf_attnstore.AttnStore`.
 
     Args:
-        host_bytes: Hard limit of the host (CPU memory) tier: a byte count or a string like ``"8GiB"``.
+        host_bytes: Limit of the host (CPU memory) tier: a byte count or a string like ``"8GiB"``. Appends
+            and prefetches never exceed it; the disk load a running turn waits for may exceed it by that
+            one session while the sessions it displaces are still being written out.
         disk_dir: Folder of the disk tier; ``None`` = no disk tier (sessions evicted from host are dropped).
         disk_bytes: Hard limit of the disk tier.
         ttl_s: Sessions not used for this many seconds are deleted; ``None`` = never.
