@@ -71,7 +71,7 @@ def _replay(args: argparse.Namespace) -> int:
                        max_turns=args.max_turns, max_user_tokens=args.max_user_tokens,
                        max_reply_tokens=args.max_reply_tokens, replies=args.replies,
                        max_new_tokens=args.max_new_tokens, context_window=args.window,
-                       host_fraction=args.host_fraction, seed=args.seed)
+                       host_fraction=args.host_fraction, seed=args.seed, rejoin=args.rejoin)
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model(args.model, dtype=args.dtype)
     policies = [(p, p == "lookahead") for p in args.policies.split(",") if p]
@@ -182,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--host-only", action="store_true",
                     help="add an AS run whose host tier holds every session, without a disk (no tier traffic)")
     rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--rejoin", action="store_true",
+                    help="whole conversations: join the parts the packaged (split) ShareGPT cut apart")
     rp.add_argument("--plot", default=None, help="write the plots to this PNG")
     rp.add_argument("--json", default=None, help="write summaries and per-turn records to this file")
     rp.set_defaults(func=_replay)

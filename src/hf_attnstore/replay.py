@@ -52,6 +52,7 @@ class ReplayConfig:
         disk: Give AS a disk tier for all sessions.
         seed: Seed of arrivals and think times.
         timeout_s: Longest wait for one turn.
+        rejoin: Replay whole conversations, joining the parts the packaged (split) ShareGPT cut apart.
     """
 
     conversations: int = 40
@@ -67,6 +68,7 @@ class ReplayConfig:
     disk: bool = True
     seed: int = 0
     timeout_s: float = 600.0
+    rejoin: bool = False
 
     def __post_init__(self):
         for name in ("conversations", "max_user_tokens", "max_reply_tokens", "max_new_tokens", "context_window"):
@@ -107,7 +109,8 @@ def _clip(tokenizer, text: str, n: int) -> str:
 
 def build_trace(tokenizer, cfg: ReplayConfig, conversations=None) -> Trace:
     """The trace of `cfg` (ShareGPT unless `conversations`, objects with ``id`` and ``turns``, are given)."""
-    convs = conversations if conversations is not None else load_sharegpt(limit=cfg.conversations, min_user_turns=2)
+    convs = conversations if conversations is not None else load_sharegpt(limit=cfg.conversations, min_user_turns=2,
+                                                                          rejoin=cfg.rejoin)
     rng = random.Random(cfg.seed)
     ids, turns, arrivals, thinks, t = [], [], [], [], 0.0
     for i, conv in enumerate(convs[: cfg.conversations]):
@@ -375,7 +378,7 @@ def report(model, tokenizer, cfg: ReplayConfig, policies: list[tuple[str, bool]]
     costs = CostModel()
     rows = [run.summary(costs) for run in runs]
     base = rows[0] if recompute else None
-    print(f"\n{len(trace.turns)} ShareGPT conversations, {trace.num_turns} turns "
+    print(f"\n{len(trace.turns)} ShareGPT conversations{' (whole)' if cfg.rejoin else ''}, {trace.num_turns} turns "
           f"({trace.num_turns / len(trace.turns):.2f} per conversation); Poisson {cfg.arrival_rate}/s, think time "
           f"{cfg.think_time_s} s (virtual time); replies: {cfg.replies}; messages <= {cfg.max_user_tokens} tokens, "
           f"replies <= {cfg.max_reply_tokens if cfg.replies == 'trace' else cfg.max_new_tokens}; window "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from hf_attnstore.data import iter_sharegpt
+from hf_attnstore.data import iter_sharegpt, load_sharegpt
 
 
 def record(rid, *turns):
@@ -56,3 +57,5 @@ def test_the_packaged_file():
     joined = list(iter_sharegpt(rejoin=True))
     assert 9_000 < len(joined) < 10_000  # the paper's "9K sessions"
     assert sum(len(c.turns) for c in joined) / len(joined) > sum(len(c.turns) for c in convs) / len(convs)
+    first = load_sharegpt(limit=3, min_user_turns=2, rejoin=True)
+    assert len(first) == 3 and not any(re.search(r"_\d+$", c.id) for c in first)  # ids lose the part suffix

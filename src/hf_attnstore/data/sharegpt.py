@@ -108,10 +108,11 @@ def iter_sharegpt(path: str | Path | None = None, limit: int | None = None, raw:
             yield item
 
 
-def load_sharegpt(limit: int | None = None, min_user_turns: int = 1) -> list[Conversation]:
-    """The conversations with at least `min_user_turns` user messages, in file order."""
+def load_sharegpt(limit: int | None = None, min_user_turns: int = 1, rejoin: bool = False) -> list[Conversation]:
+    """The conversations with at least `min_user_turns` user messages, in file order (`rejoin`: whole
+    conversations, see :func:`iter_sharegpt`)."""
     out = []
-    for conv in iter_sharegpt():
+    for conv in iter_sharegpt(rejoin=rejoin):
         if len(conv.user_turns) >= min_user_turns:
             out.append(conv)
             if limit is not None and len(out) >= limit:
