@@ -67,8 +67,7 @@ class ChatTokens:
         history = history_ids.view(-1).tolist()
         eot = self._eot_ids
         overlap = next((n for n in range(len(eot), 0, -1) if history[-n:] == eot[:n]), 0)
-        user = self._encode(self.user_prefix + message + self.user_suffix)
-        return torch.tensor([history + eot[overlap:] + user], dtype=torch.long)
+        return torch.tensor([history + eot[overlap:] + self.message_ids(message)], dtype=torch.long)
 
     def message_ids(self, message: str) -> list[int]:
         """The ids a user message adds to a conversation (its template wrapping included)."""

@@ -277,10 +277,10 @@ class ChatPipeline:
                                       **self.generate_kwargs)
             ttft = timer.ttft
             generated = out[:, prompt.shape[1]:]
-            text, greedy = self.chat_tokens.reply_text(generated), [] if self._sampling else generated.view(-1).tolist()
+            text = self.chat_tokens.reply_text(generated)
+            greedy = [] if self.generate_kwargs.get("do_sample") else generated.view(-1).tolist()
         else:
             out, greedy, ttft = self._read_reply(prompt, cache, reused, job.reply, timer.t0)
-            greedy = greedy.tolist()
             generated, text = out[:, prompt.shape[1]:], job.reply
         total = time.perf_counter() - timer.t0
         with self._cond:
@@ -291,10 +291,6 @@ class ChatPipeline:
                      dropped_tokens=dropped, ttft_s=ttft, total_s=total, kv_source=source,
                      queued_s=started - job.submitted, tier=None if self.store is None else cache.kv_source,
                      greedy_ids=tuple(greedy))
-
-    @property
-    def _sampling(self) -> bool:
-        return bool(self.generate_kwargs.get("do_sample"))
 
     @torch.no_grad()
     def _read_reply(self, prompt: torch.Tensor, cache, reused: int, reply: str, t0: float):
@@ -310,5 +306,4 @@ class ChatPipeline:
         first = logits[:, -1].argmax(-1).cpu()  # the copy to the host waits for the device, like a real TTFT
         ttft = time.perf_counter() - t0
         rest = self.model(reply_ids, past_key_values=cache, use_cache=True).logits[0, :-1].argmax(-1).cpu()
-        greedy = torch.cat([first, rest])
-        return torch.cat([prompt, reply_ids], dim=1), greedy, ttft
+        return torch.cat([prompt, reply_ids], dim=1), torch.cat([first, rest]).tolist(), ttft

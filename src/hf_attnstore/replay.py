@@ -26,7 +26,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .costs import CostModel
 from .data import load_sharegpt
@@ -153,7 +153,6 @@ class ReplayRun:
     peak_host_bytes: int = 0
     peak_disk_bytes: int = 0
     stats: StoreStats | None = None
-    tiers: dict = field(default_factory=dict)
 
     def summary(self, cost_model: CostModel | None = None) -> dict:
         """Means over all turns and over resumed turns (a session's second turn on), hit rates by tier of
@@ -341,9 +340,11 @@ def plot(runs: list[ReplayRun], path: str) -> None:
     b.xaxis.set_minor_formatter(NullFormatter())
     stores = [run for run in runs if run.stats is not None]
     names = [run.label.removeprefix("AS ") for run in stores]
+    summaries = [run.summary() for run in stores]
     bottom = [0.0] * len(stores)
-    for tier, color in (("host", "tab:green"), ("disk", "tab:orange"), ("miss", "tab:red")):
-        values = [100 * run.summary()[f"hit_{tier}" if tier != "miss" else "miss"] for run in stores]
+    for key, tier, color in (("hit_host", "host", "tab:green"), ("hit_disk", "disk", "tab:orange"),
+                             ("miss", "miss", "tab:red")):
+        values = [100 * s[key] for s in summaries]
         c.bar(names, values, bottom=bottom, color=color, label=tier)
         bottom = [x + y for x, y in zip(bottom, values)]
     c.set(ylabel="% of resumed turns", title="where resumed turns found their KV", ylim=(0, 100))
