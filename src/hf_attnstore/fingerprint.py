@@ -1,4 +1,19 @@
-"""Model fingerprints: KV cached for one model (or dtype) must never be served to another."""
+"""Model fingerprints: KV cached for one model (or dtype, or adapter) must never be served to another.
+
+The fingerprint hashes the architecture, the config, the KV geometry, every parameter and buffer (name,
+shape, dtype and *all* bytes), and the state of PEFT adapters (which are active, merged or disabled).
+Hashing every byte is what makes it safe: a merged LoRA changes `k_proj`/`v_proj` by a low-rank update
+that a sample of a few tensors never sees (SmolLM2 reused 400 tokens across such a merge, with logits
+off by up to 1.08).
+
+Reading every weight costs a fraction of a second per GiB, so the result is memoized on the model and
+recomputed only when a *change key* changes. The key is read without touching tensor data (no device
+sync): every tensor's identity (`data_ptr`), its autograd version counter (bumped by every in-place op
+such as ``p.add_()`` or ``p.copy_()`` under ``torch.no_grad()``), shape, dtype and device, plus the PEFT
+adapter state and the config. Writes through ``p.data`` bypass version counters (a PyTorch property);
+PEFT's own merge does so but also changes its `merged_adapters`, which the key includes. After editing
+weights through ``.data`` by hand, call :func:`forget_fingerprint`.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +21,13 @@ import hashlib
 import json
 
 import torch
+import xxhash
 from torch import nn
 
 # Config keys that name or date a checkpoint but do not change what the model computes.
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "name_or_path", "_commit_hash"}
-_SAMPLE_ELEMENTS = 4096
+_MEMO_ATTR = "_hf_attnstore_fingerprint"
+_HASH_BLOCK = 64 * 1024 * 1024  # bytes copied off a GPU at a time
 
 
 def kv_geometry(model: nn.Module) -> tuple[int, int, int]:
@@ -22,38 +39,110 @@ def kv_geometry(model: nn.Module) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
-def _weight_sample_digest(model: nn.Module) -> str:
-    """Hashes a few thousand values of the first, a middle and the last parameters.
+def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    return sorted(named, key=lambda item: item[0])
 
-    Reading every weight would cost seconds on large models; a sample of three tensors distinguishes
-    checkpoints (and fine-tunes, which change every matrix) at negligible cost.
+
+def _adapter_state(model: nn.Module) -> list:
+    """What PEFT adapters do to the forward (duck-typed: PEFT is not a dependency).
+
+    Layers injected by PEFT (`BaseTunerLayer`) carry `active_adapters`, `merged_adapters` and
+    `disable_adapters`; their weights are ordinary parameters and hashed with the rest.
     """
-    params = [p for p in model.parameters()]
-    digest = hashlib.sha256()
-    for p in (params[0], params[len(params) // 2], params[-1]):
-        sample = p.detach().reshape(-1)[:_SAMPLE_ELEMENTS].to("cpu", torch.float32).contiguous()
-        digest.update(str(tuple(p.shape)).encode())
-        digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()
+    state = []
+    for name, module in model.named_modules():
+        if hasattr(module, "merged_adapters") and hasattr(module, "active_adapters"):
+            active = module.active_adapters
+            state.append([name, sorted(active) if isinstance(active, (list, tuple)) else [str(active)],
+                          list(module.merged_adapters), bool(getattr(module, "disable_adapters", False)),
+                          repr(getattr(module, "scaling", None))])
+    return state
 
 
-def model_fingerprint(model: nn.Module) -> str:
-    """A stable hex id of (architecture, config, dtype, KV geometry, weight sample).
+def _config(model: nn.Module) -> dict:
+    return {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
 
-    Recomputed on every call (a few milliseconds): a memo would go stale when a model is cast to another
-    dtype or its weights change in place.
+
+def _change_key(model: nn.Module, tensors) -> tuple:
+    tensor_key = tuple((name, t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device) for name, t in tensors)
+    return tensor_key, json.dumps(_adapter_state(model), default=str), json.dumps(_config(model), sort_keys=True,
+                                                                                     default=str)
+
+
+def _hash_tensor(digest, t: torch.Tensor) -> None:
+    """Feeds every byte of `t` to `digest` (GPU tensors are copied to the host block by block)."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.uint8)
+    if flat.numel() == 0:
+        return
+    raw = flat.contiguous().view(torch.uint8)
+    block = _HASH_BLOCK
+    for start in range(0, raw.numel(), block):
+        piece = raw[start : start + block]
+        if piece.device.type != "cpu":
+            piece = piece.cpu()
+        digest.update(memoryview(piece.numpy()))
+
+
+def _full_fingerprint(model: nn.Module, tensors) -> str:
+    weights = xxhash.xxh3_128()
+    layout = []
+    for name, t in tensors:
+        if t.device.type == "meta":
+            raise ValueError(
+                f"`model` has tensor {name!r} on the meta device (no values): its cache entries cannot be told "
+                "apart from another checkpoint's; load real weights (e.g. `to_empty` then `load_state_dict`) first"
+            )
+        layout.append([name, list(t.shape), str(t.dtype)])
+        _hash_tensor(weights, t)
+    payload = {
+        "class": type(model).__name__,
+        "config": _config(model),
+        "kv": kv_geometry(model),
+        "tensors": layout,
+        "weights": weights.hexdigest(),
+        "adapters": _adapter_state(model),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def model_fingerprint(model: nn.Module, namespace: str | None = None) -> str:
+    """A stable hex id of (architecture, config, KV geometry, every weight's bytes, PEFT adapter state).
+
+    The first call hashes every parameter and buffer (SmolLM2-135M fp32: tens of milliseconds, see
+    docs/reliability.md); later calls return the memo unless a weight was changed in place, replaced,
+    moved or cast, or an adapter was switched, merged or disabled (see the module docstring).
+
+    Args:
+        model: The model whose KV is stored.
+        namespace: A salt for what the weights cannot show (a system prompt policy, a tenant): entries
+            stored under one namespace are never served to another (like TensorRT-LLM's ``cache_salt``).
 
     Example:
         >>> fp = model_fingerprint(model)  # doctest: +SKIP
         >>> len(fp)
         64
     """
-    config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    payload = {
-        "class": type(model).__name__,
-        "config": config,
-        "dtype": str(next(model.parameters()).dtype),
-        "kv": kv_geometry(model),
-        "weights": _weight_sample_digest(model),
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"`model` must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    if namespace is not None and not isinstance(namespace, str):
+        raise TypeError(f"`namespace` must be a str or None, got {type(namespace).__name__}")
+    tensors = _tensors(model)
+    key = _change_key(model, tensors)
+    memo = getattr(model, _MEMO_ATTR, None)
+    if memo is None or memo[0] != key:
+        memo = (key, _full_fingerprint(model, tensors))
+        object.__setattr__(model, _MEMO_ATTR, memo)  # plain attribute: nn.Module's __setattr__ would register it
+    if namespace is None:
+        return memo[1]
+    return hashlib.sha256(f"{memo[1]}\0{namespace}".encode("utf-8")).hexdigest()
+
+
+def forget_fingerprint(model: nn.Module) -> None:
+    """Drops the memoized fingerprint: the next call hashes every weight again.
+
+    Needed only after changing weights through ``param.data`` by hand, which PyTorch does not track.
+    """
+    model.__dict__.pop(_MEMO_ATTR, None)

@@ -11,7 +11,7 @@ import torch
 
 from hf_attnstore.store import AttnStore, LoadError, StoreIOError
 from hf_attnstore.store import disk as disk_module
-from hf_attnstore.store.format import session_dirname
+from hf_attnstore.store.format import FORMAT, session_dirname
 
 from .kvdata import BYTES_PER_TOKEN, FP, expect, write_turn
 
@@ -167,7 +167,7 @@ def damage(kvdir, how):
     elif how == "delete_chunk":
         chunk.unlink()
     elif how == "other_format":
-        chunk.write_bytes(chunk.read_bytes().replace(b"hf_attnstore/1", b"hf_attnstore/2"))
+        chunk.write_bytes(chunk.read_bytes().replace(FORMAT.encode(), b"hf_attnstore/0"))
     elif how == "temp_only":
         (folder / "manifest.json").rename(folder / ".tmp-123-manifest.json")
 

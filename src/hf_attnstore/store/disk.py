@@ -5,6 +5,7 @@ Every method here only moves bytes; which session lives where is decided by the 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import secrets
@@ -20,6 +21,7 @@ from .format import (
     FormatError,
     Manifest,
     bytes_to_tensor,
+    check_chain,
     encode_chunk,
     layer_names,
     read_chunk_meta,
@@ -31,6 +33,11 @@ logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 CHUNK_SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
+LOCK = "LOCK"
+
+
+class DiskLockedError(RuntimeError):
+    """Another store (in this process or another) has the disk tier's folder open."""
 
 
 def _numpy(t: torch.Tensor):
@@ -46,18 +53,51 @@ def _write_bytes(fd: int, data: bytes) -> None:
 
 
 class DiskTier:
-    """Files of the disk tier under `root` (created with mode 0700).
+    """Files of the disk tier under `root` (created with mode 0700), locked for one store at a time.
+
+    The store that opens a folder owns it: it numbers chunk files, deletes what no manifest references and
+    removes temporary files left by a crash. A second owner would break all three, so opening takes an
+    exclusive `flock` on ``root/LOCK`` (as RocksDB and LMDB do); the kernel releases it when the process
+    dies, so a crash never leaves a stale lock.
 
     Args:
         root: The folder (``~`` is expanded).
         fsync: Whether writes are made durable (file and folder fsync). Only tests turn it off.
+
+    Raises:
+        DiskLockedError: Another store has the folder open.
+        ValueError: The folder (or its ``sessions`` entry) exists but is not a folder.
     """
 
     def __init__(self, root: str | os.PathLike, fsync: bool = True):
-        self.root = Path(os.path.expanduser(str(root))).resolve()
+        self.root = Path(os.path.expanduser(os.fspath(root))).resolve()
         self.sessions_root = self.root / "sessions"
-        self.sessions_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.fsync = fsync
+        self._lock_fd: int | None = None
+        for path in (self.root, self.sessions_root):
+            if path.exists() and not path.is_dir():
+                raise ValueError(f"`disk_dir`: {path} exists and is not a folder; pass a folder (or a new path)")
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DiskLockedError(
+                f"the disk tier folder {self.root} is in use by another AttnStore (this process or another): "
+                "close that store first, or give each store its own `disk_dir`"
+            ) from None
+        self._lock_fd = fd
+        self.sessions_root.mkdir(exist_ok=True, mode=0o700)
+
+    def close(self) -> None:
+        """Releases the folder's lock. Idempotent."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor of the lock file releases the flock
+
+    def __del__(self):
+        self.close()
 
     def session_dir(self, fingerprint: str, session_id: str) -> Path:
         path = self.sessions_root / session_dirname(fingerprint, session_id)
@@ -93,10 +133,11 @@ class DiskTier:
         return len(data)
 
     def write_chunk(self, fingerprint: str, session_id: str, name: str, ids: torch.Tensor,
-                    keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
-        """Writes one chunk file; returns its size in bytes."""
-        data = encode_chunk(fingerprint, session_id, ids, keys, values)
-        return self._write_atomic(self.session_dir(fingerprint, session_id), name + CHUNK_SUFFIX, data)
+                    keys: list[torch.Tensor], values: list[torch.Tensor], prefix: str, previous: str
+                    ) -> tuple[int, str]:
+        """Writes one chunk file; returns its size in bytes and its digest (see format.py)."""
+        data, digest = encode_chunk(fingerprint, session_id, ids, keys, values, prefix, previous)
+        return self._write_atomic(self.session_dir(fingerprint, session_id), name + CHUNK_SUFFIX, data), digest
 
     def write_manifest(self, manifest: Manifest) -> None:
         self._write_atomic(self.session_dir(manifest.fingerprint, manifest.session_id), MANIFEST, manifest.encode())
@@ -106,7 +147,7 @@ class DiskTier:
         folder = self.session_dir(fingerprint, session_id)
         for path in folder.glob("*" + CHUNK_SUFFIX):
             if path.name[: -len(CHUNK_SUFFIX)] not in keep and not path.name.startswith(TMP_PREFIX):
-                path.unlink(missing_ok=True)
+                self._remove(path)
 
     def delete_session(self, fingerprint: str, session_id: str) -> None:
         shutil.rmtree(self.session_dir(fingerprint, session_id), ignore_errors=True)
@@ -115,7 +156,9 @@ class DiskTier:
     def open_chunk(self, fingerprint: str, session_id: str, name: str) -> tuple[int, ChunkMeta]:
         """Opens a chunk file and validates its header. The caller closes the fd."""
         path = self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)
-        fd = os.open(path, os.O_RDONLY)
+        if not path.is_file() or path.is_symlink():
+            raise FormatError(f"chunk {name} is missing or not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             return fd, read_chunk_meta(fd, os.fstat(fd).st_size, fingerprint, session_id)
         except BaseException:
@@ -164,15 +207,6 @@ class DiskTier:
     def chunk_size(self, fingerprint: str, session_id: str, name: str) -> int:
         return (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).stat().st_size
 
-    def drop_page_cache(self, fingerprint: str, session_id: str) -> None:
-        """Asks the kernel to forget cached pages of a session's files (benchmarks of cold reads)."""
-        for path in self.session_dir(fingerprint, session_id).iterdir():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
     # -- reopening --------------------------------------------------------------------------------------
     def scan(self) -> Iterator[tuple[Manifest, dict[str, int], tuple, float]]:
         """Yields ``(manifest, {chunk: (bytes, tokens)}, (geometry, dtype), mtime)`` of valid sessions, oldest first.
@@ -186,7 +220,7 @@ class DiskTier:
                 self._remove(folder)
                 continue
             for tmp in folder.glob(TMP_PREFIX + "*"):
-                tmp.unlink(missing_ok=True)
+                self._remove(tmp)  # a crash's leftovers (the lock says no other store is writing)
             try:
                 manifest, sizes, layout = self._validate(folder)
             except (OSError, FormatError) as exc:
@@ -199,13 +233,17 @@ class DiskTier:
         yield from found
 
     def _validate(self, folder: Path) -> tuple[Manifest, dict[str, int], tuple]:
-        manifest = Manifest.decode((folder / MANIFEST).read_bytes())
+        path = folder / MANIFEST
+        if not path.is_file() or path.is_symlink():
+            raise FormatError("no manifest")
+        manifest = Manifest.decode(path.read_bytes())
         if session_dirname(manifest.fingerprint, manifest.session_id) != folder.name:
             raise FormatError("manifest does not belong to this folder")
-        sizes, pos, layouts = {}, 0, set()
+        sizes, pos, layouts, metas = {}, 0, set(), []
         for span in manifest.spans:
             fd, meta = self.open_chunk(manifest.fingerprint, manifest.session_id, span.chunk)
             try:
+                metas.append(meta)
                 layouts.add((meta.geometry, meta.dtype))
                 if span.end > meta.n_tokens:
                     raise FormatError("span beyond the chunk's tokens")
@@ -218,6 +256,7 @@ class DiskTier:
             pos += span.length
         if len(layouts) != 1:
             raise FormatError("chunks of one session disagree on shapes or dtype (or there are none)")
+        check_chain(manifest, metas)
         return manifest, sizes, layouts.pop()
 
     @staticmethod

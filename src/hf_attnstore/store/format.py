@@ -4,7 +4,12 @@ A chunk file is a plain safetensors file holding ``ids`` ``[n]`` (int64) and, pe
 keys ``L{l:04d}.k`` and values ``L{l:04d}.v`` ``[1, kv_heads, n, head_dim]``; safetensors sorts tensors by
 alignment then name, so the file is laid out ids first, then layer by layer (a layer is one contiguous
 range: layer-wise loading reads it with a single `pread`). Its string metadata carries the format
-version, model fingerprint, full session id, geometry and an xxh64 checksum of every tensor.
+version, model fingerprint, full session id, geometry, an xxh64 checksum of every tensor, and the chunk's
+place in its history: `prefix`, a digest of every token id before it (seeded with the fingerprint), and
+`previous`, the digest of the chunk before it. A chunk's own *digest* hashes all of that metadata, so it
+pins the file's content; the manifest records the digest of every chunk it uses. A chunk is therefore only
+ever read in the history it was computed for (vLLM and LMCache key their blocks the same way): a chunk
+file replaced by another (a second writer, a copy, an older version) is a mismatch, hence a miss.
 
 We parse the header ourselves instead of calling `safetensors.torch.load`: loading must read one layer
 range at a time into buffers we own, and every field is validated (offsets inside the file, contiguous,
@@ -25,9 +30,11 @@ import torch
 import xxhash
 from safetensors.torch import save as safetensors_save
 
-FORMAT = "hf_attnstore/1"
+FORMAT = "hf_attnstore/2"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64}
+KV_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # what keys and values may be
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -42,6 +49,25 @@ def session_dirname(fingerprint: str, session_id: str) -> str:
 
 def checksum(data) -> str:
     return xxhash.xxh64(data).hexdigest()
+
+
+def prefix_hasher(fingerprint: str):
+    """A running digest of a session's token ids, seeded with the model fingerprint (see `prefix_digest`)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(fingerprint.encode())
+    return digest
+
+
+def prefix_digest(fingerprint: str, token_ids: torch.Tensor) -> str:
+    """The digest of the history ``token_ids`` (every id before a chunk) for this model."""
+    digest = prefix_hasher(fingerprint)
+    digest.update(tensor_bytes(token_ids.to(torch.int64)))
+    return digest.hexdigest()
+
+
+def metadata_digest(meta: dict) -> str:
+    """A chunk's digest: a hash of its whole metadata, which holds the checksum of every tensor."""
+    return hashlib.blake2b(json.dumps(meta, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 def layer_names(layer: int) -> tuple[str, str]:
@@ -67,11 +93,14 @@ class ChunkMeta:
     dtype: torch.dtype
     offsets: dict[str, tuple[int, int]]  # tensor name -> absolute [begin, end) in the file
     checksums: dict[str, str]
+    prefix: str = ""  # digest of every token id before the chunk when it was computed
+    previous: str = ""  # digest of the chunk before it ("" for the first)
+    digest: str = ""  # this chunk's digest (pinned in the manifest)
 
 
 def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: list[torch.Tensor],
-                 values: list[torch.Tensor]) -> bytes:
-    """Serializes one chunk to safetensors bytes."""
+                 values: list[torch.Tensor], prefix: str, previous: str) -> tuple[bytes, str]:
+    """Serializes one chunk to safetensors bytes; returns them and the chunk's digest."""
     tensors = {"ids": ids.detach().to("cpu", torch.int64).contiguous()}
     for layer, (k, v) in enumerate(zip(keys, values)):
         kn, vn = layer_names(layer)
@@ -85,8 +114,10 @@ def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: lis
         "geometry": json.dumps([len(keys), heads, dim]),
         "dtype": _DTYPE_NAMES[keys[0].dtype],
         "checksums": json.dumps({name: checksum(tensor_bytes(t)) for name, t in tensors.items()}),
+        "prefix": prefix,
+        "previous": previous,
     }
-    return safetensors_save(tensors, metadata=meta)
+    return safetensors_save(tensors, metadata=meta), metadata_digest(meta)
 
 
 def read_chunk_meta(fd: int, file_size: int, fingerprint: str, session_id: str) -> ChunkMeta:
@@ -110,6 +141,8 @@ def read_chunk_meta(fd: int, file_size: int, fingerprint: str, session_id: str) 
         geometry = tuple(int(x) for x in json.loads(meta["geometry"]))
         dtype = _DTYPES[meta["dtype"]]
         sums = json.loads(meta["checksums"])
+        prefix, previous = str(meta["prefix"]), str(meta["previous"])
+        digest = metadata_digest(meta)
     except FormatError:
         raise
     except Exception as exc:  # any malformed field: the header is damaged
@@ -120,7 +153,7 @@ def read_chunk_meta(fd: int, file_size: int, fingerprint: str, session_id: str) 
         raise
     except Exception as exc:  # a damaged field of any type
         raise FormatError(f"unreadable header: {exc}") from exc
-    return ChunkMeta(fingerprint, session_id, n, geometry, dtype, offsets, sums)
+    return ChunkMeta(fingerprint, session_id, n, geometry, dtype, offsets, sums, prefix, previous, digest)
 
 
 def _validate_layout(header: dict, sums: dict, n: int, geometry: tuple, dtype: torch.dtype, data_start: int,
@@ -169,11 +202,18 @@ def bytes_to_tensor(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.
 # -- manifest -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Span:
-    """Tokens ``[start, end)`` of chunk file ``chunk``."""
+    """Tokens ``[start, end)`` of chunk file ``chunk``, whose digest must be ``digest``.
+
+    ``rebased``: the span was kept by a truncation that dropped tokens before it, so its KV was computed
+    after another history than the manifest's (decoupled truncation); its `prefix` is not checked against
+    the manifest's ids, only its pinned digest.
+    """
 
     chunk: str
     start: int
     end: int
+    digest: str = ""
+    rebased: bool = False
 
     @property
     def length(self) -> int:
@@ -203,10 +243,17 @@ class Manifest:
             pos += span.length
         for a, b in ranges:
             ids.append(self.token_ids[a:b])
+        kept = 0  # tokens kept before the first dropped one: spans after a gap are rebased
+        for a, b in ranges:
+            if a != kept:
+                break
+            kept = b
+        for a, b in ranges:
             for lo, hi, span in bounds:
                 x, y = max(a, lo), min(b, hi)
                 if x < y:
-                    spans.append(Span(span.chunk, span.start + x - lo, span.start + y - lo))
+                    spans.append(Span(span.chunk, span.start + x - lo, span.start + y - lo, span.digest,
+                                      span.rebased or x > kept))
         token_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.long)
         assert sum(s.length for s in spans) == token_ids.numel(), "spans must cover the selected tokens"
         return Manifest(self.fingerprint, self.session_id, token_ids, tuple(spans), self.next_chunk)
@@ -217,7 +264,7 @@ class Manifest:
             "fingerprint": self.fingerprint,
             "session_id": self.session_id,
             "token_ids": base64.b64encode(bytes(tensor_bytes(self.token_ids.to(torch.int64)))).decode(),
-            "spans": [[s.chunk, s.start, s.end] for s in self.spans],
+            "spans": [[s.chunk, s.start, s.end, s.digest, s.rebased] for s in self.spans],
             "next_chunk": self.next_chunk,
         }
         text = json.dumps(body, sort_keys=True)
@@ -236,7 +283,7 @@ class Manifest:
                 raise FormatError(f"manifest format {body['format']!r} is not {FORMAT!r}")
             raw = base64.b64decode(body["token_ids"], validate=True)
             ids = torch.frombuffer(bytearray(raw), dtype=torch.int64).clone() if raw else torch.empty(0, dtype=torch.long)
-            spans = tuple(Span(str(c), int(a), int(b)) for c, a, b in body["spans"])
+            spans = tuple(Span(str(c), int(a), int(b), str(d), bool(r)) for c, a, b, d, r in body["spans"])
             manifest = cls(str(body["fingerprint"]), str(body["session_id"]), ids, spans, int(body["next_chunk"]))
         except FormatError:
             raise
@@ -247,3 +294,20 @@ class Manifest:
         if any(s.start < 0 or s.end <= s.start for s in spans) or sum(s.length for s in spans) != manifest.length:
             raise FormatError("manifest spans do not cover its tokens")
         return manifest
+
+
+def check_chain(manifest: Manifest, metas: list[ChunkMeta]) -> None:
+    """Checks that the chunks are exactly the ones the manifest pinned, each in its own history.
+
+    Raises:
+        FormatError: A chunk is not the pinned one, or was computed after other tokens than the manifest's.
+    """
+    hasher, pos = prefix_hasher(manifest.fingerprint), 0
+    for i, (span, meta) in enumerate(zip(manifest.spans, metas, strict=True)):
+        if meta.digest != span.digest:
+            raise FormatError(f"chunk {span.chunk} is not the one the manifest pinned (replaced or rewritten)")
+        if not span.rebased and (meta.prefix != hasher.copy().hexdigest()
+                                 or meta.previous != (manifest.spans[i - 1].digest if i else "")):
+            raise FormatError(f"chunk {span.chunk} was computed after another history")
+        hasher.update(tensor_bytes(manifest.token_ids[pos : pos + span.length].to(torch.int64)))
+        pos += span.length

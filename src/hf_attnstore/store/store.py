@@ -22,7 +22,7 @@ from ..policy import make_policy
 from .buffer import SessionBuffer, SessionKV, ranges
 from .config import StoreConfig
 from .disk import DiskTier
-from .format import FormatError, Manifest, Span
+from .format import FormatError, Manifest, Span, check_chain, prefix_hasher, tensor_bytes
 from .loader import LoadError, LoadHandle
 from .placement import choose_victims
 
@@ -173,7 +173,11 @@ class AttnStore:
         self._disk = DiskTier(self.config.disk_dir, fsync=self.config.fsync) if self.config.disk_dir else None
         self._threads: list[threading.Thread] = []
         if self._disk is not None:
-            self._reopen()
+            try:
+                self._reopen()
+            except BaseException:
+                self._disk.close()
+                raise
             self._load_queue: queue.Queue = queue.Queue()
             for target, name in ((self._load_loop, "attnstore-load"), (self._save_loop, "attnstore-save")):
                 thread = threading.Thread(target=target, name=name, daemon=True)
@@ -336,6 +340,8 @@ class AttnStore:
                 self._load_queue.put(None)
             for thread in self._threads:
                 thread.join(timeout=self.config.io_timeout_s)
+            if self._disk is not None:
+                self._disk.close()
 
     def __enter__(self) -> "AttnStore":
         return self
@@ -527,6 +533,7 @@ class AttnStore:
                 if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
                     raise FormatError("chunk ids disagree with the manifest")
                 pos += span.length
+            check_chain(manifest, [opened[span.chunk][1] for span in manifest.spans])
             seg = buf.parts[0][0]
             for layer in range(buf.geometry[0]):
                 handle.gate(layer)
@@ -735,13 +742,19 @@ class AttnStore:
         new_chunks, spans, error = {}, list(base.spans), None
         started = time.perf_counter()
         try:
+            # Each chunk is chained to its history: the digest of every id before it, and the previous chunk.
+            history = prefix_hasher(fp)
+            history.update(tensor_bytes(snap.token_ids[:start]))
             for a in range(start, end, chunk):
                 self._yield_to_loads_and_compute(e)
                 b, name = min(a + chunk, end), f"{next_chunk:08d}"
                 next_chunk += 1
-                size = self._disk.write_chunk(fp, sid, name, *snap.tensors(a, b))
+                ids, keys, values = snap.tensors(a, b)
+                size, digest = self._disk.write_chunk(fp, sid, name, ids, keys, values, history.hexdigest(),
+                                                      spans[-1].digest if spans else "")
+                history.update(tensor_bytes(ids))
                 new_chunks[name] = (size, b - a)
-                spans.append(Span(name, 0, b - a))
+                spans.append(Span(name, 0, b - a, digest))
             manifest = Manifest(fp, sid, snap.token_ids[:end].clone(), tuple(spans), next_chunk)
             self._disk.write_manifest(manifest)
         except OSError as exc:
