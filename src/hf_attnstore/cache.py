@@ -39,7 +39,10 @@ def _as_prompt_ids(input_ids) -> torch.Tensor:
     if isinstance(input_ids, torch.Tensor):
         ids = input_ids.detach()
     elif isinstance(input_ids, Sequence) and not isinstance(input_ids, (str, bytes)):
-        ids = torch.tensor(list(input_ids), dtype=torch.long)
+        try:
+            ids = torch.tensor(list(input_ids))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"`input_ids` must be a tensor or a list of token ids: {exc}") from None
     else:
         raise TypeError(f"`input_ids` must be a tensor or a list of token ids, got {type(input_ids).__name__}")
     if ids.dim() == 2:
@@ -49,6 +52,8 @@ def _as_prompt_ids(input_ids) -> torch.Tensor:
                 "create one cache per session"
             )
         ids = ids[0]
+    if ids.dtype == torch.bool or ids.is_complex():
+        raise TypeError(f"`input_ids` must hold integer token ids, got dtype {ids.dtype}")
     if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
         raise ValueError(f"`input_ids` must be a non-empty [1, seq] or [seq] tensor of ids, got {tuple(ids.shape)}")
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
@@ -150,19 +155,26 @@ class AttnStoreCache(DynamicCache):
         keep_first: int = 4,
         save: bool = True,
     ):
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"`model` must be a transformers model, got {type(model).__name__}")
         if not isinstance(store, AttnStore):
             raise TypeError(f"`store` must be an AttnStore, got {type(store).__name__}")
         self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
         self.session_id = validate_session_id(session_id)
         prompt = _as_prompt_ids(input_ids)
         self._rope = RopeAdapter(model)
+        vocab = model.get_input_embeddings().num_embeddings if model.get_input_embeddings() is not None else None
+        if vocab is not None and (int(prompt.min()) < 0 or int(prompt.max()) >= vocab):
+            # On CUDA an out-of-range id is a device-side assert that breaks the whole process: refuse it here.
+            raise ValueError(f"`input_ids` holds ids outside the model's vocabulary [0, {vocab}): "
+                             f"min {int(prompt.min())}, max {int(prompt.max())}")
         if not self._rope.has_rope and context_window is not None and truncation != "recompute":
             _warn_once(
                 f"norope-{self._rope.model_type}",
                 f"{self._rope.model_type} has no rotary embeddings, so cached keys cannot be re-positioned: "
                 "truncation falls back to 'recompute'",
             )
-        self.fingerprint = model_fingerprint(model)
+        self.fingerprint = store.fingerprint(model)
         self._geometry = kv_geometry(model)
         snapshot = self._validated(store.lookup(session_id, self.fingerprint))
         self.plan = plan_reuse(
@@ -199,9 +211,9 @@ class AttnStoreCache(DynamicCache):
         install_hooks(model)
 
     @staticmethod
-    def fingerprint_of(model: nn.Module) -> str:
-        """The fingerprint under which this model's sessions are stored."""
-        return model_fingerprint(model)
+    def fingerprint_of(model: nn.Module, store: AttnStore | None = None) -> str:
+        """The fingerprint under which this model's sessions are stored (in `store`'s namespace, if given)."""
+        return store.fingerprint(model) if store is not None else model_fingerprint(model)
 
     # -- what was reused -------------------------------------------------------------------------------
     def _validated(self, snapshot: SessionKV | None) -> SessionKV | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -41,6 +42,8 @@ def parse_bytes(value: int | float | str, name: str = "size") -> int:
     """
     if isinstance(value, bool):
         raise TypeError(f"`{name}` must be a byte count or a string like '2GiB', got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite byte count, got {value!r}")
     if isinstance(value, (int, float)):
         size = int(value)
     elif isinstance(value, str):

@@ -39,35 +39,34 @@ def kv_geometry(model: nn.Module) -> tuple[int, int, int]:
     return cfg.num_hidden_layers, kv_heads, head_dim
 
 
-def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    return sorted(named, key=lambda item: item[0])
+def _walk(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list]:
+    """Every parameter and buffer (sorted by name) and the PEFT adapter state, in one pass over the modules.
 
-
-def _adapter_state(model: nn.Module) -> list:
-    """What PEFT adapters do to the forward (duck-typed: PEFT is not a dependency).
-
-    Layers injected by PEFT (`BaseTunerLayer`) carry `active_adapters`, `merged_adapters` and
-    `disable_adapters`; their weights are ordinary parameters and hashed with the rest.
+    PEFT is not a dependency: its injected layers (`BaseTunerLayer`) are recognized by their
+    `active_adapters` and `merged_adapters`; their weights are ordinary parameters, hashed with the rest.
     """
-    state = []
-    for name, module in model.named_modules():
-        if hasattr(module, "merged_adapters") and hasattr(module, "active_adapters"):
+    tensors, adapters = [], []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for kind in (module._parameters, module._buffers):
+            for name, t in kind.items():
+                if t is not None:
+                    tensors.append((f"{prefix}.{name}" if prefix else name, t))
+        if "merged_adapters" in module.__dict__ and hasattr(module, "active_adapters"):
             active = module.active_adapters
-            state.append([name, sorted(active) if isinstance(active, (list, tuple)) else [str(active)],
-                          list(module.merged_adapters), bool(getattr(module, "disable_adapters", False)),
-                          repr(getattr(module, "scaling", None))])
-    return state
+            adapters.append([prefix, sorted(active) if isinstance(active, (list, tuple)) else [str(active)],
+                             list(module.merged_adapters), bool(getattr(module, "disable_adapters", False)),
+                             repr(getattr(module, "scaling", None))])
+    tensors.sort(key=lambda item: item[0])
+    return tensors, adapters
 
 
 def _config(model: nn.Module) -> dict:
     return {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
 
 
-def _change_key(model: nn.Module, tensors) -> tuple:
+def _change_key(model: nn.Module, tensors, adapters) -> tuple:
     tensor_key = tuple((name, t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device) for name, t in tensors)
-    return tensor_key, json.dumps(_adapter_state(model), default=str), json.dumps(_config(model), sort_keys=True,
-                                                                                     default=str)
+    return tensor_key, repr(adapters), repr(model.config.__dict__)
 
 
 def _hash_tensor(digest, t: torch.Tensor) -> None:
@@ -86,7 +85,7 @@ def _hash_tensor(digest, t: torch.Tensor) -> None:
         digest.update(memoryview(piece.numpy()))
 
 
-def _full_fingerprint(model: nn.Module, tensors) -> str:
+def _full_fingerprint(model: nn.Module, tensors, adapters) -> str:
     weights = xxhash.xxh3_128()
     layout = []
     for name, t in tensors:
@@ -103,7 +102,7 @@ def _full_fingerprint(model: nn.Module, tensors) -> str:
         "kv": kv_geometry(model),
         "tensors": layout,
         "weights": weights.hexdigest(),
-        "adapters": _adapter_state(model),
+        "adapters": adapters,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -129,11 +128,11 @@ def model_fingerprint(model: nn.Module, namespace: str | None = None) -> str:
         raise TypeError(f"`model` must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
     if namespace is not None and not isinstance(namespace, str):
         raise TypeError(f"`namespace` must be a str or None, got {type(namespace).__name__}")
-    tensors = _tensors(model)
-    key = _change_key(model, tensors)
-    memo = getattr(model, _MEMO_ATTR, None)
+    tensors, adapters = _walk(model)
+    key = _change_key(model, tensors, adapters)
+    memo = model.__dict__.get(_MEMO_ATTR)
     if memo is None or memo[0] != key:
-        memo = (key, _full_fingerprint(model, tensors))
+        memo = (key, _full_fingerprint(model, tensors, adapters))
         object.__setattr__(model, _MEMO_ATTR, memo)  # plain attribute: nn.Module's __setattr__ would register it
     if namespace is None:
         return memo[1]

@@ -187,7 +187,7 @@ class ChatPipeline:
             ids = self._history[session_id]
         if self.store is None:
             return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": None}
-        fp = AttnStoreCache.fingerprint_of(self.model)
+        fp = self.store.fingerprint(self.model)
         return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": self.store.tier_of(session_id, fp)}
 
     def reset(self, session_id: str) -> None:
@@ -245,7 +245,7 @@ class ChatPipeline:
         self.store.set_schedule(running + waiting[:eviction])
         ahead = list(dict.fromkeys(waiting[:prefetch]))
         if ahead:
-            self.store.prefetch(ahead, AttnStoreCache.fingerprint_of(self.model))
+            self.store.prefetch(ahead, self.store.fingerprint(self.model))
 
     def _turn(self, job: _Job) -> Reply:
         started = time.perf_counter()
@@ -255,7 +255,7 @@ class ChatPipeline:
             # A session this pipeline has not seen may be in the store (a previous process, same disk_dir).
             # Its stored ids are the history but the last generated token (never fed to the model);
             # `next_turn` re-adds the end-of-turn tokens, so a reply that ended on one resumes exactly.
-            stored = self.store.token_ids(job.session_id, AttnStoreCache.fingerprint_of(self.model))
+            stored = self.store.token_ids(job.session_id, self.store.fingerprint(self.model))
             history = stored.view(1, -1) if stored is not None else None
         ids = (self.chat_tokens.first_turn(job.message) if history is None
                else self.chat_tokens.next_turn(history, job.message))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,9 @@ class StoreConfig:
         pin_memory: Page-lock host buffers (async GPU copies). ``None`` = when CUDA is available.
         fsync: Make disk writes durable. Only tests and benchmarks of the page cache turn it off.
         io_timeout_s: Longest wait for one layer of a load, and for `flush`.
+        namespace: A salt mixed into every model fingerprint (see
+            :func:`~hf_attnstore.fingerprint.model_fingerprint`): entries stored under one namespace are
+            never served under another. Use it for what weights cannot show (a tenant, a policy).
     """
 
     host_bytes: int | str = "2GiB"
@@ -50,8 +55,23 @@ class StoreConfig:
     pin_memory: bool | None = None
     fsync: bool = True
     io_timeout_s: float = 60.0
+    namespace: str | None = None
 
     def __post_init__(self):
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, os.PathLike)) or isinstance(self.disk_dir, bytes):
+                raise TypeError(f"`disk_dir` must be a folder path (str or os.PathLike) or None, got "
+                                f"{type(self.disk_dir).__name__}")
+            if not os.fspath(self.disk_dir).strip():
+                raise ValueError("`disk_dir` is empty: pass a folder path, or None for no disk tier")
+            object.__setattr__(self, "disk_dir", os.fspath(self.disk_dir))
+        if self.namespace is not None and not isinstance(self.namespace, str):
+            raise TypeError(f"`namespace` must be a str or None, got {type(self.namespace).__name__}")
+        for name in ("ttl_s", "idle_flush_s", "io_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise ValueError(f"`{name}` must be a finite number of seconds, got {value!r}")
         object.__setattr__(self, "host_bytes", parse_bytes(self.host_bytes, "host_bytes"))
         object.__setattr__(self, "disk_bytes", parse_bytes(self.disk_bytes, "disk_bytes"))
         make_policy(self.policy)  # validates the name

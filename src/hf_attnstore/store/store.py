@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from ..fingerprint import model_fingerprint
 from ..policy import make_policy
 from .buffer import SessionBuffer, SessionKV, ranges
 from .config import StoreConfig
@@ -140,16 +141,19 @@ class AttnStore:
         >>> store.stats().hits_disk  # doctest: +SKIP
     """
 
-    def __init__(self, host_bytes: int | str = "2GiB", disk_dir: str | None = None,
-                 disk_bytes: int | str = "100GiB", ttl_s: float | None = None, policy: str = "lru",
-                 chunk_tokens: int = 256, read_buffer_layers: int | None = None, preload: bool | None = None,
-                 idle_flush_s: float = 0.5, pin_memory: bool | None = None, fsync: bool = True,
-                 io_timeout_s: float = 60.0):
-        self.config = StoreConfig(
-            host_bytes=host_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes, ttl_s=ttl_s, policy=policy,
-            chunk_tokens=chunk_tokens, read_buffer_layers=read_buffer_layers, preload=preload,
-            idle_flush_s=idle_flush_s, pin_memory=pin_memory, fsync=fsync, io_timeout_s=io_timeout_s,
-        )
+    def __init__(self, host_bytes: int | str = "2GiB", disk_dir: str | os.PathLike | None = None, *,
+                 config: StoreConfig | None = None, **options):
+        """See :class:`StoreConfig` for every option (`disk_bytes`, `ttl_s`, `policy`, `namespace`, ...).
+
+        Raises:
+            TypeError: An unknown option, or one of the wrong type.
+            DiskLockedError: Another store has `disk_dir` open.
+        """
+        if config is None:
+            config = StoreConfig(host_bytes=host_bytes, disk_dir=disk_dir, **options)
+        elif options or disk_dir is not None:
+            raise TypeError("pass either `config` or separate options, not both")
+        self.config = config
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._entries: dict[Key, _Entry] = {}
@@ -185,6 +189,13 @@ class AttnStore:
                 self._threads.append(thread)
 
     # -- public API -----------------------------------------------------------------------------------
+    def fingerprint(self, model) -> str:
+        """The key under which this store keeps `model`'s sessions: its fingerprint salted with `namespace`.
+
+        Memoized on the model (see :func:`~hf_attnstore.fingerprint.model_fingerprint`).
+        """
+        return model_fingerprint(model, self.config.namespace)
+
     def lookup(self, session_id: str, fingerprint: str) -> SessionKV | None:
         """A snapshot of the session's KV for this model, or ``None`` (a miss).
 
