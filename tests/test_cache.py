@@ -268,3 +268,21 @@ class TestBadInput:
         fresh = AttnStoreCache(tiny_llama, store, "x", ids)
         out = tiny_llama.generate(fresh.input_ids, past_key_values=fresh, max_new_tokens=3, **GREEDY)
         assert torch.equal(out, tiny_llama.generate(ids, max_new_tokens=3, **GREEDY))
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gpt_neox", "llama"])
+def test_a_forward_with_gradients_on_stores_plain_tensors_and_accounts_what_it_holds(arch):
+    """phi3 and gpt_neox hand the cache views into the fused QKV output; with gradients on, tensors carry
+    a graph. The store keeps neither: it holds exactly the bytes it accounts for."""
+    model = make_tiny(arch)
+    store = AttnStore(host_bytes="64MiB")
+    with torch.enable_grad():
+        cache = AttnStoreCache(model, store, "g", random_ids(70, 1))
+        model(cache.input_ids, past_key_values=cache, use_cache=True)
+    snap = store.lookup("g", cache.fingerprint)
+    storages = {}
+    for seg, _, _ in snap.parts:
+        for t in seg.keys + seg.values + [seg.token_ids]:
+            assert t.grad_fn is None and not t.requires_grad
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    assert sum(storages.values()) == store.stats().host_bytes_used

@@ -225,11 +225,50 @@ def test_a_new_pipeline_resumes_sessions_from_the_disk_tier(setup, tmp_path):
             pipe.chat("a", words(2), timeout=60)
     with AttnStore(host_bytes="64MiB", disk_dir=str(tmp_path), fsync=False) as store:
         stored = store.token_ids("a", model_fp_of(model))
-        with ChatPipeline(model, tok, store, max_new_tokens=4, eos_token_id=None) as pipe:
+        with ChatPipeline(model, tok, store, max_new_tokens=4, eos_token_id=None, prefetch_window=0) as pipe:
             reply = pipe.chat("a", words(3), timeout=60)
-        # Submitting prefetched it, so the turn found it in host memory; it came from disk all the same.
-        assert reply.kv_source in ("host", "disk") and reply.reused_tokens == stored.numel()
-        assert store.stats().bytes_read > 0
+        assert reply.kv_source == "disk" and reply.reused_tokens == stored.numel()
+        assert store.stats().bytes_read > 0 and store.stats().hits_disk == 1
+
+
+def test_a_cancelled_request_is_skipped_and_the_worker_goes_on(setup):
+    model, tok = setup
+    with ChatPipeline(model, tok, AttnStore(host_bytes="64MiB"), max_new_tokens=3, eos_token_id=None) as pipe:
+        gate, original = threading.Event(), model.generate
+
+        def slow(*args, **kwargs):  # holds the worker on the first turn while we cancel the second
+            assert gate.wait(60)
+            return original(*args, **kwargs)
+
+        model.generate = slow
+        try:
+            first = pipe.submit("a", words(1))
+            second = pipe.submit("b", words(2))
+            assert second.cancel()
+            gate.set()
+            assert first.result(60).generated_tokens == 3
+        finally:
+            model.generate = original
+        assert second.cancelled()
+        assert pipe.chat("c", words(3), timeout=60).generated_tokens == 3  # the worker is alive
+        with pytest.raises(KeyError):
+            pipe.session_stats("b")  # the cancelled turn never ran
+
+
+def test_a_pad_token_inside_messages_and_replies_is_just_a_token(setup):
+    """The tokenizer's pad id differs from eos; a `<pad>` typed in a message, or read in a reply, is content."""
+    model, tok = setup
+    assert tok.pad_token_id != tok.eos_token_id
+    messages = [words(1) + " <pad> " + words(2), words(3), "<pad> " + words(4)]
+    with ChatPipeline(model, tok, AttnStore(host_bytes="64MiB"), max_new_tokens=4, eos_token_id=None) as pipe, \
+            ChatPipeline(model, tok, None, max_new_tokens=4, eos_token_id=None) as reference:
+        pipe.chat("s", messages[0], timeout=60)
+        reference.chat("s", messages[0], timeout=60)
+        pipe.submit("s", words(5), reply="w1 <pad> w2").result(60)
+        reference.submit("s", words(5), reply="w1 <pad> w2").result(60)
+        for message in messages[1:]:
+            got, want = pipe.chat("s", message, timeout=60), reference.chat("s", message, timeout=60)
+            assert got.reused_tokens > 0 and got.text == want.text
 
 
 def model_fp_of(model):

@@ -71,7 +71,9 @@ class AttnStoreLayer(DynamicLayer):
 
     def __init__(self, owner: "AttnStoreCache", layer_idx: int, reused: int):
         super().__init__()
-        self._owner = owner
+        # A weak reference: no cycle between the cache and its layers, so a cache dropped by its user is freed
+        # (and its turn closed, see AttnStoreCache.close) at once rather than at the next garbage collection.
+        self._owner = weakref.proxy(owner)
         self._layer_idx = layer_idx
         self._pending_reuse = reused
 
@@ -194,6 +196,8 @@ class AttnStoreCache(DynamicCache):
             weakref.finalize(self, self._snapshot.loader.release)
         self._keep_is_prefix = torch.equal(self.plan.keep, torch.arange(self.reused_tokens))
         self._writer = store.open_turn(session_id, self.fingerprint, snapshot, self.plan.keep) if save else None
+        # While the turn runs its session stays pinned in host memory; dropping the cache (and so its writer)
+        # ends the turn, see TurnWriter.close.
         self._prefetcher: _CudaPrefetcher | None = None
         self._selected: SessionKV | None = None
         self._load_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -295,6 +299,7 @@ class AttnStoreCache(DynamicCache):
         self._keep_is_prefix = True
         self._pending = None
         if self._writer is not None:
+            self._writer.close()
             self._writer = self._store.open_turn(self.session_id, self.fingerprint, None, torch.empty(0, dtype=torch.long))
         self.layers = [AttnStoreLayer(self, i, 0) for i in range(self._geometry[0])]
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "attention_mask", "cache_position")}
@@ -376,6 +381,19 @@ class AttnStoreCache(DynamicCache):
             self.save_seconds += time.perf_counter() - started
             if stored:
                 self.saved_tokens += int(ids.numel())
+
+    def close(self) -> None:
+        """Ends the turn: the store may demote the session again. Later forwards through this cache are not
+        saved. Called when the cache is garbage-collected; call it (or use ``with``) when keeping caches."""
+        if self._writer is not None:
+            self._writer.close()
+        self._save = False
+
+    def __enter__(self) -> "AttnStoreCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- operations a single-session cache does not support -------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:

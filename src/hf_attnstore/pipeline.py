@@ -220,13 +220,22 @@ class ChatPipeline:
                 job = self._queue.popleft()
                 self._running = job.session_id
                 waiting = [j.session_id for j in self._queue]
-            self._give_hints(waiting)
+            if not job.future.set_running_or_notify_cancel():
+                if job.streamer is not None:  # cancelled while queued: nothing runs, the reader must not hang
+                    job.streamer.end()
+                continue
             try:
-                job.future.set_result(self._turn(job))
-            except BaseException as exc:  # the caller sees it through the future
+                self._give_hints(waiting)
+            except Exception as exc:  # hints only speed things up: a failure must not stop the worker
+                logger.warning("look-ahead hints failed (%s); the turn runs without them", exc)
+            try:
+                result = self._turn(job)
+            except BaseException as exc:  # the caller sees it through the future; the worker goes on
                 job.future.set_exception(exc)
                 if job.streamer is not None:
                     job.streamer.end()
+            else:
+                job.future.set_result(result)
 
     def _windows(self) -> tuple[int, int]:
         """The look-ahead windows for prefetching and eviction (see `placement.lookahead_windows`)."""
@@ -272,16 +281,22 @@ class ChatPipeline:
                                    keep_first=self.truncation.keep_first)
             prompt, reused, dropped = cache.input_ids, cache.reused_tokens, cache.dropped_tokens
             source = "truncated" if dropped else cache.kv_source
-        if job.reply is None:
-            out = self.model.generate(prompt, past_key_values=cache, streamer=_Tee(timer, job.streamer),
-                                      **self.generate_kwargs)
-            ttft = timer.ttft
-            generated = out[:, prompt.shape[1]:]
-            text = self.chat_tokens.reply_text(generated)
-            greedy = [] if self.generate_kwargs.get("do_sample") else generated.view(-1).tolist()
-        else:
-            out, greedy, ttft = self._read_reply(prompt, cache, reused, job.reply, timer.t0)
-            generated, text = out[:, prompt.shape[1]:], job.reply
+        try:
+            if job.reply is None:
+                # An explicit mask: without one, `generate` masks every id equal to the pad id, and a pad token
+                # inside a message or reply would break the positions of the whole session.
+                out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                                          streamer=_Tee(timer, job.streamer), **self.generate_kwargs)
+                ttft = timer.ttft
+                generated = out[:, prompt.shape[1]:]
+                text = self.chat_tokens.reply_text(generated)
+                greedy = [] if self.generate_kwargs.get("do_sample") else generated.view(-1).tolist()
+            else:
+                out, greedy, ttft = self._read_reply(prompt, cache, reused, job.reply, timer.t0)
+                generated, text = out[:, prompt.shape[1]:], job.reply
+        finally:
+            if isinstance(cache, AttnStoreCache):
+                cache.close()  # the turn is over: its session may be demoted again
         total = time.perf_counter() - timer.t0
         with self._cond:
             self._history[job.session_id] = out.cpu()  # only a completed turn changes the history

@@ -19,8 +19,8 @@ def write_turn(store, session, ids, seed=0.0, keep_from=None, fp=FP):
     """Appends `ids` after `keep_from` (a snapshot) or as a new session; returns the writer's result."""
     base = keep_from
     keep = torch.arange(base.length) if base is not None else torch.arange(0)
-    writer = store.open_turn(session, fp, base, keep)
-    return writer.append(torch.tensor(ids), *kv(ids, seed))
+    with store.open_turn(session, fp, base, keep) as writer:  # the turn ends: the session may move again
+        return writer.append(torch.tensor(ids), *kv(ids, seed))
 
 
 def expect(snapshot, ids, seed=0.0):

@@ -220,11 +220,23 @@ def test_other_model_is_a_miss(kvdir):
 def test_hostile_session_ids_stay_inside_disk_dir(tmp_path):
     kvdir = tmp_path / "inner" / "kv"
     with make(kvdir) as store:
-        for i, sid in enumerate(["../x", "/etc/passwd", "a\0b", "..", "x" * 10_000, "../../../../tmp/evil"]):
+        ids = ["../x", "/etc/passwd", "a\0b", "..", "é" * 2048, "../../../../tmp/evil", "\0", "🙂\n\t"]
+        for i, sid in enumerate(ids):
             write_turn(store, sid, [i, i + 1])
-    with make(kvdir) as store:
-        assert len(store.sessions()) == 6
-        expect(store.lookup("../x", FP), [0, 1])
+        for bad in ("\ud800", "x" * 4097, "é" * 2049, ""):
+            with pytest.raises(ValueError, match="`session_id`"):
+                write_turn(store, bad, [1])
+        for bad in (None, 123, b"s"):
+            for call in (store.evict, store.delete, lambda s: store.token_ids(s, FP), lambda s: store.tier_of(s, FP),
+                         lambda s: store.lookup(s, FP), lambda s: s in store):
+                with pytest.raises(TypeError, match="`session_id`"):
+                    call(bad)
+        store.flush()
+        assert store.stats().write_errors == 0
+    with make(kvdir) as store:  # every id, NUL and 4 KiB ones included, survives a reopen exactly
+        assert store.sessions() == sorted(ids)
+        for i, sid in enumerate(ids):
+            expect(store.lookup(sid, FP), [i, i + 1])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["inner"]
     assert sorted(p.name for p in (tmp_path / "inner").iterdir()) == ["kv"]
 

@@ -14,6 +14,8 @@ import os
 import queue
 import threading
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -23,7 +25,7 @@ from ..policy import make_policy
 from .buffer import SessionBuffer, SessionKV, ranges
 from .config import StoreConfig
 from .disk import DiskTier
-from .format import FormatError, Manifest, Span, check_chain, prefix_hasher, tensor_bytes
+from .format import KV_DTYPES, FormatError, Manifest, Span, check_chain, prefix_hasher, tensor_bytes
 from .loader import LoadError, LoadHandle
 from .placement import choose_victims
 
@@ -31,12 +33,28 @@ logger = logging.getLogger(__name__)
 Key = tuple[str, str]  # (model fingerprint, session id)
 
 
+MAX_SESSION_ID_BYTES = 4096
+
+
 def validate_session_id(session_id: object) -> str:
-    """Session ids are arbitrary non-empty strings; they never become paths (the disk tier hashes them)."""
+    """Session ids are non-empty strings of valid UTF-8 (NUL and any other character included) up to 4 KiB.
+
+    They never become paths (the disk tier hashes them) but they are written into every file of the
+    session, so they must encode: a lone surrogate such as ``"\\ud800"`` is refused here rather than
+    failing in the background writer.
+    """
     if not isinstance(session_id, str):
         raise TypeError(f"`session_id` must be a str, got {type(session_id).__name__}")
     if not session_id:
         raise ValueError("`session_id` must be a non-empty string")
+    try:
+        size = len(session_id.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"`session_id` must be valid Unicode text (it has a lone surrogate at {exc.start}): "
+                         "decode ids from bytes with errors='replace' or use a hash") from None
+    if size > MAX_SESSION_ID_BYTES:
+        raise ValueError(f"`session_id` is {size} bytes in UTF-8, more than {MAX_SESSION_ID_BYTES}: use a "
+                         "shorter id (e.g. a hash of it)")
     return session_id
 
 
@@ -60,6 +78,7 @@ class StoreStats:
     stale_writes: int = 0
     write_errors: int = 0
     load_errors: int = 0
+    rejected_no_room: int = 0  # appends refused: the host tier was full of pinned or unwritable sessions
     ttl_expired: int = 0
     prefetches: int = 0
     bytes_read: int = 0
@@ -99,14 +118,18 @@ class _Entry:
     layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads
     owner: int = 0
     generation: int = 0
-    pins: int = 0
+    pins: int = 0  # loads and writes in flight: the entry's buffers must not change
+    writers: set = field(default_factory=set)  # turns running on the session: it stays in host memory
     loading: LoadHandle | None = None
     last_access: float = 0.0
     last_write: float = 0.0
     urgent: bool = False
     evict_after_save: bool = False
     disk_rejected: bool = False
-    write_failed: bool = False
+    write_failed: bool = False  # the last write failed: retried after `retry_at` or by flush()
+    retry_at: float = 0.0
+    failures: int = 0
+    last_error: BaseException | None = None
 
     @property
     def length(self) -> int:
@@ -166,7 +189,7 @@ class AttnStore:
         self._dirty: set[Key] = set()
         self._next_chunk: dict[Key, int] = {}  # per session, only ever grows
         self._deletes: list[Key] = []
-        self._errors: list[BaseException] = []
+        self._ended_turns: deque[tuple[Key, int]] = deque()  # closed writers, applied under the lock
         self._loads_active = 0
         self._wanted: list[tuple[str | None, str]] = []  # the last prefetch request
         self._forwards_active = 0  # model forwards running through caches of this store
@@ -231,7 +254,10 @@ class AttnStore:
         with self._lock:
             self._check_open()
             self._next_turn += 1
-            return TurnWriter(self, key, self._next_turn, base, keep)
+            writer = TurnWriter(self, key, self._next_turn, base, keep)
+        # A writer dropped without close() ends its turn too (deque.append is safe in a finalizer).
+        weakref.finalize(writer, self._ended_turns.append, (key, writer.turn))
+        return writer
 
     def prefetch(self, session_ids, fingerprint: str | None = None) -> int:
         """Starts loading these sessions from disk into host memory. Returns how many loads started."""
@@ -265,12 +291,14 @@ class AttnStore:
 
     def evict(self, session_id: str) -> None:
         """Moves the session out of host memory: to disk (after its pending writes), or drops it."""
+        validate_session_id(session_id)
         with self._lock:
             for e in [e for k, e in self._entries.items() if k[1] == session_id and e.host is not None]:
                 self._evict_from_host(e)
 
     def delete(self, session_id: str) -> bool:
         """Removes the session's KV from every tier, for every model. Returns whether anything was removed."""
+        validate_session_id(session_id)
         with self._lock:
             victims = [e for k, e in self._entries.items() if k[1] == session_id]
             for e in victims:
@@ -280,9 +308,12 @@ class AttnStore:
     def flush(self, timeout: float | None = None) -> None:
         """Waits until every session is durable on disk (no-op without a disk tier).
 
+        Writes that failed earlier (full disk, I/O error) are retried once now.
+
         Raises:
-            StoreIOError: Some writes failed since the last flush (full disk, I/O error); the sessions
-                keep being served from host memory, and their failed state never became visible.
+            StoreIOError: Some sessions are still not durable after the retry; the message names them. They
+                keep being served from host memory, stay pending (a later flush retries them), and their
+                failed state never became visible on disk.
             TimeoutError: Not durable within `timeout` seconds.
         """
         if self._disk is None:
@@ -290,13 +321,22 @@ class AttnStore:
         timeout = self.config.io_timeout_s if timeout is None else timeout
         with self._cond:
             for key in list(self._dirty):
-                self._entries[key].urgent = True
+                e = self._entries.get(key)
+                if e is not None:
+                    e.urgent, e.write_failed = True, False
             self._cond.notify_all()
-            if not self._cond.wait_for(lambda: not self._dirty or self._closed, timeout):
+
+            def settled() -> bool:  # every pending write has either completed or failed again
+                return self._closed or all(self._entries.get(k) is None or self._entries[k].write_failed
+                                           for k in self._dirty)
+
+            if not self._cond.wait_for(settled, timeout):
                 raise TimeoutError(f"the disk tier did not become durable within {timeout} s")
-            errors, self._errors = self._errors, []
-        if errors:
-            raise StoreIOError(f"{len(errors)} write(s) to the disk tier failed; first: {errors[0]}") from errors[0]
+            failed = [self._entries[k] for k in self._dirty if self._entries.get(k) is not None]
+        if failed:
+            names = ", ".join(repr(e.key[1]) for e in failed[:5]) + (" ..." if len(failed) > 5 else "")
+            raise StoreIOError(f"{len(failed)} session(s) are not durable on disk ({names}): "
+                               f"{failed[0].last_error}") from failed[0].last_error
 
     def stats(self) -> StoreStats:
         """A snapshot of the counters."""
@@ -311,6 +351,7 @@ class AttnStore:
 
     def token_ids(self, session_id: str, fingerprint: str) -> torch.Tensor | None:
         """The ids a session's stored KV covers (without loading anything), or ``None``."""
+        validate_session_id(session_id)
         with self._lock:
             e = self._entries.get((fingerprint, session_id))
             if e is None or e.length == 0:
@@ -321,6 +362,7 @@ class AttnStore:
 
     def tier_of(self, session_id: str, fingerprint: str) -> str | None:
         """``"host"``, ``"disk"`` or ``None``: where the session's KV is now."""
+        validate_session_id(session_id)
         with self._lock:
             e = self._entries.get((fingerprint, session_id))
             if e is None:
@@ -333,6 +375,7 @@ class AttnStore:
             return sorted({sid for _, sid in self._entries})
 
     def __contains__(self, session_id: str) -> bool:
+        validate_session_id(session_id)
         with self._lock:
             return any(sid == session_id for _, sid in self._entries)
 
@@ -416,7 +459,8 @@ class AttnStore:
         if ttl is None:
             return
         now = time.monotonic()
-        for e in [e for e in self._entries.values() if now - e.last_access > ttl and e.pins == 0]:
+        self._apply_ended_turns()
+        for e in [e for e in self._entries.values() if now - e.last_access > ttl and e.pins == 0 and not e.writers]:
             self._drop(e)
             self._stats.ttl_expired += 1
 
@@ -428,6 +472,14 @@ class AttnStore:
         if e.persisted > length:
             self._set_manifest(e, e.manifest.select([(0, length)]), e.chunks)
 
+    def _apply_ended_turns(self) -> None:
+        """Unpins the sessions of turns that ended (see TurnWriter.close)."""
+        while self._ended_turns:
+            key, turn = self._ended_turns.popleft()
+            e = self._entries.get(key)
+            if e is not None:
+                e.writers.discard(turn)
+
     def _make_host_room(self, extra: int, exclude: _Entry | None, keep_sooner_than: int | None = None) -> bool:
         """Demotes (or drops) host sessions until `extra` more bytes fit. Pinned ones stay; dirty ones are
         persisted first and demoted when that completes. With `keep_sooner_than` (a prefetch for the job at
@@ -435,12 +487,13 @@ class AttnStore:
         limit = self.config.host_bytes
         if self._host_used + extra <= limit:
             return True  # the common case, once per appended token: no scan of the index
+        self._apply_ended_turns()
         freeing = sum(e.host_accounted for e in self._entries.values() if e.evict_after_save)
         entries = self._entries
 
         def movable(key) -> bool:  # already being written out counts in `freeing`; pinned ones stay
             e = entries[key]
-            return e is not exclude and not e.evict_after_save and e.pins == 0
+            return e is not exclude and not e.evict_after_save and e.pins == 0 and not e.writers
 
         for key in choose_victims(self._host_policy.victims(), lambda key: entries[key].host_accounted, movable,
                                   self._host_used - freeing + extra - limit,
@@ -450,8 +503,10 @@ class AttnStore:
 
     def _evict_from_host(self, e: _Entry) -> None:
         """Demotes a session to disk, or drops it when it cannot be kept there. Sessions being loaded or
-        written are pinned and stay; unwritten ones are written first (then demoted by _finish_persist)."""
-        if e.pins:
+        written, or whose turn is running, are pinned and stay; unwritten ones are written first (then demoted
+        by _finish_persist)."""
+        self._apply_ended_turns()
+        if e.pins or e.writers:
             return
         if self._disk is None or e.disk_rejected or e.length == 0:
             self._drop(e)
@@ -525,7 +580,10 @@ class AttnStore:
             except Exception as exc:  # every failure reaches the consumer through the handle
                 error = exc
                 handle.fail(exc)
-            self._finish_load(e, handle, nbytes, time.perf_counter() - started, error)
+            try:
+                self._finish_load(e, handle, nbytes, time.perf_counter() - started, error)
+            except Exception as exc:  # never let the loader die: later loads would hang until their timeout
+                logger.exception("disk tier: finishing a load failed (%s); the load thread keeps running", exc)
 
     def _read_session(self, key: Key, handle: LoadHandle, manifest: Manifest, buf: SessionBuffer) -> int:
         """Reads every layer of a session into `buf`, in layer order, verifying every byte."""
@@ -602,29 +660,39 @@ class AttnStore:
                                 "stored (raise `host_bytes` to keep it)", writer.key[1], needed, self.config.host_bytes)
                 writer.dead = True
                 return False
-            if not self._make_host_room(needed - buf.nbytes, exclude=e) and self._disk is not None:
-                # Backpressure: the victims are still being written to disk. Wait (bounded) for the save
-                # thread to demote them rather than overshoot the limit by more than this one session.
-                # While it waits, the save thread must not yield to compute (this append *is* the compute):
-                # see `_yield_to_loads_and_compute`.
+            room = needed - buf.nbytes
+            if not self._make_host_room(room, exclude=e):
+                # Backpressure: victims are being written to disk and leave host memory when that completes.
+                # Wait (bounded) for them rather than overshoot the limit. While it waits, the save thread must
+                # not yield to compute (this append *is* the compute): see `_yield_to_loads_and_compute`.
                 deadline = time.monotonic() + self.config.io_timeout_s
                 self._room_waiters += 1
                 self._cond.notify_all()
                 try:
-                    while not self._make_host_room(needed - buf.nbytes, exclude=e) and time.monotonic() < deadline:
+                    while not self._make_host_room(room, exclude=e):
+                        if time.monotonic() >= deadline or not any(x.evict_after_save for x in self._entries.values()):
+                            break  # nothing is on its way out: waiting would only stall the turn
                         self._cond.wait(timeout=0.05)
                         if self._entries.get(writer.key) is not e or e.owner != writer.turn or e.host is not buf:
                             self._stats.stale_writes += 1
                             return False
                 finally:
                     self._room_waiters -= 1
+                if not self._make_host_room(room, exclude=e):
+                    # Everything else is pinned (running turns, loads) or cannot be written: refuse to save the
+                    # rest of this turn rather than exceed `host_bytes`. What is stored stays a valid prefix.
+                    self._stats.rejected_no_room += 1
+                    self._warn_once("no_room", "host tier full of sessions that cannot move (running turns, "
+                                    "loads, failed writes): the rest of session %r's turn is not stored",
+                                    writer.key[1])
+                    writer.dead = True
+                    return False
             buf.append(token_ids, keys, values)
             self._account(e)
             self._touch(e)
             self._stats.appended_tokens += int(token_ids.numel())
             e.last_write = time.monotonic()
             if self._disk is not None and e.dirty:
-                e.write_failed = False
                 self._dirty.add(e.key)
                 if e.length - e.persisted >= self.config.chunk_tokens:
                     self._cond.notify_all()
@@ -662,30 +730,43 @@ class AttnStore:
             self._entries[writer.key] = e
             self._set_host(e, buf)
         e.owner = writer.turn
+        e.writers = {writer.turn}  # pinned in host memory until the turn closes; older turns' pins are void
         e.disk_rejected = False
         return e
 
     def _save_loop(self) -> None:
         while True:
-            with self._cond:
-                work = None
-                while True:
-                    deletes, self._deletes = self._deletes, []
-                    if deletes:
-                        break
-                    work = self._next_save()
-                    if work is not None or (self._closed and not self._dirty):
-                        break
-                    if self._closed:  # closing without flush: nothing more will be waited for
-                        return
-                    self._cond.wait(timeout=self.config.idle_flush_s / 2)
-                    self._expire()
-                if not deletes and work is None:
+            try:
+                if not self._save_step():
                     return
-            for fp, sid in deletes:
-                self._disk.delete_session(fp, sid)
-            if work is not None:
-                self._persist(work)
+            except Exception as exc:  # a bug must not stop every later write: count it, report it, go on
+                logger.exception("disk tier: the save thread hit an unexpected error (%s); it keeps running", exc)
+                with self._cond:
+                    self._stats.write_errors += 1
+                    self._cond.notify_all()
+
+    def _save_step(self) -> bool:
+        """Waits for one unit of work (deletions or one session to persist) and does it; False to stop."""
+        with self._cond:
+            work = None
+            while True:
+                deletes, self._deletes = self._deletes, []
+                if deletes:
+                    break
+                work = self._next_save()
+                if work is not None or (self._closed and not self._dirty):
+                    break
+                if self._closed:  # closed with writes still pending (close(flush=False), or failed ones)
+                    return False
+                self._cond.wait(timeout=self.config.idle_flush_s / 2)
+                self._expire()
+            if not deletes and work is None:
+                return False
+        for fp, sid in deletes:
+            self._disk.delete_session(fp, sid)
+        if work is not None:
+            self._persist(work)
+        return True
 
     def _compute_quiet(self, now: float) -> bool:
         """Whether no forward runs or ran in the last `idle_flush_s`. Saving costs CPU (serializing,
@@ -709,9 +790,11 @@ class AttnStore:
         best = None
         for key in list(self._dirty):
             e = self._entries.get(key)
-            if e is None or not e.dirty or e.write_failed:
+            if e is None or not e.dirty:
                 self._dirty.discard(key)
                 continue
+            if e.write_failed and now < e.retry_at:
+                continue  # backing off after a failure (flush() retries at once)
             if e.pins or e.loading is not None:
                 continue
             idle = now - e.last_write >= self.config.idle_flush_s
@@ -768,7 +851,7 @@ class AttnStore:
                 spans.append(Span(name, 0, b - a, digest))
             manifest = Manifest(fp, sid, snap.token_ids[:end].clone(), tuple(spans), next_chunk)
             self._disk.write_manifest(manifest)
-        except OSError as exc:
+        except Exception as exc:  # this session's failure (full disk, I/O error, bad data): reported, not fatal
             error, manifest = exc, None
         # Collect garbage before reporting completion, so that a flush() covers it. If the session was cut or
         # truncated meanwhile, its in-memory manifest (a selection of the old one) still uses old chunks.
@@ -792,14 +875,25 @@ class AttnStore:
             current = self._entries.get(e.key) is e
             if error is not None:
                 self._stats.write_errors += 1
-                self._errors.append(error)
-                self._warn_once("write", "disk tier: writing session %r failed (%s); it stays in host memory and "
-                                "its previous durable state is kept", e.key[1], error)
-                e.write_failed, e.urgent, e.evict_after_save = True, False, False
-                self._dirty.discard(e.key)
+                self._warn_once("write", "disk tier: writing session %r failed (%s); it stays in host memory, its "
+                                "previous durable state is kept, and the write is retried", e.key[1], error)
+                e.last_error, e.write_failed, e.urgent = error, True, False
+                e.retry_at = time.monotonic() + min(60.0, 2.0 ** min(e.failures, 6))
+                e.failures += 1
+                if e.evict_after_save:
+                    # A demotion that failed: the session cannot go down, so it must not stay "being written"
+                    # (appends would wait for room that never comes). Fall back to its durable prefix, if any.
+                    e.evict_after_save = False
+                    if current and e.pins == 0 and not e.writers:
+                        self._stats.host_drops += 1
+                        if e.persisted:
+                            self._set_host(e, None)
+                        else:
+                            self._drop(e)
             else:
                 self._stats.bytes_written += sum(size for size, _ in new_chunks.values())
                 self._stats.write_seconds += seconds
+                e.failures, e.last_error, e.write_failed = 0, None, False
                 if current and e.generation == generation:
                     self._set_manifest(e, manifest, {**e.chunks, **new_chunks})
                     self._enforce_disk(e)  # before demoting: a session too large for disk stays in memory
@@ -857,19 +951,47 @@ class TurnWriter:
         """Appends tokens with their per-layer pre-RoPE keys and values ``[1, kv_heads, n, head_dim]``.
 
         Large CPU appends are kept without copying: do not modify the tensors afterwards.
-        Returns whether the data was stored (False when the session is too large or was taken over).
+        Returns whether the data was stored (False when the session is too large, was taken over, or the
+        host tier had no room).
+
+        Raises:
+            TypeError: Keys or values of a dtype the store cannot keep, or of inconsistent shapes.
         """
         if self.dead:
             return False
+        keys, values = _storable(keys, "keys"), _storable(values, "values")
+        n = int(token_ids.numel())
+        geometry = (len(keys), keys[0].shape[1], keys[0].shape[3])
+        if any(t.shape != (1, geometry[1], n, geometry[2]) or t.dtype != keys[0].dtype for t in keys + values) \
+                or len(values) != len(keys):
+            raise TypeError(f"expected {len(keys)} keys and values of shape [1, kv_heads, {n}, head_dim] and one "
+                            "dtype")
         if self.geometry is None:
-            self.geometry = (len(keys), keys[0].shape[1], keys[0].shape[3])
-            self.dtype = keys[0].dtype
+            self.geometry, self.dtype = geometry, keys[0].dtype
+        elif (geometry, keys[0].dtype) != (self.geometry, self.dtype):
+            raise TypeError(f"this turn stores {self.geometry} {self.dtype}, got {geometry} {keys[0].dtype}")
         if not self.started and self.base is not None and self.base.loader is not None:
             try:
                 self.base.loader.wait_all()  # never wait under the store's lock
             except LoadError:
                 self.base, self.keep = None, self.keep[:0]
         return self.store._append(self, token_ids.detach().to("cpu", torch.long).view(-1), keys, values)
+
+    def close(self) -> None:
+        """Ends the turn: the session may leave host memory again. Idempotent; later appends are dropped.
+
+        Also runs when the writer is garbage-collected. It never takes the store's lock (a collection may run
+        while this thread holds it): the store applies it at its next placement decision.
+        """
+        self.dead = True
+        self.base = None
+        self.store._ended_turns.append((self.key, self.turn))
+
+    def __enter__(self) -> "TurnWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def truncate(self, length: int) -> None:
         """Cuts the session back to `length` tokens (e.g. after assisted decoding rejected tokens)."""
@@ -878,3 +1000,22 @@ class TurnWriter:
             if self.started and e is not None and e.owner == self.turn and e.host is not None \
                     and length < e.host.length:
                 self.store._cut(e, length)
+
+
+def _storable(tensors: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+    """Tensors the store may keep: detached (no autograd graph kept alive) and owning only their own bytes.
+
+    Some models hand the cache views into a larger tensor (phi3 and gpt_neox: slices of the fused QKV
+    projection). Keeping such a view would hold the whole projection output while accounting for the
+    slice, so it is copied.
+    """
+    out = []
+    for t in tensors:
+        if t.dtype not in KV_DTYPES:
+            raise TypeError(f"{what} of dtype {t.dtype} cannot be stored: use one of "
+                            f"{', '.join(str(d) for d in KV_DTYPES)}")
+        t = t.detach()
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone()
+        out.append(t)
+    return out
