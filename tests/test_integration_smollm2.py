@@ -64,3 +64,16 @@ def test_decoupled_truncation_keeps_perplexity(smollm2):
            for mode in ("recompute", "decoupled", "naive-rotated")}
     assert abs(ppl["decoupled"] - ppl["recompute"]) / ppl["recompute"] < 0.02, ppl
     assert ppl["naive-rotated"] > 3 * ppl["recompute"], ppl
+
+
+def test_converted_checkpoint_loads_with_plain_transformers(smollm2):
+    """The de-quantized copy is a regular checkpoint: AutoConfig knows its class, pipeline() loads it."""
+    from transformers import AutoConfig, pipeline
+
+    from hf_attnstore.models import DEFAULT_GGUF, _converted_gguf, default_model_dir
+
+    folder = _converted_gguf(default_model_dir(), DEFAULT_GGUF)
+    assert AutoConfig.from_pretrained(folder).architectures == ["LlamaForCausalLM"]
+    generator = pipeline("text-generation", model=str(folder), device="cpu")
+    out = generator("Hello", max_new_tokens=2, do_sample=False)
+    assert out[0]["generated_text"].startswith("Hello")

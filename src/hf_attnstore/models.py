@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
@@ -36,7 +35,8 @@ def _converted_gguf(folder: Path, gguf_file: str) -> Path:
 
     src = folder / gguf_file
     stat = src.stat()
-    tag = hashlib.sha256(f"{src.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}".encode())
+    # "v2": copies before it lacked `architectures` in config.json (transformers serve and pipeline() need it).
+    tag = hashlib.sha256(f"{src.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|v2".encode())
     target = cache_root() / "models" / f"{Path(gguf_file).stem}-{tag.hexdigest()[:12]}"
     if (target / "model.safetensors").exists():
         return target
@@ -46,9 +46,10 @@ def _converted_gguf(folder: Path, gguf_file: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)  # the copy is plain fp32, not GGUF
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config  # the copy is plain fp32, not GGUF
+        model.config.architectures = [type(model).__name__]  # what AutoModel, pipeline() and serve look up
+        model.config.save_pretrained(tmp)
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         save_model(model, str(tmp / "model.safetensors"))
