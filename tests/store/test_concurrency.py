@@ -166,7 +166,7 @@ def test_an_append_waiting_for_room_does_not_wait_on_a_write_that_yields_to_comp
     yields to the model between chunks, while a forward's append waits for room that only the urgent
     demotion of Q can free, queued behind P. Each waited for the other until `io_timeout_s` (60 s)."""
     reached, go = threading.Event(), threading.Event()
-    real = DiskTier.write_chunk
+    real = DiskTier.write_file
 
     def write_chunk(disk, *args):
         if not go.is_set():
@@ -174,7 +174,7 @@ def test_an_append_waiting_for_room_does_not_wait_on_a_write_that_yields_to_comp
             assert go.wait(WAIT), "the test never released the write"
         return real(disk, *args)
 
-    monkeypatch.setattr(DiskTier, "write_chunk", write_chunk)
+    monkeypatch.setattr(DiskTier, "write_file", write_chunk)
     # Room for two 16-token sessions (3,200 bytes each), not three.
     store = AttnStore(host_bytes=8000, disk_dir=str(tmp_path / "kv"), **{**FAST, "io_timeout_s": 60})
     write_turn(store, "x", list(range(16)))

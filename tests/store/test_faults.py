@@ -54,21 +54,21 @@ def test_a_failed_write_stays_pending_and_flush_retries_it(tmp_path, monkeypatch
 
 def test_save_thread_survives_any_exception_and_reports_it_per_session(tmp_path, monkeypatch):
     store = make(tmp_path / "kv")
-    real = DiskTier.write_chunk
+    real = DiskTier.write_file
 
     def explode(disk, fp, sid, *args):
         if sid == "bad":
             raise KeyError("not an OSError")
         return real(disk, fp, sid, *args)
 
-    monkeypatch.setattr(DiskTier, "write_chunk", explode)
+    monkeypatch.setattr(DiskTier, "write_file", explode)
     write_turn(store, "bad", [1, 2])
     write_turn(store, "good", [3, 4])
     with pytest.raises(StoreIOError, match="'bad'") as info:
         store.flush(timeout=5)
     assert "'good'" not in str(info.value)
     write_turn(store, "later", [5, 6])  # the thread still works
-    monkeypatch.setattr(DiskTier, "write_chunk", real)
+    monkeypatch.setattr(DiskTier, "write_file", real)
     store.flush(timeout=5)
     store.close()
     with make(tmp_path / "kv") as reopened:
@@ -192,3 +192,36 @@ def test_store_arguments_are_checked_with_their_names(tmp_path):
         with pytest.raises(exc, match=match):
             AttnStore(**kw)
     assert not (tmp_path / "123").exists() and not os.path.exists("123")
+
+
+def disk_usage(kvdir) -> int:
+    """Bytes the files occupy, rounded to 4 KiB blocks (what the limit counts; `du` agrees on ext4/tmpfs)."""
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in kvdir.rglob("*") if p.is_file() and p.name != "LOCK")
+
+
+def test_disk_bytes_is_never_exceeded_while_writing(tmp_path, monkeypatch):
+    """Files (chunks, manifests, temporaries, not-yet-collected chunks) are counted before they are written."""
+    kvdir = tmp_path / "kv"
+    limit = 40 * 4096
+    store = make(kvdir, disk_bytes=limit)
+    peak, real = [0], disk_module._write_bytes
+
+    def write(fd, data):
+        real(fd, data)
+        peak[0] = max(peak[0], disk_usage(kvdir))  # measured with the temporary file complete
+
+    monkeypatch.setattr(disk_module, "_write_bytes", write)
+    snaps = {}
+    for i in range(30):
+        sid = f"s{i % 7}"
+        ids = list(range(i * 10, i * 10 + 6))
+        base = snaps.get(sid)
+        if base is not None and base.length > 12:  # a truncation now and then: old chunks become garbage
+            base = None
+        write_turn(store, sid, ids, keep_from=base)
+        snaps[sid] = store.lookup(sid, FP)
+        store.flush()
+    assert peak[0] <= limit, (peak[0], limit)
+    assert store.stats().disk_bytes_used == disk_usage(kvdir) <= limit
+    assert store.stats().disk_drops > 0
+    store.close()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hf_attnstore.store.disk import DiskTier
-from hf_attnstore.store.format import FORMAT, FormatError, Manifest, Span, prefix_digest, session_dirname
+from hf_attnstore.store.format import (FORMAT, FormatError, Manifest, Span, encode_chunk, prefix_digest,
+                                       session_dirname)
 
 from .kvdata import FP, kv
 
@@ -25,7 +26,8 @@ def chunk_path(disk, session="s", name="00000000"):
 def write_chunk(disk, session="s", ids=(5, 6, 7), dtype=torch.float32):
     keys, values = kv(list(ids))
     keys, values = [k.to(dtype) for k in keys], [v.to(dtype) for v in values]
-    disk.write_chunk(FP, session, "00000000", torch.tensor(ids), keys, values, prefix_digest(FP, torch.tensor([])), "")
+    data, _ = encode_chunk(FP, session, torch.tensor(ids), keys, values, prefix_digest(FP, torch.tensor([])), "")
+    disk.write_file(FP, session, "00000000.safetensors", data)
     return keys, values
 
 
@@ -37,7 +39,8 @@ def test_chunk_round_trip(disk, dtype):
         assert meta.n_tokens == 3 and meta.dtype == dtype and meta.geometry == (3, 2, 4)
         assert disk.read_tensor(fd, meta, "ids").tolist() == [5, 6, 7]
         for layer in range(3):
-            k, v = disk.read_layer(fd, meta, layer)
+            k, v = torch.empty_like(keys[layer]), torch.empty_like(values[layer])
+            disk.read_layer_into(fd, meta, layer, 0, 3, k, v)
             assert torch.equal(k, keys[layer]) and torch.equal(v, values[layer])
     finally:
         os.close(fd)

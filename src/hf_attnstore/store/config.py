@@ -18,10 +18,15 @@ class StoreConfig:
 
     Args:
         host_bytes: Limit of the host (CPU memory) tier: a byte count or a string like ``"8GiB"``. Appends
-            and prefetches never exceed it; the disk load a running turn waits for may exceed it by that
-            one session while the sessions it displaces are still being written out.
+            and prefetches never exceed it: an append that finds no room (every other session pinned by a
+            running turn or a load, or unwritable) is not stored, and what the session already has stays a
+            valid prefix. One exception: the disk load a running turn waits for may exceed it by that one
+            session while the sessions it displaces are still being written out.
         disk_dir: Folder of the disk tier; ``None`` = no disk tier (sessions evicted from host are dropped).
-        disk_bytes: Hard limit of the disk tier.
+            One store at a time owns a folder (an exclusive lock on ``disk_dir/LOCK``).
+        disk_bytes: Hard limit of the disk tier's files: chunks, manifests, temporary files and chunks not
+            yet collected, each rounded up to 4 KiB blocks. Room is made before each file is written, so the
+            folder never holds more.
         ttl_s: Sessions not used for this many seconds are deleted; ``None`` = never.
         policy: Eviction policy of both tiers: ``"lru"``, ``"fifo"`` or ``"lookahead"`` (scheduler-aware: fed
             the job queue by :meth:`AttnStore.set_schedule`, e.g. by the ChatPipeline).

@@ -22,7 +22,6 @@ from .format import (
     Manifest,
     bytes_to_tensor,
     check_chain,
-    encode_chunk,
     layer_names,
     read_chunk_meta,
     read_range,
@@ -132,15 +131,9 @@ class DiskTier:
                 os.close(dfd)
         return len(data)
 
-    def write_chunk(self, fingerprint: str, session_id: str, name: str, ids: torch.Tensor,
-                    keys: list[torch.Tensor], values: list[torch.Tensor], prefix: str, previous: str
-                    ) -> tuple[int, str]:
-        """Writes one chunk file; returns its size in bytes and its digest (see format.py)."""
-        data, digest = encode_chunk(fingerprint, session_id, ids, keys, values, prefix, previous)
-        return self._write_atomic(self.session_dir(fingerprint, session_id), name + CHUNK_SUFFIX, data), digest
-
-    def write_manifest(self, manifest: Manifest) -> None:
-        self._write_atomic(self.session_dir(manifest.fingerprint, manifest.session_id), MANIFEST, manifest.encode())
+    def write_file(self, fingerprint: str, session_id: str, name: str, data: bytes) -> int:
+        """Writes one file of a session (a chunk or the manifest) atomically; returns its size in bytes."""
+        return self._write_atomic(self.session_dir(fingerprint, session_id), name, data)
 
     def collect_garbage(self, fingerprint: str, session_id: str, keep: set[str]) -> None:
         """Deletes chunk files of a session that no manifest references any more."""
@@ -173,10 +166,6 @@ class DiskTier:
             return bytes_to_tensor(read_range(fd, begin, end, name, meta), torch.int64, [meta.n_tokens])
         return bytes_to_tensor(read_range(fd, begin, end, name, meta), meta.dtype, [1, heads, meta.n_tokens, dim])
 
-    def read_layer(self, fd: int, meta: ChunkMeta, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kn, vn = layer_names(layer)
-        return self.read_tensor(fd, meta, kn), self.read_tensor(fd, meta, vn)
-
     def read_layer_into(self, fd: int, meta: ChunkMeta, layer: int, start: int, end: int,
                         keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
         """Reads tokens ``[start, end)`` of a layer into `keys_out`/`values_out` ``[1, heads, end-start, dim]``,
@@ -208,8 +197,9 @@ class DiskTier:
         return (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).stat().st_size
 
     # -- reopening --------------------------------------------------------------------------------------
-    def scan(self) -> Iterator[tuple[Manifest, dict[str, int], tuple, float]]:
-        """Yields ``(manifest, {chunk: (bytes, tokens)}, (geometry, dtype), mtime)`` of valid sessions, oldest first.
+    def scan(self) -> Iterator[tuple[Manifest, dict[str, tuple[int, int]], tuple, float, int]]:
+        """Yields ``(manifest, {chunk: (bytes, tokens)}, (geometry, dtype), mtime, manifest bytes)`` of valid
+        sessions, oldest first.
 
         Temporary files, orphan chunks and sessions whose manifest or chunk headers fail validation
         (damaged, truncated, another format, copied from another session's folder) are deleted.
@@ -228,7 +218,8 @@ class DiskTier:
                 self._remove(folder)
                 continue
             self.collect_garbage(manifest.fingerprint, manifest.session_id, set(sizes))
-            found.append((manifest, sizes, layout, (folder / MANIFEST).stat().st_mtime))
+            stat = (folder / MANIFEST).stat()
+            found.append((manifest, sizes, layout, stat.st_mtime, stat.st_size))
         found.sort(key=lambda item: item[3])
         yield from found
 

@@ -24,8 +24,8 @@ from ..fingerprint import model_fingerprint
 from ..policy import make_policy
 from .buffer import SessionBuffer, SessionKV, ranges
 from .config import StoreConfig
-from .disk import DiskTier
-from .format import KV_DTYPES, FormatError, Manifest, Span, check_chain, prefix_hasher, tensor_bytes
+from .disk import CHUNK_SUFFIX, MANIFEST, DiskTier
+from .format import KV_DTYPES, FormatError, Manifest, Span, check_chain, encode_chunk, prefix_hasher, tensor_bytes
 from .loader import LoadError, LoadHandle
 from .placement import choose_victims
 
@@ -56,6 +56,18 @@ def validate_session_id(session_id: object) -> str:
         raise ValueError(f"`session_id` is {size} bytes in UTF-8, more than {MAX_SESSION_ID_BYTES}: use a "
                          "shorter id (e.g. a hash of it)")
     return session_id
+
+
+_BLOCK = 4096
+
+
+def _blocks(nbytes: int) -> int:
+    """Bytes a file occupies on disk: its size rounded up to whole 4 KiB blocks (what `du` counts)."""
+    return -(-nbytes // _BLOCK) * _BLOCK
+
+
+class _NoDiskRoom(Exception):
+    """A write would take the disk tier over `disk_bytes` even after evicting every other session."""
 
 
 class StoreIOError(RuntimeError):
@@ -115,6 +127,8 @@ class _Entry:
     host_accounted: int = 0
     manifest: Manifest | None = None  # the durable prefix of the session (as it is, or will be, on disk)
     chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # referenced chunk -> (bytes, tokens)
+    files: dict[str, int] = field(default_factory=dict)  # every chunk file on disk (referenced or not) -> bytes
+    manifest_size: int = 0
     layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads
     owner: int = 0
     generation: int = 0
@@ -147,7 +161,8 @@ class _Entry:
 
     @property
     def disk_bytes(self) -> int:
-        return sum(size for size, _ in self.chunks.values())
+        """What the session's files occupy: every chunk file not yet collected, and the manifest."""
+        return sum(_blocks(size) for size in self.files.values()) + _blocks(self.manifest_size)
 
 
 class AttnStore:
@@ -184,11 +199,11 @@ class AttnStore:
         self._disk_policy = make_policy(self.config.policy)
         self._stats = StoreStats(host_bytes_limit=self.config.host_bytes, disk_bytes_limit=self.config.disk_bytes)
         self._host_used = 0
-        self._disk_used = 0
+        self._disk_used = 0  # files of indexed sessions, folders queued for deletion, writes in flight
         self._next_turn = 0
         self._dirty: set[Key] = set()
         self._next_chunk: dict[Key, int] = {}  # per session, only ever grows
-        self._deletes: list[Key] = []
+        self._deletes: list[tuple[Key, int]] = []  # folders to delete, with the bytes they occupy
         self._ended_turns: deque[tuple[Key, int]] = deque()  # closed writers, applied under the lock
         self._loads_active = 0
         self._wanted: list[tuple[str | None, str]] = []  # the last prefetch request
@@ -439,10 +454,23 @@ class AttnStore:
             self._disk_policy.remove(e.key)
         elif manifest is not None and e.manifest is None:
             self._disk_policy.insert(e.key)
-        self._disk_used -= e.disk_bytes
         e.manifest = manifest
         e.chunks = {c: chunks[c] for c in {s.chunk for s in manifest.spans}} if manifest else {}
+        # The files stay counted (in `files`) until they are deleted: collected after the next write, or with
+        # the session's folder.
+
+    def _set_files(self, e: _Entry, files: dict[str, int], manifest_size: int) -> None:
+        self._disk_used -= e.disk_bytes
+        e.files, e.manifest_size = files, manifest_size
         self._disk_used += e.disk_bytes
+
+    def _delete_folder(self, e: _Entry) -> None:
+        """Queues the deletion of the session's folder; its bytes stay counted until it is gone."""
+        nbytes = e.disk_bytes
+        self._set_files(e, {}, 0)
+        self._disk_used += nbytes
+        self._deletes.append((e.key, nbytes))
+        self._cond.notify_all()
 
     def _drop(self, e: _Entry) -> None:
         """Removes a session from the index and (asynchronously) from disk."""
@@ -451,8 +479,7 @@ class AttnStore:
         self._set_host(e, None)
         self._set_manifest(e, None, {})
         if self._disk is not None:
-            self._deletes.append(e.key)
-            self._cond.notify_all()
+            self._delete_folder(e)
 
     def _expire(self) -> None:
         ttl = self.config.ttl_s
@@ -520,9 +547,8 @@ class AttnStore:
             self._set_host(e, None)
             self._stats.demotions += 1
 
-    def _enforce_disk(self, current: _Entry | None) -> None:
-        """Drops disk victims while the disk tier is over its limit; a session larger than the whole tier
-        is kept in host memory only."""
+    def _enforce_disk(self, current: _Entry | None) -> bool:
+        """Drops other sessions' disk copies while the disk tier is over its limit. Returns whether it fits."""
         limit = self.config.disk_bytes
         entries = self._entries
         for key in choose_victims(self._disk_policy.victims(), lambda key: entries[key].disk_bytes,
@@ -530,11 +556,33 @@ class AttnStore:
                                   self._disk_used - limit):
             self._stats.disk_drops += 1
             self._drop_disk_copy(entries[key])
-        if self._disk_used > limit and current is not None and current.manifest is not None:
-            self._drop_disk_copy(current)
-            self._stats.rejected_too_large += 1
-            self._warn_once("disk_too_large", "session %r is larger than the disk tier: it is kept in memory only",
-                            current.key[1])
+        return self._disk_used <= limit
+
+    def _reserve_disk(self, e: _Entry, nbytes: int) -> int:
+        """Makes room for a file of `nbytes` before it is written (save thread), so the files on disk never
+        exceed `disk_bytes`: other sessions' copies are dropped first and their folders deleted now.
+
+        Raises:
+            _NoDiskRoom: The session alone would not fit.
+        """
+        size = _blocks(nbytes)
+        with self._cond:
+            self._disk_used += size
+            fits = self._enforce_disk(e)
+            if not fits:
+                self._disk_used -= size
+            deletes, self._deletes = self._deletes, []
+        self._run_deletes(deletes)
+        if not fits:
+            raise _NoDiskRoom(f"session {e.key[1]!r} is larger than the disk tier")
+        return size
+
+    def _run_deletes(self, deletes: list[tuple[Key, int]]) -> None:
+        for (fp, sid), _ in deletes:
+            self._disk.delete_session(fp, sid)
+        if deletes:
+            with self._cond:
+                self._disk_used -= sum(nbytes for _, nbytes in deletes)
 
     def _drop_disk_copy(self, e: _Entry) -> None:
         """Removes a session from the disk tier; with no copy in host memory either, it is gone."""
@@ -543,7 +591,7 @@ class AttnStore:
             return
         self._set_manifest(e, None, {})
         e.disk_rejected = True  # not written again: it would only push another session out
-        self._deletes.append(e.key)
+        self._delete_folder(e)
 
     # -- loading (disk -> host) ---------------------------------------------------------------------
     def _start_load(self, e: _Entry, must_fit: bool = False) -> bool:
@@ -670,8 +718,10 @@ class AttnStore:
                 self._cond.notify_all()
                 try:
                     while not self._make_host_room(room, exclude=e):
-                        if time.monotonic() >= deadline or not any(x.evict_after_save for x in self._entries.values()):
-                            break  # nothing is on its way out: waiting would only stall the turn
+                        if time.monotonic() >= deadline or not any(
+                                x is not e and x.host is not None and (x.evict_after_save or x.pins)
+                                for x in self._entries.values()):
+                            break  # nothing is being written out or loaded: waiting would only stall the turn
                         self._cond.wait(timeout=0.05)
                         if self._entries.get(writer.key) is not e or e.owner != writer.turn or e.host is not buf:
                             self._stats.stale_writes += 1
@@ -762,8 +812,7 @@ class AttnStore:
                 self._expire()
             if not deletes and work is None:
                 return False
-        for fp, sid in deletes:
-            self._disk.delete_session(fp, sid)
+        self._run_deletes(deletes)
         if work is not None:
             self._persist(work)
         return True
@@ -833,7 +882,7 @@ class AttnStore:
             # replacing this one, so a chunk file never changes once a manifest may reference it.
             next_chunk = self._next_chunk.get(e.key, 0)
             self._next_chunk[e.key] = next_chunk + -(-(end - start) // chunk)
-        new_chunks, spans, error = {}, list(base.spans), None
+        new_chunks, spans, error, reserved = {}, list(base.spans), None, 0
         started = time.perf_counter()
         try:
             # Each chunk is chained to its history: the digest of every id before it, and the previous chunk.
@@ -844,13 +893,17 @@ class AttnStore:
                 b, name = min(a + chunk, end), f"{next_chunk:08d}"
                 next_chunk += 1
                 ids, keys, values = snap.tensors(a, b)
-                size, digest = self._disk.write_chunk(fp, sid, name, ids, keys, values, history.hexdigest(),
-                                                      spans[-1].digest if spans else "")
+                data, digest = encode_chunk(fp, sid, ids, keys, values, history.hexdigest(),
+                                            spans[-1].digest if spans else "")
+                reserved += self._reserve_disk(e, len(data))
+                size = self._disk.write_file(fp, sid, name + CHUNK_SUFFIX, data)
                 history.update(tensor_bytes(ids))
                 new_chunks[name] = (size, b - a)
                 spans.append(Span(name, 0, b - a, digest))
             manifest = Manifest(fp, sid, snap.token_ids[:end].clone(), tuple(spans), next_chunk)
-            self._disk.write_manifest(manifest)
+            data = manifest.encode()
+            reserved += self._reserve_disk(e, len(data))
+            manifest_size = self._disk.write_file(fp, sid, MANIFEST, data)
         except Exception as exc:  # this session's failure (full disk, I/O error, bad data): reported, not fatal
             error, manifest = exc, None
         # Collect garbage before reporting completion, so that a flush() covers it. If the session was cut or
@@ -867,12 +920,34 @@ class AttnStore:
                 self._disk.delete_session(fp, sid)
         except OSError as exc:
             self._warn_once("gc", "disk tier: removing unused files of session %r failed (%s)", sid, exc)
+        with self._cond:  # the reservation becomes the files that are really there now
+            self._disk_used -= reserved
+            if self._entries.get(e.key) is e:
+                files = {name: size for name, size in {**e.files, **{n: c[0] for n, c in new_chunks.items()}}.items()
+                         if name in keep}
+                self._set_files(e, files, manifest_size if manifest is not None else e.manifest_size)
         self._finish_persist(e, generation, manifest, new_chunks, time.perf_counter() - started, error)
 
     def _finish_persist(self, e, generation, manifest, new_chunks, seconds, error) -> None:
         with self._cond:
             e.pins -= 1
             current = self._entries.get(e.key) is e
+            if isinstance(error, _NoDiskRoom):
+                # Larger than the whole disk tier: kept in host memory only (or dropped if it was on its way out).
+                self._stats.rejected_too_large += 1
+                self._warn_once("disk_too_large", "session %r is larger than the disk tier: it is kept in memory "
+                                "only", e.key[1])
+                self._dirty.discard(e.key)
+                e.urgent = False
+                if current:
+                    self._drop_disk_copy(e)
+                    if e.evict_after_save and e.pins == 0 and not e.writers:
+                        e.evict_after_save = False
+                        self._stats.host_drops += 1
+                        self._drop(e)
+                self._make_host_room(0, exclude=None)
+                self._cond.notify_all()
+                return
             if error is not None:
                 self._stats.write_errors += 1
                 self._warn_once("write", "disk tier: writing session %r failed (%s); it stays in host memory, its "
@@ -896,7 +971,6 @@ class AttnStore:
                 e.failures, e.last_error, e.write_failed = 0, None, False
                 if current and e.generation == generation:
                     self._set_manifest(e, manifest, {**e.chunks, **new_chunks})
-                    self._enforce_disk(e)  # before demoting: a session too large for disk stays in memory
                     if not e.dirty:
                         self._dirty.discard(e.key)
                         e.urgent = False
@@ -925,7 +999,7 @@ class AttnStore:
     # -- reopening --------------------------------------------------------------------------------------
     def _reopen(self) -> None:
         now_wall, now = time.time(), time.monotonic()
-        for manifest, chunks, layout, mtime in self._disk.scan():
+        for manifest, chunks, layout, mtime, manifest_size in self._disk.scan():
             if manifest.length == 0:
                 continue
             e = _Entry(key=(manifest.fingerprint, manifest.session_id), layout=layout)
@@ -933,6 +1007,7 @@ class AttnStore:
             e.last_access = now - max(0.0, now_wall - mtime)
             self._entries[e.key] = e
             self._set_manifest(e, manifest, chunks)
+            self._set_files(e, {name: size for name, (size, _) in chunks.items()}, manifest_size)
         self._expire()
 
 
