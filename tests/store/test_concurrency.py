@@ -198,3 +198,52 @@ def test_an_append_waiting_for_room_does_not_wait_on_a_write_that_yields_to_comp
     expect(store.lookup("b", FP), list(range(200, 216)), seed=2.0)
     assert store.stats().demotions >= 1
     store.close()
+
+
+def on_disk(kvdir, sessions, **kw):
+    """A store whose `sessions` (16 tokens each) are on disk only."""
+    with AttnStore(host_bytes="64MiB", disk_dir=str(kvdir), **{**FAST, **kw}) as store:
+        for i, sid in enumerate(sessions):
+            write_turn(store, sid, list(range(i * 100, i * 100 + 16)), seed=float(i))
+    return AttnStore(host_bytes="64MiB", disk_dir=str(kvdir), **{**FAST, "io_timeout_s": 30, **kw})
+
+
+def test_a_demand_load_goes_before_queued_prefetches(tmp_path, monkeypatch):
+    store = on_disk(tmp_path / "kv", ["a", "b", "c", "d"])
+    order, first, go = [], threading.Event(), threading.Event()
+    real = DiskTier.open_chunk
+
+    def open_chunk(disk, fp, sid, name):
+        if not order or order[-1] != sid:
+            order.append(sid)
+        if sid == "a":  # hold the first prefetch while the rest queue up behind it
+            first.set()
+            assert go.wait(WAIT)
+        return real(disk, fp, sid, name)
+
+    monkeypatch.setattr(DiskTier, "open_chunk", open_chunk)
+    assert store.prefetch(["a", "b", "c"], FP) == 3
+    assert first.wait(WAIT)
+    snap = store.lookup("d", FP)  # a turn needs d now
+    snap_c = store.lookup("c", FP)  # and c, which was only prefetched so far: promoted
+    go.set()
+    snap.loader.wait_all()
+    snap_c.loader.wait_all()
+    assert order[:3] == ["a", "d", "c"], order
+    expect(snap, list(range(300, 316)), seed=3.0)
+    store.close()
+
+
+def test_a_slow_consumer_does_not_hold_back_other_loads(tmp_path):
+    store = on_disk(tmp_path / "kv", ["slow", "other"], read_buffer_layers=0)
+    slow = store.lookup("slow", FP)
+    slow.loader.attach()  # a turn that computes slowly: it never asks past layer 0
+    slow.loader.wait_layer(0)
+    other = store.lookup("other", FP)
+    other.loader.wait_all()  # would wait io_timeout_s (30 s) behind the gated load, then fail
+    expect(other, list(range(100, 116)), seed=1.0)
+    assert not slow.loader.done
+    slow.loader.release()
+    slow.loader.wait_all()
+    expect(slow, list(range(16)))
+    store.close()

@@ -72,14 +72,18 @@ class LoadHandle:
             return self._ready == self.num_layers
 
     # -- producer side ------------------------------------------------------------------------------
-    def gate(self, layer: int) -> None:
-        """Called by the loader before reading `layer`: waits while it is too far ahead of the consumer."""
+    def gate(self, layer: int, timeout: float | None = None) -> bool:
+        """Called by the loader before reading `layer`: waits while it is too far ahead of the consumer.
+
+        Returns whether the layer may be read now; False after `timeout` seconds (default: the handle's
+        timeout, after which a load always proceeds rather than wait for a consumer that may be gone).
+        """
         if self.read_buffer_layers is None:
-            return
+            return True
         with self._cond:
-            self._cond.wait_for(
+            return self._cond.wait_for(
                 lambda: not self._attached or layer <= self._needed + 1 + self.read_buffer_layers,
-                self.timeout_s,
+                self.timeout_s if timeout is None else timeout,
             )
 
     def layer_ready(self, layer: int) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
@@ -27,6 +26,7 @@ from .config import StoreConfig
 from .disk import CHUNK_SUFFIX, MANIFEST, DiskTier
 from .format import KV_DTYPES, FormatError, Manifest, Span, check_chain, encode_chunk, prefix_hasher, tensor_bytes
 from .loader import LoadError, LoadHandle
+from .reader import DEMAND, PREFETCH, LoadJob, LoadThread
 from .placement import choose_victims
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,7 @@ class _Entry:
     pins: int = 0  # loads and writes in flight: the entry's buffers must not change
     writers: set = field(default_factory=set)  # turns running on the session: it stays in host memory
     loading: LoadHandle | None = None
+    load_job: LoadJob | None = None
     last_access: float = 0.0
     last_write: float = 0.0
     urgent: bool = False
@@ -220,11 +221,10 @@ class AttnStore:
             except BaseException:
                 self._disk.close()
                 raise
-            self._load_queue: queue.Queue = queue.Queue()
-            for target, name in ((self._load_loop, "attnstore-load"), (self._save_loop, "attnstore-save")):
-                thread = threading.Thread(target=target, name=name, daemon=True)
-                thread.start()
-                self._threads.append(thread)
+            self._loader = LoadThread(self._disk, self._finish_load, self.config.io_timeout_s)
+            thread = threading.Thread(target=self._save_loop, name="attnstore-save", daemon=True)
+            thread.start()
+            self._threads += [self._loader.thread, thread]
 
     # -- public API -----------------------------------------------------------------------------------
     def fingerprint(self, model) -> str:
@@ -252,6 +252,8 @@ class AttnStore:
             self._touch(e)
             if e.host is not None:
                 self._stats.hits_host += 1
+                if e.load_job is not None:
+                    self._loader.promote(e.load_job)  # a prefetch this turn now waits for
                 return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation)
             if not self._start_load(e):
                 self._stats.misses += 1
@@ -406,7 +408,7 @@ class AttnStore:
                 self._closed = True
                 self._cond.notify_all()
             if self._threads:
-                self._load_queue.put(None)
+                self._loader.stop()
             for thread in self._threads:
                 thread.join(timeout=self.config.io_timeout_s)
             if self._disk is not None:
@@ -613,68 +615,20 @@ class AttnStore:
         e.pins += 1
         self._set_host(e, buf)
         self._loads_active += 1
-        self._load_queue.put((e, e.loading, e.manifest, buf))
+        e.load_job = LoadJob(e.key, e.loading, e.manifest, buf, PREFETCH if must_fit else DEMAND, entry=e)
+        self._loader.submit(e.load_job)
         return True
 
-    def _load_loop(self) -> None:
-        while True:
-            job = self._load_queue.get()
-            if job is None:
-                return
-            e, handle, manifest, buf = job
-            started, nbytes, error = time.perf_counter(), 0, None
-            try:
-                nbytes = self._read_session(e.key, handle, manifest, buf)
-            except Exception as exc:  # every failure reaches the consumer through the handle
-                error = exc
-                handle.fail(exc)
-            try:
-                self._finish_load(e, handle, nbytes, time.perf_counter() - started, error)
-            except Exception as exc:  # never let the loader die: later loads would hang until their timeout
-                logger.exception("disk tier: finishing a load failed (%s); the load thread keeps running", exc)
-
-    def _read_session(self, key: Key, handle: LoadHandle, manifest: Manifest, buf: SessionBuffer) -> int:
-        """Reads every layer of a session into `buf`, in layer order, verifying every byte."""
-        fp, sid = key
-        opened: dict[str, tuple] = {}
-        nbytes = 0
-        try:
-            pos = 0
-            for span in manifest.spans:
-                if span.chunk not in opened:
-                    opened[span.chunk] = self._disk.open_chunk(fp, sid, span.chunk)
-                fd, meta = opened[span.chunk]
-                if (meta.geometry, meta.dtype) != (buf.geometry, buf.dtype):
-                    raise FormatError("chunk shapes changed since the session was indexed")
-                ids = self._disk.read_tensor(fd, meta, "ids")[span.start : span.end]
-                if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
-                    raise FormatError("chunk ids disagree with the manifest")
-                pos += span.length
-            check_chain(manifest, [opened[span.chunk][1] for span in manifest.spans])
-            seg = buf.parts[0][0]
-            for layer in range(buf.geometry[0]):
-                handle.gate(layer)
-                pos = 0
-                for span in manifest.spans:
-                    fd, meta = opened[span.chunk]
-                    nbytes += self._disk.read_layer_into(fd, meta, layer, span.start, span.end,
-                                                         seg.keys[layer][:, :, pos : pos + span.length],
-                                                         seg.values[layer][:, :, pos : pos + span.length])
-                    pos += span.length
-                handle.layer_ready(layer)
-        finally:
-            for fd, _ in opened.values():
-                os.close(fd)
-        return nbytes
-
-    def _finish_load(self, e: _Entry, handle: LoadHandle, nbytes: int, seconds: float, error) -> None:
+    def _finish_load(self, job: LoadJob, error: BaseException | None) -> None:
+        """The load thread finished a job (see reader.py)."""
         with self._cond:
+            e = job.entry
             e.pins -= 1
             self._loads_active -= 1
-            self._stats.bytes_read += nbytes
-            self._stats.read_seconds += seconds
-            if e.loading is handle:
-                e.loading = None
+            self._stats.bytes_read += job.nbytes
+            self._stats.read_seconds += job.seconds
+            if e.loading is job.handle:
+                e.loading, e.load_job = None, None
             if error is not None:
                 self._stats.load_errors += 1
                 self._warn_once("load", "disk tier: session %r could not be loaded (%s); it is removed and will "

@@ -1,0 +1,150 @@
+"""The load thread: reads sessions from the disk tier into host buffers, demand loads first.
+
+One thread serves a priority queue. A load that a turn waits for (a *demand* load, from `lookup`) goes
+before prefetches, and a queued prefetch is promoted when a turn asks for its session. A load whose
+consumer is slow (the read buffer, `read_buffer_layers`, says it may not run further ahead) is parked
+and the next job runs, so one slow turn never holds back every other session's load.
+
+The thread only moves bytes: which session is loaded, and where it goes, is the store's decision; the
+store learns of the end of a job through the `done` callback (which takes its lock).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .buffer import SessionBuffer
+from .disk import DiskTier
+from .format import FormatError, Manifest, check_chain
+from .loader import LoadHandle
+
+logger = logging.getLogger(__name__)
+DEMAND, PREFETCH = 0, 1
+_PARK_S = 0.02  # how long a gated load waits before letting another job run
+
+
+@dataclass(eq=False)
+class LoadJob:
+    """One session being read: where from, where to, and how far it got."""
+
+    key: tuple[str, str]
+    handle: LoadHandle
+    manifest: Manifest
+    buf: SessionBuffer
+    priority: int
+    entry: object = None  # the store's index entry (opaque here)
+    opened: dict = field(default_factory=dict)  # chunk name -> (fd, meta), verified
+    verified: bool = False
+    layer: int = 0  # next layer to read
+    nbytes: int = 0
+    seconds: float = 0.0
+    gated_since: float | None = None
+    state: str = "queued"  # queued -> running -> (queued ->) done
+
+
+class LoadThread:
+    """Runs load jobs in priority order on one thread (see the module docstring)."""
+
+    def __init__(self, disk: DiskTier, done: Callable[[LoadJob, BaseException | None], None], timeout_s: float):
+        self.disk, self.done, self.timeout_s = disk, done, timeout_s
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name="attnstore-load", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: LoadJob) -> None:
+        self._queue.put((job.priority, next(self._seq), job))
+
+    def promote(self, job: LoadJob) -> None:
+        """A turn waits for this load now: it goes before every prefetch (a no-op once it has started)."""
+        with self._lock:
+            if job.priority == DEMAND or job.state != "queued":
+                return
+            job.priority = DEMAND
+        self._queue.put((DEMAND, next(self._seq), job))  # the old entry is skipped when it comes up
+
+    def stop(self) -> None:
+        self._queue.put((PREFETCH + 1, next(self._seq), None))
+
+    def _run(self) -> None:
+        while True:
+            priority, _, job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                if job.state != "queued" or priority != job.priority:
+                    continue  # a stale entry of a promoted or finished job
+                job.state = "running"
+            error, finished = None, True
+            started = time.perf_counter()
+            try:
+                finished = self._step(job)
+            except Exception as exc:  # every failure reaches the consumer through the handle
+                error = exc
+                job.handle.fail(exc)
+            job.seconds += time.perf_counter() - started
+            if not finished:
+                with self._lock:
+                    job.state = "queued"
+                self.submit(job)
+                continue
+            for fd, _ in job.opened.values():
+                os.close(fd)
+            job.opened.clear()
+            with self._lock:
+                job.state = "done"
+            try:
+                self.done(job, error)
+            except Exception as exc:  # never let the loader die: later loads would hang until their timeout
+                logger.exception("disk tier: finishing a load failed (%s); the load thread keeps running", exc)
+
+    def _step(self, job: LoadJob) -> bool:
+        """Reads layers until the job is done (True) or its consumer's read buffer is full (False: parked)."""
+        if not job.verified:
+            self._open_and_verify(job)
+        seg, manifest = job.buf.parts[0][0], job.manifest
+        for layer in range(job.layer, job.buf.geometry[0]):
+            others_waiting = not self._queue.empty()
+            if not job.handle.gate(layer, _PARK_S if others_waiting else None):
+                if job.gated_since is None:
+                    job.gated_since = time.monotonic()
+                if time.monotonic() - job.gated_since < self.timeout_s:
+                    return False  # let other loads run; come back to this one
+            job.gated_since = None
+            pos = 0
+            for span in manifest.spans:
+                fd, meta = job.opened[span.chunk]
+                job.nbytes += self.disk.read_layer_into(fd, meta, layer, span.start, span.end,
+                                                        seg.keys[layer][:, :, pos : pos + span.length],
+                                                        seg.values[layer][:, :, pos : pos + span.length])
+                pos += span.length
+            job.handle.layer_ready(layer)
+            job.layer = layer + 1
+        return True
+
+    def _open_and_verify(self, job: LoadJob) -> None:
+        """Opens every chunk once and checks ids, shapes and the chain before any KV is read."""
+        fp, sid = job.key
+        manifest, buf, pos = job.manifest, job.buf, 0
+        for span in manifest.spans:
+            if span.chunk not in job.opened:
+                job.opened[span.chunk] = self.disk.open_chunk(fp, sid, span.chunk)
+            fd, meta = job.opened[span.chunk]
+            if (meta.geometry, meta.dtype) != (buf.geometry, buf.dtype):
+                raise FormatError("chunk shapes changed since the session was indexed")
+            ids = self.disk.read_tensor(fd, meta, "ids")[span.start : span.end]
+            if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
+                raise FormatError("chunk ids disagree with the manifest")
+            pos += span.length
+        check_chain(manifest, [job.opened[span.chunk][1] for span in manifest.spans])
+        job.verified = True
