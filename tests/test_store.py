@@ -8,6 +8,8 @@ import torch
 from hf_attnstore import AttnStore, parse_bytes
 from hf_attnstore.policy import make_policy
 
+from .store.kvdata import layer_of
+
 FP = "f" * 64
 LAYERS, HEADS, DIM = 2, 2, 4
 BYTES_PER_TOKEN = 2 * LAYERS * HEADS * DIM * 4 + 8  # fp32 keys and values + the int64 id
@@ -54,7 +56,7 @@ def test_round_trip_and_miss():
     assert snap.token_ids.tolist() == list(range(10))
     keys, values = kv(10)
     for layer in range(LAYERS):
-        k, v = snap.layer(layer)
+        k, v = layer_of(snap, layer)
         assert torch.equal(k, keys[layer]) and torch.equal(v, values[layer])
     assert store.lookup("a", "0" * 64) is None  # another model
     stats = store.stats()
@@ -81,7 +83,7 @@ def test_cut_then_append_starts_a_new_segment_instead_of_overwriting_visible_dat
     w.append(torch.tensor([9, 9]), *kv(2, start=50.0))
     assert store.lookup("a", FP).token_ids.tolist() == [1, 2, 9, 9]
     assert old.token_ids.tolist() == [1, 2, 3, 4, 5]
-    assert old.layer(0)[0][0, 0, :, 0].tolist() == [1, 2, 3, 4, 5]
+    assert layer_of(old, 0)[0][0, 0, :, 0].tolist() == [1, 2, 3, 4, 5]
 
 
 def test_gathered_rebase_for_truncation():
@@ -93,7 +95,7 @@ def test_gathered_rebase_for_truncation():
     w.append(torch.tensor([42]), *kv(1, start=42.0))
     snap = store.lookup("a", FP)
     assert snap.token_ids.tolist() == [0, 1, 6, 7, 8, 9, 42]
-    assert snap.layer(1)[0][0, 0, :, 0].tolist() == [1000 + t for t in [0, 1, 6, 7, 8, 9, 42]]
+    assert layer_of(snap, 1)[0][0, 0, :, 0].tolist() == [1000 + t for t in [0, 1, 6, 7, 8, 9, 42]]
     # Both kept ranges still point into the old segment (no copy); the new token went in place after the
     # old fill mark, extending the second range.
     assert len(snap.parts) == 2 and snap.parts[0][0] is old.parts[0][0]

@@ -29,5 +29,11 @@ def expect(snapshot, ids, seed=0.0):
     assert snapshot.token_ids.tolist() == list(ids)
     keys, values = kv(ids, seed)
     for layer in range(LAYERS):
-        k, v = snapshot.layer(layer)
+        k, v = layer_of(snapshot, layer)
         assert torch.equal(k, keys[layer]) and torch.equal(v, values[layer]), f"layer {layer} differs"
+
+
+def layer_of(snapshot, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of one layer as single tensors (waits for a load, like a cache layer does)."""
+    parts = snapshot.layer_parts(idx)
+    return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)

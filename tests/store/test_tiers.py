@@ -13,7 +13,7 @@ from hf_attnstore.store import AttnStore, LoadError, StoreIOError
 from hf_attnstore.store import disk as disk_module
 from hf_attnstore.store.format import FORMAT, session_dirname
 
-from .kvdata import BYTES_PER_TOKEN, FP, expect, write_turn
+from .kvdata import BYTES_PER_TOKEN, FP, expect, layer_of, write_turn
 
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10)
 
@@ -73,7 +73,7 @@ def test_appending_writes_only_new_chunks_and_truncation_only_the_manifest(kvdir
         snap = reopened.lookup("s", FP)
         assert snap.token_ids.tolist() == [1, 2, 6, 7, 8, 9, 10]
         for layer in range(3):
-            k, _ = snap.layer(layer)
+            k, _ = layer_of(snap, layer)
             assert k[0, 0, :, 0].tolist() == [1000 * layer + t for t in [1, 2, 6, 7, 8, 9, 10]]
 
 
@@ -193,9 +193,9 @@ def test_data_bit_flip_found_while_loading_is_a_load_error_then_a_miss(kvdir):
     chunk.write_bytes(bytes(data))
     with make(kvdir) as store:
         snap = store.lookup("s", FP)
-        snap.layer(0)
+        layer_of(snap, 0)
         with pytest.raises(LoadError, match="checksum"):
-            snap.layer(2)
+            layer_of(snap, 2)
         assert store.lookup("s", FP) is None
         assert store.stats().load_errors == 1
 

@@ -29,6 +29,12 @@ class Segment:
         layers, heads, dim = geometry
         self.capacity = capacity
         self.filled = 0  # tokens [0, filled) are written and may be visible: never overwritten
+        # CUDA event recorded after the last asynchronous device-to-host copy into this segment. It lives on
+        # the segment, not on a session: segments are shared (truncated copies, snapshots), and each reader
+        # must wait for the copies into the memory it reads. Never cleared: a reader that syncs an old
+        # event only ever reads tokens whose copies that event covers (appends and snapshots are ordered by
+        # the store's lock), and synchronizing a completed event costs nothing.
+        self.event = None
         self.token_ids = torch.empty(capacity, dtype=torch.long, pin_memory=pin_memory)
         self.keys = [torch.empty(1, heads, capacity, dim, dtype=dtype, pin_memory=pin_memory) for _ in range(layers)]
         self.values = [torch.empty(1, heads, capacity, dim, dtype=dtype, pin_memory=pin_memory) for _ in range(layers)]
@@ -42,6 +48,7 @@ class Segment:
         seg = cls.__new__(cls)
         n = int(token_ids.numel())
         seg.capacity = seg.filled = n
+        seg.event = None
         seg.token_ids, seg.keys, seg.values = token_ids.clone(), list(keys), list(values)
         itemsize = keys[0].element_size()
         seg.nbytes = n * (2 * len(keys) * keys[0].shape[1] * keys[0].shape[3] * itemsize + 8)
@@ -77,10 +84,6 @@ class SessionKV:
     def length(self) -> int:
         return int(self.token_ids.numel())
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.parts[0][0].keys) if self.parts else 0
-
     def layer_parts(self, idx: int, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Views ``(keys, values)`` of layer `idx` covering the first `length` tokens, one per part.
 
@@ -91,7 +94,7 @@ class SessionKV:
         """
         if self.loader is not None:
             self.loader.wait_layer(idx)
-        self.source.sync()
+        _sync(self.parts)
         remaining = self.length if length is None else length
         out = []
         for seg, a, b in self.parts:
@@ -104,7 +107,7 @@ class SessionKV:
 
     def tensors(self, start: int, end: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """Contiguous copies of tokens ``[start, end)``: ids and per-layer keys and values (for the writer)."""
-        self.source.sync()
+        _sync(self.parts)
         pieces, pos = [], 0
         for seg, a, b in self.parts:
             x, y = max(start, pos), min(end, pos + b - a)
@@ -116,13 +119,6 @@ class SessionKV:
         keys = [torch.cat([seg.keys[i][:, :, a:b] for seg, a, b in pieces], dim=2) for i in range(layers)]
         values = [torch.cat([seg.values[i][:, :, a:b] for seg, a, b in pieces], dim=2) for i in range(layers)]
         return ids, keys, values
-
-    def layer(self, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of layer `idx` as single tensors (a copy when there are several parts)."""
-        parts = self.layer_parts(idx)
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
 
     def select(self, keep: torch.Tensor) -> list[Part]:
         """The parts holding tokens `keep` (sorted indices), in order; no data is copied."""
@@ -137,6 +133,12 @@ class SessionKV:
                 if x < y:
                     out.append((seg, a + x - start, a + y - start))
         return out
+
+
+def _sync(parts) -> None:
+    """Waits for asynchronous GPU-to-host copies into these parts' segments to land."""
+    for event in {id(seg.event): seg.event for seg, _, _ in parts if seg.event is not None}.values():
+        event.synchronize()
 
 
 def ranges(indices: torch.Tensor) -> list[tuple[int, int]]:
@@ -160,7 +162,6 @@ class SessionBuffer:
         self.pin_memory = pin_memory
         self.parts: list[Part] = list(parts or [])
         self.length = sum(b - a for _, a, b in self.parts)
-        self._event = None  # CUDA event of the last asynchronous device-to-host copy
 
     @property
     def nbytes(self) -> int:
@@ -177,12 +178,6 @@ class SessionBuffer:
             token_ids = torch.empty(0, dtype=torch.long)
         return SessionKV(token_ids=token_ids, parts=tuple(self.parts), source=self, loader=loader, tier=tier,
                          generation=generation)
-
-    def sync(self) -> None:
-        """Waits for asynchronous copies from a GPU into this (pinned) buffer to land."""
-        event, self._event = self._event, None
-        if event is not None:
-            event.synchronize()
 
     def _tail_room(self) -> int:
         """Tokens that can be appended in place (0 if the last part does not end at its segment's fill mark)."""
@@ -227,12 +222,13 @@ class SessionBuffer:
         for dst, src in zip(seg.keys + seg.values, list(keys) + list(values)):
             assert src.shape == (1, heads, n, dim), f"expected {(1, heads, n, dim)}, got {tuple(src.shape)}"
             # Into pinned memory the copy is asynchronous: it is ordered on the current stream, and readers
-            # of the buffer (the disk writer, a later turn) call sync() first.
+            # of the segment (the disk writer, a later turn) wait for its event first (see Segment.event).
             dst[:, :, b : b + n].copy_(src, non_blocking=from_gpu)
         seg.filled = b + n
         if from_gpu:
-            self._event = torch.cuda.Event()
-            self._event.record()
+            event = torch.cuda.Event()
+            event.record()
+            seg.event = event
         self.length += n
 
     def truncate(self, length: int) -> None:
