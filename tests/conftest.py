@@ -49,6 +49,19 @@ TINY_MODELS = {
                                                                           "partial_rotary_factor": 0.5}))),
     "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**dict(_COMMON))),
 }
+# Llama with each length-independent RoPE scaling type: re-rotation goes through the model's own rotary
+# module, so scaled frequencies (and yarn's attention scaling) must round-trip exactly too.
+_ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+}
+SCALED_ROPE_MODELS = {
+    f"llama-{name}": (lambda p=params: LlamaForCausalLM(LlamaConfig(**_gqa(rope_parameters={"rope_theta": 10000.0,
+                                                                                              **p}))))
+    for name, params in _ROPE_SCALINGS.items()
+}
 ABSOLUTE_MODELS = {
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=512,
                                                bos_token_id=1, eos_token_id=2)),
@@ -57,7 +70,7 @@ ABSOLUTE_MODELS = {
 
 def make_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     torch.manual_seed(seed)
-    builders = {**TINY_MODELS, **ABSOLUTE_MODELS}
+    builders = {**TINY_MODELS, **ABSOLUTE_MODELS, **SCALED_ROPE_MODELS}
     return builders[arch]().to(dtype).eval()
 
 

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.rope import RopeAdapter
 
-from .conftest import ABSOLUTE_MODELS, TINY_MODELS, make_tiny, random_ids
+from .conftest import ABSOLUTE_MODELS, SCALED_ROPE_MODELS, TINY_MODELS, make_tiny, random_ids
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -37,7 +37,7 @@ def run_turns(model, store, session, turns, new_tokens=6, **cache_kwargs):
     return records
 
 
-@pytest.mark.parametrize("arch", sorted(TINY_MODELS) + sorted(ABSOLUTE_MODELS))
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS) + sorted(ABSOLUTE_MODELS) + sorted(SCALED_ROPE_MODELS))
 def test_multi_turn_greedy_equals_recompute(arch):
     model = make_tiny(arch)
     store = AttnStore(host_bytes="64MiB")
@@ -68,7 +68,7 @@ def test_plain_forward_logits_equal_recompute(arch):
     torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS) + sorted(SCALED_ROPE_MODELS))
 def test_rerotated_keys_equal_model_post_rope_keys(arch):
     """Stored pre-RoPE keys, re-rotated on load, equal the keys the model itself caches."""
     model = make_tiny(arch)

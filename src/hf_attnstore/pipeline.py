@@ -95,8 +95,9 @@ class ChatPipeline:
         context_window: Maximum tokens the model sees; overflowing sessions are truncated (decoupled).
         truncation, truncation_ratio, keep_first: See :class:`AttnStoreCache`.
         system_prompt: A system message placed first in every session.
-        prefetch_window: Waiting jobs whose sessions are fetched ahead; default ``C_host / S_kv`` (host
-            capacity over the mean session KV size, measured as the store fills).
+        prefetch_window: Waiting jobs whose sessions are fetched ahead; default ``2 C_host / S_kv`` (twice
+            the host capacity over the mean session KV size, measured as the store fills: an upper bound,
+            since the store fetches in queue order only what fits).
         eviction_window: Waiting jobs told to the eviction policy; default ``(C_host + C_disk) / S_kv``.
         max_new_tokens: Reply length limit; other `generate` keyword arguments are passed through.
 

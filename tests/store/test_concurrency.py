@@ -234,10 +234,18 @@ def test_a_demand_load_goes_before_queued_prefetches(tmp_path, monkeypatch):
     store.close()
 
 
-def test_a_slow_consumer_does_not_hold_back_other_loads(tmp_path):
+def test_a_slow_consumer_does_not_hold_back_other_loads(tmp_path, monkeypatch):
     store = on_disk(tmp_path / "kv", ["slow", "other"], read_buffer_layers=0)
+    attached, real = threading.Event(), DiskTier.open_chunk
+
+    def open_chunk(disk, fp, sid, name):
+        assert attached.wait(WAIT)  # the consumer attaches before any layer is read, as a cache does
+        return real(disk, fp, sid, name)
+
+    monkeypatch.setattr(DiskTier, "open_chunk", open_chunk)
     slow = store.lookup("slow", FP)
     slow.loader.attach()  # a turn that computes slowly: it never asks past layer 0
+    attached.set()
     slow.loader.wait_layer(0)
     other = store.lookup("other", FP)
     other.loader.wait_all()  # would wait io_timeout_s (30 s) behind the gated load, then fail

@@ -225,3 +225,23 @@ def test_disk_bytes_is_never_exceeded_while_writing(tmp_path, monkeypatch):
     assert store.stats().disk_bytes_used == disk_usage(kvdir) <= limit
     assert store.stats().disk_drops > 0
     store.close()
+
+
+def test_a_session_whose_write_failed_can_still_be_demoted_at_once(tmp_path, monkeypatch):
+    """Regression (found by eval/faults.py): a session backing off after failed writes, then chosen to make
+    room, was skipped by the writer until its back-off ended; the append waited `io_timeout_s`, then its
+    turn was not stored."""
+    limit = 40 * BYTES_PER_TOKEN
+    store = make(tmp_path / "kv", host_bytes=limit, io_timeout_s=3)
+    full_disk(monkeypatch)
+    write_turn(store, "old", list(range(16)))
+    for _ in range(6):  # six failures: the next automatic retry is a minute away
+        with pytest.raises(StoreIOError):
+            store.flush()
+    write_turn(store, "a", list(range(100, 116)), seed=1.0)
+    write_turn(store, "b", list(range(200, 216)), seed=2.0)  # needs "old" out of host memory now
+    s = store.stats()
+    assert s.rejected_no_room == 0 and s.host_drops == 1 and s.host_bytes_used <= limit
+    expect(store.lookup("b", FP), list(range(200, 216)), seed=2.0)
+    assert store.lookup("old", FP) is None  # never durable: dropped, not served half-written
+    store.close(flush=False)

@@ -32,8 +32,10 @@ class StoreConfig:
             the job queue by :meth:`AttnStore.set_schedule`, e.g. by the ChatPipeline).
         chunk_tokens: Tokens per chunk file. Appending writes new chunks only (and rewrites at most the
             last, partial chunk); truncation rewrites only the manifest.
-        read_buffer_layers: Layers the disk loader may read ahead of the layer being computed, beyond
-            the next one (the paper's S_buf); ``None`` = no limit.
+        read_buffer_layers: How far the disk loader may run ahead of the model (the paper's S_buf): while
+            the model computes layer ``i``, layers up to ``i + 1 + read_buffer_layers`` may be loaded
+            (before the first layer is asked for, up to ``read_buffer_layers``). ``None`` = no limit. A load
+            held back by it lets other loads run meanwhile.
         preload: ``True``: layer-wise pre-loading (compute of layer i waits for layer i only). ``False``:
             a resumed session waits for all its layers before computing (the paper's NO-PL). ``None``
             (default): layer-wise when the model runs on CUDA, where loads are DMA copies; whole-session

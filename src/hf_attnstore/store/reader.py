@@ -114,11 +114,14 @@ class LoadThread:
             self._open_and_verify(job)
         seg, manifest = job.buf.parts[0][0], job.manifest
         for layer in range(job.layer, job.buf.geometry[0]):
-            others_waiting = not self._queue.empty()
-            if not job.handle.gate(layer, _PARK_S if others_waiting else None):
+            # Wait for the consumer in short slices, so that a job submitted meanwhile is noticed; after the
+            # timeout the load goes on regardless (its consumer may be gone).
+            while not job.handle.gate(layer, _PARK_S):
                 if job.gated_since is None:
                     job.gated_since = time.monotonic()
-                if time.monotonic() - job.gated_since < self.timeout_s:
+                if time.monotonic() - job.gated_since >= self.timeout_s:
+                    break
+                if not self._queue.empty():
                     return False  # let other loads run; come back to this one
             job.gated_since = None
             pos = 0

@@ -640,7 +640,9 @@ class AttnStore:
     # -- saving (host -> disk) ----------------------------------------------------------------------
     def _append(self, writer: "TurnWriter", token_ids, keys, values) -> bool:
         with self._cond:
-            self._check_open()
+            if self._closed:  # closed during a turn (shutdown): the turn goes on, it is just not stored
+                writer.dead = True
+                return False
             e = self._entries.get(writer.key)
             if not writer.started:
                 e = self._start_turn(writer, e)
@@ -796,8 +798,8 @@ class AttnStore:
             if e is None or not e.dirty:
                 self._dirty.discard(key)
                 continue
-            if e.write_failed and now < e.retry_at:
-                continue  # backing off after a failure (flush() retries at once)
+            if e.write_failed and now < e.retry_at and not e.urgent:
+                continue  # backing off after a failure; flush() and demotions (urgent) retry at once
             if e.pins or e.loading is not None:
                 continue
             idle = now - e.last_write >= self.config.idle_flush_s
