@@ -245,3 +245,17 @@ def test_a_session_whose_write_failed_can_still_be_demoted_at_once(tmp_path, mon
     expect(store.lookup("b", FP), list(range(200, 216)), seed=2.0)
     assert store.lookup("old", FP) is None  # never durable: dropped, not served half-written
     store.close(flush=False)
+
+
+def test_a_session_that_outgrows_the_host_tier_keeps_its_durable_prefix(tmp_path):
+    """Regression (found by eval/faults.py, kill -9 runs): a session that grew past `host_bytes` was deleted
+    from every tier, including the prefix a flush() had acknowledged as durable."""
+    store = make(tmp_path / "kv", host_bytes=40 * BYTES_PER_TOKEN)
+    write_turn(store, "s", list(range(16)))
+    store.flush()  # acknowledged: 16 tokens are durable
+    assert not write_turn(store, "s", list(range(16, 64)), keep_from=store.lookup("s", FP))  # too large now
+    assert store.stats().rejected_too_large == 1
+    expect(store.lookup("s", FP), list(range(16)))
+    store.close()
+    with make(tmp_path / "kv") as reopened:
+        expect(reopened.lookup("s", FP), list(range(16)))

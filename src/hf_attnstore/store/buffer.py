@@ -36,8 +36,12 @@ class Segment:
         # the store's lock), and synchronizing a completed event costs nothing.
         self.event = None
         self.token_ids = torch.empty(capacity, dtype=torch.long, pin_memory=pin_memory)
-        self.keys = [torch.empty(1, heads, capacity, dim, dtype=dtype, pin_memory=pin_memory) for _ in range(layers)]
-        self.values = [torch.empty(1, heads, capacity, dim, dtype=dtype, pin_memory=pin_memory) for _ in range(layers)]
+        # One allocation per segment for all layers' keys, one for values (per-layer views): a decoding step
+        # appends every layer in one copy, and pinned memory comes in two blocks rather than 2 x layers
+        # (the caching host allocator rounds each block up to a power of two).
+        self.keys_all = torch.empty(layers, 1, heads, capacity, dim, dtype=dtype, pin_memory=pin_memory)
+        self.values_all = torch.empty(layers, 1, heads, capacity, dim, dtype=dtype, pin_memory=pin_memory)
+        self.keys, self.values = list(self.keys_all.unbind(0)), list(self.values_all.unbind(0))
         itemsize = torch.tensor([], dtype=dtype).element_size()
         self.nbytes = capacity * (2 * layers * heads * dim * itemsize + 8)
 
@@ -49,6 +53,7 @@ class Segment:
         n = int(token_ids.numel())
         seg.capacity = seg.filled = n
         seg.event = None
+        seg.keys_all = seg.values_all = None  # full: never appended to
         seg.token_ids, seg.keys, seg.values = token_ids.clone(), list(keys), list(values)
         itemsize = keys[0].element_size()
         seg.nbytes = n * (2 * len(keys) * keys[0].shape[1] * keys[0].shape[3] * itemsize + 8)
@@ -199,15 +204,21 @@ class SessionBuffer:
         # tokens needs few segments.
         return _round(max(tokens, self.length // 4))
 
-    def append(self, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Appends ``len(token_ids)`` tokens (device tensors are copied to host)."""
+    def append(self, token_ids: torch.Tensor, keys, values) -> None:
+        """Appends ``len(token_ids)`` tokens (device tensors are copied to host).
+
+        `keys` and `values` are per-layer lists of ``[1, kv_heads, n, head_dim]`` tensors or stacked
+        ``[layers, 1, kv_heads, n, head_dim]`` tensors (copied in one operation).
+        """
         n = int(token_ids.numel())
         layers, heads, dim = self.geometry
         assert len(keys) == len(values) == layers, "one key/value tensor per layer is required"
-        if not self.pin_memory and n >= _ADOPT_MIN_TOKENS and n > self._tail_room() and not keys[0].is_cuda:
+        on_gpu = keys[0].is_cuda
+        if not self.pin_memory and n >= _ADOPT_MIN_TOKENS and n > self._tail_room() and not on_gpu:
             # A prefill's KV is freshly computed and never modified afterwards: keep it as a segment instead
             # of copying it (this copy was most of the time saving adds to a turn).
-            assert all(t.shape == (1, heads, n, dim) for t in list(keys) + list(values)), "KV shape mismatch"
+            keys, values = list(keys), list(values)  # a stacked tensor's per-layer views share its storage
+            assert all(t.shape == (1, heads, n, dim) for t in keys + values), "KV shape mismatch"
             self.parts.append((Segment.adopt(token_ids.view(-1), keys, values), 0, n))
             self.length += n
             return
@@ -218,12 +229,17 @@ class SessionBuffer:
             seg, b = self.new_segment(self._grow_capacity(n)), 0
             self.parts.append((seg, 0, n))
         seg.token_ids[b : b + n].copy_(token_ids.view(-1))
-        from_gpu = self.pin_memory and keys[0].is_cuda
-        for dst, src in zip(seg.keys + seg.values, list(keys) + list(values)):
-            assert src.shape == (1, heads, n, dim), f"expected {(1, heads, n, dim)}, got {tuple(src.shape)}"
-            # Into pinned memory the copy is asynchronous: it is ordered on the current stream, and readers
-            # of the segment (the disk writer, a later turn) wait for its event first (see Segment.event).
-            dst[:, :, b : b + n].copy_(src, non_blocking=from_gpu)
+        from_gpu = self.pin_memory and on_gpu
+        # Into pinned memory the copy is asynchronous: it is ordered on the current stream, and readers
+        # of the segment (the disk writer, a later turn) wait for its event first (see Segment.event).
+        for dst_all, dst, src in ((seg.keys_all, seg.keys, keys), (seg.values_all, seg.values, values)):
+            if isinstance(src, torch.Tensor):
+                assert src.shape == (layers, 1, heads, n, dim), f"expected {(layers, 1, heads, n, dim)}"
+                dst_all[:, :, :, b : b + n].copy_(src, non_blocking=from_gpu)
+            else:
+                for d, t in zip(dst, src):
+                    assert t.shape == (1, heads, n, dim), f"expected {(1, heads, n, dim)}, got {tuple(t.shape)}"
+                    d[:, :, b : b + n].copy_(t, non_blocking=from_gpu)
         seg.filled = b + n
         if from_gpu:
             event = torch.cuda.Event()

@@ -658,11 +658,19 @@ class AttnStore:
                 return False
             needed = buf.bytes_after_append(int(token_ids.numel()))
             if needed > self.config.host_bytes:
-                self._drop(e)
+                # Outgrown the host tier: the rest of the session is not stored. What is durable stays (a valid
+                # prefix that a later turn reuses): deleting data a flush() acknowledged would be a surprise.
                 self._stats.rejected_too_large += 1
-                self._warn_once("too_large", "session %r needs %d bytes, more than the host tier's %d: it is not "
-                                "stored (raise `host_bytes` to keep it)", writer.key[1], needed, self.config.host_bytes)
+                self._warn_once("too_large", "session %r needs %d bytes, more than the host tier's %d: the rest of "
+                                "it is not stored (raise `host_bytes` to keep it)", writer.key[1], needed,
+                                self.config.host_bytes)
                 writer.dead = True
+                e.writers.discard(writer.turn)
+                if e.persisted and e.pins == 0:
+                    e.evict_after_save = e.urgent = False
+                    self._set_host(e, None)
+                elif e.pins == 0:
+                    self._drop(e)
                 return False
             room = needed - buf.nbytes
             if not self._make_host_room(room, exclude=e):
@@ -992,15 +1000,19 @@ class TurnWriter:
             return False
         keys, values = _storable(keys, "keys"), _storable(values, "values")
         n = int(token_ids.numel())
-        geometry = (len(keys), keys[0].shape[1], keys[0].shape[3])
-        if any(t.shape != (1, geometry[1], n, geometry[2]) or t.dtype != keys[0].dtype for t in keys + values) \
-                or len(values) != len(keys):
+        shapes = {tuple(t.shape[-4:]) for t in ([keys] if isinstance(keys, torch.Tensor) else keys)}
+        shapes |= {tuple(t.shape[-4:]) for t in ([values] if isinstance(values, torch.Tensor) else values)}
+        first = keys[0]
+        geometry = (len(keys), first.shape[1], first.shape[3])
+        dtypes = {t.dtype for t in ([keys, values] if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
+                                    else [*keys, *values])}
+        if shapes != {(1, geometry[1], n, geometry[2])} or len(values) != len(keys) or len(dtypes) != 1:
             raise TypeError(f"expected {len(keys)} keys and values of shape [1, kv_heads, {n}, head_dim] and one "
                             "dtype")
         if self.geometry is None:
-            self.geometry, self.dtype = geometry, keys[0].dtype
-        elif (geometry, keys[0].dtype) != (self.geometry, self.dtype):
-            raise TypeError(f"this turn stores {self.geometry} {self.dtype}, got {geometry} {keys[0].dtype}")
+            self.geometry, self.dtype = geometry, first.dtype
+        elif (geometry, first.dtype) != (self.geometry, self.dtype):
+            raise TypeError(f"this turn stores {self.geometry} {self.dtype}, got {geometry} {first.dtype}")
         if not self.started and self.base is not None and self.base.loader is not None:
             try:
                 self.base.loader.wait_all()  # never wait under the store's lock
@@ -1033,15 +1045,17 @@ class TurnWriter:
                 self.store._cut(e, length)
 
 
-def _storable(tensors: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+def _storable(tensors, what: str):
     """Tensors the store may keep: detached (no autograd graph kept alive) and owning only their own bytes.
 
-    Some models hand the cache views into a larger tensor (phi3 and gpt_neox: slices of the fused QKV
-    projection). Keeping such a view would hold the whole projection output while accounting for the
-    slice, so it is copied.
+    `tensors` is a list with one ``[1, kv_heads, n, head_dim]`` tensor per layer, or one stacked
+    ``[layers, 1, kv_heads, n, head_dim]`` tensor. Some models hand the cache views into a larger tensor
+    (phi3 and gpt_neox: slices of the fused QKV projection). Keeping such a view would hold the whole
+    projection output while accounting for the slice, so it is copied.
     """
+    stacked = isinstance(tensors, torch.Tensor)
     out = []
-    for t in tensors:
+    for t in [tensors] if stacked else tensors:
         if t.dtype not in KV_DTYPES:
             raise TypeError(f"{what} of dtype {t.dtype} cannot be stored: use one of "
                             f"{', '.join(str(d) for d in KV_DTYPES)}")
@@ -1049,4 +1063,4 @@ def _storable(tensors: list[torch.Tensor], what: str) -> list[torch.Tensor]:
         if t.untyped_storage().nbytes() > t.numel() * t.element_size():
             t = t.clone()
         out.append(t)
-    return out
+    return out[0] if stacked else out
