@@ -92,12 +92,9 @@ class AttnStoreLayer(DynamicLayer):
             # First forward of the turn: load this layer's reused KV and concatenate it with the new KV in one
             # copy (what DynamicLayer's own concatenation would cost anyway).
             self.dtype, self.device = key_states.dtype, key_states.device
-            keys, values = self._owner._load_layer(
-                self._layer_idx, self._pending_reuse, key_states.dtype, key_states.device
-            )
+            self.keys, self.values = self._owner._load_layer(self._layer_idx, self._pending_reuse, key_states,
+                                                             value_states)
             self._owner._record(self._layer_idx, key_states, value_states)
-            self.keys = torch.cat(keys + [key_states], dim=-2)
-            self.values = torch.cat(values + [value_states], dim=-2)
             self.is_initialized = True
             return self.keys, self.values
         self._owner._record(self._layer_idx, key_states, value_states)
@@ -237,14 +234,19 @@ class AttnStoreCache(DynamicCache):
         prefix = self.plan.input_ids[0, : self.reused_tokens]
         return torch.cat([prefix] + [t.cpu() for t in self._fed_ids])
 
-    def _load_layer(self, idx: int, length: int, dtype: torch.dtype, device: torch.device):
-        """Reused KV of layer `idx` on `device` as lists of pieces, keys rotated to their positions this turn.
+    def _load_layer(self, idx: int, length: int, new_keys: torch.Tensor, new_values: torch.Tensor):
+        """Layer `idx`'s reused KV followed by this forward's new KV, as the layer's cache tensors.
+
+        The output is allocated once at its final size: reused keys are re-rotated for their positions this
+        turn straight into it, and reused values copied into it (one pass each, where rotating and then
+        concatenating took three). `new_*` are ``[1, kv_heads, n, head_dim]``.
 
         Raises:
             ReuseFailed: The stored KV could not be loaded (caught by the forward wrapper, see hooks.py).
         """
         if length == 0:
-            return [], []
+            return new_keys, new_values
+        dtype, device = new_keys.dtype, new_keys.device
         try:
             preload = self._store.config.preload
             if preload is None:
@@ -259,7 +261,9 @@ class AttnStoreCache(DynamicCache):
                 parts = self._host_parts(idx, length)
         except LoadError as exc:
             raise ReuseFailed(str(exc)) from exc
-        keys, values, pos = [], [], 0
+        _, heads, n, dim = new_keys.shape
+        keys = torch.empty(1, heads, length + n, dim, dtype=dtype, device=device)
+        values = torch.empty(1, heads, length + new_values.shape[2], new_values.shape[3], dtype=dtype, device=device)
         if self._rope.has_rope:
             # cos/sin are computed once per turn and shared by all layers: only the rotation is per layer.
             rope_key = (length, device, dtype)
@@ -267,14 +271,18 @@ class AttnStoreCache(DynamicCache):
                 positions = self.plan.key_positions[:length].to(device)
                 self._load_rope[rope_key] = self._rope.cos_sin(positions, dtype)
             cos, sin = self._load_rope[rope_key]
+        pos = 0
         for k, v in parts:
-            n = k.shape[2]
-            k, v = k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype)
+            m = k.shape[2]
+            k = k.to(device=device, dtype=dtype)
             if self._rope.has_rope:
-                k = self._rope.rotate(k, cos[:, :, pos : pos + n], sin[:, :, pos : pos + n])
-            keys.append(k)
-            values.append(v)
-            pos += n
+                self._rope.rotate_into(keys[:, :, pos : pos + m], k, cos[:, :, pos : pos + m], sin[:, :, pos : pos + m])
+            else:
+                keys[:, :, pos : pos + m].copy_(k)
+            values[:, :, pos : pos + m].copy_(v)
+            pos += m
+        keys[:, :, length:].copy_(new_keys)
+        values[:, :, length:].copy_(new_values)
         if idx == self._geometry[0] - 1:
             if self._snapshot.loader is not None:
                 self._snapshot.loader.release()

@@ -88,6 +88,29 @@ class RopeAdapter:
         return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
 
     @staticmethod
+    def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """:meth:`rotate`, written into `out` without temporaries.
+
+        transformers' rotary modules build cos/sin as two equal halves (``cat(freqs, freqs)``), so with
+        ``c, s`` one half: ``out_a = k_a c - k_b s`` and ``out_b = k_b c + k_a s``. Anything else takes the
+        general path.
+        """
+        rot = cos.shape[-1]
+        half = rot // 2
+        c, s = cos[..., :half], sin[..., :half]
+        if rot % 2 or not (torch.equal(c, cos[..., half:]) and torch.equal(s, sin[..., half:])):
+            out.copy_(RopeAdapter.rotate(keys, cos, sin))
+            return
+        ka, kb = keys[..., :half], keys[..., half:rot]
+        oa, ob = out[..., :half], out[..., half:rot]
+        torch.mul(ka, c, out=oa)
+        oa.addcmul_(kb, s, value=-1)
+        torch.mul(kb, c, out=ob)
+        ob.addcmul_(ka, s)
+        if rot != keys.shape[-1]:
+            out[..., rot:].copy_(keys[..., rot:])
+
+    @staticmethod
     def inverse(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 factors that undo a rotation by ``(cos, sin)``: computed once per forward, used per layer.
 
