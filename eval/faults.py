@@ -107,8 +107,10 @@ for step in range(10_000):
     lengths[k] = lengths.get(k, 0) + 8
     turn(model, store, f"s{{k}}", sequence(k)[:, : lengths[k]])
     if step % 3 == 2:
-        store.flush()
-        print("durable", " ".join(f"s{{k}}={{n}}" for k, n in lengths.items()), flush=True)
+        store.flush()  # acknowledged: what the store holds now is durable (a turn may have been refused)
+        fp = store.fingerprint(model)
+        held = {{k: store.token_ids(f"s{{k}}", fp) for k in lengths}}
+        print("durable", " ".join(f"s{{k}}={{t.numel()}}" for k, t in held.items() if t is not None), flush=True)
 """
 
 
@@ -359,7 +361,7 @@ def scenario_capacity(model, turns: int) -> Row:
         peak_disk[0] = max(peak_disk[0], _du(root))
 
     disk_module._write_bytes = measured
-    peak_host, expected = 0, {}
+    peak_host, expected, largest = 0, {}, 0
     try:
         with AttnStore(host_bytes=host_limit, disk_dir=str(root), disk_bytes=disk_limit, **FAST) as store:
             for step in range(turns):
@@ -368,19 +370,21 @@ def scenario_capacity(model, turns: int) -> Row:
                 turn(model, store, f"s{k}", sequence(k)[:, :n])
                 expected[f"s{k}"] = sequence(k)
                 peak_host = max(peak_host, store.stats().host_bytes_used)
+                with store._lock:  # the largest session in host memory (the documented bound's one exception)
+                    largest = max([largest] + [e.host_accounted for e in store._entries.values()])
                 row.runs += 1
             store.flush()
             check_sessions(model, store, expected, row)
-            over = store.stats().host_bytes_used
     except Exception as exc:
         row.crash(exc)
-        over = 0
     finally:
         disk_module._write_bytes = real
         shutil.rmtree(root, ignore_errors=True)
-    row.notes.append(f"peak host {peak_host:,} B of {host_limit:,} (end {over:,}); peak disk files {peak_disk[0]:,} B "
-                     f"of {disk_limit:,}")
-    if peak_host > host_limit or peak_disk[0] > disk_limit:
+    # host_bytes may be exceeded by one session: the disk load a turn waits for starts at once while the
+    # sessions it displaces are still being written out (StoreConfig.host_bytes). Anything beyond is a bug.
+    row.notes.append(f"peak host {peak_host:,} B of {host_limit:,} + one loading session ({largest:,}) allowed; "
+                     f"peak disk files {peak_disk[0]:,} B of {disk_limit:,} (hard)")
+    if peak_host > host_limit + largest or peak_disk[0] > disk_limit:
         row.crashes += 1
         row.notes.append("a limit was exceeded")
     return row
