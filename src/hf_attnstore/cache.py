@@ -15,19 +15,14 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from .config import TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint
 from .hooks import ReuseFailed, install_hooks
+from .logs import OnceLogger
 from .rope import RopeAdapter
 from .store import AttnStore, LoadError, SessionKV
 from .store.store import validate_session_id
 from .truncation import plan_reuse
 
 logger = logging.getLogger(__name__)
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message)
+_once = OnceLogger(logger)
 
 
 def _as_prompt_ids(input_ids) -> torch.Tensor:
@@ -121,7 +116,8 @@ class AttnStoreCache(DynamicCache):
         session_id: Any non-empty string naming the conversation.
         input_ids: The full prompt of this turn (history + new message), ``[1, seq]`` or a list of ids.
         context_window: Maximum tokens the model may see; ``None`` disables truncation.
-        truncation: ``"decoupled"`` (default), ``"recompute"`` or ``"naive"`` (evaluation baseline only).
+        truncation: ``"decoupled"`` (default), ``"recompute"`` or ``"naive"`` (evaluation baseline only), or a
+            whole :class:`TruncationConfig` (then leave the three options below at their defaults).
         truncation_ratio: Fraction of the window dropped at an overflow.
         keep_first: Leading tokens always kept as attention sinks.
         save: If ``False`` the cache only reads: the turn reuses the stored KV but the store is left exactly
@@ -141,6 +137,8 @@ class AttnStoreCache(DynamicCache):
         97
     """
 
+    _brackets_forwards = True  # tells hooks.py to bracket forwards through this cache (no import cycle)
+
     def __init__(
         self,
         model: nn.Module,
@@ -149,7 +147,7 @@ class AttnStoreCache(DynamicCache):
         input_ids,
         *,
         context_window: int | None = None,
-        truncation: str = "decoupled",
+        truncation: str | TruncationConfig = "decoupled",
         truncation_ratio: float = 0.5,
         keep_first: int = 4,
         save: bool = True,
@@ -158,7 +156,12 @@ class AttnStoreCache(DynamicCache):
             raise TypeError(f"`model` must be a transformers model, got {type(model).__name__}")
         if not isinstance(store, AttnStore):
             raise TypeError(f"`store` must be an AttnStore, got {type(store).__name__}")
-        self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
+        if isinstance(truncation, TruncationConfig):  # a caller's validated settings, taken as they are
+            if (context_window, truncation_ratio, keep_first) != (None, 0.5, 4):
+                raise TypeError("pass either a `TruncationConfig` as `truncation` or the separate options")
+            self.truncation = truncation
+        else:
+            self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
         self.session_id = validate_session_id(session_id)
         prompt = _as_prompt_ids(input_ids)
         self._rope = RopeAdapter(model)
@@ -168,7 +171,7 @@ class AttnStoreCache(DynamicCache):
             raise ValueError(f"`input_ids` holds ids outside the model's vocabulary [0, {vocab}): "
                              f"min {int(prompt.min())}, max {int(prompt.max())}")
         if not self._rope.has_rope and context_window is not None and truncation != "recompute":
-            _warn_once(
+            _once.warning(
                 f"norope-{self._rope.model_type}",
                 f"{self._rope.model_type} has no rotary embeddings, so cached keys cannot be re-positioned: "
                 "truncation falls back to 'recompute'",
@@ -224,7 +227,7 @@ class AttnStoreCache(DynamicCache):
         layers, heads, dim = self._geometry
         ok = snapshot.source.geometry == (layers, heads, dim)
         if not ok:
-            _warn_once("geometry", f"stored KV of session {self.session_id!r} does not fit the model: ignored")
+            _once.warning("geometry", f"stored KV of session {self.session_id!r} does not fit the model: ignored")
             return None
         return snapshot
 
@@ -299,7 +302,7 @@ class AttnStoreCache(DynamicCache):
 
     def _recompute_forward(self, original, args: tuple, kwargs: dict):
         """Runs the current forward again over the whole prompt, without reused KV (see hooks.py)."""
-        _warn_once("recompute", f"stored KV of session {self.session_id!r} could not be loaded: recomputing it")
+        _once.warning("recompute", f"stored KV of session {self.session_id!r} could not be loaded: recomputing it")
         fed = self._fwd_input_len
         total = self.reused_tokens + fed  # a load can only fail in the first forward of a turn
         self.reused_tokens, self.kv_source, self.recomputed = 0, "miss", True
@@ -343,7 +346,7 @@ class AttnStoreCache(DynamicCache):
             )
         if input_ids is None:
             self._save = False
-            _warn_once("embeds", "forward with `inputs_embeds` only: token ids are unknown, so the session is not saved")
+            _once.warning("embeds", "forward with `inputs_embeds` only: token ids are unknown, so the session is not saved")
         else:
             prompt_left = self.input_ids.shape[1] - past
             n = min(length, max(prompt_left, 0))

@@ -23,10 +23,9 @@ class ReuseFailed(Exception):
 
 
 def _cache_of(kwargs: dict):
-    from .cache import AttnStoreCache  # local import: cache.py imports this module
-
+    """The forward's cache if it asks to be bracketed (AttnStoreCache sets `_brackets_forwards`)."""
     cache = kwargs.get("past_key_values")
-    return cache if isinstance(cache, AttnStoreCache) else None
+    return cache if getattr(type(cache), "_brackets_forwards", False) else None
 
 
 def install_hooks(model: nn.Module) -> None:

@@ -276,10 +276,7 @@ class ChatPipeline:
             prompt = torch.cat([ids[:, :k], ids[:, k + dropped :]], dim=1) if dropped else ids
             source = "truncated" if dropped else "recompute"
         else:
-            cache = AttnStoreCache(self.model, self.store, job.session_id, ids,
-                                   context_window=self.truncation.context_window, truncation=self.truncation.mode,
-                                   truncation_ratio=self.truncation.truncation_ratio,
-                                   keep_first=self.truncation.keep_first)
+            cache = AttnStoreCache(self.model, self.store, job.session_id, ids, truncation=self.truncation)
             prompt, reused, dropped = cache.input_ids, cache.reused_tokens, cache.dropped_tokens
             source = "truncated" if dropped else cache.kv_source
         try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..fingerprint import model_fingerprint
+from ..logs import OnceLogger
 from ..policy import make_policy
 from .buffer import SessionBuffer, SessionKV, ranges
 from .config import StoreConfig
@@ -211,7 +212,7 @@ class AttnStore:
         self._forwards_active = 0  # model forwards running through caches of this store
         self._room_waiters = 0  # appends blocked until demotions free host memory
         self._last_forward = 0.0
-        self._warned: set[str] = set()
+        self._once = OnceLogger(logger)  # each kind of warning once per store
         self._closed = False
         self._disk = DiskTier(self.config.disk_dir, fsync=self.config.fsync) if self.config.disk_dir else None
         self._threads: list[threading.Thread] = []
@@ -425,11 +426,6 @@ class AttnStore:
         if self._closed:
             raise ValueError("this AttnStore is closed")
 
-    def _warn_once(self, kind: str, message: str, *args) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            logger.warning(message, *args)
-
     def _touch(self, e: _Entry) -> None:
         e.last_access = time.monotonic()
         if e.host is not None:
@@ -605,7 +601,7 @@ class AttnStore:
         # Exactly the session's size: the next turn appends in a new segment, without copying this one.
         buf = SessionBuffer.for_load(e.layout[0], dtype, length, self.config.pin_memory)
         if buf.nbytes > self.config.host_bytes:
-            self._warn_once("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
+            self._once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
             return False
         position = getattr(self._host_policy, "position", lambda key: None)(e.key) if must_fit else None
         if not self._make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
@@ -631,7 +627,7 @@ class AttnStore:
                 e.loading, e.load_job = None, None
             if error is not None:
                 self._stats.load_errors += 1
-                self._warn_once("load", "disk tier: session %r could not be loaded (%s); it is removed and will "
+                self._once.warning("load", "disk tier: session %r could not be loaded (%s); it is removed and will "
                                 "be recomputed", e.key[1], error)
                 if self._entries.get(e.key) is e:
                     self._drop(e)
@@ -648,7 +644,7 @@ class AttnStore:
                 e = self._start_turn(writer, e)
             elif e is None or e.owner != writer.turn:
                 self._stats.stale_writes += 1
-                self._warn_once("stale", "session %r was taken over by a newer turn (or removed); writes of the "
+                self._once.warning("stale", "session %r was taken over by a newer turn (or removed); writes of the "
                                 "older turn are dropped", writer.key[1])
                 return False
             buf = e.host
@@ -661,7 +657,7 @@ class AttnStore:
                 # Outgrown the host tier: the rest of the session is not stored. What is durable stays (a valid
                 # prefix that a later turn reuses): deleting data a flush() acknowledged would be a surprise.
                 self._stats.rejected_too_large += 1
-                self._warn_once("too_large", "session %r needs %d bytes, more than the host tier's %d: the rest of "
+                self._once.warning("too_large", "session %r needs %d bytes, more than the host tier's %d: the rest of "
                                 "it is not stored (raise `host_bytes` to keep it)", writer.key[1], needed,
                                 self.config.host_bytes)
                 writer.dead = True
@@ -696,7 +692,7 @@ class AttnStore:
                     # Everything else is pinned (running turns, loads) or cannot be written: refuse to save the
                     # rest of this turn rather than exceed `host_bytes`. What is stored stays a valid prefix.
                     self._stats.rejected_no_room += 1
-                    self._warn_once("no_room", "host tier full of sessions that cannot move (running turns, "
+                    self._once.warning("no_room", "host tier full of sessions that cannot move (running turns, "
                                     "loads, failed writes): the rest of session %r's turn is not stored",
                                     writer.key[1])
                     writer.dead = True
@@ -883,7 +879,7 @@ class AttnStore:
             else:
                 self._disk.delete_session(fp, sid)
         except OSError as exc:
-            self._warn_once("gc", "disk tier: removing unused files of session %r failed (%s)", sid, exc)
+            self._once.warning("gc", "disk tier: removing unused files of session %r failed (%s)", sid, exc)
         with self._cond:  # the reservation becomes the files that are really there now
             self._disk_used -= reserved
             if self._entries.get(e.key) is e:
@@ -899,7 +895,7 @@ class AttnStore:
             if isinstance(error, _NoDiskRoom):
                 # Larger than the whole disk tier: kept in host memory only (or dropped if it was on its way out).
                 self._stats.rejected_too_large += 1
-                self._warn_once("disk_too_large", "session %r is larger than the disk tier: it is kept in memory "
+                self._once.warning("disk_too_large", "session %r is larger than the disk tier: it is kept in memory "
                                 "only", e.key[1])
                 self._dirty.discard(e.key)
                 e.urgent = False
@@ -914,7 +910,7 @@ class AttnStore:
                 return
             if error is not None:
                 self._stats.write_errors += 1
-                self._warn_once("write", "disk tier: writing session %r failed (%s); it stays in host memory, its "
+                self._once.warning("write", "disk tier: writing session %r failed (%s); it stays in host memory, its "
                                 "previous durable state is kept, and the write is retried", e.key[1], error)
                 e.last_error, e.write_failed, e.urgent = error, True, False
                 e.retry_at = time.monotonic() + min(60.0, 2.0 ** min(e.failures, 6))
