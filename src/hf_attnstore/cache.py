@@ -18,7 +18,7 @@ from .hooks import ReuseFailed, install_hooks
 from .logs import OnceLogger
 from .rope import RopeAdapter
 from .store import AttnStore, LoadError, SessionKV
-from .store.store import validate_session_id
+from .store.entry import validate_session_id
 from .truncation import plan_reuse
 
 logger = logging.getLogger(__name__)

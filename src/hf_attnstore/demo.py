@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch

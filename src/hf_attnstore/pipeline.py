@@ -24,7 +24,7 @@ from .chat import ChatTokens
 from .config import TruncationConfig
 from .store import AttnStore
 from .store.placement import lookahead_windows
-from .store.store import validate_session_id
+from .store.entry import validate_session_id
 from .timing import FirstTokenTimer
 from .truncation import tokens_to_drop
 

@@ -32,7 +32,7 @@ from .costs import CostModel
 from .data import load_sharegpt
 from .pipeline import ChatPipeline, Reply
 from .store import AttnStore
-from .store.store import StoreStats
+from .store.stats import StoreStats
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import threading
 
-import pytest
 import torch
 
 from hf_attnstore.store import AttnStore, LoadError

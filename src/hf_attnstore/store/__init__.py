@@ -4,7 +4,10 @@ from .buffer import SessionBuffer, SessionKV
 from .config import StoreConfig
 from .format import FormatError
 from .loader import LoadError
-from .store import AttnStore, StoreIOError, StoreStats, TurnWriter
+from .disk import DiskLockedError
+from .stats import StoreStats
+from .store import AttnStore, StoreIOError
+from .writer import TurnWriter
 
-__all__ = ["AttnStore", "FormatError", "LoadError", "SessionBuffer", "SessionKV", "StoreConfig", "StoreIOError",
-           "StoreStats", "TurnWriter"]
+__all__ = ["AttnStore", "DiskLockedError", "FormatError", "LoadError", "SessionBuffer", "SessionKV", "StoreConfig",
+           "StoreIOError", "StoreStats", "TurnWriter"]

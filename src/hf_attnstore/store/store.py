@@ -1,10 +1,13 @@
 """AttnStore: the hierarchical KV store (host memory, then disk files) behind AttnStoreCache.
 
 Threads. The index (`_entries`, both policies, the byte counters) has one owner: the store, through
-methods that hold `_lock`. Two I/O threads only move bytes: the load thread reads chunk files into host
-buffers it was handed, the save thread writes host buffers to chunk files; both report back by calling
-the store's `_finish_*` methods, which take the lock. Loads have priority: the save thread waits for
-running loads between chunks (concurrent reads and writes slowed both by 18-20% in Pensieve).
+methods that hold `_lock`. Two I/O threads only move bytes: the load thread (reader.py) reads chunk files
+into host buffers it was handed, the save thread writes host buffers to chunk files; both report back by
+calling the store's `_finish_*` methods, which take the lock. Loads have priority: the save thread waits
+for running loads between chunks (concurrent reads and writes slowed both by 18-20% in Pensieve).
+
+Beside this file: the index entry (entry.py), the counters (stats.py), a turn's writer (writer.py), the
+load thread (reader.py), the tiers' bytes (buffer.py for host memory, disk.py and format.py for files).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 import torch
 
@@ -25,146 +28,21 @@ from ..policy import make_policy
 from .buffer import SessionBuffer, SessionKV, ranges
 from .config import StoreConfig
 from .disk import CHUNK_SUFFIX, MANIFEST, DiskTier
-from .format import KV_DTYPES, FormatError, Manifest, Span, check_chain, encode_chunk, prefix_hasher, tensor_bytes
-from .loader import LoadError, LoadHandle
-from .reader import DEMAND, PREFETCH, LoadJob, LoadThread
+from .format import Manifest, Span, encode_chunk, prefix_hasher, tensor_bytes
+from .entry import Entry, Key, blocks, validate_session_id
+from .loader import LoadHandle
 from .placement import choose_victims
+from .reader import DEMAND, PREFETCH, LoadJob, LoadThread
+from .stats import StoreStats
+from .writer import TurnWriter
 
 logger = logging.getLogger(__name__)
-Key = tuple[str, str]  # (model fingerprint, session id)
-
-
-MAX_SESSION_ID_BYTES = 4096
-
-
-def validate_session_id(session_id: object) -> str:
-    """Session ids are non-empty strings of valid UTF-8 (NUL and any other character included) up to 4 KiB.
-
-    They never become paths (the disk tier hashes them) but they are written into every file of the
-    session, so they must encode: a lone surrogate such as ``"\\ud800"`` is refused here rather than
-    failing in the background writer.
-    """
-    if not isinstance(session_id, str):
-        raise TypeError(f"`session_id` must be a str, got {type(session_id).__name__}")
-    if not session_id:
-        raise ValueError("`session_id` must be a non-empty string")
-    try:
-        size = len(session_id.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"`session_id` must be valid Unicode text (it has a lone surrogate at {exc.start}): "
-                         "decode ids from bytes with errors='replace' or use a hash") from None
-    if size > MAX_SESSION_ID_BYTES:
-        raise ValueError(f"`session_id` is {size} bytes in UTF-8, more than {MAX_SESSION_ID_BYTES}: use a "
-                         "shorter id (e.g. a hash of it)")
-    return session_id
-
-
-_BLOCK = 4096
-
-
-def _blocks(nbytes: int) -> int:
-    """Bytes a file occupies on disk: its size rounded up to whole 4 KiB blocks (what `du` counts)."""
-    return -(-nbytes // _BLOCK) * _BLOCK
-
-
 class _NoDiskRoom(Exception):
     """A write would take the disk tier over `disk_bytes` even after evicting every other session."""
 
 
 class StoreIOError(RuntimeError):
     """Writing to the disk tier failed; the failed entries never became visible."""
-
-
-@dataclass
-class StoreStats:
-    """Counters of an :class:`AttnStore` (a copy is returned by :meth:`AttnStore.stats`)."""
-
-    lookups: int = 0
-    hits_host: int = 0
-    hits_disk: int = 0
-    misses: int = 0
-    appended_tokens: int = 0
-    demotions: int = 0  # host -> disk
-    host_drops: int = 0  # evicted from host with no disk copy
-    disk_drops: int = 0
-    rejected_too_large: int = 0
-    stale_writes: int = 0
-    write_errors: int = 0
-    load_errors: int = 0
-    rejected_no_room: int = 0  # appends refused: the host tier was full of pinned or unwritable sessions
-    ttl_expired: int = 0
-    prefetches: int = 0
-    bytes_read: int = 0
-    read_seconds: float = 0.0
-    bytes_written: int = 0
-    write_seconds: float = 0.0
-    sessions: int = 0
-    host_sessions: int = 0
-    disk_sessions: int = 0
-    host_bytes_used: int = 0
-    host_bytes_limit: int = 0
-    disk_bytes_used: int = 0
-    disk_bytes_limit: int = 0
-    loads_in_flight: int = 0
-    saves_pending: int = 0
-
-    @property
-    def hits(self) -> int:
-        return self.hits_host + self.hits_disk
-
-    @property
-    def read_gbps(self) -> float:
-        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
-
-    @property
-    def write_gbps(self) -> float:
-        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0
-
-
-@dataclass(eq=False)
-class _Entry:
-    key: Key
-    host: SessionBuffer | None = None
-    host_accounted: int = 0
-    manifest: Manifest | None = None  # the durable prefix of the session (as it is, or will be, on disk)
-    chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # referenced chunk -> (bytes, tokens)
-    files: dict[str, int] = field(default_factory=dict)  # every chunk file on disk (referenced or not) -> bytes
-    manifest_size: int = 0
-    layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads
-    owner: int = 0
-    generation: int = 0
-    pins: int = 0  # loads and writes in flight: the entry's buffers must not change
-    writers: set = field(default_factory=set)  # turns running on the session: it stays in host memory
-    loading: LoadHandle | None = None
-    load_job: LoadJob | None = None
-    last_access: float = 0.0
-    last_write: float = 0.0
-    urgent: bool = False
-    evict_after_save: bool = False
-    disk_rejected: bool = False
-    write_failed: bool = False  # the last write failed: retried after `retry_at` or by flush()
-    retry_at: float = 0.0
-    failures: int = 0
-    last_error: BaseException | None = None
-
-    @property
-    def length(self) -> int:
-        if self.host is not None:
-            return self.host.length
-        return self.manifest.length if self.manifest is not None else 0
-
-    @property
-    def persisted(self) -> int:
-        return self.manifest.length if self.manifest is not None else 0
-
-    @property
-    def dirty(self) -> bool:
-        return self.host is not None and self.persisted < self.host.length and not self.disk_rejected
-
-    @property
-    def disk_bytes(self) -> int:
-        """What the session's files occupy: every chunk file not yet collected, and the manifest."""
-        return sum(_blocks(size) for size in self.files.values()) + _blocks(self.manifest_size)
 
 
 class AttnStore:
@@ -196,7 +74,7 @@ class AttnStore:
         self.config = config
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._entries: dict[Key, _Entry] = {}
+        self._entries: dict[Key, Entry] = {}
         self._host_policy = make_policy(self.config.policy)
         self._disk_policy = make_policy(self.config.policy)
         self._stats = StoreStats(host_bytes_limit=self.config.host_bytes, disk_bytes_limit=self.config.disk_bytes)
@@ -426,14 +304,14 @@ class AttnStore:
         if self._closed:
             raise ValueError("this AttnStore is closed")
 
-    def _touch(self, e: _Entry) -> None:
+    def _touch(self, e: Entry) -> None:
         e.last_access = time.monotonic()
         if e.host is not None:
             self._host_policy.touch(e.key)
         if e.manifest is not None:
             self._disk_policy.touch(e.key)
 
-    def _set_host(self, e: _Entry, buf: SessionBuffer | None) -> None:
+    def _set_host(self, e: Entry, buf: SessionBuffer | None) -> None:
         if buf is None and e.host is not None:
             self._host_policy.remove(e.key)
             self._dirty.discard(e.key)
@@ -442,12 +320,12 @@ class AttnStore:
         e.host = buf
         self._account(e)
 
-    def _account(self, e: _Entry) -> None:
+    def _account(self, e: Entry) -> None:
         now = e.host.nbytes if e.host is not None else 0
         self._host_used += now - e.host_accounted
         e.host_accounted = now
 
-    def _set_manifest(self, e: _Entry, manifest: Manifest | None, chunks: dict[str, tuple[int, int]]) -> None:
+    def _set_manifest(self, e: Entry, manifest: Manifest | None, chunks: dict[str, tuple[int, int]]) -> None:
         if manifest is None and e.manifest is not None:
             self._disk_policy.remove(e.key)
         elif manifest is not None and e.manifest is None:
@@ -457,12 +335,12 @@ class AttnStore:
         # The files stay counted (in `files`) until they are deleted: collected after the next write, or with
         # the session's folder.
 
-    def _set_files(self, e: _Entry, files: dict[str, int], manifest_size: int) -> None:
+    def _set_files(self, e: Entry, files: dict[str, int], manifest_size: int) -> None:
         self._disk_used -= e.disk_bytes
         e.files, e.manifest_size = files, manifest_size
         self._disk_used += e.disk_bytes
 
-    def _delete_folder(self, e: _Entry) -> None:
+    def _delete_folder(self, e: Entry) -> None:
         """Queues the deletion of the session's folder; its bytes stay counted until it is gone."""
         nbytes = e.disk_bytes
         self._set_files(e, {}, 0)
@@ -470,7 +348,7 @@ class AttnStore:
         self._deletes.append((e.key, nbytes))
         self._cond.notify_all()
 
-    def _drop(self, e: _Entry) -> None:
+    def _drop(self, e: Entry) -> None:
         """Removes a session from the index and (asynchronously) from disk."""
         if self._entries.get(e.key) is e:
             del self._entries[e.key]
@@ -489,7 +367,7 @@ class AttnStore:
             self._drop(e)
             self._stats.ttl_expired += 1
 
-    def _cut(self, e: _Entry, length: int) -> None:
+    def _cut(self, e: Entry, length: int) -> None:
         """Shortens a session. A new generation: a save in flight may hold tokens past the cut, and must not
         commit them (it would describe a history that no longer exists)."""
         e.host.truncate(length)
@@ -505,7 +383,7 @@ class AttnStore:
             if e is not None:
                 e.writers.discard(turn)
 
-    def _make_host_room(self, extra: int, exclude: _Entry | None, keep_sooner_than: int | None = None) -> bool:
+    def _make_host_room(self, extra: int, exclude: Entry | None, keep_sooner_than: int | None = None) -> bool:
         """Demotes (or drops) host sessions until `extra` more bytes fit. Pinned ones stay; dirty ones are
         persisted first and demoted when that completes. With `keep_sooner_than` (a prefetch for the job at
         that queue position), sessions whose next job comes sooner are never evicted for it."""
@@ -526,7 +404,7 @@ class AttnStore:
             self._evict_from_host(entries[key])
         return self._host_used + extra <= limit
 
-    def _evict_from_host(self, e: _Entry) -> None:
+    def _evict_from_host(self, e: Entry) -> None:
         """Demotes a session to disk, or drops it when it cannot be kept there. Sessions being loaded or
         written, or whose turn is running, are pinned and stay; unwritten ones are written first (then demoted
         by _finish_persist)."""
@@ -545,7 +423,7 @@ class AttnStore:
             self._set_host(e, None)
             self._stats.demotions += 1
 
-    def _enforce_disk(self, current: _Entry | None) -> bool:
+    def _enforce_disk(self, current: Entry | None) -> bool:
         """Drops other sessions' disk copies while the disk tier is over its limit. Returns whether it fits."""
         limit = self.config.disk_bytes
         entries = self._entries
@@ -556,14 +434,14 @@ class AttnStore:
             self._drop_disk_copy(entries[key])
         return self._disk_used <= limit
 
-    def _reserve_disk(self, e: _Entry, nbytes: int) -> int:
+    def _reserve_disk(self, e: Entry, nbytes: int) -> int:
         """Makes room for a file of `nbytes` before it is written (save thread), so the files on disk never
         exceed `disk_bytes`: other sessions' copies are dropped first and their folders deleted now.
 
         Raises:
             _NoDiskRoom: The session alone would not fit.
         """
-        size = _blocks(nbytes)
+        size = blocks(nbytes)
         with self._cond:
             self._disk_used += size
             fits = self._enforce_disk(e)
@@ -582,7 +460,7 @@ class AttnStore:
             with self._cond:
                 self._disk_used -= sum(nbytes for _, nbytes in deletes)
 
-    def _drop_disk_copy(self, e: _Entry) -> None:
+    def _drop_disk_copy(self, e: Entry) -> None:
         """Removes a session from the disk tier; with no copy in host memory either, it is gone."""
         if e.host is None:
             self._drop(e)
@@ -592,7 +470,7 @@ class AttnStore:
         self._delete_folder(e)
 
     # -- loading (disk -> host) ---------------------------------------------------------------------
-    def _start_load(self, e: _Entry, must_fit: bool = False) -> bool:
+    def _start_load(self, e: Entry, must_fit: bool = False) -> bool:
         """Starts loading a disk-only session into host memory. A prefetch (`must_fit`) is skipped rather
         than overshooting the host limit; a load a turn waits for may overshoot by this one session."""
         assert e.host is None and e.manifest is not None, "only sessions found only on disk are loaded"
@@ -708,7 +586,7 @@ class AttnStore:
                     self._cond.notify_all()
             return True
 
-    def _start_turn(self, writer: "TurnWriter", e: _Entry | None) -> _Entry:
+    def _start_turn(self, writer: "TurnWriter", e: Entry | None) -> Entry:
         """The first write of a turn: rebases the session on ``base[keep]`` (copy-free when possible)."""
         writer.started = True
         base, keep = writer.base, writer.keep
@@ -735,7 +613,7 @@ class AttnStore:
                 buf = SessionBuffer.selected(base, keep, self.config.pin_memory)
             else:
                 buf = SessionBuffer(*writer.geometry, writer.dtype, self.config.pin_memory)
-            e = _Entry(key=writer.key, layout=(buf.geometry, buf.dtype))
+            e = Entry(key=writer.key, layout=(buf.geometry, buf.dtype))
             e.last_access = time.monotonic()
             self._entries[writer.key] = e
             self._set_host(e, buf)
@@ -794,7 +672,7 @@ class AttnStore:
             self._last_forward = time.monotonic()
             self._cond.notify_all()
 
-    def _next_save(self) -> _Entry | None:
+    def _next_save(self) -> Entry | None:
         now = time.monotonic()
         best = None
         for key in list(self._dirty):
@@ -814,7 +692,7 @@ class AttnStore:
                     best = e
         return best
 
-    def _persist(self, e: _Entry) -> None:
+    def _persist(self, e: Entry) -> None:
         """Writes the session's unpersisted tokens as new chunks, then its manifest (save thread)."""
         chunk = self.config.chunk_tokens
         with self._cond:
@@ -944,7 +822,7 @@ class AttnStore:
             self._retry_prefetch()
             self._cond.notify_all()
 
-    def _yield_to_loads_and_compute(self, e: _Entry) -> None:
+    def _yield_to_loads_and_compute(self, e: Entry) -> None:
         """Between chunks: loads go first; a non-urgent save also waits for the model to be idle, unless an
         append is blocked on host room. Then the model cannot go idle until writes free memory: waiting
         for it would stall both threads for `io_timeout_s` (the session being written is pinned, and the
@@ -962,7 +840,7 @@ class AttnStore:
         for manifest, chunks, layout, mtime, manifest_size in self._disk.scan():
             if manifest.length == 0:
                 continue
-            e = _Entry(key=(manifest.fingerprint, manifest.session_id), layout=layout)
+            e = Entry(key=(manifest.fingerprint, manifest.session_id), layout=layout)
             self._next_chunk[e.key] = manifest.next_chunk
             e.last_access = now - max(0.0, now_wall - mtime)
             self._entries[e.key] = e
@@ -971,92 +849,3 @@ class AttnStore:
         self._expire()
 
 
-class TurnWriter:
-    """Appends one turn's KV to a session. Created by :meth:`AttnStore.open_turn`."""
-
-    def __init__(self, store: AttnStore, key: Key, turn: int, base: SessionKV | None, keep: torch.Tensor):
-        self.store, self.key, self.turn = store, key, turn
-        self.base, self.keep = base, keep.to(torch.long).cpu()
-        self.started = False
-        self.dead = False
-        self.geometry: tuple[int, int, int] | None = None
-        self.dtype: torch.dtype | None = None
-
-    def append(self, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
-        """Appends tokens with their per-layer pre-RoPE keys and values ``[1, kv_heads, n, head_dim]``.
-
-        Large CPU appends are kept without copying: do not modify the tensors afterwards.
-        Returns whether the data was stored (False when the session is too large, was taken over, or the
-        host tier had no room).
-
-        Raises:
-            TypeError: Keys or values of a dtype the store cannot keep, or of inconsistent shapes.
-        """
-        if self.dead:
-            return False
-        keys, values = _storable(keys, "keys"), _storable(values, "values")
-        n = int(token_ids.numel())
-        shapes = {tuple(t.shape[-4:]) for t in ([keys] if isinstance(keys, torch.Tensor) else keys)}
-        shapes |= {tuple(t.shape[-4:]) for t in ([values] if isinstance(values, torch.Tensor) else values)}
-        first = keys[0]
-        geometry = (len(keys), first.shape[1], first.shape[3])
-        dtypes = {t.dtype for t in ([keys, values] if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
-                                    else [*keys, *values])}
-        if shapes != {(1, geometry[1], n, geometry[2])} or len(values) != len(keys) or len(dtypes) != 1:
-            raise TypeError(f"expected {len(keys)} keys and values of shape [1, kv_heads, {n}, head_dim] and one "
-                            "dtype")
-        if self.geometry is None:
-            self.geometry, self.dtype = geometry, first.dtype
-        elif (geometry, first.dtype) != (self.geometry, self.dtype):
-            raise TypeError(f"this turn stores {self.geometry} {self.dtype}, got {geometry} {first.dtype}")
-        if not self.started and self.base is not None and self.base.loader is not None:
-            try:
-                self.base.loader.wait_all()  # never wait under the store's lock
-            except LoadError:
-                self.base, self.keep = None, self.keep[:0]
-        return self.store._append(self, token_ids.detach().to("cpu", torch.long).view(-1), keys, values)
-
-    def close(self) -> None:
-        """Ends the turn: the session may leave host memory again. Idempotent; later appends are dropped.
-
-        Also runs when the writer is garbage-collected. It never takes the store's lock (a collection may run
-        while this thread holds it): the store applies it at its next placement decision.
-        """
-        self.dead = True
-        self.base = None
-        self.store._ended_turns.append((self.key, self.turn))
-
-    def __enter__(self) -> "TurnWriter":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def truncate(self, length: int) -> None:
-        """Cuts the session back to `length` tokens (e.g. after assisted decoding rejected tokens)."""
-        with self.store._lock:
-            e = self.store._entries.get(self.key)
-            if self.started and e is not None and e.owner == self.turn and e.host is not None \
-                    and length < e.host.length:
-                self.store._cut(e, length)
-
-
-def _storable(tensors, what: str):
-    """Tensors the store may keep: detached (no autograd graph kept alive) and owning only their own bytes.
-
-    `tensors` is a list with one ``[1, kv_heads, n, head_dim]`` tensor per layer, or one stacked
-    ``[layers, 1, kv_heads, n, head_dim]`` tensor. Some models hand the cache views into a larger tensor
-    (phi3 and gpt_neox: slices of the fused QKV projection). Keeping such a view would hold the whole
-    projection output while accounting for the slice, so it is copied.
-    """
-    stacked = isinstance(tensors, torch.Tensor)
-    out = []
-    for t in [tensors] if stacked else tensors:
-        if t.dtype not in KV_DTYPES:
-            raise TypeError(f"{what} of dtype {t.dtype} cannot be stored: use one of "
-                            f"{', '.join(str(d) for d in KV_DTYPES)}")
-        t = t.detach()
-        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-            t = t.clone()
-        out.append(t)
-    return out[0] if stacked else out

@@ -1,0 +1,94 @@
+"""A session's entry in the store's index, and the rules for session ids.
+
+The index (`AttnStore._entries`) is owned by the store: entries are read and changed only under its lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .buffer import SessionBuffer
+from .format import Manifest
+from .loader import LoadHandle
+from .reader import LoadJob
+
+Key = tuple[str, str]  # (model fingerprint, session id)
+
+
+MAX_SESSION_ID_BYTES = 4096
+
+
+def validate_session_id(session_id: object) -> str:
+    """Session ids are non-empty strings of valid UTF-8 (NUL and any other character included) up to 4 KiB.
+
+    They never become paths (the disk tier hashes them) but they are written into every file of the
+    session, so they must encode: a lone surrogate such as ``"\\ud800"`` is refused here rather than
+    failing in the background writer.
+    """
+    if not isinstance(session_id, str):
+        raise TypeError(f"`session_id` must be a str, got {type(session_id).__name__}")
+    if not session_id:
+        raise ValueError("`session_id` must be a non-empty string")
+    try:
+        size = len(session_id.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"`session_id` must be valid Unicode text (it has a lone surrogate at {exc.start}): "
+                         "decode ids from bytes with errors='replace' or use a hash") from None
+    if size > MAX_SESSION_ID_BYTES:
+        raise ValueError(f"`session_id` is {size} bytes in UTF-8, more than {MAX_SESSION_ID_BYTES}: use a "
+                         "shorter id (e.g. a hash of it)")
+    return session_id
+
+
+BLOCK = 4096
+
+
+def blocks(nbytes: int) -> int:
+    """Bytes a file occupies on disk: its size rounded up to whole 4 KiB blocks (what `du` counts)."""
+    return -(-nbytes // BLOCK) * BLOCK
+
+
+@dataclass(eq=False)
+class Entry:
+    key: Key
+    host: SessionBuffer | None = None
+    host_accounted: int = 0
+    manifest: Manifest | None = None  # the durable prefix of the session (as it is, or will be, on disk)
+    chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # referenced chunk -> (bytes, tokens)
+    files: dict[str, int] = field(default_factory=dict)  # every chunk file on disk (referenced or not) -> bytes
+    manifest_size: int = 0
+    layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads
+    owner: int = 0
+    generation: int = 0
+    pins: int = 0  # loads and writes in flight: the entry's buffers must not change
+    writers: set = field(default_factory=set)  # turns running on the session: it stays in host memory
+    loading: LoadHandle | None = None
+    load_job: LoadJob | None = None
+    last_access: float = 0.0
+    last_write: float = 0.0
+    urgent: bool = False
+    evict_after_save: bool = False
+    disk_rejected: bool = False
+    write_failed: bool = False  # the last write failed: retried after `retry_at` or by flush()
+    retry_at: float = 0.0
+    failures: int = 0
+    last_error: BaseException | None = None
+
+    @property
+    def length(self) -> int:
+        if self.host is not None:
+            return self.host.length
+        return self.manifest.length if self.manifest is not None else 0
+
+    @property
+    def persisted(self) -> int:
+        return self.manifest.length if self.manifest is not None else 0
+
+    @property
+    def dirty(self) -> bool:
+        return self.host is not None and self.persisted < self.host.length and not self.disk_rejected
+
+    @property
+    def disk_bytes(self) -> int:
+        """What the session's files occupy: every chunk file not yet collected, and the manifest."""
+        return sum(blocks(size) for size in self.files.values()) + blocks(self.manifest_size)

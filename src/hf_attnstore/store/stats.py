@@ -1,0 +1,51 @@
+"""The store's counters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class StoreStats:
+    """Counters of an :class:`AttnStore` (a copy is returned by :meth:`AttnStore.stats`)."""
+
+    lookups: int = 0
+    hits_host: int = 0
+    hits_disk: int = 0
+    misses: int = 0
+    appended_tokens: int = 0
+    demotions: int = 0  # host -> disk
+    host_drops: int = 0  # evicted from host with no disk copy
+    disk_drops: int = 0
+    rejected_too_large: int = 0
+    stale_writes: int = 0
+    write_errors: int = 0
+    load_errors: int = 0
+    rejected_no_room: int = 0  # appends refused: the host tier was full of pinned or unwritable sessions
+    ttl_expired: int = 0
+    prefetches: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    sessions: int = 0
+    host_sessions: int = 0
+    disk_sessions: int = 0
+    host_bytes_used: int = 0
+    host_bytes_limit: int = 0
+    disk_bytes_used: int = 0
+    disk_bytes_limit: int = 0
+    loads_in_flight: int = 0
+    saves_pending: int = 0
+
+    @property
+    def hits(self) -> int:
+        return self.hits_host + self.hits_disk
+
+    @property
+    def read_gbps(self) -> float:
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
+
+    @property
+    def write_gbps(self) -> float:
+        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0

@@ -1,0 +1,106 @@
+"""TurnWriter: how one turn appends its KV to a session (the store decides where it goes)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .buffer import SessionKV
+from .entry import Key
+from .format import KV_DTYPES
+from .loader import LoadError
+
+if TYPE_CHECKING:
+    from .store import AttnStore
+
+
+class TurnWriter:
+    """Appends one turn's KV to a session. Created by :meth:`AttnStore.open_turn`."""
+
+    def __init__(self, store: AttnStore, key: Key, turn: int, base: SessionKV | None, keep: torch.Tensor):
+        self.store, self.key, self.turn = store, key, turn
+        self.base, self.keep = base, keep.to(torch.long).cpu()
+        self.started = False
+        self.dead = False
+        self.geometry: tuple[int, int, int] | None = None
+        self.dtype: torch.dtype | None = None
+
+    def append(self, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+        """Appends tokens with their per-layer pre-RoPE keys and values ``[1, kv_heads, n, head_dim]``.
+
+        Large CPU appends are kept without copying: do not modify the tensors afterwards.
+        Returns whether the data was stored (False when the session is too large, was taken over, or the
+        host tier had no room).
+
+        Raises:
+            TypeError: Keys or values of a dtype the store cannot keep, or of inconsistent shapes.
+        """
+        if self.dead:
+            return False
+        keys, values = _storable(keys, "keys"), _storable(values, "values")
+        n = int(token_ids.numel())
+        shapes = {tuple(t.shape[-4:]) for t in ([keys] if isinstance(keys, torch.Tensor) else keys)}
+        shapes |= {tuple(t.shape[-4:]) for t in ([values] if isinstance(values, torch.Tensor) else values)}
+        first = keys[0]
+        geometry = (len(keys), first.shape[1], first.shape[3])
+        dtypes = {t.dtype for t in ([keys, values] if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
+                                    else [*keys, *values])}
+        if shapes != {(1, geometry[1], n, geometry[2])} or len(values) != len(keys) or len(dtypes) != 1:
+            raise TypeError(f"expected {len(keys)} keys and values of shape [1, kv_heads, {n}, head_dim] and one "
+                            "dtype")
+        if self.geometry is None:
+            self.geometry, self.dtype = geometry, first.dtype
+        elif (geometry, first.dtype) != (self.geometry, self.dtype):
+            raise TypeError(f"this turn stores {self.geometry} {self.dtype}, got {geometry} {first.dtype}")
+        if not self.started and self.base is not None and self.base.loader is not None:
+            try:
+                self.base.loader.wait_all()  # never wait under the store's lock
+            except LoadError:
+                self.base, self.keep = None, self.keep[:0]
+        return self.store._append(self, token_ids.detach().to("cpu", torch.long).view(-1), keys, values)
+
+    def close(self) -> None:
+        """Ends the turn: the session may leave host memory again. Idempotent; later appends are dropped.
+
+        Also runs when the writer is garbage-collected. It never takes the store's lock (a collection may run
+        while this thread holds it): the store applies it at its next placement decision.
+        """
+        self.dead = True
+        self.base = None
+        self.store._ended_turns.append((self.key, self.turn))
+
+    def __enter__(self) -> "TurnWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def truncate(self, length: int) -> None:
+        """Cuts the session back to `length` tokens (e.g. after assisted decoding rejected tokens)."""
+        with self.store._lock:
+            e = self.store._entries.get(self.key)
+            if self.started and e is not None and e.owner == self.turn and e.host is not None \
+                    and length < e.host.length:
+                self.store._cut(e, length)
+
+
+def _storable(tensors, what: str):
+    """Tensors the store may keep: detached (no autograd graph kept alive) and owning only their own bytes.
+
+    `tensors` is a list with one ``[1, kv_heads, n, head_dim]`` tensor per layer, or one stacked
+    ``[layers, 1, kv_heads, n, head_dim]`` tensor. Some models hand the cache views into a larger tensor
+    (phi3 and gpt_neox: slices of the fused QKV projection). Keeping such a view would hold the whole
+    projection output while accounting for the slice, so it is copied.
+    """
+    stacked = isinstance(tensors, torch.Tensor)
+    out = []
+    for t in [tensors] if stacked else tensors:
+        if t.dtype not in KV_DTYPES:
+            raise TypeError(f"{what} of dtype {t.dtype} cannot be stored: use one of "
+                            f"{', '.join(str(d) for d in KV_DTYPES)}")
+        t = t.detach()
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            t = t.clone()
+        out.append(t)
+    return out[0] if stacked else out
