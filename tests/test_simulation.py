@@ -57,16 +57,20 @@ def test_a_disk_too_small_drops_sessions_and_costs_hits():
 
 
 def test_runs_the_stores_placement_code(monkeypatch):
-    calls = []
+    """Every demotion and disk drop the simulator counts is a victim chosen by the store's own function."""
+    chosen = []
     real = simulation.choose_victims
 
     def spy(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+        victims = list(real(*args, **kwargs))
+        chosen.append(victims)
+        return iter(victims)
 
     monkeypatch.setattr(simulation, "choose_victims", spy)
-    simulate(TRACE, PROFILE, dataclasses.replace(BIG, host_bytes=100))
-    assert calls and real.__module__ == "hf_attnstore.store.placement"
+    r = simulate(TRACE, PROFILE, dataclasses.replace(BIG, host_bytes=100, disk_bytes=400))
+    assert real.__module__ == "hf_attnstore.store.placement"
+    assert r.demotions > 0 and r.disk_drops > 0
+    assert sum(len(v) for v in chosen) == r.demotions + r.disk_drops
 
 
 def test_deterministic_and_bad_input():

@@ -80,3 +80,12 @@ class ChatTokens:
     def reply_text(self, generated_ids: torch.Tensor) -> str:
         """Decodes a reply without special tokens."""
         return self.tokenizer.decode(generated_ids.view(-1), skip_special_tokens=True)
+
+
+def clip_text(tokenizer, text: str, max_tokens: int) -> str:
+    """`text` cut to its first `max_tokens` tokens (decoded back); a text that fits is returned unchanged.
+
+    Used to keep long ShareGPT messages short in demos, evaluations and replays.
+    """
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])

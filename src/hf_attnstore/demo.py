@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from .cache import AttnStoreCache
-from .chat import ChatTokens
+from .chat import ChatTokens, clip_text
 from .data import load_sharegpt
 from .models import load_default_model
 from .store import AttnStore
@@ -47,7 +47,7 @@ def run_demo(conversations: int = 3, turns: int = 4, max_new_tokens: int = 32, m
     for conv in load_sharegpt(limit=conversations, min_user_turns=2):
         ids = None
         for turn, message in enumerate(conv.user_turns[:turns], start=1):
-            message = tokenizer.decode(tokenizer(message, add_special_tokens=False)["input_ids"][:max_user_tokens])
+            message = clip_text(tokenizer, message, max_user_tokens)
             ids = chat.first_turn(message) if ids is None else chat.next_turn(ids, message)
             timer = FirstTokenTimer().start()
             cache = AttnStoreCache(model, store, conv.id, ids)

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from .chat import clip_text
 from .costs import CostModel
 from .data import load_sharegpt
 from .pipeline import ChatPipeline, Reply
@@ -102,11 +103,6 @@ class Trace:
         return sum(len(t) for t in self.turns)
 
 
-def _clip(tokenizer, text: str, n: int) -> str:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return text if len(ids) <= n else tokenizer.decode(ids[:n])
-
-
 def build_trace(tokenizer, cfg: ReplayConfig, conversations=None) -> Trace:
     """The trace of `cfg` (ShareGPT unless `conversations`, objects with ``id`` and ``turns``, are given)."""
     convs = conversations if conversations is not None else load_sharegpt(limit=cfg.conversations, min_user_turns=2,
@@ -115,8 +111,8 @@ def build_trace(tokenizer, cfg: ReplayConfig, conversations=None) -> Trace:
     ids, turns, arrivals, thinks, t = [], [], [], [], 0.0
     for i, conv in enumerate(convs[: cfg.conversations]):
         pairs = conv.turns[: cfg.max_turns]
-        turns.append([(_clip(tokenizer, u, cfg.max_user_tokens),
-                       _clip(tokenizer, r, cfg.max_reply_tokens) if cfg.replies == "trace" else None)
+        turns.append([(clip_text(tokenizer, u, cfg.max_user_tokens),
+                       clip_text(tokenizer, r, cfg.max_reply_tokens) if cfg.replies == "trace" else None)
                       for u, r in pairs])
         ids.append(f"s{i:05d}")  # ShareGPT ids repeat across splits; the index keeps sessions apart
         t += rng.expovariate(cfg.arrival_rate)

@@ -25,10 +25,16 @@ def producer(handle: LoadHandle, layers: int, fail_at: int | None = None):
 
 
 def settle(handle: LoadHandle, expected: int) -> int:
+    """Waits (on the handle's condition, bounded) until `expected` layers are ready, then until the loader
+    is blocked in its gate, so that a broken gate would have loaded further by then."""
+    with handle._cond:
+        handle._cond.wait_for(lambda: handle._ready >= expected, 5)
     deadline = time.monotonic() + 5
-    while handle.ready_layers < expected and time.monotonic() < deadline:
-        time.sleep(0.005)
-    time.sleep(0.05)  # give a broken gate the chance to run further
+    while time.monotonic() < deadline and handle._ready < handle.num_layers:
+        with handle._cond:
+            if handle._gate_waiting:  # the producer waits in gate(): it can go no further
+                break
+            handle._cond.wait(0.01)
     return handle.ready_layers
 
 

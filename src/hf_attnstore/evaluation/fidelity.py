@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from ..cache import AttnStoreCache
-from ..chat import ChatTokens
+from ..chat import ChatTokens, clip_text
 from ..data import load_sharegpt
 from ..store import AttnStore
 
@@ -77,8 +77,7 @@ def reuse_fidelity(model, tokenizer, *, turns: int = 200, max_new_tokens: int = 
     for conv in load_sharegpt(min_user_turns=2):
         ids = None
         for turn, message in enumerate(conv.user_turns[:max_turns_per_conversation], start=1):
-            clipped = tokenizer(message, add_special_tokens=False)["input_ids"][:max_user_tokens]
-            message = tokenizer.decode(clipped)
+            message = clip_text(tokenizer, message, max_user_tokens)
             ids = chat.first_turn(message) if ids is None else chat.next_turn(ids, message)
             if ids.shape[1] + max_new_tokens > max_prompt_tokens:
                 break

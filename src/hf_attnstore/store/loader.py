@@ -33,6 +33,7 @@ class LoadHandle:
         self._needed = -1  # highest layer the consumer has asked for
         self._attached = False
         self._error: BaseException | None = None
+        self._gate_waiting = False
 
     # -- consumer side ------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -81,10 +82,14 @@ class LoadHandle:
         if self.read_buffer_layers is None:
             return True
         with self._cond:
-            return self._cond.wait_for(
-                lambda: not self._attached or layer <= self._needed + 1 + self.read_buffer_layers,
-                self.timeout_s if timeout is None else timeout,
-            )
+            self._gate_waiting = True  # observable by tests: the producer is held back here
+            try:
+                return self._cond.wait_for(
+                    lambda: not self._attached or layer <= self._needed + 1 + self.read_buffer_layers,
+                    self.timeout_s if timeout is None else timeout,
+                )
+            finally:
+                self._gate_waiting = False
 
     def layer_ready(self, layer: int) -> None:
         with self._cond:

@@ -89,9 +89,8 @@ class LoadThread:
             started = time.perf_counter()
             try:
                 finished = self._step(job)
-            except Exception as exc:  # every failure reaches the consumer through the handle
+            except Exception as exc:  # every failure reaches the consumer through the handle (below)
                 error = exc
-                job.handle.fail(exc)
             job.seconds += time.perf_counter() - started
             if not finished:
                 with self._lock:
@@ -104,9 +103,14 @@ class LoadThread:
             with self._lock:
                 job.state = "done"
             try:
+                # The store first (it drops a session that failed to load), then the consumer: a turn that sees
+                # the failure and looks the session up again finds a clean miss, never the failed entry.
                 self.done(job, error)
             except Exception as exc:  # never let the loader die: later loads would hang until their timeout
                 logger.exception("disk tier: finishing a load failed (%s); the load thread keeps running", exc)
+            finally:
+                if error is not None:
+                    job.handle.fail(error)
 
     def _step(self, job: LoadJob) -> bool:
         """Reads layers until the job is done (True) or its consumer's read buffer is full (False: parked)."""
