@@ -287,3 +287,26 @@ def test_a_forward_with_gradients_on_stores_plain_tensors_and_accounts_what_it_h
             assert t.grad_fn is None and not t.requires_grad
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     assert sum(storages.values()) == store.stats().host_bytes_used
+
+
+def test_crop_cuts_the_cache_and_the_stored_session_alike(tiny_llama):
+    """`crop` (assisted decoding rejecting draft tokens) shortens the live cache and the session: the next
+    turn reuses exactly the kept tokens and matches recomputation."""
+    model, store = tiny_llama, AttnStore(host_bytes="64MiB")
+    ids, draft, tail = random_ids(30, 11), random_ids(6, 12), random_ids(5, 13)
+    with torch.no_grad():
+        cache = AttnStoreCache(model, store, "c", ids)
+        model(cache.input_ids, past_key_values=cache, use_cache=True)
+        model(draft, past_key_values=cache, use_cache=True)  # six draft tokens verified at once
+        cache.crop(-4)  # four rejected (transformers 5: a negative count removes tokens)
+        kept = torch.cat([ids, draft[:, :2]], dim=1)
+        assert cache.get_seq_length() == 32 and torch.equal(cache.token_ids, kept[0])
+        assert torch.equal(store.token_ids("c", cache.fingerprint), kept[0])
+        model(tail, past_key_values=cache, use_cache=True)  # decoding goes on after the cut
+    history = torch.cat([kept, tail], dim=1)
+    assert torch.equal(store.token_ids("c", cache.fingerprint), history[0])
+    prompt = torch.cat([history, random_ids(3, 14)], dim=1)
+    resumed = AttnStoreCache(model, store, "c", prompt)
+    assert resumed.reused_tokens == history.shape[1]
+    out = model.generate(resumed.input_ids, past_key_values=resumed, max_new_tokens=4, **GREEDY)
+    assert torch.equal(out, model.generate(prompt, past_key_values=DynamicCache(), max_new_tokens=4, **GREEDY))

@@ -159,3 +159,24 @@ def test_policy_textbook_orders():
         p.touch("a")
     assert list(lru.victims()) == ["b", "c", "a"]
     assert list(fifo.victims()) == ["a", "b", "c"]
+
+
+def test_turn_writer_truncate_cuts_the_session_and_appends_after_the_cut(tmp_path):
+    from .store.kvdata import FP, expect, kv
+
+    store = AttnStore(host_bytes="64MiB", disk_dir=str(tmp_path), fsync=False, idle_flush_s=0.05, chunk_tokens=4)
+    with store.open_turn("s", FP, None, torch.arange(0)) as w:
+        assert w.append(torch.arange(10), *kv(list(range(10))))
+        store.flush()  # durable first: the cut must also reach the disk tier
+        w.truncate(6)
+        assert w.append(torch.tensor([60, 61]), *kv([60, 61]))
+    expect_ids = list(range(6)) + [60, 61]
+    snap = store.lookup("s", FP)
+    assert snap.token_ids.tolist() == expect_ids
+    store.close()
+    with AttnStore(host_bytes="64MiB", disk_dir=str(tmp_path), fsync=False) as reopened:
+        got = reopened.lookup("s", FP)
+        assert got.token_ids.tolist() == expect_ids
+        keys, _ = kv(expect_ids)
+        assert torch.equal(layer_of(got, 2)[0], keys[2])
+    del expect

@@ -112,25 +112,27 @@ def test_prefetch_brings_disk_sessions_to_host(kvdir):
         write_turn(store, "a", [1, 2, 3])
     with make(kvdir) as store:
         assert store.prefetch(["a", "unknown"]) == 1
-        store.flush()
-        for _ in range(100):
-            if store.stats().loads_in_flight == 0:
-                break
-            import time
-
-            time.sleep(0.02)
+        with store._cond:  # the load thread reports completion under the store's condition
+            assert store._cond.wait_for(lambda: store._loads_active == 0, 10)
         snap = store.lookup("a", FP)
         assert snap.tier == "host"
         expect(snap, [1, 2, 3])
 
 
-def test_ttl_expires_sessions(kvdir):
+def test_ttl_expires_sessions(kvdir, monkeypatch):
     import time
 
-    with make(kvdir, ttl_s=0.2) as store:
+    from hf_attnstore.store import store as store_module
+
+    clock = [time.monotonic()]
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: clock[0])  # the store's clock, not threading's
+    with make(kvdir, ttl_s=100) as store:
         write_turn(store, "a", [1, 2])
-        time.sleep(0.3)
-        assert store.lookup("a", FP) is None
+        write_turn(store, "b", [3, 4])
+        clock[0] += 60
+        assert store.lookup("b", FP) is not None  # used: its TTL starts again
+        clock[0] += 60
+        assert store.lookup("a", FP) is None and store.lookup("b", FP) is not None
         assert store.stats().ttl_expired == 1
 
 
