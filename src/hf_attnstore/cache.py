@@ -18,6 +18,7 @@ from .hooks import ReuseFailed, install_hooks
 from .logs import OnceLogger
 from .rope import RopeAdapter
 from .store import AttnStore, LoadError, SessionKV
+from .store.cuda import CudaLayerPrefetcher
 from .store.entry import validate_session_id
 from .truncation import plan_reuse
 
@@ -198,7 +199,7 @@ class AttnStoreCache(DynamicCache):
         self._writer = store.open_turn(session_id, self.fingerprint, snapshot, self.plan.keep) if save else None
         # While the turn runs its session stays pinned in host memory; dropping the cache (and so its writer)
         # ends the turn, see TurnWriter.close.
-        self._prefetcher: _CudaPrefetcher | None = None
+        self._prefetcher: CudaLayerPrefetcher | None = None
         self._selected: SessionKV | None = None
         self._load_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._fed_ids: list[torch.Tensor] = []
@@ -251,14 +252,13 @@ class AttnStoreCache(DynamicCache):
             return new_keys, new_values
         dtype, device = new_keys.dtype, new_keys.device
         try:
-            preload = self._store.config.preload
-            if preload is None:
-                preload = device.type == "cuda"  # see StoreConfig.preload
-            if idx == 0 and self._snapshot.loader is not None and not preload:
+            if idx == 0 and self._snapshot.loader is not None and not self._store.config.layerwise_on(device):
                 self._snapshot.loader.wait_all()  # wait for the whole session before computing (NO-PL)
             if device.type == "cuda":
                 if self._prefetcher is None:
-                    self._prefetcher = _CudaPrefetcher(self, device, self._store.config.read_buffer_layers)
+                    self._prefetcher = CudaLayerPrefetcher(self._host_parts, self._snapshot.loader,
+                                                           self._geometry[0], device,
+                                                           self._store.config.read_buffer_layers)
                 parts = self._prefetcher.get(idx, length)
             else:
                 parts = self._host_parts(idx, length)
@@ -430,44 +430,3 @@ class AttnStoreCache(DynamicCache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise ValueError("AttnStoreCache does not support beam search: use num_beams=1")
-
-
-class _CudaPrefetcher:
-    """Copies reused layers host -> GPU on a dedicated stream, up to `ahead` layers before they are needed.
-
-    Layer i's copy is issued at the latest when layer i is requested; layers i+1..i+ahead+1 are issued too
-    if their host data is already loaded (never waiting for the disk on their behalf). The compute stream
-    waits on each layer's event, not on the whole stream.
-    """
-
-    def __init__(self, cache: AttnStoreCache, device: torch.device, ahead: int | None):
-        self.cache, self.device = cache, device
-        self.ahead = cache._geometry[0] if ahead is None else ahead
-        self.stream = torch.cuda.Stream(device)
-        self.inflight: dict[int, tuple] = {}
-
-    def _issue(self, idx: int, length: int) -> None:
-        parts = self.cache._host_parts(idx, length)
-        # The copy stream must not read the host buffer before earlier work on the compute stream that
-        # produced it (a device-to-host save of the previous turn) is done.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            copies = [(k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)) for k, v in parts]
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self.inflight[idx] = (copies, event)
-
-    def get(self, idx: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        loader = self.cache._snapshot.loader
-        last = min(self.cache._geometry[0] - 1, idx + self.ahead + 1)
-        for j in range(idx, last + 1):
-            if j not in self.inflight and (j == idx or loader is None or loader.ready_layers > j):
-                self._issue(j, length)
-        copies, event = self.inflight.pop(idx)
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(event)
-        for k, v in copies:
-            # Allocated on the copy stream, used on the compute stream: tell the allocator.
-            k.record_stream(current)
-            v.record_stream(current)
-        return copies

@@ -96,3 +96,7 @@ class StoreConfig:
             object.__setattr__(self, "pin_memory", torch.cuda.is_available())
         elif self.pin_memory and not torch.cuda.is_available():
             raise ValueError("`pin_memory=True` needs CUDA; leave it as None to decide automatically")
+
+    def layerwise_on(self, device: torch.device) -> bool:
+        """Whether a session loading from disk is consumed layer by layer on `device` (see `preload`)."""
+        return self.preload if self.preload is not None else device.type == "cuda"
