@@ -5,6 +5,7 @@ The index (`AttnStore._entries`) is owned by the store: entries are read and cha
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from .buffer import SessionBuffer
@@ -48,6 +49,16 @@ def blocks(nbytes: int) -> int:
     return -(-nbytes // BLOCK) * BLOCK
 
 
+class Write(enum.Enum):
+    """What the save thread does with a session's tokens that are not on disk yet."""
+
+    BEHIND = "behind"  # written in the quiet gap after the turn (write-behind)
+    FLUSH = "flush"  # at once: a flush() waits for it
+    DEMOTE = "demote"  # at once, then the session leaves host memory (its room is needed)
+    FAILED = "failed"  # the last write failed: retried after `retry_at`, at once by flush() or a demotion
+    NEVER = "never"  # larger than the disk tier: kept in host memory only, until its next turn
+
+
 @dataclass(eq=False)
 class Entry:
     key: Key
@@ -66,10 +77,7 @@ class Entry:
     load_job: LoadJob | None = None
     last_access: float = 0.0
     last_write: float = 0.0
-    urgent: bool = False
-    evict_after_save: bool = False
-    disk_rejected: bool = False
-    write_failed: bool = False  # the last write failed: retried after `retry_at` or by flush()
+    write: Write = Write.BEHIND
     retry_at: float = 0.0
     failures: int = 0
     last_error: BaseException | None = None
@@ -86,7 +94,11 @@ class Entry:
 
     @property
     def dirty(self) -> bool:
-        return self.host is not None and self.persisted < self.host.length and not self.disk_rejected
+        return self.host is not None and self.persisted < self.host.length and self.write is not Write.NEVER
+
+    @property
+    def urgent(self) -> bool:
+        return self.write in (Write.FLUSH, Write.DEMOTE)
 
     @property
     def disk_bytes(self) -> int:

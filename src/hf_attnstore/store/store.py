@@ -29,7 +29,7 @@ from .buffer import SessionBuffer, SessionKV, ranges
 from .config import StoreConfig
 from .disk import CHUNK_SUFFIX, MANIFEST, DiskTier
 from .format import Manifest, Span, encode_chunk, prefix_hasher, tensor_bytes
-from .entry import Entry, Key, blocks, validate_session_id
+from .entry import Entry, Key, Write, blocks, validate_session_id
 from .loader import LoadHandle
 from .placement import choose_victims
 from .reader import DEMAND, PREFETCH, LoadJob, LoadThread
@@ -218,12 +218,12 @@ class AttnStore:
         with self._cond:
             for key in list(self._dirty):
                 e = self._entries.get(key)
-                if e is not None:
-                    e.urgent, e.write_failed = True, False
+                if e is not None and e.write is not Write.DEMOTE:
+                    e.write = Write.FLUSH  # a failed write is retried now
             self._cond.notify_all()
 
             def settled() -> bool:  # every pending write has either completed or failed again
-                return self._closed or all(self._entries.get(k) is None or self._entries[k].write_failed
+                return self._closed or all(self._entries.get(k) is None or self._entries[k].write is Write.FAILED
                                            for k in self._dirty)
 
             if not self._cond.wait_for(settled, timeout):
@@ -391,12 +391,12 @@ class AttnStore:
         if self._host_used + extra <= limit:
             return True  # the common case, once per appended token: no scan of the index
         self._apply_ended_turns()
-        freeing = sum(e.host_accounted for e in self._entries.values() if e.evict_after_save)
+        freeing = sum(e.host_accounted for e in self._entries.values() if e.write is Write.DEMOTE)
         entries = self._entries
 
         def movable(key) -> bool:  # already being written out counts in `freeing`; pinned ones stay
             e = entries[key]
-            return e is not exclude and not e.evict_after_save and e.pins == 0 and not e.writers
+            return e is not exclude and e.write is not Write.DEMOTE and e.pins == 0 and not e.writers
 
         for key in choose_victims(self._host_policy.victims(), lambda key: entries[key].host_accounted, movable,
                                   self._host_used - freeing + extra - limit,
@@ -411,11 +411,11 @@ class AttnStore:
         self._apply_ended_turns()
         if e.pins or e.writers:
             return
-        if self._disk is None or e.disk_rejected or e.length == 0:
+        if self._disk is None or e.write is Write.NEVER or e.length == 0:
             self._drop(e)
             self._stats.host_drops += 1
         elif e.dirty:
-            e.urgent = e.evict_after_save = True
+            e.write = Write.DEMOTE
             self._dirty.add(e.key)
             self._cond.notify_all()
         else:
@@ -466,7 +466,7 @@ class AttnStore:
             self._drop(e)
             return
         self._set_manifest(e, None, {})
-        e.disk_rejected = True  # not written again: it would only push another session out
+        e.write = Write.NEVER  # not written again this turn: it would only push another session out
         self._delete_folder(e)
 
     # -- loading (disk -> host) ---------------------------------------------------------------------
@@ -541,7 +541,7 @@ class AttnStore:
                 writer.dead = True
                 e.writers.discard(writer.turn)
                 if e.persisted and e.pins == 0:
-                    e.evict_after_save = e.urgent = False
+                    e.write = Write.BEHIND
                     self._set_host(e, None)
                 elif e.pins == 0:
                     self._drop(e)
@@ -557,7 +557,7 @@ class AttnStore:
                 try:
                     while not self._make_host_room(room, exclude=e):
                         if time.monotonic() >= deadline or not any(
-                                x is not e and x.host is not None and (x.evict_after_save or x.pins)
+                                x is not e and x.host is not None and (x.write is Write.DEMOTE or x.pins)
                                 for x in self._entries.values()):
                             break  # nothing is being written out or loaded: waiting would only stall the turn
                         self._cond.wait(timeout=0.05)
@@ -619,7 +619,8 @@ class AttnStore:
             self._set_host(e, buf)
         e.owner = writer.turn
         e.writers = {writer.turn}  # pinned in host memory until the turn closes; older turns' pins are void
-        e.disk_rejected = False
+        if e.write is Write.NEVER:
+            e.write = Write.BEHIND  # a new turn: the disk tier may have room again
         return e
 
     def _save_loop(self) -> None:
@@ -680,8 +681,8 @@ class AttnStore:
             if e is None or not e.dirty:
                 self._dirty.discard(key)
                 continue
-            if e.write_failed and now < e.retry_at and not e.urgent:
-                continue  # backing off after a failure; flush() and demotions (urgent) retry at once
+            if e.write is Write.FAILED and now < e.retry_at:
+                continue  # backing off after a failure; flush() and demotions retry at once
             if e.pins or e.loading is not None:
                 continue
             idle = now - e.last_write >= self.config.idle_flush_s
@@ -776,11 +777,10 @@ class AttnStore:
                 self._once.warning("disk_too_large", "session %r is larger than the disk tier: it is kept in memory "
                                 "only", e.key[1])
                 self._dirty.discard(e.key)
-                e.urgent = False
+                demoting = e.write is Write.DEMOTE
                 if current:
-                    self._drop_disk_copy(e)
-                    if e.evict_after_save and e.pins == 0 and not e.writers:
-                        e.evict_after_save = False
+                    self._drop_disk_copy(e)  # -> Write.NEVER
+                    if demoting and e.pins == 0 and not e.writers:
                         self._stats.host_drops += 1
                         self._drop(e)
                 self._make_host_room(0, exclude=None)
@@ -790,13 +790,13 @@ class AttnStore:
                 self._stats.write_errors += 1
                 self._once.warning("write", "disk tier: writing session %r failed (%s); it stays in host memory, its "
                                 "previous durable state is kept, and the write is retried", e.key[1], error)
-                e.last_error, e.write_failed, e.urgent = error, True, False
+                demoting = e.write is Write.DEMOTE
+                e.last_error, e.write = error, Write.FAILED
                 e.retry_at = time.monotonic() + min(60.0, 2.0 ** min(e.failures, 6))
                 e.failures += 1
-                if e.evict_after_save:
+                if demoting:
                     # A demotion that failed: the session cannot go down, so it must not stay "being written"
                     # (appends would wait for room that never comes). Fall back to its durable prefix, if any.
-                    e.evict_after_save = False
                     if current and e.pins == 0 and not e.writers:
                         self._stats.host_drops += 1
                         if e.persisted:
@@ -806,14 +806,15 @@ class AttnStore:
             else:
                 self._stats.bytes_written += sum(size for size, _ in new_chunks.values())
                 self._stats.write_seconds += seconds
-                e.failures, e.last_error, e.write_failed = 0, None, False
+                e.failures, e.last_error = 0, None
+                if e.write is Write.FAILED:
+                    e.write = Write.BEHIND
                 if current and e.generation == generation:
                     self._set_manifest(e, manifest, {**e.chunks, **new_chunks})
                     if not e.dirty:
                         self._dirty.discard(e.key)
-                        e.urgent = False
-                        if e.evict_after_save and e.pins == 0 and e.manifest is not None:
-                            e.evict_after_save = False
+                        demoting, e.write = e.write is Write.DEMOTE, Write.BEHIND
+                        if demoting and e.pins == 0 and e.manifest is not None:
                             self._set_host(e, None)
                             self._stats.demotions += 1
                 # else: the session was cut or truncated meanwhile (what we wrote is an older, consistent
