@@ -310,3 +310,21 @@ def test_crop_cuts_the_cache_and_the_stored_session_alike(tiny_llama):
     assert resumed.reused_tokens == history.shape[1]
     out = model.generate(resumed.input_ids, past_key_values=resumed, max_new_tokens=4, **GREEDY)
     assert torch.equal(out, model.generate(prompt, past_key_values=DynamicCache(), max_new_tokens=4, **GREEDY))
+
+
+def test_a_dropped_cache_ends_its_turn_without_waiting_for_the_garbage_collector(tiny_llama):
+    """The session is pinned while its turn runs; dropping the cache (no reference cycle) unpins it at once."""
+    import gc
+
+    store = AttnStore(host_bytes="64MiB")
+    gc.disable()
+    try:
+        cache = AttnStoreCache(tiny_llama, store, "d", random_ids(20, 1))
+        tiny_llama.generate(cache.input_ids, past_key_values=cache, max_new_tokens=3, **GREEDY)
+        fp = cache.fingerprint
+        assert store._entries[(fp, "d")].writers  # the turn is open
+        del cache
+        store.evict("d")  # no disk tier: an unpinned session is dropped
+        assert store.lookup("d", fp) is None
+    finally:
+        gc.enable()
