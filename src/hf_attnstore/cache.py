@@ -85,8 +85,8 @@ class AttnStoreLayer(DynamicLayer):
                 "num_return_sequences=1, one session per cache"
             )
         if not self.is_initialized:
-            # First forward of the turn: load this layer's reused KV and concatenate it with the new KV in one
-            # copy (what DynamicLayer's own concatenation would cost anyway).
+            # First forward of the turn: this layer's reused KV (re-rotated) and the new KV, written into one
+            # tensor each (DynamicLayer's own concatenation would copy as much).
             self.dtype, self.device = key_states.dtype, key_states.device
             self.keys, self.values = self._owner._load_layer(self._layer_idx, self._pending_reuse, key_states,
                                                              value_states)
@@ -171,7 +171,8 @@ class AttnStoreCache(DynamicCache):
             # On CUDA an out-of-range id is a device-side assert that breaks the whole process: refuse it here.
             raise ValueError(f"`input_ids` holds ids outside the model's vocabulary [0, {vocab}): "
                              f"min {int(prompt.min())}, max {int(prompt.max())}")
-        if not self._rope.has_rope and context_window is not None and truncation != "recompute":
+        if not self._rope.has_rope and self.truncation.context_window is not None \
+                and self.truncation.mode != "recompute":
             _once.warning(
                 f"norope-{self._rope.model_type}",
                 f"{self._rope.model_type} has no rotary embeddings, so cached keys cannot be re-positioned: "
