@@ -202,7 +202,7 @@ class AttnStoreCache(DynamicCache):
         # ends the turn, see TurnWriter.close.
         self._prefetcher: CudaLayerPrefetcher | None = None
         self._selected: SessionKV | None = None
-        self._load_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._load_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self._fed_ids: list[torch.Tensor] = []
         self._pending: list | None = None
         self._fwd_ids: torch.Tensor | None = None
@@ -273,14 +273,16 @@ class AttnStoreCache(DynamicCache):
             rope_key = (length, device, dtype)
             if rope_key not in self._load_rope:
                 positions = self.plan.key_positions[:length].to(device)
-                self._load_rope[rope_key] = self._rope.cos_sin(positions, dtype)
-            cos, sin = self._load_rope[rope_key]
+                cos, sin = self._rope.cos_sin(positions, dtype)
+                self._load_rope[rope_key] = cos, sin, RopeAdapter.halves_equal(cos, sin)
+            cos, sin, halves_equal = self._load_rope[rope_key]
         pos = 0
         for k, v in parts:
             m = k.shape[2]
             k = k.to(device=device, dtype=dtype)
             if self._rope.has_rope:
-                self._rope.rotate_into(keys[:, :, pos : pos + m], k, cos[:, :, pos : pos + m], sin[:, :, pos : pos + m])
+                self._rope.rotate_into(keys[:, :, pos : pos + m], k, cos[:, :, pos : pos + m],
+                                       sin[:, :, pos : pos + m], halves_equal)
             else:
                 keys[:, :, pos : pos + m].copy_(k)
             values[:, :, pos : pos + m].copy_(v)

@@ -88,19 +88,28 @@ class RopeAdapter:
         return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
 
     @staticmethod
-    def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def halves_equal(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Whether cos/sin are two equal halves (``cat(freqs, freqs)``), as transformers' rotary modules build
+        them: then :meth:`rotate_into` takes its fused path. Check once per set of positions."""
+        rot = cos.shape[-1]
+        half = rot // 2
+        return rot % 2 == 0 and torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half],
+                                                                                             sin[..., half:])
+
+    @staticmethod
+    def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    halves_equal: bool) -> None:
         """:meth:`rotate`, written into `out` without temporaries.
 
-        transformers' rotary modules build cos/sin as two equal halves (``cat(freqs, freqs)``), so with
-        ``c, s`` one half: ``out_a = k_a c - k_b s`` and ``out_b = k_b c + k_a s``. Anything else takes the
-        general path.
+        With `halves_equal` (see :meth:`halves_equal`) and ``c, s`` one half of cos/sin:
+        ``out_a = k_a c - k_b s`` and ``out_b = k_b c + k_a s``. Otherwise the general path.
         """
+        if not halves_equal:
+            out.copy_(RopeAdapter.rotate(keys, cos, sin))
+            return
         rot = cos.shape[-1]
         half = rot // 2
         c, s = cos[..., :half], sin[..., :half]
-        if rot % 2 or not (torch.equal(c, cos[..., half:]) and torch.equal(s, sin[..., half:])):
-            out.copy_(RopeAdapter.rotate(keys, cos, sin))
-            return
         ka, kb = keys[..., :half], keys[..., half:rot]
         oa, ob = out[..., :half], out[..., half:rot]
         torch.mul(ka, c, out=oa)

@@ -783,10 +783,7 @@ class AttnStore:
                     if demoting and e.pins == 0 and not e.writers:
                         self._stats.host_drops += 1
                         self._drop(e)
-                self._make_host_room(0, exclude=None)
-                self._cond.notify_all()
-                return
-            if error is not None:
+            elif error is not None:
                 self._stats.write_errors += 1
                 self._once.warning("write", "disk tier: writing session %r failed (%s); it stays in host memory, its "
                                 "previous durable state is kept, and the write is retried", e.key[1], error)

@@ -26,8 +26,9 @@ class TurnWriter:
         self.geometry: tuple[int, int, int] | None = None
         self.dtype: torch.dtype | None = None
 
-    def append(self, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
-        """Appends tokens with their per-layer pre-RoPE keys and values ``[1, kv_heads, n, head_dim]``.
+    def append(self, token_ids: torch.Tensor, keys, values) -> bool:
+        """Appends tokens with their pre-RoPE keys and values: per-layer lists of ``[1, kv_heads, n, head_dim]``
+        tensors, or stacked ``[layers, 1, kv_heads, n, head_dim]`` tensors (one copy for all layers).
 
         Large CPU appends are kept without copying: do not modify the tensors afterwards.
         Returns whether the data was stored (False when the session is too large, was taken over, or the
@@ -40,19 +41,15 @@ class TurnWriter:
             return False
         keys, values = _storable(keys, "keys"), _storable(values, "values")
         n = int(token_ids.numel())
-        shapes = {tuple(t.shape[-4:]) for t in ([keys] if isinstance(keys, torch.Tensor) else keys)}
-        shapes |= {tuple(t.shape[-4:]) for t in ([values] if isinstance(values, torch.Tensor) else values)}
-        first = keys[0]
-        geometry = (len(keys), first.shape[1], first.shape[3])
-        dtypes = {t.dtype for t in ([keys, values] if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
-                                    else [*keys, *values])}
-        if shapes != {(1, geometry[1], n, geometry[2])} or len(values) != len(keys) or len(dtypes) != 1:
-            raise TypeError(f"expected {len(keys)} keys and values of shape [1, kv_heads, {n}, head_dim] and one "
+        layout = _layout(keys)
+        geometry, dtype = (layout[0], layout[1][1], layout[1][3]), layout[2]
+        if layout[1][2] != n or _layout(values) != layout:
+            raise TypeError(f"expected {layout[0]} keys and values of shape [1, kv_heads, {n}, head_dim] and one "
                             "dtype")
         if self.geometry is None:
-            self.geometry, self.dtype = geometry, first.dtype
-        elif (geometry, first.dtype) != (self.geometry, self.dtype):
-            raise TypeError(f"this turn stores {self.geometry} {self.dtype}, got {geometry} {first.dtype}")
+            self.geometry, self.dtype = geometry, dtype
+        elif (geometry, dtype) != (self.geometry, self.dtype):
+            raise TypeError(f"this turn stores {self.geometry} {self.dtype}, got {geometry} {dtype}")
         if not self.started and self.base is not None and self.base.loader is not None:
             try:
                 self.base.loader.wait_all()  # never wait under the store's lock
@@ -83,6 +80,15 @@ class TurnWriter:
             if self.started and e is not None and e.owner == self.turn and e.host is not None \
                     and length < e.host.length:
                 self.store._cut(e, length)
+
+
+def _layout(tensors) -> tuple[int, tuple, torch.dtype | None]:
+    """(layers, per-layer shape, dtype) of a stacked tensor or a per-layer list; dtype None if mixed."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.shape[0], tuple(tensors.shape[1:]), tensors.dtype
+    shapes, dtypes = {tuple(t.shape) for t in tensors}, {t.dtype for t in tensors}
+    shape = shapes.pop() if len(shapes) == 1 else ()
+    return len(tensors), shape, dtypes.pop() if len(dtypes) == 1 else None
 
 
 def _storable(tensors, what: str):
