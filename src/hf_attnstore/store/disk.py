@@ -1,6 +1,7 @@
 """The disk tier: one folder per session with immutable chunk files and a manifest.
 
-Every method here only moves bytes; which session lives where is decided by the store's index.
+It implements the lower-tier interface of tier.py. Every method here only moves bytes; which session lives
+where is decided by the store's index.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import secrets
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -27,6 +29,7 @@ from .format import (
     read_range,
     session_dirname,
 )
+from .tier import ChunkReader, Found, Key, SerialWriter, Tier
 
 logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -51,7 +54,25 @@ def _write_bytes(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-class DiskTier:
+class DiskChunk(ChunkReader):
+    """A chunk file opened for reading (see :meth:`DiskTier.get`)."""
+
+    def __init__(self, tier: "DiskTier", fd: int, meta: ChunkMeta):
+        self.tier, self.fd, self.meta = tier, fd, meta
+
+    def ids(self) -> torch.Tensor:
+        return self.tier.read_tensor(self.fd, self.meta, "ids")
+
+    def read_layer_into(self, layer, start, end, keys_out, values_out) -> int:
+        return self.tier.read_layer_into(self.fd, self.meta, layer, start, end, keys_out, values_out)
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+class DiskTier(Tier):
     """Files of the disk tier under `root` (created with mode 0700), locked for one store at a time.
 
     The store that opens a folder owns it: it numbers chunk files, deletes what no manifest references and
@@ -62,13 +83,18 @@ class DiskTier:
     Args:
         root: The folder (``~`` is expanded).
         fsync: Whether writes are made durable (file and folder fsync). Only tests turn it off.
+        timeout_s: How long :meth:`close` waits for writes in flight.
 
     Raises:
         DiskLockedError: Another store has the folder open.
         ValueError: The folder (or its ``sessions`` entry) exists but is not a folder.
     """
 
-    def __init__(self, root: str | os.PathLike, fsync: bool = True):
+    name = "disk"
+
+    def __init__(self, root: str | os.PathLike, fsync: bool = True, timeout_s: float = 60.0):
+        self.timeout_s = timeout_s
+        self._writer: SerialWriter | None = None
         self.root = Path(os.path.expanduser(os.fspath(root))).resolve()
         self.sessions_root = self.root / "sessions"
         self.fsync = fsync
@@ -88,15 +114,50 @@ class DiskTier:
             ) from None
         self._lock_fd = fd
         self.sessions_root.mkdir(exist_ok=True, mode=0o700)
+        self._writer = SerialWriter("attnstore-disk-write")
 
     def close(self) -> None:
-        """Releases the folder's lock. Idempotent."""
+        """Lets the writes in flight finish (up to `timeout_s`), then releases the folder's lock. Idempotent."""
+        writer, self._writer = self._writer, None
+        if writer is not None and not writer.close(self.timeout_s):
+            logger.warning("disk tier: a write to %s did not finish within %s s at close", self.root, self.timeout_s)
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)  # closing the only descriptor of the lock file releases the flock
 
     def __del__(self):
-        self.close()
+        writer, self._writer = getattr(self, "_writer", None), None
+        if writer is not None:
+            writer.close(0)  # lets the thread end after its queue; never blocks a finalizer
+        fd, self._lock_fd = getattr(self, "_lock_fd", None), None
+        if fd is not None:
+            os.close(fd)
+
+    # -- the tier interface (tier.py) -----------------------------------------------------------------
+    def put(self, key: Key, name: str, data: bytes) -> "Future[int]":
+        if self._writer is None:
+            future: Future = Future()
+            future.set_exception(RuntimeError(f"the disk tier {self.root} is closed"))
+            return future
+        return self._writer.submit(self.write_file, key[0], key[1], name, data)
+
+    def get(self, key: Key, chunk: str) -> DiskChunk:
+        fd, meta = self.open_chunk(key[0], key[1], chunk)
+        return DiskChunk(self, fd, meta)
+
+    def manifest(self, key: Key) -> Manifest | None:
+        path = self.session_dir(*key) / MANIFEST
+        try:
+            manifest = Manifest.decode(path.read_bytes(), key[0])
+        except (OSError, FormatError):
+            return None
+        return manifest if manifest.session_id == key[1] else None
+
+    def remove(self, key: Key, keep: set[str] | None = None) -> None:
+        if keep is None:
+            self.delete_session(*key)
+        else:
+            self.collect_garbage(key[0], key[1], keep)
 
     def session_dir(self, fingerprint: str, session_id: str) -> Path:
         path = self.sessions_root / session_dirname(fingerprint, session_id)
@@ -197,9 +258,8 @@ class DiskTier:
         return (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).stat().st_size
 
     # -- reopening --------------------------------------------------------------------------------------
-    def scan(self) -> Iterator[tuple[Manifest, dict[str, tuple[int, int]], tuple, float, int]]:
-        """Yields ``(manifest, {chunk: (bytes, tokens)}, (geometry, dtype), mtime, manifest bytes)`` of valid
-        sessions, oldest first.
+    def scan(self) -> Iterator[Found]:
+        """The valid sessions, oldest first.
 
         Temporary files, orphan chunks and sessions whose manifest or chunk headers fail validation
         (damaged, truncated, another format, copied from another session's folder) are deleted.
@@ -219,8 +279,8 @@ class DiskTier:
                 continue
             self.collect_garbage(manifest.fingerprint, manifest.session_id, set(sizes))
             stat = (folder / MANIFEST).stat()
-            found.append((manifest, sizes, layout, stat.st_mtime, stat.st_size))
-        found.sort(key=lambda item: item[3])
+            found.append(Found(manifest, sizes, layout, stat.st_mtime, stat.st_size))
+        found.sort(key=lambda item: item.mtime)
         yield from found
 
     def _validate(self, folder: Path) -> tuple[Manifest, dict[str, int], tuple]:

@@ -12,8 +12,7 @@ from .buffer import SessionBuffer
 from .format import Manifest
 from .loader import LoadHandle
 from .reader import LoadJob
-
-Key = tuple[str, str]  # (model fingerprint, session id)
+from .tier import Key
 
 
 MAX_SESSION_ID_BYTES = 4096

@@ -1,4 +1,4 @@
-"""The load thread: reads sessions from the disk tier into host buffers, demand loads first.
+"""The load thread: reads sessions from a lower tier (tier.py) into host buffers, demand loads first.
 
 One thread serves a priority queue. A load that a turn waits for (a *demand* load, from `lookup`) goes
 before prefetches, and a queued prefetch is promoted when a turn asks for its session. A load whose
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -23,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .buffer import SessionBuffer
-from .disk import DiskTier
 from .format import FormatError, Manifest, check_chain
 from .loader import LoadHandle
+from .tier import ChunkReader, Tier
 
 logger = logging.getLogger(__name__)
 DEMAND, PREFETCH = 0, 1
@@ -41,8 +40,9 @@ class LoadJob:
     manifest: Manifest
     buf: SessionBuffer
     priority: int
+    tier: Tier | None = None  # where the session is read from
     entry: object = None  # the store's index entry (opaque here)
-    opened: dict = field(default_factory=dict)  # chunk name -> (fd, meta), verified
+    opened: dict[str, ChunkReader] = field(default_factory=dict)  # chunk name -> open chunk, verified
     verified: bool = False
     layer: int = 0  # next layer to read
     nbytes: int = 0
@@ -54,8 +54,8 @@ class LoadJob:
 class LoadThread:
     """Runs load jobs in priority order on one thread (see the module docstring)."""
 
-    def __init__(self, disk: DiskTier, done: Callable[[LoadJob, BaseException | None], None], timeout_s: float):
-        self.disk, self.done, self.timeout_s = disk, done, timeout_s
+    def __init__(self, done: Callable[[LoadJob, BaseException | None], None], timeout_s: float):
+        self.done, self.timeout_s = done, timeout_s
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -97,8 +97,8 @@ class LoadThread:
                     job.state = "queued"
                 self.submit(job)
                 continue
-            for fd, _ in job.opened.values():
-                os.close(fd)
+            for chunk in job.opened.values():
+                chunk.close()
             job.opened.clear()
             with self._lock:
                 job.state = "done"
@@ -130,10 +130,9 @@ class LoadThread:
             job.gated_since = None
             pos = 0
             for span in manifest.spans:
-                fd, meta = job.opened[span.chunk]
-                job.nbytes += self.disk.read_layer_into(fd, meta, layer, span.start, span.end,
-                                                        seg.keys[layer][:, :, pos : pos + span.length],
-                                                        seg.values[layer][:, :, pos : pos + span.length])
+                job.nbytes += job.opened[span.chunk].read_layer_into(
+                    layer, span.start, span.end, seg.keys[layer][:, :, pos : pos + span.length],
+                    seg.values[layer][:, :, pos : pos + span.length])
                 pos += span.length
             job.handle.layer_ready(layer)
             job.layer = layer + 1
@@ -141,17 +140,16 @@ class LoadThread:
 
     def _open_and_verify(self, job: LoadJob) -> None:
         """Opens every chunk once and checks ids, shapes and the chain before any KV is read."""
-        fp, sid = job.key
         manifest, buf, pos = job.manifest, job.buf, 0
         for span in manifest.spans:
             if span.chunk not in job.opened:
-                job.opened[span.chunk] = self.disk.open_chunk(fp, sid, span.chunk)
-            fd, meta = job.opened[span.chunk]
-            if (meta.geometry, meta.dtype) != (buf.geometry, buf.dtype):
+                job.opened[span.chunk] = job.tier.get(job.key, span.chunk)
+            chunk = job.opened[span.chunk]
+            if (chunk.meta.geometry, chunk.meta.dtype) != (buf.geometry, buf.dtype):
                 raise FormatError("chunk shapes changed since the session was indexed")
-            ids = self.disk.read_tensor(fd, meta, "ids")[span.start : span.end]
+            ids = chunk.ids()[span.start : span.end]
             if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
                 raise FormatError("chunk ids disagree with the manifest")
             pos += span.length
-        check_chain(manifest, [job.opened[span.chunk][1] for span in manifest.spans])
+        check_chain(manifest, [job.opened[span.chunk].meta for span in manifest.spans])
         job.verified = True

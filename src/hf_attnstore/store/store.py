@@ -26,13 +26,15 @@ from ..fingerprint import model_fingerprint
 from ..logs import OnceLogger
 from ..policy import make_policy
 from .buffer import SessionBuffer, SessionKV, ranges
+from .host import HostTier
 from .config import StoreConfig
-from .disk import CHUNK_SUFFIX, MANIFEST, DiskTier
-from .format import Manifest, Span, encode_chunk, prefix_hasher, tensor_bytes
+from .disk import DiskTier
+from .format import Manifest
 from .entry import Entry, Key, Write, blocks, validate_session_id
 from .loader import LoadHandle
 from .placement import choose_victims
 from .reader import DEMAND, PREFETCH, LoadJob, LoadThread
+from .saver import SaveJob, SaveResult, SaveThread
 from .stats import StoreStats
 from .writer import TurnWriter
 
@@ -75,10 +77,9 @@ class AttnStore:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._entries: dict[Key, Entry] = {}
-        self._host_policy = make_policy(self.config.policy)
+        self._host = HostTier(self.config.host_bytes, self.config.policy, self.config.pin_memory)
         self._disk_policy = make_policy(self.config.policy)
         self._stats = StoreStats(host_bytes_limit=self.config.host_bytes, disk_bytes_limit=self.config.disk_bytes)
-        self._host_used = 0
         self._disk_used = 0  # files of indexed sessions, folders queued for deletion, writes in flight
         self._next_turn = 0
         self._dirty: set[Key] = set()
@@ -92,7 +93,8 @@ class AttnStore:
         self._last_forward = 0.0
         self._once = OnceLogger(logger)  # each kind of warning once per store
         self._closed = False
-        self._disk = DiskTier(self.config.disk_dir, fsync=self.config.fsync) if self.config.disk_dir else None
+        self._disk = DiskTier(self.config.disk_dir, fsync=self.config.fsync,
+                              timeout_s=self.config.io_timeout_s) if self.config.disk_dir else None
         self._threads: list[threading.Thread] = []
         if self._disk is not None:
             try:
@@ -100,10 +102,9 @@ class AttnStore:
             except BaseException:
                 self._disk.close()
                 raise
-            self._loader = LoadThread(self._disk, self._finish_load, self.config.io_timeout_s)
-            thread = threading.Thread(target=self._save_loop, name="attnstore-save", daemon=True)
-            thread.start()
-            self._threads += [self._loader.thread, thread]
+            self._loader = LoadThread(self._finish_load, self.config.io_timeout_s)
+            self._saver = SaveThread(self, self._disk, self.config.chunk_tokens, self.config.io_timeout_s)
+            self._threads += [self._loader.thread, self._saver.thread]
 
     # -- public API -----------------------------------------------------------------------------------
     def fingerprint(self, model) -> str:
@@ -181,7 +182,7 @@ class AttnStore:
         Ignored by policies that do not look ahead.
         """
         with self._lock:
-            for policy in (self._host_policy, self._disk_policy):
+            for policy in (self._host.policy, self._disk_policy):
                 if hasattr(policy, "set_queue"):
                     policy.set_queue(list(session_ids))
 
@@ -241,7 +242,7 @@ class AttnStore:
             s.sessions = len(self._entries)
             s.host_sessions = sum(e.host is not None for e in self._entries.values())
             s.disk_sessions = sum(e.manifest is not None for e in self._entries.values())
-            s.host_bytes_used, s.disk_bytes_used = self._host_used, self._disk_used
+            s.host_bytes_used, s.disk_bytes_used = self._host.used, self._disk_used
             s.loads_in_flight, s.saves_pending = self._loads_active, len(self._dirty)
             return s
 
@@ -306,24 +307,17 @@ class AttnStore:
 
     def _touch(self, e: Entry) -> None:
         e.last_access = time.monotonic()
-        if e.host is not None:
-            self._host_policy.touch(e.key)
+        self._host.touch(e)
         if e.manifest is not None:
             self._disk_policy.touch(e.key)
 
     def _set_host(self, e: Entry, buf: SessionBuffer | None) -> None:
-        if buf is None and e.host is not None:
-            self._host_policy.remove(e.key)
-            self._dirty.discard(e.key)
-        elif buf is not None and e.host is None:
-            self._host_policy.insert(e.key)
-        e.host = buf
-        self._account(e)
-
-    def _account(self, e: Entry) -> None:
-        now = e.host.nbytes if e.host is not None else 0
-        self._host_used += now - e.host_accounted
-        e.host_accounted = now
+        if buf is not None:
+            self._host.put(e, buf)
+            return
+        if e.host is not None:
+            self._dirty.discard(e.key)  # what is not written by now is given up with the buffer
+        self._host.remove(e)
 
     def _set_manifest(self, e: Entry, manifest: Manifest | None, chunks: dict[str, tuple[int, int]]) -> None:
         if manifest is None and e.manifest is not None:
@@ -387,8 +381,8 @@ class AttnStore:
         """Demotes (or drops) host sessions until `extra` more bytes fit. Pinned ones stay; dirty ones are
         persisted first and demoted when that completes. With `keep_sooner_than` (a prefetch for the job at
         that queue position), sessions whose next job comes sooner are never evicted for it."""
-        limit = self.config.host_bytes
-        if self._host_used + extra <= limit:
+        limit = self._host.limit
+        if self._host.fits(extra):
             return True  # the common case, once per appended token: no scan of the index
         self._apply_ended_turns()
         freeing = sum(e.host_accounted for e in self._entries.values() if e.write is Write.DEMOTE)
@@ -398,11 +392,11 @@ class AttnStore:
             e = entries[key]
             return e is not exclude and e.write is not Write.DEMOTE and e.pins == 0 and not e.writers
 
-        for key in choose_victims(self._host_policy.victims(), lambda key: entries[key].host_accounted, movable,
-                                  self._host_used - freeing + extra - limit,
-                                  getattr(self._host_policy, "position", None), keep_sooner_than):
+        for key in choose_victims(self._host.policy.victims(), lambda key: entries[key].host_accounted, movable,
+                                  self._host.used - freeing + extra - limit,
+                                  self._host.position, keep_sooner_than):
             self._evict_from_host(entries[key])
-        return self._host_used + extra <= limit
+        return self._host.fits(extra)
 
     def _evict_from_host(self, e: Entry) -> None:
         """Demotes a session to disk, or drops it when it cannot be kept there. Sessions being loaded or
@@ -477,11 +471,11 @@ class AttnStore:
         (layers, heads, dim), dtype = e.layout
         length = e.manifest.length
         # Exactly the session's size: the next turn appends in a new segment, without copying this one.
-        buf = SessionBuffer.for_load(e.layout[0], dtype, length, self.config.pin_memory)
+        buf = self._host.for_load(e.layout[0], dtype, length)
         if buf.nbytes > self.config.host_bytes:
             self._once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
             return False
-        position = getattr(self._host_policy, "position", lambda key: None)(e.key) if must_fit else None
+        position = self._host.position(e.key) if must_fit else None
         if not self._make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
             return False
         buf.parts[0][0].token_ids[:length].copy_(e.manifest.token_ids)
@@ -489,7 +483,8 @@ class AttnStore:
         e.pins += 1
         self._set_host(e, buf)
         self._loads_active += 1
-        e.load_job = LoadJob(e.key, e.loading, e.manifest, buf, PREFETCH if must_fit else DEMAND, entry=e)
+        e.load_job = LoadJob(e.key, e.loading, e.manifest, buf, PREFETCH if must_fit else DEMAND, tier=self._disk,
+                             entry=e)
         self._loader.submit(e.load_job)
         return True
 
@@ -550,7 +545,7 @@ class AttnStore:
             if not self._make_host_room(room, exclude=e):
                 # Backpressure: victims are being written to disk and leave host memory when that completes.
                 # Wait (bounded) for them rather than overshoot the limit. While it waits, the save thread must
-                # not yield to compute (this append *is* the compute): see `_yield_to_loads_and_compute`.
+                # not yield to compute (this append *is* the compute): see `_yield_for_save`.
                 deadline = time.monotonic() + self.config.io_timeout_s
                 self._room_waiters += 1
                 self._cond.notify_all()
@@ -576,7 +571,7 @@ class AttnStore:
                     writer.dead = True
                     return False
             buf.append(token_ids, keys, values)
-            self._account(e)
+            self._host.account(e)
             self._touch(e)
             self._stats.appended_tokens += int(token_ids.numel())
             e.last_write = time.monotonic()
@@ -599,7 +594,7 @@ class AttnStore:
                 self._cut(e, n)
             # else the common case: append after the history, in place
         elif same_lineage:
-            buf = SessionBuffer.selected(base, keep, self.config.pin_memory)
+            buf = self._host.selected(base, keep)
             self._set_host(e, buf)
             e.generation += 1
             if e.manifest is not None:
@@ -610,9 +605,9 @@ class AttnStore:
             if e is not None:
                 self._drop(e)
             if base is not None and n:
-                buf = SessionBuffer.selected(base, keep, self.config.pin_memory)
+                buf = self._host.selected(base, keep)
             else:
-                buf = SessionBuffer(*writer.geometry, writer.dtype, self.config.pin_memory)
+                buf = self._host.new_buffer(writer.geometry, writer.dtype)
             e = Entry(key=writer.key, layout=(buf.geometry, buf.dtype))
             e.last_access = time.monotonic()
             self._entries[writer.key] = e
@@ -623,38 +618,20 @@ class AttnStore:
             e.write = Write.BEHIND  # a new turn: the disk tier may have room again
         return e
 
-    def _save_loop(self) -> None:
-        while True:
-            try:
-                if not self._save_step():
-                    return
-            except Exception as exc:  # a bug must not stop every later write: count it, report it, go on
-                logger.exception("disk tier: the save thread hit an unexpected error (%s); it keeps running", exc)
-                with self._cond:
-                    self._stats.write_errors += 1
-                    self._cond.notify_all()
-
-    def _save_step(self) -> bool:
-        """Waits for one unit of work (deletions or one session to persist) and does it; False to stop."""
+    def _next_save_work(self) -> tuple[list[tuple[Key, int]], SaveJob | None] | None:
+        """The save thread's next unit of work: folders to delete and/or a session to write, with the session
+        pinned and its chunk names reserved. Waits until there is some; ``None`` tells the thread to stop."""
         with self._cond:
-            work = None
             while True:
                 deletes, self._deletes = self._deletes, []
-                if deletes:
-                    break
-                work = self._next_save()
-                if work is not None or (self._closed and not self._dirty):
-                    break
-                if self._closed:  # closed with writes still pending (close(flush=False), or failed ones)
-                    return False
+                e = self._next_save()
+                job = self._save_job(e) if e is not None else None
+                if deletes or job is not None:
+                    return deletes, job
+                if self._closed and (not self._dirty or e is None):
+                    return None  # closed, with nothing (or only failed writes, close(flush=False)) left
                 self._cond.wait(timeout=self.config.idle_flush_s / 2)
                 self._expire()
-            if not deletes and work is None:
-                return False
-        self._run_deletes(deletes)
-        if work is not None:
-            self._persist(work)
-        return True
 
     def _compute_quiet(self, now: float) -> bool:
         """Whether no forward runs or ran in the last `idle_flush_s`. Saving costs CPU (serializing,
@@ -693,79 +670,59 @@ class AttnStore:
                     best = e
         return best
 
-    def _persist(self, e: Entry) -> None:
-        """Writes the session's unpersisted tokens as new chunks, then its manifest (save thread)."""
+    def _save_job(self, e: Entry) -> SaveJob | None:
+        """What `_next_save` chose to write now (lock held), or None when nothing is due after all."""
         chunk = self.config.chunk_tokens
-        with self._cond:
-            if self._entries.get(e.key) is not e or not e.dirty:
-                return
-            fp, sid = e.key
-            generation, buf = e.generation, e.host
-            base = e.manifest or Manifest(fp, sid, torch.empty(0, dtype=torch.long), (), 0)
-            start, end = base.length, buf.length
-            if base.spans:
-                last = base.spans[-1]
-                tokens = e.chunks[last.chunk][1]
-                if last.start == 0 and last.end == tokens < chunk:
-                    # Rewrite the trailing partial chunk together with the new tokens, so a session keeps at
-                    # most one partial chunk (older chunks are never rewritten).
-                    base = base.select([(0, start - tokens)])
-                    start -= tokens
-            if not (e.urgent or time.monotonic() - e.last_write >= self.config.idle_flush_s):
-                end = start + (end - start) // chunk * chunk  # during a turn, write whole chunks only
-            if end <= start:
-                return
-            snap = buf.snapshot()
-            e.pins += 1
-            # Reserve the names this job writes. Names are never reused for a session, even by a later entry
-            # replacing this one, so a chunk file never changes once a manifest may reference it.
-            next_chunk = self._next_chunk.get(e.key, 0)
-            self._next_chunk[e.key] = next_chunk + -(-(end - start) // chunk)
-        new_chunks, spans, error, reserved = {}, list(base.spans), None, 0
-        started = time.perf_counter()
-        try:
-            # Each chunk is chained to its history: the digest of every id before it, and the previous chunk.
-            history = prefix_hasher(fp)
-            history.update(tensor_bytes(snap.token_ids[:start]))
-            for a in range(start, end, chunk):
-                self._yield_to_loads_and_compute(e)
-                b, name = min(a + chunk, end), f"{next_chunk:08d}"
-                next_chunk += 1
-                ids, keys, values = snap.tensors(a, b)
-                data, digest = encode_chunk(fp, sid, ids, keys, values, history.hexdigest(),
-                                            spans[-1].digest if spans else "")
-                reserved += self._reserve_disk(e, len(data))
-                size = self._disk.write_file(fp, sid, name + CHUNK_SUFFIX, data)
-                history.update(tensor_bytes(ids))
-                new_chunks[name] = (size, b - a)
-                spans.append(Span(name, 0, b - a, digest))
-            manifest = Manifest(fp, sid, snap.token_ids[:end].clone(), tuple(spans), next_chunk)
-            data = manifest.encode()
-            reserved += self._reserve_disk(e, len(data))
-            manifest_size = self._disk.write_file(fp, sid, MANIFEST, data)
-        except Exception as exc:  # this session's failure (full disk, I/O error, bad data): reported, not fatal
-            error, manifest = exc, None
-        # Collect garbage before reporting completion, so that a flush() covers it. If the session was cut or
-        # truncated meanwhile, its in-memory manifest (a selection of the old one) still uses old chunks.
-        with self._cond:
-            current = self._entries.get(e.key) is e
+        fp, sid = e.key
+        buf = e.host
+        base = e.manifest or Manifest(fp, sid, torch.empty(0, dtype=torch.long), (), 0)
+        start, end = base.length, buf.length
+        if base.spans:
+            last = base.spans[-1]
+            tokens = e.chunks[last.chunk][1]
+            if last.start == 0 and last.end == tokens < chunk:
+                # Rewrite the trailing partial chunk together with the new tokens, so a session keeps at
+                # most one partial chunk (older chunks are never rewritten).
+                base = base.select([(0, start - tokens)])
+                start -= tokens
+        if not (e.urgent or time.monotonic() - e.last_write >= self.config.idle_flush_s):
+            end = start + (end - start) // chunk * chunk  # during a turn, write whole chunks only
+        if end <= start:
+            return None
+        e.pins += 1
+        # Reserve the names this job writes. Names are never reused for a session, even by a later entry
+        # replacing this one, so a chunk file never changes once a manifest may reference it.
+        first = self._next_chunk.get(e.key, 0)
+        self._next_chunk[e.key] = first + -(-(end - start) // chunk)
+        return SaveJob(e, e.generation, buf.snapshot(), base, start, end, first)
+
+    def _files_to_keep(self, job: SaveJob, manifest: Manifest | None) -> tuple[set[str], bool]:
+        """The session's chunks that must stay after a save, and whether the session is still indexed (a
+        removed one's folder goes entirely). If the session was cut or truncated meanwhile, its in-memory
+        manifest (a selection of the old one) still uses old chunks."""
+        with self._lock:
+            e = job.entry
             keep = {s.chunk for s in manifest.spans} if manifest is not None else set()
-            if manifest is None or e.generation != generation:
+            if manifest is None or e.generation != job.generation:
                 keep |= set(e.chunks)
-        try:
-            if current:
-                self._disk.collect_garbage(fp, sid, keep)
-            else:
-                self._disk.delete_session(fp, sid)
-        except OSError as exc:
-            self._once.warning("gc", "disk tier: removing unused files of session %r failed (%s)", sid, exc)
-        with self._cond:  # the reservation becomes the files that are really there now
-            self._disk_used -= reserved
+            return keep, self._entries.get(e.key) is e
+
+    def _save_thread_error(self, exc: BaseException) -> None:
+        with self._cond:
+            self._stats.write_errors += 1
+            self._cond.notify_all()
+
+    def _finish_save(self, job: SaveJob, result: SaveResult) -> None:
+        """The save thread finished a job (see saver.py): the reservation becomes the files that are really
+        there now, and the index learns the new durable prefix (or the failure)."""
+        e = job.entry
+        with self._cond:
+            self._disk_used -= result.reserved
             if self._entries.get(e.key) is e:
-                files = {name: size for name, size in {**e.files, **{n: c[0] for n, c in new_chunks.items()}}.items()
-                         if name in keep}
-                self._set_files(e, files, manifest_size if manifest is not None else e.manifest_size)
-        self._finish_persist(e, generation, manifest, new_chunks, time.perf_counter() - started, error)
+                files = {name: size for name, size in
+                         {**e.files, **{n: c[0] for n, c in result.new_chunks.items()}}.items() if name in result.keep}
+                self._set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
+        self._finish_persist(e, job.generation, result.manifest, result.new_chunks, result.seconds, result.error)
 
     def _finish_persist(self, e, generation, manifest, new_chunks, seconds, error) -> None:
         with self._cond:
@@ -820,7 +777,7 @@ class AttnStore:
             self._retry_prefetch()
             self._cond.notify_all()
 
-    def _yield_to_loads_and_compute(self, e: Entry) -> None:
+    def _yield_for_save(self, e: Entry) -> None:
         """Between chunks: loads go first; a non-urgent save also waits for the model to be idle, unless an
         append is blocked on host room. Then the model cannot go idle until writes free memory: waiting
         for it would stall both threads for `io_timeout_s` (the session being written is pinned, and the
@@ -835,15 +792,16 @@ class AttnStore:
     # -- reopening --------------------------------------------------------------------------------------
     def _reopen(self) -> None:
         now_wall, now = time.time(), time.monotonic()
-        for manifest, chunks, layout, mtime, manifest_size in self._disk.scan():
+        for found in self._disk.scan():
+            manifest = found.manifest
             if manifest.length == 0:
                 continue
-            e = Entry(key=(manifest.fingerprint, manifest.session_id), layout=layout)
+            e = Entry(key=(manifest.fingerprint, manifest.session_id), layout=found.layout)
             self._next_chunk[e.key] = manifest.next_chunk
-            e.last_access = now - max(0.0, now_wall - mtime)
+            e.last_access = now - max(0.0, now_wall - found.mtime)
             self._entries[e.key] = e
-            self._set_manifest(e, manifest, chunks)
-            self._set_files(e, {name: size for name, (size, _) in chunks.items()}, manifest_size)
+            self._set_manifest(e, manifest, found.chunks)
+            self._set_files(e, {name: size for name, (size, _) in found.chunks.items()}, found.manifest_size)
         self._expire()
 
 

@@ -1,0 +1,167 @@
+"""The interface of a tier below host memory: the disk tier today (disk.py), the shared remote tier next.
+
+A lower tier keeps a session as immutable chunks plus one manifest, under ``(fingerprint, session id)``,
+in the format of format.py (every chunk names its model, session and history, and carries checksums).
+A tier only moves and checks bytes. *Which* session lives where, and the pins that keep a session in place
+while it is read or written, belong to the store's index (entry.py): the index is the one owner of that
+state, so a tier never needs to know about turns, policies or limits.
+
+The calls a store makes, and on which thread:
+
+- ``put(key, name, data)``: the save thread hands over one encoded file and goes on encoding the next
+  chunk while the tier writes (a ``Future``, resolved in submission order; a failure is that future's
+  exception, never a dead thread). The manifest is put last, after every chunk it names succeeded.
+- ``get(key, chunk)``: the load thread opens one chunk; the returned :class:`ChunkReader` has verified the
+  header against the key and reads layers straight into host buffers, checking each checksum.
+- ``contains(key)``, ``manifest(key)``: whether, and as what, the tier holds a session.
+- ``remove(key, keep=None)``: deletes the session, or only its chunks not in `keep` (garbage collection).
+- ``scan()``: the sessions the tier holds, for a store reopening it.
+- ``close()``: waits for the writes in flight (bounded) and releases what the tier holds. Idempotent.
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from .format import ChunkMeta, Manifest
+
+Key = tuple[str, str]  # (model fingerprint, session id)
+T = TypeVar("T")
+
+
+class ChunkReader(abc.ABC):
+    """One chunk opened for reading, its header already checked against the session it was asked for."""
+
+    meta: ChunkMeta
+
+    @abc.abstractmethod
+    def ids(self) -> torch.Tensor:
+        """The chunk's token ids (checksum verified)."""
+
+    @abc.abstractmethod
+    def read_layer_into(self, layer: int, start: int, end: int, keys_out: torch.Tensor,
+                        values_out: torch.Tensor) -> int:
+        """Reads tokens ``[start, end)`` of one layer into ``[1, heads, end-start, dim]`` tensors, verifying the
+        checksums. Returns the bytes read.
+
+        Raises:
+            FormatError: The bytes are damaged or truncated.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases the chunk (a file descriptor, a connection). Idempotent."""
+
+    def __enter__(self) -> "ChunkReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class Found:
+    """A session found by :meth:`Tier.scan`."""
+
+    manifest: Manifest
+    chunks: dict[str, tuple[int, int]]  # chunk name -> (bytes, tokens)
+    layout: tuple  # ((layers, kv_heads, head_dim), dtype)
+    mtime: float  # wall-clock time of the last write
+    manifest_size: int
+
+
+class Tier(abc.ABC):
+    """A tier below host memory (see the module docstring for who calls what, and when)."""
+
+    name: str = "tier"
+
+    @abc.abstractmethod
+    def put(self, key: Key, name: str, data: bytes) -> "Future[int]":
+        """Writes one file of a session atomically in the background; the future gives its size in bytes.
+
+        Files put by one thread are written in order. Nothing of a failed put becomes visible.
+        """
+
+    @abc.abstractmethod
+    def get(self, key: Key, chunk: str) -> ChunkReader:
+        """Opens a chunk of a session for reading.
+
+        Raises:
+            FormatError: Missing, damaged, of another format, or not this session's (a clean miss).
+        """
+
+    @abc.abstractmethod
+    def manifest(self, key: Key) -> Manifest | None:
+        """The session's manifest, or ``None`` when the tier does not hold it (or it is damaged)."""
+
+    def contains(self, key: Key) -> bool:
+        """Whether the tier holds the session (its manifest is there and valid)."""
+        return self.manifest(key) is not None
+
+    @abc.abstractmethod
+    def remove(self, key: Key, keep: set[str] | None = None) -> None:
+        """Deletes the session (``keep=None``) or only its chunks whose names are not in `keep`."""
+
+    def scan(self) -> Iterator[Found]:
+        """The sessions the tier holds, oldest first; damaged ones are removed. None by default: a tier
+        shared with other processes is asked per session (:meth:`manifest`), never indexed as a whole."""
+        return iter(())
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Waits (bounded) for writes in flight and releases the tier. Idempotent."""
+
+
+class SerialWriter:
+    """One background thread that runs a tier's writes in submission order, each reported by a Future.
+
+    The thread survives any failure (it becomes that write's future's exception). Writes submitted after
+    :meth:`close` fail at once with ``RuntimeError``.
+    """
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args) -> "Future[T]":
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                future.set_exception(RuntimeError("this tier is closed"))
+                return future
+            self._queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - reported through the future, the thread goes on
+                future.set_exception(exc)
+
+    def close(self, timeout: float) -> bool:
+        """Lets the queued writes finish (up to `timeout` seconds) and stops the thread. Returns whether it
+        stopped in time. Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
