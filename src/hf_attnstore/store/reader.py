@@ -1,4 +1,7 @@
-"""The load thread: reads sessions from a lower tier (tier.py) into host buffers, demand loads first.
+"""Loading: the store's decision to load a session from a lower tier, and the thread that reads it.
+
+The store starts a load (`LoadPlanning`: methods of the store, under its lock) when a turn finds a session
+only below host memory, or a prefetch asks for one; the load thread reads it into host buffers.
 
 One thread serves a priority queue. A load that a turn waits for (a *demand* load, from `lookup`) goes
 before prefetches, and a queued prefetch is promoted when a turn asks for its session. A load whose
@@ -18,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +29,9 @@ from .buffer import SessionBuffer
 from .format import FormatError, Manifest, check_chain
 from .loader import LoadHandle
 from .tier import ChunkReader, Tier
+
+if TYPE_CHECKING:
+    from .entry import Entry
 
 logger = logging.getLogger(__name__)
 DEMAND, PREFETCH = 0, 1
@@ -153,3 +160,50 @@ class LoadThread:
             pos += span.length
         check_chain(manifest, [job.opened[span.chunk].meta for span in manifest.spans])
         job.verified = True
+
+
+class LoadPlanning:
+    """The store's load decisions: methods of :class:`~.store.AttnStore`, run under its lock."""
+
+    def _start_load(self, e: Entry, must_fit: bool = False) -> bool:
+        """Starts loading a disk-only session into host memory. A prefetch (`must_fit`) is skipped rather
+        than overshooting the host limit; a load a turn waits for may overshoot by this one session."""
+        assert e.host is None and e.manifest is not None, "only sessions found only on disk are loaded"
+        (layers, heads, dim), dtype = e.layout
+        length = e.manifest.length
+        # Exactly the session's size: the next turn appends in a new segment, without copying this one.
+        buf = self._host.for_load(e.layout[0], dtype, length)
+        if buf.nbytes > self.config.host_bytes:
+            self._once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
+            return False
+        position = self._host.position(e.key) if must_fit else None
+        if not self._make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
+            return False
+        buf.parts[0][0].token_ids[:length].copy_(e.manifest.token_ids)
+        e.loading = LoadHandle(layers, self.config.read_buffer_layers, self.config.io_timeout_s)
+        e.pins += 1
+        self._set_host(e, buf)
+        self._loads_active += 1
+        e.load_job = LoadJob(e.key, e.loading, e.manifest, buf, PREFETCH if must_fit else DEMAND, tier=self._disk,
+                             entry=e)
+        self._loader.submit(e.load_job)
+        return True
+
+    def _finish_load(self, job: LoadJob, error: BaseException | None) -> None:
+        """The load thread finished a job (see reader.py)."""
+        with self._cond:
+            e = job.entry
+            e.pins -= 1
+            self._loads_active -= 1
+            self._stats.bytes_read += job.nbytes
+            self._stats.read_seconds += job.seconds
+            if e.loading is job.handle:
+                e.loading, e.load_job = None, None
+            if error is not None:
+                self._stats.load_errors += 1
+                self._once.warning("load", "disk tier: session %r could not be loaded (%s); it is removed and will "
+                                "be recomputed", e.key[1], error)
+                if self._entries.get(e.key) is e:
+                    self._drop(e)
+            self._cond.notify_all()
+

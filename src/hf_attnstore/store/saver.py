@@ -1,7 +1,9 @@
-"""The save thread: writes sessions from host memory to a lower tier as chained chunks, then a manifest.
+"""Saving: what the store writes to a lower tier and when, and the thread that writes it.
 
 The store decides *what* to save and *when* (write-behind in the quiet gap after a turn, at once for a
-flush or a demotion) and hands over a :class:`SaveJob` with the session pinned. This thread only encodes
+flush or a demotion): the methods of :class:`SavePlanning`, which run as the store's own, under its lock,
+because the index has one owner. It hands the save thread a :class:`SaveJob` with the session pinned. The
+thread (:class:`SaveThread`) only encodes
 and writes: each chunk is encoded (serialized, hashed, chained to the history before it) while the tier
 writes the previous one (`Tier.put` returns a Future), and the manifest is put only after every chunk it
 names is durable. It reports back to the store through `_finish_save`, which takes the store's lock.
@@ -16,16 +18,22 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from .buffer import SessionKV
 from .disk import CHUNK_SUFFIX, MANIFEST
-from .entry import Entry
+from .entry import Entry, Write
 from .format import Manifest, Span, encode_chunk, prefix_hasher, tensor_bytes
-from .tier import Tier
+from .tier import Key, Tier
 
 if TYPE_CHECKING:
     from .store import AttnStore
 
 logger = logging.getLogger(__name__)
+
+
+class NoDiskRoom(Exception):
+    """A write would take the disk tier over `disk_bytes` even after evicting every other session."""
 
 
 @dataclass(eq=False)
@@ -123,3 +131,170 @@ def _settle(future: Future, timeout: float) -> int | None:
         return future.result(timeout)
     except Exception:
         return None
+
+
+class SavePlanning:
+    """The store's save decisions: methods of :class:`~.store.AttnStore`, run under its lock (see store.py
+    for the state they read: the index, the dirty set, the byte counters)."""
+
+    def _next_save_work(self) -> tuple[list[tuple[Key, int]], SaveJob | None] | None:
+        """The save thread's next unit of work: folders to delete and/or a session to write, with the session
+        pinned and its chunk names reserved. Waits until there is some; ``None`` tells the thread to stop."""
+        with self._cond:
+            while True:
+                deletes, self._deletes = self._deletes, []
+                e = self._next_save()
+                job = self._save_job(e) if e is not None else None
+                if deletes or job is not None:
+                    return deletes, job
+                if self._closed and (not self._dirty or e is None):
+                    return None  # closed, with nothing (or only failed writes, close(flush=False)) left
+                self._cond.wait(timeout=self.config.idle_flush_s / 2)
+                self._expire()
+
+    def _compute_quiet(self, now: float) -> bool:
+        """Whether no forward runs or ran in the last `idle_flush_s`. Saving costs CPU (serializing,
+        hashing, writing): where the model computes on the same cores, writing during a turn slows it, so
+        non-urgent writes wait for the gap after it (the paper's write buffer). Flushes and demotions
+        needed to make room do not wait."""
+        return self._forwards_active == 0 and now - self._last_forward >= self.config.idle_flush_s
+
+    def _next_save(self) -> Entry | None:
+        now = time.monotonic()
+        best = None
+        for key in list(self._dirty):
+            e = self._entries.get(key)
+            if e is None or not e.dirty:
+                self._dirty.discard(key)
+                continue
+            if e.write is Write.FAILED and now < e.retry_at:
+                continue  # backing off after a failure; flush() and demotions retry at once
+            if e.pins or e.loading is not None:
+                continue
+            idle = now - e.last_write >= self.config.idle_flush_s
+            if not e.urgent and not self._compute_quiet(now):
+                continue  # write behind: wait for the gap after the turn (see _compute_quiet)
+            if e.urgent or idle or e.length - e.persisted >= self.config.chunk_tokens:
+                if best is None or (e.urgent and not best.urgent):
+                    best = e
+        return best
+
+    def _save_job(self, e: Entry) -> SaveJob | None:
+        """What `_next_save` chose to write now (lock held), or None when nothing is due after all."""
+        chunk = self.config.chunk_tokens
+        fp, sid = e.key
+        buf = e.host
+        base = e.manifest or Manifest(fp, sid, torch.empty(0, dtype=torch.long), (), 0)
+        start, end = base.length, buf.length
+        if base.spans:
+            last = base.spans[-1]
+            tokens = e.chunks[last.chunk][1]
+            if last.start == 0 and last.end == tokens < chunk:
+                # Rewrite the trailing partial chunk together with the new tokens, so a session keeps at
+                # most one partial chunk (older chunks are never rewritten).
+                base = base.select([(0, start - tokens)])
+                start -= tokens
+        if not (e.urgent or time.monotonic() - e.last_write >= self.config.idle_flush_s):
+            end = start + (end - start) // chunk * chunk  # during a turn, write whole chunks only
+        if end <= start:
+            return None
+        e.pins += 1
+        # Reserve the names this job writes. Names are never reused for a session, even by a later entry
+        # replacing this one, so a chunk file never changes once a manifest may reference it.
+        first = self._next_chunk.get(e.key, 0)
+        self._next_chunk[e.key] = first + -(-(end - start) // chunk)
+        return SaveJob(e, e.generation, buf.snapshot(), base, start, end, first)
+
+    def _files_to_keep(self, job: SaveJob, manifest: Manifest | None) -> tuple[set[str], bool]:
+        """The session's chunks that must stay after a save, and whether the session is still indexed (a
+        removed one's folder goes entirely). If the session was cut or truncated meanwhile, its in-memory
+        manifest (a selection of the old one) still uses old chunks."""
+        with self._lock:
+            e = job.entry
+            keep = {s.chunk for s in manifest.spans} if manifest is not None else set()
+            if manifest is None or e.generation != job.generation:
+                keep |= set(e.chunks)
+            return keep, self._entries.get(e.key) is e
+
+    def _save_thread_error(self, exc: BaseException) -> None:
+        with self._cond:
+            self._stats.write_errors += 1
+            self._cond.notify_all()
+
+    def _finish_save(self, job: SaveJob, result: SaveResult) -> None:
+        """The save thread finished a job (see saver.py): the reservation becomes the files that are really
+        there now, and the index learns the new durable prefix (or the failure)."""
+        e = job.entry
+        with self._cond:
+            self._disk_used -= result.reserved
+            if self._entries.get(e.key) is e:
+                files = {name: size for name, size in
+                         {**e.files, **{n: c[0] for n, c in result.new_chunks.items()}}.items() if name in result.keep}
+                self._set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
+        self._finish_persist(e, job.generation, result.manifest, result.new_chunks, result.seconds, result.error)
+
+    def _finish_persist(self, e, generation, manifest, new_chunks, seconds, error) -> None:
+        with self._cond:
+            e.pins -= 1
+            current = self._entries.get(e.key) is e
+            if isinstance(error, NoDiskRoom):
+                # Larger than the whole disk tier: kept in host memory only (or dropped if it was on its way out).
+                self._stats.rejected_too_large += 1
+                self._once.warning("disk_too_large", "session %r is larger than the disk tier: it is kept in memory "
+                                "only", e.key[1])
+                self._dirty.discard(e.key)
+                demoting = e.write is Write.DEMOTE
+                if current:
+                    self._drop_disk_copy(e)  # -> Write.NEVER
+                    if demoting and e.pins == 0 and not e.writers:
+                        self._stats.host_drops += 1
+                        self._drop(e)
+            elif error is not None:
+                self._stats.write_errors += 1
+                self._once.warning("write", "disk tier: writing session %r failed (%s); it stays in host memory, its "
+                                "previous durable state is kept, and the write is retried", e.key[1], error)
+                demoting = e.write is Write.DEMOTE
+                e.last_error, e.write = error, Write.FAILED
+                e.retry_at = time.monotonic() + min(60.0, 2.0 ** min(e.failures, 6))
+                e.failures += 1
+                if demoting:
+                    # A demotion that failed: the session cannot go down, so it must not stay "being written"
+                    # (appends would wait for room that never comes). Fall back to its durable prefix, if any.
+                    if current and e.pins == 0 and not e.writers:
+                        self._stats.host_drops += 1
+                        if e.persisted:
+                            self._set_host(e, None)
+                        else:
+                            self._drop(e)
+            else:
+                self._stats.bytes_written += sum(size for size, _ in new_chunks.values())
+                self._stats.write_seconds += seconds
+                e.failures, e.last_error = 0, None
+                if e.write is Write.FAILED:
+                    e.write = Write.BEHIND
+                if current and e.generation == generation:
+                    self._set_manifest(e, manifest, {**e.chunks, **new_chunks})
+                    if not e.dirty:
+                        self._dirty.discard(e.key)
+                        demoting, e.write = e.write is Write.DEMOTE, Write.BEHIND
+                        if demoting and e.pins == 0 and e.manifest is not None:
+                            self._set_host(e, None)
+                            self._stats.demotions += 1
+                # else: the session was cut or truncated meanwhile (what we wrote is an older, consistent
+                # state; the next persist writes the new one), or removed (its folder is gone).
+            self._make_host_room(0, exclude=None)
+            self._retry_prefetch()
+            self._cond.notify_all()
+
+    def _yield_for_save(self, e: Entry) -> None:
+        """Between chunks: loads go first; a non-urgent save also waits for the model to be idle, unless an
+        append is blocked on host room. Then the model cannot go idle until writes free memory: waiting
+        for it would stall both threads for `io_timeout_s` (the session being written is pinned, and the
+        urgent victims queue behind it)."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._closed or (self._loads_active == 0 and (
+                    e.urgent or self._room_waiters > 0 or self._compute_quiet(time.monotonic()))),
+                self.config.io_timeout_s,
+            )
+
