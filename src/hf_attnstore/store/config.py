@@ -45,6 +45,13 @@ class StoreConfig:
         pin_memory: Page-lock host buffers (async GPU copies). ``None`` = when CUDA is available.
         fsync: Make disk writes durable. Only tests and benchmarks of the page cache turn it off.
         io_timeout_s: Longest wait for one layer of a load, and for `flush`.
+        remote: URL of the shared remote tier (Redis or Valkey): ``redis://[[user]:password@]host:port/db``,
+            ``rediss://`` (TLS) or ``unix:///path.sock?db=0``. Sessions are copied there after the disk tier
+            (write-behind), and a session missing here, or longer there (another server extended it), is
+            loaded from it layer by layer. Needs `disk_dir`. ``None`` = no remote tier.
+        remote_ttl_s: Expiry of everything written to the remote tier; ``None`` = until Redis evicts it.
+        remote_timeout_s: Socket timeout of each remote call. After a failure the remote tier is skipped
+            (a miss) for a few seconds, so a dead server never slows every turn.
         namespace: A salt mixed into every model fingerprint (see
             :func:`~hf_attnstore.fingerprint.model_fingerprint`): entries stored under one namespace are
             never served under another. Use it for what weights cannot show (a tenant, a policy).
@@ -63,6 +70,9 @@ class StoreConfig:
     fsync: bool = True
     io_timeout_s: float = 60.0
     namespace: str | None = None
+    remote: str | None = None
+    remote_ttl_s: float | None = None
+    remote_timeout_s: float = 2.0
 
     def __post_init__(self):
         if self.disk_dir is not None:
@@ -74,7 +84,13 @@ class StoreConfig:
             object.__setattr__(self, "disk_dir", os.fspath(self.disk_dir))
         if self.namespace is not None and not isinstance(self.namespace, str):
             raise TypeError(f"`namespace` must be a str or None, got {type(self.namespace).__name__}")
-        for name in ("ttl_s", "idle_flush_s", "io_timeout_s"):
+        if self.remote is not None:
+            if not isinstance(self.remote, str) or not self.remote.startswith(("redis://", "rediss://", "unix://")):
+                raise ValueError("`remote` must be a redis://, rediss:// or unix:// URL (see StoreConfig), got "
+                                 f"{type(self.remote).__name__}")
+            if self.disk_dir is None:
+                raise ValueError("`remote` needs a disk tier below host memory: pass `disk_dir` too")
+        for name in ("ttl_s", "idle_flush_s", "io_timeout_s", "remote_ttl_s", "remote_timeout_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
@@ -90,8 +106,10 @@ class StoreConfig:
             not isinstance(self.read_buffer_layers, int) or self.read_buffer_layers < 0
         ):
             raise ValueError(f"`read_buffer_layers` must be a non-negative integer or None, got {self.read_buffer_layers!r}")
-        if not self.idle_flush_s > 0 or not self.io_timeout_s > 0:
-            raise ValueError("`idle_flush_s` and `io_timeout_s` must be positive")
+        if not self.idle_flush_s > 0 or not self.io_timeout_s > 0 or not self.remote_timeout_s > 0:
+            raise ValueError("`idle_flush_s`, `io_timeout_s` and `remote_timeout_s` must be positive")
+        if self.remote_ttl_s is not None and not self.remote_ttl_s >= 1:
+            raise ValueError(f"`remote_ttl_s` must be at least 1 second or None, got {self.remote_ttl_s!r}")
         if self.pin_memory is None:
             object.__setattr__(self, "pin_memory", torch.cuda.is_available())
         elif self.pin_memory and not torch.cuda.is_available():

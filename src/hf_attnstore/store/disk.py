@@ -24,6 +24,7 @@ from .format import (
     Manifest,
     bytes_to_tensor,
     check_chain,
+    file_reader,
     layer_names,
     read_chunk_meta,
     read_range,
@@ -214,7 +215,7 @@ class DiskTier(Tier):
             raise FormatError(f"chunk {name} is missing or not a regular file")
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
-            return fd, read_chunk_meta(fd, os.fstat(fd).st_size, fingerprint, session_id)
+            return fd, read_chunk_meta(file_reader(fd), os.fstat(fd).st_size, fingerprint, session_id)
         except BaseException:
             os.close(fd)
             raise
@@ -224,8 +225,9 @@ class DiskTier(Tier):
         begin, end = meta.offsets[name]
         layers, heads, dim = meta.geometry
         if name == "ids":
-            return bytes_to_tensor(read_range(fd, begin, end, name, meta), torch.int64, [meta.n_tokens])
-        return bytes_to_tensor(read_range(fd, begin, end, name, meta), meta.dtype, [1, heads, meta.n_tokens, dim])
+            return bytes_to_tensor(read_range(file_reader(fd), begin, end, name, meta), torch.int64, [meta.n_tokens])
+        return bytes_to_tensor(read_range(file_reader(fd), begin, end, name, meta), meta.dtype,
+                               [1, heads, meta.n_tokens, dim])
 
     def read_layer_into(self, fd: int, meta: ChunkMeta, layer: int, start: int, end: int,
                         keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
@@ -253,6 +255,10 @@ class DiskTier(Tier):
                 out.copy_(self.read_tensor(fd, meta, name)[:, :, start:end])
             nbytes += stop - begin
         return nbytes
+
+    def read_file(self, key: Key, name: str) -> bytes:
+        """A session's whole file (a chunk copied to another tier keeps its own checksums)."""
+        return (self.session_dir(*key) / name).read_bytes()
 
     def chunk_size(self, fingerprint: str, session_id: str, name: str) -> int:
         return (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).stat().st_size

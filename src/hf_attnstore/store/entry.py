@@ -67,6 +67,8 @@ class Entry:
     chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # referenced chunk -> (bytes, tokens)
     files: dict[str, int] = field(default_factory=dict)  # every chunk file on disk (referenced or not) -> bytes
     manifest_size: int = 0
+    remote: Manifest | None = None  # found in the shared remote tier, to be loaded (not local yet)
+    mirrored: set = field(default_factory=set)  # digests of chunks this store put in the remote tier
     layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads
     owner: int = 0
     generation: int = 0
@@ -85,7 +87,9 @@ class Entry:
     def length(self) -> int:
         if self.host is not None:
             return self.host.length
-        return self.manifest.length if self.manifest is not None else 0
+        if self.manifest is not None:
+            return self.manifest.length
+        return self.remote.length if self.remote is not None else 0
 
     @property
     def persisted(self) -> int:

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,14 +121,29 @@ def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: lis
     return safetensors_save(tensors, metadata=meta), metadata_digest(meta)
 
 
-def read_chunk_meta(fd: int, file_size: int, fingerprint: str, session_id: str) -> ChunkMeta:
-    """Reads and validates a chunk file's header. Raises FormatError on any doubt."""
+def file_reader(fd: int) -> Callable[[int, int], bytes]:
+    """``pread(size, offset)`` of a file descriptor (what :func:`read_chunk_meta` and :func:`read_range` take)."""
+    return lambda size, offset: os.pread(fd, size, offset)
+
+
+def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerprint: str,
+                    session_id: str) -> ChunkMeta:
+    """Reads and validates a chunk's header through ``pread(size, offset)`` (a file, a remote value).
+
+    Raises:
+        FormatError: On any doubt.
+    """
     if file_size < 8:
         raise FormatError("file too short for a safetensors header")
-    (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    raw = pread(8, 0)
+    if len(raw) != 8:
+        raise FormatError("short read of the header length")
+    (header_len,) = struct.unpack("<Q", raw)
     if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
         raise FormatError("header length out of range")
-    raw = os.pread(fd, header_len, 8)
+    raw = pread(header_len, 8)
+    if len(raw) != header_len:
+        raise FormatError("short read of the header")
     try:
         header = json.loads(raw)
         meta = header.pop("__metadata__")
@@ -183,9 +199,29 @@ def _validate_layout(header: dict, sums: dict, n: int, geometry: tuple, dtype: t
     return offsets
 
 
-def read_range(fd: int, begin: int, end: int, name: str, meta: ChunkMeta) -> bytes:
-    """Reads one tensor's bytes and verifies its checksum."""
-    data = os.pread(fd, end - begin, begin)
+def chunk_digest(data: bytes) -> str:
+    """The digest of an encoded chunk (what :func:`encode_chunk` returned for it), from its header.
+
+    Raises:
+        FormatError: The bytes are not a chunk of this format.
+    """
+    try:
+        (header_len,) = struct.unpack("<Q", data[:8])
+        if header_len > MAX_HEADER_BYTES:
+            raise FormatError("header length out of range")
+        meta = json.loads(bytes(data[8 : 8 + header_len]))["__metadata__"]
+        if meta.get("format") != FORMAT:
+            raise FormatError(f"format {meta.get('format')!r} is not {FORMAT!r}")
+        return metadata_digest(meta)
+    except FormatError:
+        raise
+    except Exception as exc:
+        raise FormatError(f"unreadable header: {exc}") from exc
+
+
+def read_range(pread: Callable[[int, int], bytes], begin: int, end: int, name: str, meta: ChunkMeta) -> bytes:
+    """Reads one tensor's bytes through ``pread(size, offset)`` and verifies its checksum."""
+    data = pread(end - begin, begin)
     if len(data) != end - begin:
         raise FormatError(f"short read of {name}: the file is truncated")
     if checksum(data) != meta.checksums[name]:

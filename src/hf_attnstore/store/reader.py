@@ -166,11 +166,13 @@ class LoadPlanning:
     """The store's load decisions: methods of :class:`~.store.AttnStore`, run under its lock."""
 
     def _start_load(self, e: Entry, must_fit: bool = False) -> bool:
-        """Starts loading a disk-only session into host memory. A prefetch (`must_fit`) is skipped rather
-        than overshooting the host limit; a load a turn waits for may overshoot by this one session."""
-        assert e.host is None and e.manifest is not None, "only sessions found only on disk are loaded"
+        """Starts loading a session found only below host memory (on disk, else in the remote tier). A
+        prefetch (`must_fit`) is skipped rather than overshooting the host limit; a load a turn waits for may
+        overshoot by this one session."""
+        assert e.host is None and (e.manifest or e.remote) is not None, "only sessions below host are loaded"
+        manifest, tier = (e.manifest, self._disk) if e.manifest is not None else (e.remote, self._remote)
         (layers, heads, dim), dtype = e.layout
-        length = e.manifest.length
+        length = manifest.length
         # Exactly the session's size: the next turn appends in a new segment, without copying this one.
         buf = self._host.for_load(e.layout[0], dtype, length)
         if buf.nbytes > self.config.host_bytes:
@@ -179,13 +181,12 @@ class LoadPlanning:
         position = self._host.position(e.key) if must_fit else None
         if not self._make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
             return False
-        buf.parts[0][0].token_ids[:length].copy_(e.manifest.token_ids)
+        buf.parts[0][0].token_ids[:length].copy_(manifest.token_ids)
         e.loading = LoadHandle(layers, self.config.read_buffer_layers, self.config.io_timeout_s)
         e.pins += 1
         self._set_host(e, buf)
         self._loads_active += 1
-        e.load_job = LoadJob(e.key, e.loading, e.manifest, buf, PREFETCH if must_fit else DEMAND, tier=self._disk,
-                             entry=e)
+        e.load_job = LoadJob(e.key, e.loading, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e)
         self._loader.submit(e.load_job)
         return True
 
@@ -195,15 +196,26 @@ class LoadPlanning:
             e = job.entry
             e.pins -= 1
             self._loads_active -= 1
-            self._stats.bytes_read += job.nbytes
-            self._stats.read_seconds += job.seconds
+            remote = job.tier is not self._disk
+            if remote:
+                self._stats.remote_bytes_read += job.nbytes
+                self._stats.remote_read_seconds += job.seconds
+            else:
+                self._stats.bytes_read += job.nbytes
+                self._stats.read_seconds += job.seconds
             if e.loading is job.handle:
                 e.loading, e.load_job = None, None
             if error is not None:
                 self._stats.load_errors += 1
-                self._once.warning("load", "disk tier: session %r could not be loaded (%s); it is removed and will "
-                                "be recomputed", e.key[1], error)
+                self._stats.remote_errors += remote
+                self._once.warning("load", "%s tier: session %r could not be loaded (%s); it is removed and will "
+                                   "be recomputed", job.tier.name, e.key[1], error)
                 if self._entries.get(e.key) is e:
                     self._drop(e)
+            elif remote and self._entries.get(e.key) is e:
+                # Local now: written to disk behind the turn, like a session the turn computed.
+                e.remote = None
+                e.last_write = time.monotonic()
+                self._dirty.add(e.key)
             self._cond.notify_all()
 

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +47,7 @@ class SaveJob:
     start: int
     end: int
     first_chunk: int  # the job writes chunks first_chunk, first_chunk + 1, ... (names reserved for it)
+    mirrored: frozenset = frozenset()  # digests of the session's chunks already in the mirror tier
 
 
 @dataclass(eq=False)
@@ -58,13 +59,17 @@ class SaveResult:
     reserved: int  # tier bytes the store reserved for the job's files
     seconds: float
     error: BaseException | None
+    mirrored: set[str] = field(default_factory=set)  # chunk digests now in the mirror tier
+    mirror_bytes: int = 0
+    mirror_error: BaseException | None = None
 
 
 class SaveThread:
     """Runs the store's save jobs on one thread (see the module docstring)."""
 
-    def __init__(self, store: AttnStore, tier: Tier, chunk_tokens: int, timeout_s: float):
+    def __init__(self, store: AttnStore, tier: Tier, chunk_tokens: int, timeout_s: float, mirror: Tier | None = None):
         self.store, self.tier, self.chunk_tokens, self.timeout_s = store, tier, chunk_tokens, timeout_s
+        self.mirror = mirror  # the shared remote tier: a copy of what `tier` holds, written behind it
         self.thread = threading.Thread(target=self._run, name="attnstore-save", daemon=True)
         self.thread.start()
 
@@ -85,7 +90,9 @@ class SaveThread:
     def _write(self, job: SaveJob) -> SaveResult:
         fp, sid = key = job.entry.key
         spans, pending = list(job.base.spans), []
-        new_chunks, reserved, manifest, manifest_size, error = {}, 0, None, 0, None
+        new_chunks, reserved, manifest, manifest_bytes, manifest_size, error = {}, 0, None, None, 0, None
+        mirroring = self.mirror is not None and self.mirror.available()
+        copies = []  # (digest, future) of chunks put in the mirror tier
         started = time.perf_counter()
         try:
             # Each chunk is chained to its history: the digest of every id before it, and the previous chunk.
@@ -101,14 +108,16 @@ class SaveThread:
                                             spans[-1].digest if spans else "")
                 reserved += self.store._reserve_disk(job.entry, len(data))
                 pending.append((name, b - a, self.tier.put(key, name + CHUNK_SUFFIX, data)))
+                if mirroring and digest not in job.mirrored:  # the same bytes, on the mirror's writer thread
+                    copies.append((digest, self.mirror.put(key, name + CHUNK_SUFFIX, data)))
                 history.update(tensor_bytes(ids))
                 spans.append(Span(name, 0, b - a, digest))
             for name, tokens, future in pending:
                 new_chunks[name] = (future.result(self.timeout_s), tokens)
             manifest = Manifest(fp, sid, job.snap.token_ids[: job.end].clone(), tuple(spans), next_chunk)
-            data = manifest.encode()
-            reserved += self.store._reserve_disk(job.entry, len(data))
-            manifest_size = self.tier.put(key, MANIFEST, data).result(self.timeout_s)
+            manifest_bytes = manifest.encode()
+            reserved += self.store._reserve_disk(job.entry, len(manifest_bytes))
+            manifest_size = self.tier.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
         except Exception as exc:  # this session's failure (full disk, I/O error, bad data): reported, not fatal
             error, manifest = exc, None
             for name, tokens, future in pending:  # let every write land before its files are collected
@@ -116,13 +125,40 @@ class SaveThread:
                 if size is not None:
                     new_chunks[name] = (size, tokens)
         seconds = time.perf_counter() - started
+        result = SaveResult(manifest, new_chunks, manifest_size, set(), reserved, seconds, error)
+        if mirroring:
+            self._copy_to_mirror(job, manifest, manifest_bytes if manifest is not None else None, copies, result)
         # Collect garbage before reporting completion, so that a flush() covers it.
         keep, current = self.store._files_to_keep(job, manifest)
         try:
             self.tier.remove(key, keep if current else None)
         except OSError as exc:
             self.store._once.warning("gc", "disk tier: removing unused files of session %r failed (%s)", sid, exc)
-        return SaveResult(manifest, new_chunks, manifest_size, keep, reserved, seconds, error)
+        result.keep = keep
+        return result
+
+    def _copy_to_mirror(self, job: SaveJob, manifest: Manifest | None, manifest_bytes: bytes | None,
+                        copies: list, result: SaveResult) -> None:
+        """Completes the mirror's copy of the session: chunks it lacks (read back from `tier`), then the
+        manifest once every chunk it names is there. A failure is counted, never the session's failure."""
+        key = job.entry.key
+        try:
+            if manifest is not None:
+                # Chunks of earlier saves that the mirror does not have yet (it was down, or is new).
+                for span in manifest.spans:
+                    if span.digest not in job.mirrored | {d for d, _ in copies}:
+                        data = self.tier.read_file(key, span.chunk + CHUNK_SUFFIX)
+                        copies.append((span.digest, self.mirror.put(key, span.chunk + CHUNK_SUFFIX, data)))
+            for digest, future in copies:
+                result.mirror_bytes += future.result(self.timeout_s)
+                result.mirrored.add(digest)
+            if manifest is not None:
+                result.mirror_bytes += self.mirror.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
+        except Exception as exc:  # the mirror is a copy: the session stays durable on `tier`
+            result.mirror_error = exc
+            for digest, future in copies:
+                if _settle(future, self.timeout_s) is not None:
+                    result.mirrored.add(digest)
 
 
 def _settle(future: Future, timeout: float) -> int | None:
@@ -203,7 +239,7 @@ class SavePlanning:
         # replacing this one, so a chunk file never changes once a manifest may reference it.
         first = self._next_chunk.get(e.key, 0)
         self._next_chunk[e.key] = first + -(-(end - start) // chunk)
-        return SaveJob(e, e.generation, buf.snapshot(), base, start, end, first)
+        return SaveJob(e, e.generation, buf.snapshot(), base, start, end, first, frozenset(e.mirrored))
 
     def _files_to_keep(self, job: SaveJob, manifest: Manifest | None) -> tuple[set[str], bool]:
         """The session's chunks that must stay after a save, and whether the session is still indexed (a
@@ -231,6 +267,12 @@ class SavePlanning:
                 files = {name: size for name, size in
                          {**e.files, **{n: c[0] for n, c in result.new_chunks.items()}}.items() if name in result.keep}
                 self._set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
+                e.mirrored |= result.mirrored
+            self._stats.remote_bytes_written += result.mirror_bytes
+            if result.mirror_error is not None:
+                self._stats.remote_errors += 1
+                self._once.warning("mirror", "remote tier: copying session %r failed (%s); it stays on disk and is "
+                                   "copied again with its next save", e.key[1], result.mirror_error)
         self._finish_persist(e, job.generation, result.manifest, result.new_chunks, result.seconds, result.error)
 
     def _finish_persist(self, e, generation, manifest, new_chunks, seconds, error) -> None:

@@ -12,6 +12,7 @@ class StoreStats:
     lookups: int = 0
     hits_host: int = 0
     hits_disk: int = 0
+    hits_remote: int = 0  # found in the shared remote tier (not local, or longer there)
     misses: int = 0
     appended_tokens: int = 0
     demotions: int = 0  # host -> disk
@@ -28,6 +29,10 @@ class StoreStats:
     read_seconds: float = 0.0
     bytes_written: int = 0
     write_seconds: float = 0.0
+    remote_bytes_read: int = 0
+    remote_read_seconds: float = 0.0
+    remote_bytes_written: int = 0
+    remote_errors: int = 0  # failed remote calls (lookups, loads, copies): each one a miss or a skipped copy
     sessions: int = 0
     host_sessions: int = 0
     disk_sessions: int = 0
@@ -40,7 +45,7 @@ class StoreStats:
 
     @property
     def hits(self) -> int:
-        return self.hits_host + self.hits_disk
+        return self.hits_host + self.hits_disk + self.hits_remote
 
     @property
     def read_gbps(self) -> float:

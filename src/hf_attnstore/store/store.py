@@ -33,10 +33,11 @@ from .buffer import SessionBuffer, SessionKV, ranges
 from .host import HostTier
 from .config import StoreConfig
 from .disk import DiskTier
-from .format import Manifest
+from .format import FormatError, Manifest
 from .entry import Entry, Key, Write, blocks, validate_session_id
 from .placement import choose_victims
 from .reader import LoadPlanning, LoadThread
+from .remote import RemoteTier, RemoteUnavailableError
 from .saver import NoDiskRoom, SavePlanning, SaveThread
 from .stats import StoreStats
 from .writer import TurnWriter
@@ -97,14 +98,19 @@ class AttnStore(LoadPlanning, SavePlanning):
         self._disk = DiskTier(self.config.disk_dir, fsync=self.config.fsync,
                               timeout_s=self.config.io_timeout_s) if self.config.disk_dir else None
         self._threads: list[threading.Thread] = []
+        self._remote: RemoteTier | None = None
         if self._disk is not None:
             try:
                 self._reopen()
+                if self.config.remote is not None:
+                    self._remote = RemoteTier(self.config.remote, self.config.remote_ttl_s,
+                                              self.config.remote_timeout_s)
             except BaseException:
                 self._disk.close()
                 raise
             self._loader = LoadThread(self._finish_load, self.config.io_timeout_s)
-            self._saver = SaveThread(self, self._disk, self.config.chunk_tokens, self.config.io_timeout_s)
+            self._saver = SaveThread(self, self._disk, self.config.chunk_tokens, self.config.io_timeout_s,
+                                     mirror=self._remote)
             self._threads += [self._loader.thread, self._saver.thread]
 
     # -- public API -----------------------------------------------------------------------------------
@@ -118,15 +124,18 @@ class AttnStore(LoadPlanning, SavePlanning):
     def lookup(self, session_id: str, fingerprint: str) -> SessionKV | None:
         """A snapshot of the session's KV for this model, or ``None`` (a miss).
 
-        A session found only on disk starts loading into host memory at once; the snapshot's
-        :meth:`~SessionKV.layer` waits for each layer as needed.
+        A session found only below host memory starts loading into it at once; the snapshot's
+        :meth:`~SessionKV.layer_parts` waits for each layer as needed. With a remote tier, the session is
+        also looked up there (one round trip): when it is missing here, or longer there (another server
+        extended it), the remote copy is loaded.
         """
         key = (fingerprint, validate_session_id(session_id))
+        found = self._remote_lookup(key)  # network I/O: outside the lock
         with self._lock:
             self._check_open()
             self._expire()
             self._stats.lookups += 1
-            e = self._entries.get(key)
+            e = self._adopt_remote(key, found)
             if e is None or e.length == 0:
                 self._stats.misses += 1
                 return None
@@ -136,11 +145,51 @@ class AttnStore(LoadPlanning, SavePlanning):
                 if e.load_job is not None:
                     self._loader.promote(e.load_job)  # a prefetch this turn now waits for
                 return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation)
+            tier = "disk" if e.manifest is not None else "remote"
             if not self._start_load(e):
                 self._stats.misses += 1
                 return None
-            self._stats.hits_disk += 1
-            return e.host.snapshot(loader=e.loading, tier="disk", generation=e.generation)
+            if tier == "disk":
+                self._stats.hits_disk += 1
+            else:
+                self._stats.hits_remote += 1
+            return e.host.snapshot(loader=e.loading, tier=tier, generation=e.generation)
+
+    def _remote_lookup(self, key: Key) -> tuple[Manifest, tuple] | None:
+        """The remote tier's manifest of the session and its layout, or None (absent, or the tier failed:
+        counted, a miss). Called without the lock."""
+        remote = self._remote
+        if remote is None or not remote.available():
+            return None
+        try:
+            manifest = remote.manifest(key)
+            if manifest is None:
+                return None
+            with remote.get(key, manifest.spans[0].chunk) as chunk:
+                return manifest, (chunk.meta.geometry, chunk.meta.dtype)
+        except (RemoteUnavailableError, FormatError) as exc:
+            with self._lock:
+                self._stats.remote_errors += 1
+            self._once.warning("remote_lookup", "remote tier: a lookup failed (%s); served as a miss", exc)
+            return None
+
+    def _adopt_remote(self, key: Key, found: tuple[Manifest, tuple] | None) -> Entry | None:
+        """The entry a lookup uses (lock held): the local one, unless the remote copy is longer and the local
+        one can be replaced (nothing reads or writes it). Last writer wins, as for the remote tier itself."""
+        e = self._entries.get(key)
+        if found is None:
+            return e
+        manifest, layout = found
+        self._apply_ended_turns()
+        if e is not None and (e.length >= manifest.length or e.pins or e.writers or e.loading is not None):
+            return e
+        if e is not None:
+            self._drop(e)  # a stale local copy (another server extended the session)
+        e = Entry(key=key, layout=layout, remote=manifest)
+        e.mirrored = {span.digest for span in manifest.spans}
+        e.last_access = time.monotonic()
+        self._entries[key] = e
+        return e
 
     def open_turn(self, session_id: str, fingerprint: str, base: SessionKV | None, keep: torch.Tensor) -> "TurnWriter":
         """Starts a turn: its writes make the session ``base[keep]`` followed by what it appends.
@@ -158,10 +207,19 @@ class AttnStore(LoadPlanning, SavePlanning):
         return writer
 
     def prefetch(self, session_ids, fingerprint: str | None = None) -> int:
-        """Starts loading these sessions from disk into host memory. Returns how many loads started."""
+        """Starts loading these sessions from lower tiers into host memory. Returns how many loads started.
+
+        With `fingerprint` and a remote tier, sessions are also looked up there (one round trip each).
+        """
         wanted = [validate_session_id(s) for s in session_ids]
+        found = {}
+        if fingerprint is not None and self._remote is not None:
+            for sid in dict.fromkeys(wanted):
+                found[sid] = self._remote_lookup((fingerprint, sid))  # network I/O: outside the lock
         with self._lock:
             self._check_open()
+            for sid, hit in found.items():
+                self._adopt_remote((fingerprint, sid), hit)
             # Remembered, in order: sessions that do not fit yet are fetched when a write-out frees room.
             self._wanted = [(fingerprint, sid) for sid in dict.fromkeys(wanted)]
             return self._retry_prefetch()
@@ -170,7 +228,7 @@ class AttnStore(LoadPlanning, SavePlanning):
         started = 0
         for fingerprint, sid in self._wanted:
             for e in [e for k, e in self._entries.items() if k[1] == sid and (fingerprint is None or k[0] == fingerprint)]:
-                if e.host is None and e.manifest is not None:
+                if e.host is None and (e.manifest or e.remote) is not None:
                     if not self._start_load(e, must_fit=True):
                         return started  # in order: a later session must not take the room of an earlier one
                     started += 1
@@ -201,6 +259,8 @@ class AttnStore(LoadPlanning, SavePlanning):
             victims = [e for k, e in self._entries.items() if k[1] == session_id]
             for e in victims:
                 self._drop(e)
+                if self._remote is not None:
+                    self._remote.remove(e.key)  # queued behind its pending writes: never resurrected
             return bool(victims)
 
     def flush(self, timeout: float | None = None) -> None:
@@ -256,7 +316,7 @@ class AttnStore(LoadPlanning, SavePlanning):
                 return None
             if e.host is not None:
                 return e.host.snapshot().token_ids.clone()
-            return e.manifest.token_ids.clone()
+            return (e.manifest or e.remote).token_ids.clone()
 
     def tier_of(self, session_id: str, fingerprint: str) -> str | None:
         """``"host"``, ``"disk"`` or ``None``: where the session's KV is now."""
@@ -265,7 +325,7 @@ class AttnStore(LoadPlanning, SavePlanning):
             e = self._entries.get((fingerprint, session_id))
             if e is None:
                 return None
-            return "host" if e.host is not None else "disk"
+            return "host" if e.host is not None else "disk" if e.manifest is not None else "remote"
 
     def sessions(self) -> list[str]:
         """Session ids with stored KV (for any model)."""
@@ -294,6 +354,8 @@ class AttnStore(LoadPlanning, SavePlanning):
                 thread.join(timeout=self.config.io_timeout_s)
             if self._disk is not None:
                 self._disk.close()
+            if self._remote is not None:
+                self._remote.close()
 
     def __enter__(self) -> "AttnStore":
         return self

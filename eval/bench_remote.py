@@ -1,0 +1,107 @@
+"""Resuming a session from the shared remote tier (a local redis-server) vs from disk vs the ideal.
+
+    python eval/bench_remote.py --history 2048 --new 128 --reps 5
+
+One prefill of `--new` tokens after `--history` tokens of SmolLM2: the ideal keeps the history's KV resident
+in a DynamicCache; "AS-disk" resumes it from this store's disk tier (the page cache is warm: what a recently
+demoted session costs); "AS-remote" resumes it on a second store, with its own empty host and disk tiers,
+from Redis, as a replica behind a load balancer does. Variants are interleaved per repetition. Load
+bandwidth comes from the stores' counters (bytes read over the load thread's time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
+from hf_attnstore.store.redis_server import RedisServer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_tiers import history_snapshot  # noqa: E402
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--history", type=int, default=2048)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    model, _ = load_default_model()
+    H, N = args.history, args.new
+    ids = torch.randint(100, model.config.vocab_size, (1, H + N), generator=torch.Generator().manual_seed(0))
+    resident, fp, snapshot = history_snapshot(model, ids, H)
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
+        opts = dict(host_bytes="8GiB", remote=server.url, fsync=False)
+        a = AttnStore(disk_dir=Path(tmp) / "a", **opts)
+
+        def ideal(_):
+            cache = DynamicCache()
+            for i, layer in enumerate(resident.layers):
+                cache.update(layer.keys.clone(), layer.values.clone(), i)
+            t = time.perf_counter()
+            model(ids[:, H:], past_key_values=cache)
+            return time.perf_counter() - t
+
+        def stored(rep: int) -> str:
+            sid = f"s{rep}-{random.random()}"
+            with a.open_turn(sid, fp, None, torch.arange(0)) as writer:
+                writer.append(*snapshot)
+            a.flush()
+            a.evict(sid)
+            return sid
+
+        def resume(store, sid):
+            t = time.perf_counter()
+            with AttnStoreCache(model, store, sid, ids) as cache:
+                model(cache.input_ids[:, H:], past_key_values=cache)
+            assert cache.reused_tokens == H, cache.reused_tokens
+            return time.perf_counter() - t, cache.kv_source
+
+        def disk(rep):
+            elapsed, source = resume(a, stored(rep))
+            assert source == "disk", source
+            return elapsed
+
+        def remote(rep):
+            sid = stored(rep)
+            b = AttnStore(disk_dir=Path(tmp) / f"b{rep}", **opts)  # another replica: nothing local
+            elapsed, source = resume(b, sid)
+            assert source == "remote", source
+            remote_stats.append(b.stats())
+            b.close(flush=False)
+            return elapsed
+
+        remote_stats = []
+        ideal(0), disk(-1), remote(-1)
+        remote_stats.clear()
+        rows = {"ideal": [], "AS-disk": [], "AS-remote": []}
+        fns = {"ideal": ideal, "AS-disk": disk, "AS-remote": remote}
+        for rep in range(args.reps):
+            for v in sorted(rows, key=lambda _: random.Random(rep).random()):
+                rows[v].append(fns[v](rep))
+        base = statistics.median(rows["ideal"])
+        print(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads; history {H}, new {N}, {args.reps} reps "
+              f"(interleaved)")
+        for v, xs in rows.items():
+            print(f"  {v:<10} median {1000 * statistics.median(xs):7.1f} ms  min {1000 * min(xs):7.1f} ms  "
+                  f"{statistics.median(xs) / base:5.2f} x ideal (median)  {min(xs) / min(rows['ideal']):5.2f} x (min)")
+        s = a.stats()
+        rb = sum(x.remote_bytes_read for x in remote_stats)
+        rs = sum(x.remote_read_seconds for x in remote_stats)
+        print(f"  load bandwidth: disk {s.read_gbps:.2f} GB/s, remote {rb / rs / 1e9 if rs else 0:.2f} GB/s "
+              f"({rb / len(remote_stats) / 1e6:.0f} MB per session)")
+        a.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""The shared remote tier on Redis: several servers resume each other's sessions.
+
+It implements the lower-tier interface (tier.py) over a Redis (or Valkey) server that many stores share.
+Values hold the same bytes as the disk tier's files, so a chunk read from Redis is checked exactly as one
+read from disk (format version, fingerprint, session id, chained prefix digest, checksums).
+
+Keys (no hash tag: in Redis Cluster a session's chunks spread over the nodes, so a load reads from several
+at once; nothing needs two keys in one slot, as no write is a multi-key transaction):
+
+- ``attnstore:2:<h>:m``: the session's manifest, ``h`` = the session folder name (a hash of the model
+  fingerprint, already salted with ``namespace``, and the session id).
+- ``attnstore:2:<h>:c:<digest>``: a chunk, named by its digest. Content addressing is what makes several
+  writers safe: a name always holds the same bytes, so a replica never overwrites a chunk another
+  replica's manifest pins. Manifests are last-writer-wins; the chain makes any mix a miss.
+
+Chunks are never deleted by a store (another replica's manifest may pin them): they expire with
+``remote_ttl_s`` or are evicted by Redis (``maxmemory-policy allkeys-lru``). A manifest whose chunks
+vanished is served up to its last chunk still present (the verified prefix).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from urllib.parse import urlsplit, urlunsplit
+
+import torch
+import xxhash
+
+from .format import (
+    FORMAT,
+    ChunkMeta,
+    FormatError,
+    Manifest,
+    Span,
+    bytes_to_tensor,
+    chunk_digest,
+    layer_names,
+    read_chunk_meta,
+    read_range,
+    session_dirname,
+)
+from .disk import MANIFEST
+from .tier import ChunkReader, Key, SerialWriter, Tier
+
+logger = logging.getLogger(__name__)
+PREFIX = "attnstore:" + FORMAT.rsplit("/", 1)[-1] + ":"
+MAX_VALUE_BYTES = 512 * 1024 * 1024  # Redis's limit on one string value
+BACKOFF_S = 5.0  # after a failure, the tier is skipped this long
+
+
+class RemoteUnavailableError(RuntimeError):
+    """The remote tier cannot be reached or refused us (wrong password, wrong database)."""
+
+
+def redacted(url: str) -> str:
+    """The URL without its password (in the user part or a ``password=`` query): never logged or raised."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        host = netloc.rsplit("@", 1)[1]
+        netloc = f"{parts.username or ''}:***@{host}"
+    query = "&".join("password=***" if q.startswith("password=") else q for q in parts.query.split("&")) \
+        if parts.query else ""
+    if not netloc:  # unix:///path: urlunsplit would drop the empty authority
+        return f"{parts.scheme}://{parts.path}" + (f"?{query}" if query else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+class RemoteChunk(ChunkReader):
+    """A chunk value read with ``GETRANGE``: one round trip per layer (its keys and values, pipelined)."""
+
+    def __init__(self, tier: "RemoteTier", name: str, size: int, fp: str, sid: str):
+        self.tier, self.name = tier, name
+        self.meta: ChunkMeta = read_chunk_meta(self._pread, size, fp, sid)
+
+    def _pread(self, size: int, offset: int) -> bytes:
+        if size <= 0:
+            return b""
+        return self.tier._call(self.tier.client.getrange, self.name, offset, offset + size - 1)
+
+    def ids(self) -> torch.Tensor:
+        begin, end = self.meta.offsets["ids"]
+        return bytes_to_tensor(read_range(self._pread, begin, end, "ids", self.meta), torch.int64,
+                               [self.meta.n_tokens])
+
+    def read_layer_into(self, layer, start, end, keys_out, values_out) -> int:
+        names = layer_names(layer)
+        pipe = self.tier.client.pipeline(transaction=False)
+        for name in names:
+            begin, stop = self.meta.offsets[name]
+            pipe.getrange(self.name, begin, stop - 1)
+        datas = self.tier._call(pipe.execute)
+        nbytes = 0
+        _, heads, dim = self.meta.geometry
+        for name, data, out in zip(names, datas, (keys_out, values_out)):
+            begin, stop = self.meta.offsets[name]
+            if len(data) != stop - begin:
+                raise FormatError(f"short read of {name}: the value was evicted or replaced")
+            if xxhash.xxh64(data).hexdigest() != self.meta.checksums[name]:
+                raise FormatError(f"checksum mismatch in {name}")
+            tensor = bytes_to_tensor(data, self.meta.dtype, [1, heads, self.meta.n_tokens, dim])
+            out.copy_(tensor[:, :, start:end])
+            nbytes += len(data)
+        return nbytes
+
+    def close(self) -> None:
+        pass  # nothing held: the connection goes back to the pool after each call
+
+
+class RemoteTier(Tier):
+    """Sessions in a Redis server shared by several stores (see the module docstring).
+
+    Args:
+        url: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS) or ``unix:///path?db=0``.
+        ttl_s: Expiry of every value written (``None``: kept until Redis evicts it).
+        timeout_s: Socket timeout of each call, and how long :meth:`close` waits for writes.
+
+    Raises:
+        RemoteUnavailableError: The server cannot be reached, or refuses the credentials (the message names
+            the URL without its password).
+    """
+
+    name = "remote"
+
+    def __init__(self, url: str, ttl_s: float | None = None, timeout_s: float = 5.0):
+        import redis  # the `redis` client is only needed with a remote tier
+
+        self.url, self.ttl_s, self.timeout_s = redacted(url), ttl_s, timeout_s
+        self._redis = redis
+        try:
+            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                               health_check_interval=30)
+            self.client.ping()
+        except redis.AuthenticationError as exc:
+            raise RemoteUnavailableError(f"the remote tier {self.url} refused the credentials ({exc}): check the "
+                                         "user and password in the URL") from None
+        except (redis.RedisError, ValueError, OSError) as exc:
+            raise RemoteUnavailableError(f"the remote tier {self.url} cannot be reached ({exc})") from None
+        self._writer = SerialWriter("attnstore-remote-write")
+        self._down_until = 0.0
+
+    def available(self) -> bool:
+        """False for `BACKOFF_S` after a failed call: callers skip the tier (a miss) rather than wait on a
+        dead server at every turn (a circuit breaker)."""
+        return time.monotonic() >= self._down_until
+
+    def _call(self, fn, *args):
+        """One Redis call; any failure of the server or the connection is a RemoteUnavailableError."""
+        try:
+            return fn(*args)
+        except (self._redis.RedisError, OSError) as exc:
+            self._down_until = time.monotonic() + BACKOFF_S
+            raise RemoteUnavailableError(f"the remote tier {self.url} failed: {exc}") from exc
+
+    @staticmethod
+    def key_of(key: Key, suffix: str) -> str:
+        return f"{PREFIX}{session_dirname(*key)}:{suffix}"
+
+    # -- the tier interface ---------------------------------------------------------------------------
+    def put(self, key: Key, name: str, data: bytes) -> "Future[int]":
+        if self._writer is None:
+            future: Future = Future()
+            future.set_exception(RuntimeError(f"the remote tier {self.url} is closed"))
+            return future
+        return self._writer.submit(self._put, key, name, data)
+
+    def _put(self, key: Key, name: str, data: bytes) -> int:
+        if name == MANIFEST:
+            # Chunks are stored by digest: the manifest names them so (the digests it pins).
+            manifest = Manifest.decode(data, key[0])
+            spans = tuple(Span(s.digest, s.start, s.end, s.digest, s.rebased) for s in manifest.spans)
+            data = Manifest(manifest.fingerprint, manifest.session_id, manifest.token_ids, spans, 0).encode()
+            target = self.key_of(key, "m")
+        else:
+            target = self.key_of(key, "c:" + chunk_digest(data))
+        if len(data) > MAX_VALUE_BYTES:
+            raise ValueError(f"a value of {len(data)} bytes is over Redis's 512 MB limit: lower `chunk_tokens`")
+        ttl = None if self.ttl_s is None else max(1, int(self.ttl_s))
+        self._call(self.client.set, target, data, ttl)
+        return len(data)
+
+    def get(self, key: Key, chunk: str) -> RemoteChunk:
+        name = self.key_of(key, "c:" + chunk)
+        size = self._call(self.client.strlen, name)
+        if not size:
+            raise FormatError(f"chunk {chunk[:12]} is not in the remote tier (expired or evicted)")
+        return RemoteChunk(self, name, size, *key)
+
+    def manifest(self, key: Key) -> Manifest | None:
+        """The session's manifest, cut to its chunks still present (Redis may have evicted later ones).
+
+        Raises:
+            RemoteUnavailableError: The server failed (the caller treats it as a miss and counts it).
+        """
+        data = self._call(self.client.get, self.key_of(key, "m"))
+        if data is None:
+            return None
+        try:
+            manifest = Manifest.decode(data, key[0])
+        except FormatError as exc:
+            logger.warning("remote tier: a damaged manifest for a session is ignored (%s)", exc)
+            return None
+        if manifest.session_id != key[1]:
+            return None
+        pipe = self.client.pipeline(transaction=False)
+        for span in manifest.spans:
+            pipe.exists(self.key_of(key, "c:" + span.chunk))
+        present, end = self._call(pipe.execute), 0
+        for span, here in zip(manifest.spans, present):
+            if not here:
+                break
+            end += span.length
+        if end < manifest.length:
+            manifest = manifest.select([(0, end)]) if end else None
+        return manifest
+
+    def remove(self, key: Key, keep: set[str] | None = None) -> None:
+        """Deletes the session's manifest, in order after the writes queued before (never blocks).
+
+        Only the manifest: chunks are content-addressed and may be pinned by another replica's manifest;
+        they expire (`remote_ttl_s`) or are evicted by Redis. Garbage collection (`keep`) is a no-op."""
+        if keep is None and self._writer is not None:
+            self._writer.submit(self._call, self.client.delete, self.key_of(key, "m"))
+
+    def close(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            if not writer.close(self.timeout_s):
+                logger.warning("remote tier: a write to %s did not finish within %s s at close", self.url,
+                               self.timeout_s)
+            self.client.close()
+

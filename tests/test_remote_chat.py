@@ -1,0 +1,37 @@
+"""Two servers (two stores, each with its own host and disk tiers) share one Redis: a conversation that
+alternates between them reuses the other's KV at every turn, with the tokens of full recomputation."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from hf_attnstore import AttnStore, AttnStoreCache
+from hf_attnstore.store.redis_server import RedisServer
+
+from .conftest import make_tiny, random_ids
+
+GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=16)
+
+
+def test_a_conversation_alternating_between_two_stores_reuses_from_remote(tmp_path):
+    model = make_tiny("llama")
+    with RedisServer(tmp_path / "redis") as server:
+        stores = [AttnStore("16MiB", tmp_path / name, remote=server.url, **FAST) for name in ("a", "b")]
+        hist = random_ids(24, 1)
+        for turn in range(4):
+            store = stores[turn % 2]
+            cache = AttnStoreCache(model, store, "chat", hist)
+            out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
+            expected = model.generate(hist, past_key_values=DynamicCache(), max_new_tokens=5, **GREEDY)
+            assert torch.equal(out, expected), turn
+            if turn:
+                # Everything but the 6 new tokens and the last generated one came from the other store.
+                assert cache.kv_source == "remote" and cache.reused_tokens == hist.shape[1] - 7, turn
+            cache.close()
+            store.flush()  # the turn is written to disk and copied to Redis
+            hist = torch.cat([out, random_ids(6, 100 + turn)], dim=1)
+        for store in stores:
+            assert store.stats().remote_errors == 0
+            store.close()
