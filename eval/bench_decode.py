@@ -109,7 +109,7 @@ def resume(model, args, spent) -> None:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_tiers import history_snapshot
+    from bench_tiers import history_snapshot, ideal_prefill
 
     H, N = args.history, args.new
     ids = torch.randint(100, model.config.vocab_size, (1, H + N), generator=torch.Generator().manual_seed(0))
@@ -118,12 +118,7 @@ def resume(model, args, spent) -> None:
     store = AttnStore(host_bytes="16GiB")
 
     def ideal(_):
-        cache = DynamicCache()
-        for i, layer in enumerate(resident.layers):
-            cache.update(layer.keys.clone(), layer.values.clone(), i)
-        t = time.perf_counter()
-        model(ids[:, H:], past_key_values=cache)
-        return time.perf_counter() - t
+        return ideal_prefill(model, resident, ids, H)
 
     def host(rep):
         with store.open_turn(f"h{rep}", fp, None, torch.arange(0)) as writer:

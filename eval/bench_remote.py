@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
 from hf_attnstore.store.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_tiers import history_snapshot  # noqa: E402
+from bench_tiers import history_snapshot, ideal_prefill  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -45,12 +44,7 @@ def main(argv=None) -> None:
         a = AttnStore(disk_dir=Path(tmp) / "a", **opts)
 
         def ideal(_):
-            cache = DynamicCache()
-            for i, layer in enumerate(resident.layers):
-                cache.update(layer.keys.clone(), layer.values.clone(), i)
-            t = time.perf_counter()
-            model(ids[:, H:], past_key_values=cache)
-            return time.perf_counter() - t
+            return ideal_prefill(model, resident, ids, H)
 
         def stored(rep: int) -> str:
             sid = f"s{rep}-{random.random()}"
