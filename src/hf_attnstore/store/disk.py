@@ -119,28 +119,22 @@ class DiskTier(Tier):
 
     def close(self) -> None:
         """Lets the writes in flight finish (up to `timeout_s`), then releases the folder's lock. Idempotent."""
-        writer, self._writer = self._writer, None
-        if writer is not None and not writer.close(self.timeout_s):
+        if self._writer is not None and not self._writer.close(self.timeout_s):
             logger.warning("disk tier: a write to %s did not finish within %s s at close", self.root, self.timeout_s)
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)  # closing the only descriptor of the lock file releases the flock
 
     def __del__(self):
-        writer, self._writer = getattr(self, "_writer", None), None
-        if writer is not None:
-            writer.close(0)  # lets the thread end after its queue; never blocks a finalizer
+        if getattr(self, "_writer", None) is not None:
+            self._writer.close(0)  # lets the thread end after its queue; never blocks a finalizer
         fd, self._lock_fd = getattr(self, "_lock_fd", None), None
         if fd is not None:
             os.close(fd)
 
     # -- the tier interface (tier.py) -----------------------------------------------------------------
-    def put(self, key: Key, name: str, data: bytes) -> "Future[int]":
-        if self._writer is None:
-            future: Future = Future()
-            future.set_exception(RuntimeError(f"the disk tier {self.root} is closed"))
-            return future
-        return self._writer.submit(self.write_file, key[0], key[1], name, data)
+    def put(self, key: Key, name: str, data: bytes) -> Future[int]:
+        return self._writer.submit(self.write_file, key[0], key[1], name, data)  # fails once closed
 
     def get(self, key: Key, chunk: str) -> DiskChunk:
         fd, meta = self.open_chunk(key[0], key[1], chunk)

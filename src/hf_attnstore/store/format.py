@@ -221,9 +221,14 @@ def chunk_digest(data: bytes) -> str:
 
 def read_range(pread: Callable[[int, int], bytes], begin: int, end: int, name: str, meta: ChunkMeta) -> bytes:
     """Reads one tensor's bytes through ``pread(size, offset)`` and verifies its checksum."""
-    data = pread(end - begin, begin)
+    return verified(pread(end - begin, begin), name, meta)
+
+
+def verified(data: bytes, name: str, meta: ChunkMeta) -> bytes:
+    """`data` if it is all of tensor `name`'s bytes with the checksum the header records; else FormatError."""
+    begin, end = meta.offsets[name]
     if len(data) != end - begin:
-        raise FormatError(f"short read of {name}: the file is truncated")
+        raise FormatError(f"short read of {name}: the file or value is truncated")
     if checksum(data) != meta.checksums[name]:
         raise FormatError(f"checksum mismatch in {name}")
     return data

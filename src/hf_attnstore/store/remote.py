@@ -26,7 +26,6 @@ from concurrent.futures import Future
 from urllib.parse import urlsplit, urlunsplit
 
 import torch
-import xxhash
 
 from .format import (
     FORMAT,
@@ -40,6 +39,7 @@ from .format import (
     read_chunk_meta,
     read_range,
     session_dirname,
+    verified,
 )
 from .disk import MANIFEST
 from .tier import ChunkReader, Key, SerialWriter, Tier
@@ -95,12 +95,8 @@ class RemoteChunk(ChunkReader):
         nbytes = 0
         _, heads, dim = self.meta.geometry
         for name, data, out in zip(names, datas, (keys_out, values_out)):
-            begin, stop = self.meta.offsets[name]
-            if len(data) != stop - begin:
-                raise FormatError(f"short read of {name}: the value was evicted or replaced")
-            if xxhash.xxh64(data).hexdigest() != self.meta.checksums[name]:
-                raise FormatError(f"checksum mismatch in {name}")
-            tensor = bytes_to_tensor(data, self.meta.dtype, [1, heads, self.meta.n_tokens, dim])
+            tensor = bytes_to_tensor(verified(data, name, self.meta), self.meta.dtype,
+                                     [1, heads, self.meta.n_tokens, dim])
             out.copy_(tensor[:, :, start:end])
             nbytes += len(data)
         return nbytes
@@ -139,6 +135,7 @@ class RemoteTier(Tier):
         except (redis.RedisError, ValueError, OSError) as exc:
             raise RemoteUnavailableError(f"the remote tier {self.url} cannot be reached ({exc})") from None
         self._writer = SerialWriter("attnstore-remote-write")
+        self._closed = False
         self._down_until = 0.0
 
     def available(self) -> bool:
@@ -159,12 +156,8 @@ class RemoteTier(Tier):
         return f"{PREFIX}{session_dirname(*key)}:{suffix}"
 
     # -- the tier interface ---------------------------------------------------------------------------
-    def put(self, key: Key, name: str, data: bytes) -> "Future[int]":
-        if self._writer is None:
-            future: Future = Future()
-            future.set_exception(RuntimeError(f"the remote tier {self.url} is closed"))
-            return future
-        return self._writer.submit(self._put, key, name, data)
+    def put(self, key: Key, name: str, data: bytes) -> Future[int]:
+        return self._writer.submit(self._put, key, name, data)  # fails once closed
 
     def _put(self, key: Key, name: str, data: bytes) -> int:
         if name == MANIFEST:
@@ -221,14 +214,13 @@ class RemoteTier(Tier):
 
         Only the manifest: chunks are content-addressed and may be pinned by another replica's manifest;
         they expire (`remote_ttl_s`) or are evicted by Redis. Garbage collection (`keep`) is a no-op."""
-        if keep is None and self._writer is not None:
+        if keep is None:
             self._writer.submit(self._call, self.client.delete, self.key_of(key, "m"))
 
     def close(self) -> None:
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            if not writer.close(self.timeout_s):
+        if not self._closed:
+            self._closed = True
+            if not self._writer.close(self.timeout_s):
                 logger.warning("remote tier: a write to %s did not finish within %s s at close", self.url,
                                self.timeout_s)
             self.client.close()
-

@@ -162,10 +162,13 @@ class SaveThread:
 
 
 def _settle(future: Future, timeout: float) -> int | None:
-    """The size a put wrote, or None when it failed (or did not finish in time)."""
+    """The size a put wrote, or None when it failed (or did not finish in time).
+
+    Used only after the job already has its error: this settles the other writes of the batch so that
+    their files are counted or collected; their own failures add nothing to report."""
     try:
         return future.result(timeout)
-    except Exception:
+    except Exception:  # noqa: BLE001 - see the docstring: the job's first error is the one reported
         return None
 
 

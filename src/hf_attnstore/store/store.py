@@ -159,14 +159,21 @@ class AttnStore(LoadPlanning, SavePlanning):
         """The remote tier's manifest of the session and its layout, or None (absent, or the tier failed:
         counted, a miss). Called without the lock."""
         remote = self._remote
-        if remote is None or not remote.available():
+        if remote is None or self._closed or not remote.available():
             return None
         try:
             manifest = remote.manifest(key)
             if manifest is None:
                 return None
-            with remote.get(key, manifest.spans[0].chunk) as chunk:
-                return manifest, (chunk.meta.geometry, chunk.meta.dtype)
+            with self._lock:  # the common case, a local copy at least as long, needs no more round trips
+                e = self._entries.get(key)
+                if e is not None and e.length >= manifest.length:
+                    return None
+                layout = e.layout if e is not None else None
+            if layout is None:
+                with remote.get(key, manifest.spans[0].chunk) as chunk:
+                    layout = (chunk.meta.geometry, chunk.meta.dtype)
+            return manifest, layout
         except (RemoteUnavailableError, FormatError) as exc:
             with self._lock:
                 self._stats.remote_errors += 1
