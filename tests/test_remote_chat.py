@@ -3,6 +3,7 @@ alternates between them reuses the other's KV at every turn, with the tokens of 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache
 
@@ -15,10 +16,12 @@ GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=16)
 
 
-def test_a_conversation_alternating_between_two_stores_reuses_from_remote(tmp_path):
+@pytest.mark.parametrize("disk", [True, False], ids=["disk+remote", "remote only"])
+def test_a_conversation_alternating_between_two_stores_reuses_from_remote(tmp_path, disk):
     model = make_tiny("llama")
     with RedisServer(tmp_path / "redis") as server:
-        stores = [AttnStore("16MiB", tmp_path / name, remote=server.url, **FAST) for name in ("a", "b")]
+        stores = [AttnStore("16MiB", tmp_path / name if disk else None, remote=server.url, **FAST)
+                  for name in ("a", "b")]
         hist = random_ids(24, 1)
         for turn in range(4):
             store = stores[turn % 2]
@@ -30,7 +33,7 @@ def test_a_conversation_alternating_between_two_stores_reuses_from_remote(tmp_pa
                 # Everything but the 6 new tokens and the last generated one came from the other store.
                 assert cache.kv_source == "remote" and cache.reused_tokens == hist.shape[1] - 7, turn
             cache.close()
-            store.flush()  # the turn is written to disk and copied to Redis
+            store.flush()  # the turn is written to disk and copied to Redis (or written to Redis)
             hist = torch.cat([out, random_ids(6, 100 + turn)], dim=1)
         for store in stores:
             assert store.stats().remote_errors == 0

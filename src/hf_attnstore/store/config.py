@@ -47,8 +47,9 @@ class StoreConfig:
         io_timeout_s: Longest wait for one layer of a load, and for `flush`.
         remote: URL of the shared remote tier (Redis or Valkey): ``redis://[[user]:password@]host:port/db``,
             ``rediss://`` (TLS) or ``unix:///path.sock?db=0``. Sessions are copied there after the disk tier
-            (write-behind), and a session missing here, or longer there (another server extended it), is
-            loaded from it layer by layer. Needs `disk_dir`. ``None`` = no remote tier.
+            (write-behind), or saved there directly when there is no `disk_dir`, and a session missing here, or
+            longer there (another server extended it), is loaded from it layer by layer. ``None`` = no
+            remote tier.
         remote_ttl_s: Expiry of everything written to the remote tier; ``None`` = until Redis evicts it.
         remote_timeout_s: Socket timeout of each remote call. After a failure the remote tier is skipped
             (a miss) for a few seconds, so a dead server never slows every turn.
@@ -88,8 +89,6 @@ class StoreConfig:
             if not isinstance(self.remote, str) or not self.remote.startswith(("redis://", "rediss://", "unix://")):
                 raise ValueError("`remote` must be a redis://, rediss:// or unix:// URL (see StoreConfig), got "
                                  f"{type(self.remote).__name__}")
-            if self.disk_dir is None:
-                raise ValueError("`remote` needs a disk tier below host memory: pass `disk_dir` too")
         for name in ("ttl_s", "idle_flush_s", "io_timeout_s", "remote_ttl_s", "remote_timeout_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -114,7 +114,7 @@ class LoadThread:
                 # the failure and looks the session up again finds a clean miss, never the failed entry.
                 self.done(job, error)
             except Exception as exc:  # never let the loader die: later loads would hang until their timeout
-                logger.exception("disk tier: finishing a load failed (%s); the load thread keeps running", exc)
+                logger.exception("finishing a load failed (%s); the load thread keeps running", exc)
             finally:
                 if error is not None:
                     job.handle.fail(error)
@@ -170,7 +170,9 @@ class LoadPlanning:
         prefetch (`must_fit`) is skipped rather than overshooting the host limit; a load a turn waits for may
         overshoot by this one session."""
         assert e.host is None and (e.manifest or e.remote) is not None, "only sessions below host are loaded"
-        manifest, tier = (e.manifest, self._disk) if e.manifest is not None else (e.remote, self._remote)
+        manifest, tier = (e.manifest, self._lower) if e.manifest is not None else (e.remote, self._remote)
+        if tier is self._remote and not tier.available():
+            return False  # the remote tier failed moments ago: a miss now rather than a wait on a dead server
         (layers, heads, dim), dtype = e.layout
         length = manifest.length
         # Exactly the session's size: the next turn appends in a new segment, without copying this one.
@@ -196,7 +198,7 @@ class LoadPlanning:
             e = job.entry
             e.pins -= 1
             self._loads_active -= 1
-            remote = job.tier is not self._disk
+            remote = job.tier is self._remote
             if remote:
                 self._stats.remote_bytes_read += job.nbytes
                 self._stats.remote_read_seconds += job.seconds
@@ -212,8 +214,8 @@ class LoadPlanning:
                                    "be recomputed", job.tier.name, e.key[1], error)
                 if self._entries.get(e.key) is e:
                     self._drop(e)
-            elif remote and self._entries.get(e.key) is e:
-                # Local now: written to disk behind the turn, like a session the turn computed.
+            elif job.manifest is e.remote and self._entries.get(e.key) is e:
+                # Found remotely, local now: written to disk behind the turn, like a session the turn computed.
                 e.remote = None
                 e.last_write = time.monotonic()
                 self._dirty.add(e.key)

@@ -119,6 +119,7 @@ class RemoteTier(Tier):
     """
 
     name = "remote"
+    content_addressed = True
 
     def __init__(self, url: str, ttl_s: float | None = None, timeout_s: float = 5.0):
         import redis  # the `redis` client is only needed with a remote tier

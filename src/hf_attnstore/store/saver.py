@@ -84,7 +84,7 @@ class SaveThread:
                 if job is not None:
                     self.store._finish_save(job, self._write(job))
             except Exception as exc:  # a bug must not stop every later write: count it, report it, go on
-                logger.exception("disk tier: the save thread hit an unexpected error (%s); it keeps running", exc)
+                logger.exception("the save thread hit an unexpected error (%s); it keeps running", exc)
                 self.store._save_thread_error(exc)
 
     def _write(self, job: SaveJob) -> SaveResult:
@@ -101,11 +101,12 @@ class SaveThread:
             next_chunk = job.first_chunk
             for a in range(job.start, job.end, self.chunk_tokens):
                 self.store._yield_for_save(job.entry)
-                b, name = min(a + self.chunk_tokens, job.end), f"{next_chunk:08d}"
-                next_chunk += 1
+                b = min(a + self.chunk_tokens, job.end)
                 ids, keys, values = job.snap.tensors(a, b)
                 data, digest = encode_chunk(fp, sid, ids, keys, values, history.hexdigest(),
                                             spans[-1].digest if spans else "")
+                name = digest if self.tier.content_addressed else f"{next_chunk:08d}"
+                next_chunk += 1
                 reserved += self.store._reserve_disk(job.entry, len(data))
                 pending.append((name, b - a, self.tier.put(key, name + CHUNK_SUFFIX, data)))
                 if mirroring and digest not in job.mirrored:  # the same bytes, on the mirror's writer thread
@@ -133,7 +134,8 @@ class SaveThread:
         try:
             self.tier.remove(key, keep if current else None)
         except OSError as exc:
-            self.store._once.warning("gc", "disk tier: removing unused files of session %r failed (%s)", sid, exc)
+            self.store._once.warning("gc", "%s tier: removing unused files of session %r failed (%s)", self.tier.name,
+                                     sid, exc)
         result.keep = keep
         return result
 
@@ -267,9 +269,10 @@ class SavePlanning:
         with self._cond:
             self._disk_used -= result.reserved
             if self._entries.get(e.key) is e:
-                files = {name: size for name, size in
-                         {**e.files, **{n: c[0] for n, c in result.new_chunks.items()}}.items() if name in result.keep}
-                self._set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
+                if self._disk is not None:  # the files `disk_bytes` counts (a remote tier's bytes are Redis's)
+                    files = {name: size for name, size in {**e.files, **{n: c[0] for n, c in result.new_chunks.items()}}
+                             .items() if name in result.keep}
+                    self._set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
                 e.mirrored |= result.mirrored
             self._stats.remote_bytes_written += result.mirror_bytes
             if result.mirror_error is not None:
@@ -296,8 +299,9 @@ class SavePlanning:
                         self._drop(e)
             elif error is not None:
                 self._stats.write_errors += 1
-                self._once.warning("write", "disk tier: writing session %r failed (%s); it stays in host memory, its "
-                                "previous durable state is kept, and the write is retried", e.key[1], error)
+                self._once.warning("write", "%s tier: writing session %r failed (%s); it stays in host memory, its "
+                                "previous durable state is kept, and the write is retried", self._lower.name, e.key[1],
+                                error)
                 demoting = e.write is Write.DEMOTE
                 e.last_error, e.write = error, Write.FAILED
                 e.retry_at = time.monotonic() + min(60.0, 2.0 ** min(e.failures, 6))
@@ -312,8 +316,11 @@ class SavePlanning:
                         else:
                             self._drop(e)
             else:
-                self._stats.bytes_written += sum(size for size, _ in new_chunks.values())
-                self._stats.write_seconds += seconds
+                if self._disk is not None:
+                    self._stats.bytes_written += sum(size for size, _ in new_chunks.values())
+                    self._stats.write_seconds += seconds
+                else:  # no disk tier: sessions are saved to the remote tier directly
+                    self._stats.remote_bytes_written += sum(size for size, _ in new_chunks.values())
                 e.failures, e.last_error = 0, None
                 if e.write is Write.FAILED:
                     e.write = Write.BEHIND

@@ -99,18 +99,22 @@ class AttnStore(LoadPlanning, SavePlanning):
                               timeout_s=self.config.io_timeout_s) if self.config.disk_dir else None
         self._threads: list[threading.Thread] = []
         self._remote: RemoteTier | None = None
-        if self._disk is not None:
-            try:
+        try:
+            if self._disk is not None:
                 self._reopen()
-                if self.config.remote is not None:
-                    self._remote = RemoteTier(self.config.remote, self.config.remote_ttl_s,
-                                              self.config.remote_timeout_s)
-            except BaseException:
+            if self.config.remote is not None:
+                self._remote = RemoteTier(self.config.remote, self.config.remote_ttl_s, self.config.remote_timeout_s)
+        except BaseException:
+            if self._disk is not None:
                 self._disk.close()
-                raise
+            raise
+        # The tier sessions are saved to and demoted to: the disk, else the remote tier itself. With both, the
+        # remote tier holds a copy of what is durable on disk (the save thread's mirror).
+        self._lower = self._disk if self._disk is not None else self._remote
+        if self._lower is not None:
             self._loader = LoadThread(self._finish_load, self.config.io_timeout_s)
-            self._saver = SaveThread(self, self._disk, self.config.chunk_tokens, self.config.io_timeout_s,
-                                     mirror=self._remote)
+            self._saver = SaveThread(self, self._lower, self.config.chunk_tokens, self.config.io_timeout_s,
+                                     mirror=self._remote if self._lower is self._disk else None)
             self._threads += [self._loader.thread, self._saver.thread]
 
     # -- public API -----------------------------------------------------------------------------------
@@ -145,7 +149,7 @@ class AttnStore(LoadPlanning, SavePlanning):
                 if e.load_job is not None:
                     self._loader.promote(e.load_job)  # a prefetch this turn now waits for
                 return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation)
-            tier = "disk" if e.manifest is not None else "remote"
+            tier = self._lower.name if e.manifest is not None else "remote"
             if not self._start_load(e):
                 self._stats.misses += 1
                 return None
@@ -192,8 +196,14 @@ class AttnStore(LoadPlanning, SavePlanning):
             return e
         if e is not None:
             self._drop(e)  # a stale local copy (another server extended the session)
-        e = Entry(key=key, layout=layout, remote=manifest)
-        e.mirrored = {span.digest for span in manifest.spans}
+        e = Entry(key=key, layout=layout)
+        if self._lower is self._remote:
+            # No disk tier: the remote copy is the session's durable copy, as a disk copy would be. Its chunks
+            # are named by digest; their token counts are the spans' (a later save may rewrite the last one).
+            self._set_manifest(e, manifest, {s.chunk: (0, s.end) for s in manifest.spans})
+        else:
+            e.remote = manifest
+            e.mirrored = {span.digest for span in manifest.spans}
         e.last_access = time.monotonic()
         self._entries[key] = e
         return e
@@ -253,7 +263,7 @@ class AttnStore(LoadPlanning, SavePlanning):
                     policy.set_queue(list(session_ids))
 
     def evict(self, session_id: str) -> None:
-        """Moves the session out of host memory: to disk (after its pending writes), or drops it."""
+        """Moves the session out of host memory: to the tier below (after its pending writes), or drops it."""
         validate_session_id(session_id)
         with self._lock:
             for e in [e for k, e in self._entries.items() if k[1] == session_id and e.host is not None]:
@@ -271,7 +281,8 @@ class AttnStore(LoadPlanning, SavePlanning):
             return bool(victims)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Waits until every session is durable on disk (no-op without a disk tier).
+        """Waits until every session is durable on disk, or in the remote tier when there is no disk tier
+        (a no-op without either).
 
         Writes that failed earlier (full disk, I/O error) are retried once now.
 
@@ -281,7 +292,7 @@ class AttnStore(LoadPlanning, SavePlanning):
                 failed state never became visible on disk.
             TimeoutError: Not durable within `timeout` seconds.
         """
-        if self._disk is None:
+        if self._lower is None:
             return
         timeout = self.config.io_timeout_s if timeout is None else timeout
         with self._cond:
@@ -296,11 +307,11 @@ class AttnStore(LoadPlanning, SavePlanning):
                                            for k in self._dirty)
 
             if not self._cond.wait_for(settled, timeout):
-                raise TimeoutError(f"the disk tier did not become durable within {timeout} s")
+                raise TimeoutError(f"the {self._lower.name} tier did not become durable within {timeout} s")
             failed = [self._entries[k] for k in self._dirty if self._entries.get(k) is not None]
         if failed:
             names = ", ".join(repr(e.key[1]) for e in failed[:5]) + (" ..." if len(failed) > 5 else "")
-            raise StoreIOError(f"{len(failed)} session(s) are not durable on disk ({names}): "
+            raise StoreIOError(f"{len(failed)} session(s) are not durable in the {self._lower.name} tier ({names}): "
                                f"{failed[0].last_error}") from failed[0].last_error
 
     def stats(self) -> StoreStats:
@@ -309,7 +320,7 @@ class AttnStore(LoadPlanning, SavePlanning):
             s = StoreStats(**{f.name: getattr(self._stats, f.name) for f in fields(StoreStats)})
             s.sessions = len(self._entries)
             s.host_sessions = sum(e.host is not None for e in self._entries.values())
-            s.disk_sessions = sum(e.manifest is not None for e in self._entries.values())
+            s.disk_sessions = sum(e.manifest is not None for e in self._entries.values()) if self._disk else 0
             s.host_bytes_used, s.disk_bytes_used = self._host.used, self._disk_used
             s.loads_in_flight, s.saves_pending = self._loads_active, len(self._dirty)
             return s
@@ -326,13 +337,14 @@ class AttnStore(LoadPlanning, SavePlanning):
             return (e.manifest or e.remote).token_ids.clone()
 
     def tier_of(self, session_id: str, fingerprint: str) -> str | None:
-        """``"host"``, ``"disk"`` or ``None``: where the session's KV is now."""
+        """``"host"``, ``"disk"``, ``"remote"`` or ``None``: where the session's KV is now (``"remote"``: only in
+        the shared remote tier, as far as this store knows)."""
         validate_session_id(session_id)
         with self._lock:
             e = self._entries.get((fingerprint, session_id))
             if e is None:
                 return None
-            return "host" if e.host is not None else "disk" if e.manifest is not None else "remote"
+            return "host" if e.host is not None else self._lower.name if e.manifest is not None else "remote"
 
     def sessions(self) -> list[str]:
         """Session ids with stored KV (for any model)."""
@@ -475,7 +487,7 @@ class AttnStore(LoadPlanning, SavePlanning):
         self._apply_ended_turns()
         if e.pins or e.writers:
             return
-        if self._disk is None or e.write is Write.NEVER or e.length == 0:
+        if self._lower is None or e.write is Write.NEVER or e.length == 0:
             self._drop(e)
             self._stats.host_drops += 1
         elif e.dirty:
@@ -483,7 +495,7 @@ class AttnStore(LoadPlanning, SavePlanning):
             self._dirty.add(e.key)
             self._cond.notify_all()
         else:
-            assert e.manifest is not None and e.persisted == e.length, "a clean session is entirely on disk"
+            assert e.manifest is not None and e.persisted == e.length, "a clean session is entirely below host"
             self._set_host(e, None)
             self._stats.demotions += 1
 
@@ -505,6 +517,8 @@ class AttnStore(LoadPlanning, SavePlanning):
         Raises:
             NoDiskRoom: The session alone would not fit.
         """
+        if self._disk is None:
+            return 0  # saved to the remote tier: its memory is Redis's to limit (maxmemory), not `disk_bytes`
         size = blocks(nbytes)
         with self._cond:
             self._disk_used += size
@@ -612,7 +626,7 @@ class AttnStore(LoadPlanning, SavePlanning):
             self._touch(e)
             self._stats.appended_tokens += int(token_ids.numel())
             e.last_write = time.monotonic()
-            if self._disk is not None and e.dirty:
+            if self._lower is not None and e.dirty:
                 self._dirty.add(e.key)
                 if e.length - e.persisted >= self.config.chunk_tokens:
                     self._cond.notify_all()

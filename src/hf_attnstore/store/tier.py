@@ -1,4 +1,4 @@
-"""The interface of a tier below host memory: the disk tier today (disk.py), the shared remote tier next.
+"""The interface of a tier below host memory: the disk tier (disk.py) and the shared remote tier (remote.py).
 
 A lower tier keeps a session as immutable chunks plus one manifest, under ``(fingerprint, session id)``,
 in the format of format.py (every chunk names its model, session and history, and carries checksums).
@@ -82,6 +82,9 @@ class Tier(abc.ABC):
     """A tier below host memory (see the module docstring for who calls what, and when)."""
 
     name: str = "tier"
+    # Whether chunks are stored under their digest (the name passed to `put` is ignored): then a manifest
+    # names its chunks by digest, and a chunk name never changes meaning, whoever writes it.
+    content_addressed: bool = False
 
     @abc.abstractmethod
     def put(self, key: Key, name: str, data: bytes) -> "Future[int]":
