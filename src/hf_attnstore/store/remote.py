@@ -4,6 +4,9 @@ It implements the lower-tier interface (tier.py) over a Redis (or Valkey) server
 Values hold the same bytes as the disk tier's files, so a chunk read from Redis is checked exactly as one
 read from disk (format version, fingerprint, session id, chained prefix digest, checksums).
 
+A Redis Cluster is detected from the node the URL names (``INFO cluster``) and used through redis-py's
+cluster client, which sends each key, and each part of a pipeline, to the node owning its slot.
+
 Keys (no hash tag: in Redis Cluster a session's chunks spread over the nodes, so a load reads from several
 at once; nothing needs two keys in one slot, as no write is a multi-key transaction):
 
@@ -52,6 +55,16 @@ BACKOFF_S = 5.0  # after a failure, the tier is skipped this long
 
 class RemoteUnavailableError(RuntimeError):
     """The remote tier cannot be reached or refused us (wrong password, wrong database)."""
+
+
+def _cluster_enabled(client) -> bool:
+    """Whether the server is a Redis Cluster node (servers that hide ``INFO`` are taken as standalone)."""
+    import redis
+
+    try:
+        return bool(client.info("cluster").get("cluster_enabled"))
+    except redis.ResponseError:
+        return False
 
 
 def redacted(url: str) -> str:
@@ -124,16 +137,28 @@ class RemoteTier(Tier):
     def __init__(self, url: str, ttl_s: float | None = None, timeout_s: float = 5.0):
         import redis  # the `redis` client is only needed with a remote tier
 
+        from redis.cluster import RedisCluster
+        from redis.exceptions import RedisClusterException
+
         self.url, self.ttl_s, self.timeout_s = redacted(url), ttl_s, timeout_s
-        self._redis = redis
+        self._errors = (redis.RedisError, RedisClusterException, OSError)
+        options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=30)
+        self.cluster = False
         try:
-            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                               health_check_interval=30)
+            self.client = redis.Redis.from_url(url, **options)
             self.client.ping()
+            if _cluster_enabled(self.client):
+                # A Redis Cluster node: the cluster client learns the slot map from it and sends each key
+                # (and each part of a pipeline) to the node that owns it. One retry: a dead node is a miss
+                # soon, not after the client's default ten attempts.
+                self.client.close()
+                self.client = RedisCluster.from_url(url, cluster_error_retry_attempts=1, **options)
+                self.client.ping()
+                self.cluster = True
         except redis.AuthenticationError as exc:
             raise RemoteUnavailableError(f"the remote tier {self.url} refused the credentials ({exc}): check the "
                                          "user and password in the URL") from None
-        except (redis.RedisError, ValueError, OSError) as exc:
+        except (*self._errors, ValueError) as exc:
             raise RemoteUnavailableError(f"the remote tier {self.url} cannot be reached ({exc})") from None
         self._writer = SerialWriter("attnstore-remote-write")
         self._closed = False
@@ -148,7 +173,7 @@ class RemoteTier(Tier):
         """One Redis call; any failure of the server or the connection is a RemoteUnavailableError."""
         try:
             return fn(*args)
-        except (self._redis.RedisError, OSError) as exc:
+        except self._errors as exc:
             self._down_until = time.monotonic() + BACKOFF_S
             raise RemoteUnavailableError(f"the remote tier {self.url} failed: {exc}") from exc
 
