@@ -8,9 +8,10 @@ import torch
 from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache
+from hf_attnstore.pipeline import ChatPipeline
 from hf_attnstore.store.redis_server import RedisServer
 
-from .conftest import make_tiny, random_ids
+from .conftest import char_tokenizer, make_tiny, random_ids
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=16)
@@ -36,5 +37,30 @@ def test_a_conversation_alternating_between_two_stores_reuses_from_remote(tmp_pa
             store.flush()  # the turn is written to disk and copied to Redis (or written to Redis)
             hist = torch.cat([out, random_ids(6, 100 + turn)], dim=1)
         for store in stores:
+            assert store.stats().remote_errors == 0
+            store.close()
+
+
+def test_two_chat_pipelines_alternate_on_one_conversation(tmp_path):
+    """Two replicas (pipelines over their own stores) sharing the conversations and one Redis: every turn
+    after the first resumes from the other replica's KV, and the replies are those of recomputation."""
+    model, tok = make_tiny("llama"), char_tokenizer()
+    messages = [f"message number {k}: " + "abc " * (3 + k) for k in range(5)]
+    with ChatPipeline(model, tok, None, max_new_tokens=6) as alone:
+        expected = [alone.chat("c", m, timeout=60) for m in messages]
+    with RedisServer(tmp_path / "redis") as server:
+        stores = [AttnStore("16MiB", tmp_path / name, remote=server.url, **FAST) for name in ("a", "b")]
+        histories = {}
+        # No prefetch: it would pull the session into host memory first, and the turn would report "host".
+        pipes = [ChatPipeline(model, tok, store, max_new_tokens=6, histories=histories, prefetch_window=0)
+                 for store in stores]
+        for k, message in enumerate(messages):
+            reply = pipes[k % 2].chat("c", message, timeout=60)
+            stores[k % 2].flush()  # write-behind done before the user's next message
+            assert reply.text == expected[k].text and reply.greedy_ids == expected[k].greedy_ids, k
+            if k:
+                assert reply.kv_source == "remote" and reply.reused_tokens > 0, k
+        for pipe, store in zip(pipes, stores):
+            pipe.close()
             assert store.stats().remote_errors == 0
             store.close()

@@ -21,7 +21,7 @@ def _chat(args: argparse.Namespace) -> int:
     from .store import AttnStore
 
     model, tokenizer = load_default_model(args.model)
-    store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir)
+    store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, remote=args.remote)
     pipe = ChatPipeline(model, tokenizer, store, context_window=args.context_window,
                         max_new_tokens=args.max_new_tokens, system_prompt=args.system)
     print(f"session {args.session!r}; /stats, /reset, /quit", file=sys.stderr)
@@ -42,7 +42,8 @@ def _chat(args: argparse.Namespace) -> int:
                 except KeyError:
                     info = {"session_id": args.session, "tokens": 0, "tier": None}
                 s = store.stats()
-                print(f"{info} | store: {s.sessions} sessions, hits host/disk {s.hits_host}/{s.hits_disk}, "
+                print(f"{info} | store: {s.sessions} sessions, hits host/disk/remote {s.hits_host}/{s.hits_disk}/"
+                      f"{s.hits_remote}, "
                       f"misses {s.misses}, host {s.host_bytes_used / 2**20:.1f} MiB", file=sys.stderr)
                 continue
             try:
@@ -155,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--session", default="default", help="session name (resumed if it is in --disk-dir)")
     chat.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
     chat.add_argument("--disk-dir", default=None, help="keep sessions on disk here (resumable across runs)")
+    chat.add_argument("--remote", default=None, help="shared remote tier: redis://[:password@]host:port/db, "
+                      "rediss://... or unix:///path.sock (sessions resumable from other servers)")
     chat.add_argument("--host-bytes", default="2GiB")
     chat.add_argument("--context-window", type=int, default=None)
     chat.add_argument("--max-new-tokens", type=int, default=256)

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -39,7 +39,7 @@ class Reply:
         text: The reply: generated, or the given one for a turn submitted with ``reply=``.
         ttft_s: Seconds from the start of the turn (cache lookup included) to the first token's logits.
         total_s: Seconds of the whole turn (prefill and decoding, or prefill and reading a given reply).
-        kv_source: Where the reused KV came from: ``"host"``, ``"disk"``, ``"miss"`` (nothing reused),
+        kv_source: Where the reused KV came from: ``"host"``, ``"disk"``, ``"remote"``, ``"miss"`` (nothing reused),
             ``"truncated"`` (the context overflowed and was truncated this turn), or ``"recompute"``
             (a pipeline without a store).
     """
@@ -100,6 +100,13 @@ class ChatPipeline:
             since the store fetches in queue order only what fits).
         eviction_window: Waiting jobs told to the eviction policy; default ``(C_host + C_disk) / S_kv``.
         max_new_tokens: Reply length limit; other `generate` keyword arguments are passed through.
+        histories: Where each session's token ids are kept between turns (the conversation itself, not its
+            KV): a fresh dict by default. Replicas behind a load balancer share one mapping (standing in for
+            the conversation database, or for clients that send the whole conversation), so a turn that
+            lands on another replica continues the same conversation; the KV then comes from the shared
+            remote tier, or is recomputed. Replicas must share it: a pipeline that served a conversation
+            before continues its own copy of it, even after another replica extended it. (A pipeline that
+            never saw a conversation takes its ids from the store, the remote tier included.)
 
     Example:
         >>> pipe = ChatPipeline(model, tokenizer, AttnStore("2GiB"), max_new_tokens=64)  # doctest: +SKIP
@@ -109,7 +116,8 @@ class ChatPipeline:
     def __init__(self, model, tokenizer, store: AttnStore | None, *, context_window: int | None = None,
                  truncation: str = "decoupled", truncation_ratio: float = 0.5, keep_first: int = 4,
                  system_prompt: str | None = None, prefetch_window: int | None = None,
-                 eviction_window: int | None = None, max_new_tokens: int = 256, **generate_kwargs):
+                 eviction_window: int | None = None, max_new_tokens: int = 256,
+                 histories: MutableMapping[str, torch.Tensor] | None = None, **generate_kwargs):
         self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
         for name, value in (("prefetch_window", prefetch_window), ("eviction_window", eviction_window)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -121,7 +129,8 @@ class ChatPipeline:
         self.prefetch_window, self.eviction_window = prefetch_window, eviction_window
         self.generate_kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id, **generate_kwargs,
                                 "max_new_tokens": max_new_tokens}
-        self._history: dict[str, torch.Tensor] = {}  # each session's source of truth: its token ids
+        # Each session's source of truth: its token ids (a turn of a session runs on one pipeline at a time).
+        self._history: MutableMapping[str, torch.Tensor] = {} if histories is None else histories
         self._queue: deque[_Job] = deque()
         self._running: str | None = None
         self._cond = threading.Condition()

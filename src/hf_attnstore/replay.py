@@ -130,6 +130,7 @@ class TurnRecord:
     arrival_s: float
     start_s: float
     reply: Reply
+    replica: int = 0  # which server ran it (replicas.py; one server otherwise)
 
     @property
     def ttft_queued_s(self) -> float:
@@ -158,7 +159,7 @@ class ReplayRun:
         replies = [r.reply for r in self.records]
         resumed = [r.reply for r in self.records if r.turn > 0]
         queued = [r.ttft_queued_s for r in self.records if r.turn > 0]
-        by_tier = {k: sum(r.tier == k for r in resumed) for k in ("host", "disk", "miss")}
+        by_tier = {k: sum(r.tier == k for r in resumed) for k in ("host", "disk", "remote", "miss")}
         compute = sum(r.total_s for r in replies)
         # Storage is charged for the capacity provisioned: the host tier's limit, the disk's peak use.
         cost = cost_model.cost(compute, self.host_bytes if self.stats else 0, self.peak_disk_bytes, self.makespan_s)
@@ -178,6 +179,7 @@ class ReplayRun:
             "reused_share": sum(r.reused_tokens for r in replies) / sum(r.history_tokens for r in replies),
             "hit_host": by_tier["host"] / n,
             "hit_disk": by_tier["disk"] / n,
+            "hit_remote": by_tier["remote"] / n,
             "miss": by_tier["miss"] / n if self.stats else 1.0,
             "compute_s": compute,
             "prefill_s": sum(r.ttft_s for r in replies),

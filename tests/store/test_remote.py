@@ -154,3 +154,15 @@ def test_two_writers_of_one_session_never_serve_a_mix(tmp_path, redis_server):
         reader.close()
     for store in (a, b):
         store.close()
+
+
+def test_a_store_that_never_saw_a_session_learns_its_ids_from_the_remote_tier(tmp_path, redis_server):
+    """What a ChatPipeline asks for a conversation it has not served (another replica did)."""
+    a, b = make(tmp_path / "a", redis_server), make(tmp_path / "b", redis_server)
+    write_turn(a, "s", list(range(9)))
+    a.flush()
+    assert torch.equal(b.token_ids("s", FP), torch.arange(9))
+    assert b.tier_of("s", FP) == "remote" and b.stats().remote_bytes_read == 0  # nothing loaded yet
+    assert b.token_ids("t", FP) is None
+    for store in (a, b):
+        store.close()

@@ -326,10 +326,14 @@ class AttnStore(LoadPlanning, SavePlanning):
             return s
 
     def token_ids(self, session_id: str, fingerprint: str) -> torch.Tensor | None:
-        """The ids a session's stored KV covers (without loading anything), or ``None``."""
-        validate_session_id(session_id)
+        """The ids a session's stored KV covers (without loading anything), or ``None``.
+
+        With a remote tier, a session missing here or longer there is looked up there too (as by `lookup`),
+        so a server that never saw a conversation resumes it where another server left it."""
+        key = (fingerprint, validate_session_id(session_id))
+        found = self._remote_lookup(key)  # network I/O: outside the lock
         with self._lock:
-            e = self._entries.get((fingerprint, session_id))
+            e = self._adopt_remote(key, found)
             if e is None or e.length == 0:
                 return None
             if e.host is not None:
