@@ -159,7 +159,8 @@ def test_turns_of_a_session_run_in_submission_order(setup):
         replies = [f.result(60) for f in futures]
         lengths = [r.history_tokens for r in replies]
         assert lengths == sorted(lengths) and len(set(lengths)) == 5
-        assert all(r.reused_tokens == prev.history_tokens + prev.generated_tokens - 1
+        # Everything before reuses: replies cut by max_new_tokens have their last token fed (and stored) too.
+        assert all(r.reused_tokens == prev.history_tokens + prev.generated_tokens
                    for prev, r in zip(replies, replies[1:]))
 
 

@@ -3,6 +3,12 @@ alternates between them reuses the other's KV at every turn, with the tokens of 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -64,3 +70,41 @@ def test_two_chat_pipelines_alternate_on_one_conversation(tmp_path):
             pipe.close()
             assert store.stats().remote_errors == 0
             store.close()
+
+
+REPLICA = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {root!r})
+    from hf_attnstore import AttnStore
+    from hf_attnstore.pipeline import ChatPipeline
+    from tests.conftest import char_tokenizer, make_tiny
+
+    model, tok = make_tiny("llama"), char_tokenizer()
+    with AttnStore("16MiB", {disk!r}, remote={url!r}, fsync=False, chunk_tokens=16) as store:
+        with ChatPipeline(model, tok, store, max_new_tokens=6, prefetch_window=0) as pipe:
+            r = pipe.chat("c", {message!r}, timeout=60)
+    print(json.dumps(dict(text=r.text, greedy=list(r.greedy_ids), source=r.kv_source, reused=r.reused_tokens)))
+""")
+
+
+def test_two_processes_alternate_on_one_conversation(tmp_path):
+    """Each turn runs in a fresh process, alternately with disk folder a or b: nothing is shared but Redis.
+    A process that never saw the conversation (or saw an older part of it) takes it from the remote tier."""
+    model, tok = make_tiny("llama"), char_tokenizer()
+    messages = [f"turn {k}: " + "xyz " * (2 + k) for k in range(4)]
+    expected, lengths = [], []  # each turn's reply, and the conversation's length in tokens after it
+    with ChatPipeline(model, tok, None, max_new_tokens=6) as alone:
+        for m in messages:
+            expected.append(alone.chat("c", m, timeout=60))
+            lengths.append(alone.session_stats("c")["tokens"])
+    root = str(Path(__file__).resolve().parents[1])
+    with RedisServer(tmp_path / "redis") as server:
+        for k, message in enumerate(messages):
+            script = REPLICA.format(root=root, disk=str(tmp_path / "ab"[k % 2]), url=server.url, message=message)
+            done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr[-2000:]
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            assert got["text"] == expected[k].text and got["greedy"] == list(expected[k].greedy_ids), k
+            if k:  # the other process wrote the previous turn: found only in (or longer in) Redis, all of it
+                # (replies are cut by max_new_tokens: the last generated token must be stored too)
+                assert got["source"] == "remote" and got["reused"] == lengths[k - 1], (k, got)

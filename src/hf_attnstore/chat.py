@@ -44,7 +44,7 @@ class ChatTokens:
         self.end_of_turn = t1[len(t0) + len(_PROBE_REPLY):]
         before, after = t2[len(t1):].split(_PROBE_USER)
         self.user_prefix, self.user_suffix = before, after
-        self._eot_ids = self._encode(self.end_of_turn)
+        self.eot_ids: list[int] = self._encode(self.end_of_turn)  # what closes an assistant turn
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -65,7 +65,7 @@ class ChatTokens:
         If generation stopped on the end-of-turn token itself, it is not repeated.
         """
         history = history_ids.view(-1).tolist()
-        eot = self._eot_ids
+        eot = self.eot_ids
         overlap = next((n for n in range(len(eot), 0, -1) if history[-n:] == eot[:n]), 0)
         return torch.tensor([history + eot[overlap:] + self.message_ids(message)], dtype=torch.long)
 
@@ -75,7 +75,7 @@ class ChatTokens:
 
     def reply_ids(self, reply: str) -> torch.Tensor:
         """Ids of a given assistant reply closed by the end-of-turn tokens, ``[1, n]`` (for teacher forcing)."""
-        return torch.tensor([self._encode(reply) + self._eot_ids], dtype=torch.long)
+        return torch.tensor([self._encode(reply) + self.eot_ids], dtype=torch.long)
 
     def reply_text(self, generated_ids: torch.Tensor) -> str:
         """Decodes a reply without special tokens."""

@@ -296,6 +296,13 @@ class ChatPipeline:
                                           streamer=_Tee(timer, job.streamer), **self.generate_kwargs)
                 ttft = timer.ttft
                 generated = out[:, prompt.shape[1]:]
+                if self.store is not None and generated.shape[1] and int(generated[0, -1]) != self.chat_tokens.eot_ids[0]:
+                    # `generate` never feeds its last token, so the store would not know it, and a pipeline that
+                    # resumes this session from the store (another replica, a restart) would lose it. A reply
+                    # cut by `max_new_tokens` has its last token fed now (one decode step); one that ended on
+                    # the end-of-turn token needs nothing: `next_turn` re-adds that token anyway.
+                    with torch.no_grad():
+                        self.model(generated[:, -1:].to(self.model.device), past_key_values=cache, use_cache=True)
                 text = self.chat_tokens.reply_text(generated)
                 greedy = [] if self.generate_kwargs.get("do_sample") else generated.view(-1).tolist()
             else:
