@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the id `attnstore serve` gives the bundled model
+
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
@@ -140,6 +142,32 @@ def _eval_fidelity(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .models import load_default_model
+    from .pipeline import ChatPipeline
+    from .serving import ChatEngine, create_app
+    from .store import AttnStore
+
+    model, tokenizer = load_default_model(args.model, dtype=args.dtype)
+    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
+                      remote=args.remote, policy=args.policy)
+    pipe = ChatPipeline(model, tokenizer, store, context_window=args.context_window, max_new_tokens=args.max_tokens)
+    try:
+        app = create_app(ChatEngine(pipe, max_pending=args.max_pending), name, default_max_tokens=args.max_tokens,
+                         request_timeout_s=args.request_timeout)
+        print(f"attnstore serve: {name} on http://{args.host}:{args.port}/v1 (store: host {args.host_bytes}"
+              f"{', disk ' + args.disk_dir if args.disk_dir else ''}{', remote' if args.remote else ''})",
+              file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
+    finally:
+        pipe.close(timeout=args.request_timeout)
+        store.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnstore", description="Multi-turn KV cache reuse for transformers.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -163,6 +191,27 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--system", default=None, help="system prompt")
     chat.set_defaults(func=_chat)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible chat server (POST /v1/chat/completions, /v1/models, "
+                        "/health, /metrics) over the store")
+    sv.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2, offline)")
+    sv.add_argument("--served-model-name", default=None, help="the id clients pass as `model` (default: --model, "
+                    f"or {DEFAULT_MODEL_NAME})")
+    sv.add_argument("--dtype", default="float32")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--host-bytes", default="2GiB", help="host tier (CPU memory) for sessions' KV")
+    sv.add_argument("--disk-dir", default=None, help="disk tier folder (sessions survive restarts)")
+    sv.add_argument("--disk-bytes", default="100GiB")
+    sv.add_argument("--remote", default=None, help="shared remote tier: redis://[:password@]host:port/db, "
+                    "rediss://... or unix:///path.sock")
+    sv.add_argument("--policy", default="lookahead", choices=("lookahead", "lru", "fifo"))
+    sv.add_argument("--context-window", type=int, default=None,
+                    help="tokens the model sees; longer conversations are truncated (reported per response)")
+    sv.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets none")
+    sv.add_argument("--max-pending", type=int, default=64, help="requests admitted at once; more get 429")
+    sv.add_argument("--request-timeout", type=float, default=600.0, help="longest wait for one turn, seconds")
+    sv.set_defaults(func=_serve)
 
     rp = sub.add_parser("replay", help="ShareGPT conversations with Poisson arrivals: recomputation (RE) vs the "
                         "store (AS): TTFT, prefill throughput, hit rates by tier, cost")

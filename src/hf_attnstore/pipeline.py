@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from .cache import AttnStoreCache
 from .chat import ChatTokens
@@ -58,6 +58,9 @@ class Reply:
     tier: str | None = None  # where reused KV came from even when truncated: "host", "disk", "miss"; None: no store
     # Generated ids (greedy decoding), or for a given reply the greedy choice at each of its positions.
     greedy_ids: tuple[int, ...] = ()
+    generated_ids: tuple[int, ...] = ()  # the reply's ids as generated (or read), sampled or not
+    prompt_ids: tuple[int, ...] = ()  # the ids the model saw this turn (after truncation)
+    cancelled: bool = False  # stopped early by `cancel` (submit_prompt)
 
 
 @dataclass
@@ -68,6 +71,9 @@ class _Job:
     streamer: object | None
     submitted: float
     reply: str | None = None
+    prompt_ids: torch.Tensor | None = None  # the whole prompt, given (submit_prompt): no history is consulted
+    cancel: threading.Event | None = None  # set: the turn stops after its current step (a client went away)
+    options: dict | None = None  # per-turn `generate` options over the pipeline's
 
 
 class _Tee:
@@ -83,6 +89,16 @@ class _Tee:
     def end(self):
         for s in self.streamers:
             s.end()
+
+
+class _Cancelled(StoppingCriteria):
+    """Stops `generate` once the turn is cancelled (checked after every decoding step)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class ChatPipeline:
@@ -178,6 +194,42 @@ class ChatPipeline:
         self._give_hints(waiting)  # the queue changed: fetch ahead now, not only when the next job starts
         return future
 
+    def submit_prompt(self, session_id: str, prompt_ids, streamer=None, *, cancel: threading.Event | None = None,
+                      **generate_options) -> Future:
+        """Queues a turn whose whole prompt is given as token ids (a server that receives the conversation as
+        a message list builds them: see `serving.conversation`). The session's stored KV is reused for the
+        prompt's longest common prefix with it, whatever this pipeline remembers of the session; afterwards
+        the session's history is the prompt and the reply.
+
+        Args:
+            session_id: The stored session to reuse (and to update).
+            prompt_ids: ``[seq]`` or ``[1, seq]`` token ids, or a list of ints.
+            streamer: Optional `generate` streamer for the reply.
+            cancel: Set it to stop the turn after its current decoding step (or before it starts). The KV
+                computed so far stays stored, a valid prefix of the session.
+            generate_options: `generate` options for this turn (``max_new_tokens``, ``do_sample``,
+                ``temperature``, ``top_p``, ``stop_strings`` ...), over the pipeline's.
+        """
+        validate_session_id(session_id)
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long).view(1, -1)
+        if ids.shape[1] == 0:
+            raise ValueError("`prompt_ids` is empty")
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise ValueError("this ChatPipeline is closed")
+            self._queue.append(_Job(session_id, "", future, streamer, time.perf_counter(), prompt_ids=ids,
+                                    cancel=cancel, options=generate_options))
+            self._cond.notify_all()
+            waiting = [j.session_id for j in self._queue]
+        self._give_hints(waiting)
+        return future
+
+    def queue_length(self) -> int:
+        """Turns waiting to run (the running one not included)."""
+        with self._cond:
+            return len(self._queue)
+
     def chat(self, session_id: str, message: str, timeout: float | None = None) -> Reply:
         """Sends a message and waits for the reply."""
         return self.submit(session_id, message).result(timeout)
@@ -230,6 +282,8 @@ class ChatPipeline:
                 job = self._queue.popleft()
                 self._running = job.session_id
                 waiting = [j.session_id for j in self._queue]
+            if job.cancel is not None and job.cancel.is_set():
+                job.future.cancel()
             if not job.future.set_running_or_notify_cancel():
                 if job.streamer is not None:  # cancelled while queued: nothing runs, the reader must not hang
                     job.streamer.end()
@@ -270,14 +324,24 @@ class ChatPipeline:
         started = time.perf_counter()
         with self._cond:
             history = self._history.get(job.session_id)
-        if history is None and self.store is not None:
+        if job.prompt_ids is not None:
+            history = None
+        elif history is None and self.store is not None:
             # A session this pipeline has not seen may be in the store (a previous process, same disk_dir).
             # Its stored ids are the history but the last generated token (never fed to the model);
             # `next_turn` re-adds the end-of-turn tokens, so a reply that ended on one resumes exactly.
             stored = self.store.token_ids(job.session_id, self.store.fingerprint(self.model))
             history = stored.view(1, -1) if stored is not None else None
-        ids = (self.chat_tokens.first_turn(job.message) if history is None
-               else self.chat_tokens.next_turn(history, job.message))
+        if job.prompt_ids is not None:
+            ids = job.prompt_ids
+        else:
+            ids = (self.chat_tokens.first_turn(job.message) if history is None
+                   else self.chat_tokens.next_turn(history, job.message))
+        options = {**self.generate_kwargs, **(job.options or {})}
+        if job.cancel is not None:
+            options["stopping_criteria"] = StoppingCriteriaList([_Cancelled(job.cancel)])
+        if "stop_strings" in options:
+            options["tokenizer"] = self.tokenizer  # `generate` matches stop strings with it
         timer = FirstTokenTimer().start()
         if self.store is None:
             cache, reused, dropped = DynamicCache(), 0, tokens_to_drop(ids.shape[1], self.truncation)
@@ -293,7 +357,7 @@ class ChatPipeline:
                 # An explicit mask: without one, `generate` masks every id equal to the pad id, and a pad token
                 # inside a message or reply would break the positions of the whole session.
                 out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
-                                          streamer=_Tee(timer, job.streamer), **self.generate_kwargs)
+                                          streamer=_Tee(timer, job.streamer), **options)
                 ttft = timer.ttft
                 generated = out[:, prompt.shape[1]:]
                 if self.store is not None and generated.shape[1] and int(generated[0, -1]) != self.chat_tokens.eot_ids[0]:
@@ -304,7 +368,7 @@ class ChatPipeline:
                     with torch.no_grad():
                         self.model(generated[:, -1:].to(self.model.device), past_key_values=cache, use_cache=True)
                 text = self.chat_tokens.reply_text(generated)
-                greedy = [] if self.generate_kwargs.get("do_sample") else generated.view(-1).tolist()
+                greedy = [] if options.get("do_sample") else generated.view(-1).tolist()
             else:
                 out, greedy, ttft = self._read_reply(prompt, cache, reused, job.reply, timer.t0)
                 generated, text = out[:, prompt.shape[1]:], job.reply
@@ -319,7 +383,9 @@ class ChatPipeline:
                      prefilled_tokens=int(prompt.shape[1]) - reused, generated_tokens=int(generated.shape[1]),
                      dropped_tokens=dropped, ttft_s=ttft, total_s=total, kv_source=source,
                      queued_s=started - job.submitted, tier=None if self.store is None else cache.kv_source,
-                     greedy_ids=tuple(greedy))
+                     greedy_ids=tuple(greedy), generated_ids=tuple(generated.view(-1).tolist()),
+                     prompt_ids=tuple(prompt.view(-1).tolist()),
+                     cancelled=job.cancel is not None and job.cancel.is_set())
 
     @torch.no_grad()
     def _read_reply(self, prompt: torch.Tensor, cache, reused: int, reply: str, t0: float):

@@ -1,0 +1,224 @@
+"""From OpenAI message lists to exact token ids, and from token ids to the stored session they continue.
+
+OpenAI clients send the whole conversation each turn, as text. Two things stand between that and reusing
+the stored KV:
+
+* **Stable ids.** Tokenizing the rendered conversation as one string can tokenize the boundary between two
+  messages differently from one turn to the next, and re-tokenizing a reply the model generated often gives
+  other ids than the ones it generated (a generated "ĊĊ" comes back as two "Ċ"; LMCache #129, #151). So
+  :class:`MessageTokens` tokenizes each message's piece of the template separately (a conversation's ids are
+  then always a prefix of its continuation's), and an assistant message whose text is a reply this server
+  generated gets back the exact ids it was generated as (:class:`ReplyMemo`).
+* **Which session.** Without an explicit session id, :class:`SessionIndex` finds the stored session whose
+  ids are the longest prefix of the request's: chained digests of block-aligned prefixes, one dictionary
+  probe per block of the request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+
+_PROBE = "\x00attnstore-probe\x00"
+
+
+class ReplyMemo:
+    """Replies this server generated: their text, as returned to the client, mapped to their exact ids.
+
+    Bounded (least recently used entries go first). Two generations with the same text and other ids keep
+    the later one: an echoed reply then matches the other session's KV only up to that point (a miss
+    beyond it, never wrong KV: the store compares ids).
+    """
+
+    def __init__(self, max_entries: int = 100_000):
+        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._max = max_entries
+        self._lock = threading.Lock()
+
+    def add(self, text: str, ids: list[int]) -> None:
+        if not text:
+            return
+        with self._lock:
+            self._entries[text] = tuple(ids)
+            self._entries.move_to_end(text)
+            while len(self._entries) > self._max:
+                self._entries.popitem(last=False)
+
+    def get(self, text: str) -> list[int] | None:
+        with self._lock:
+            ids = self._entries.get(text)
+            if ids is not None:
+                self._entries.move_to_end(text)
+            return list(ids) if ids is not None else None
+
+
+class MessageTokens:
+    """Token ids of a message list, built piece by piece so they are stable across turns.
+
+    Piece ``i`` is what rendering ``messages[:i+1]`` adds to the rendering of ``messages[:i]``; the last
+    piece is the generation prompt. An assistant piece is split around its content, so that its opening
+    is tokenized exactly as the generation prompt was when the reply was generated, and its content is the
+    generated ids when `memo` knows them. A template that rewrites earlier turns (rendering a prefix of the
+    conversation gives text that is not a prefix) falls back to tokenizing the whole text: correct, but
+    reuse then ends where the ids differ.
+
+    Args:
+        tokenizer: A tokenizer with a chat template.
+        memo: Replies this server generated.
+    """
+
+    def __init__(self, tokenizer, memo: ReplyMemo | None = None):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template: a chat server needs one to render messages")
+        self.tokenizer = tokenizer
+        self.memo = memo if memo is not None else ReplyMemo()
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        if not messages and not generation_prompt:
+            return ""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def generation_prompt(self, messages: list[dict]) -> str:
+        """What the template adds to open the assistant's reply after `messages`."""
+        return self._render(messages, True)[len(self._render(messages, False)):]
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The ids of the prompt for the next assistant reply after `messages`.
+
+        Raises:
+            ValueError: The template rejects the messages (its message says why).
+        """
+        try:
+            return self._pieces(messages)
+        except _NotAppendable:
+            return self._encode(self._render(messages, True))
+        except Exception as exc:  # jinja errors (roles out of order, unknown fields): the client's fault
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+
+    def _pieces(self, messages: list[dict]) -> list[int]:
+        ids: list[int] = []
+        before = self._render([], False)
+        for i, message in enumerate(messages):
+            text = self._render(messages[: i + 1], False)
+            if not text.startswith(before):
+                raise _NotAppendable
+            piece = text[len(before):]
+            if message.get("role") == "assistant":
+                ids += self._assistant_piece(messages[:i], piece, message.get("content") or "")
+            else:
+                ids += self._encode(piece)
+            before = text
+        full = self._render(messages, True)
+        if not full.startswith(before):
+            raise _NotAppendable
+        return ids + self._encode(full[len(before):])
+
+    def _assistant_piece(self, history: list[dict], piece: str, content: str) -> list[int]:
+        opening = self.generation_prompt(history)
+        at = piece.find(content, len(opening)) if content else -1
+        if not piece.startswith(opening) or at < 0 or piece[len(opening):at].strip():
+            return self._encode(piece)  # the template changes replies (e.g. strips reasoning): as rendered
+        known = self.memo.get(content)
+        content_ids = known if known is not None else self._encode(content)
+        return self._encode(opening) + content_ids + self._encode(piece[at + len(content):])
+
+
+class _NotAppendable(Exception):
+    pass
+
+
+class SessionIndex:
+    """Which stored session a request continues: the session whose ids are the longest prefix of its ids.
+
+    Each session is indexed under the chained digest of its ids' whole blocks of `block` tokens (digest
+    ``k`` covers the first ``k * block`` ids and is computed from digest ``k - 1``). A lookup computes the
+    request's chained digests once, probes them from the longest down, and checks the candidates' remaining
+    ids directly. Bounded: the least recently used sessions are forgotten (their KV stays in the store; a
+    forgotten conversation becomes a new session).
+
+    Example:
+        >>> index = SessionIndex(block=4)
+        >>> index.add("a", [1, 2, 3, 4, 5, 6])
+        >>> index.find([1, 2, 3, 4, 5, 6, 7, 8])
+        ('a', 6)
+    """
+
+    def __init__(self, block: int = 16, max_sessions: int = 100_000):
+        if block < 1 or max_sessions < 1:
+            raise ValueError("`block` and `max_sessions` must be positive")
+        self.block, self.max_sessions = block, max_sessions
+        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._extra: dict[str, object] = {}
+        self._by_digest: dict[bytes, set[str]] = {}
+        self._digest_of: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def _digests(self, ids) -> list[bytes]:
+        """Digest ``k`` of the first ``k * block`` ids, for every whole block (digest 0: no ids)."""
+        out, h = [b""], b""
+        for k in range(len(ids) // self.block):
+            block = ids[k * self.block: (k + 1) * self.block]
+            h = hashlib.blake2b(h + b"".join(int(t).to_bytes(8, "little", signed=True) for t in block),
+                                digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def add(self, session: str, ids, extra: object = None) -> None:
+        """Indexes (or re-indexes) `session` as holding exactly `ids`; `extra` is kept with it (see `get`)."""
+        ids = tuple(int(t) for t in ids)
+        digest = self._digests(ids)[-1]
+        with self._lock:
+            self._forget(session)
+            self._ids[session] = ids
+            self._extra[session] = extra
+            self._digest_of[session] = digest
+            self._by_digest.setdefault(digest, set()).add(session)
+            while len(self._ids) > self.max_sessions:
+                self._forget(next(iter(self._ids)))
+
+    def get(self, session: str) -> tuple[tuple[int, ...], object] | None:
+        """The ids `session` is indexed under and its `extra`, or None."""
+        with self._lock:
+            if session not in self._ids:
+                return None
+            return self._ids[session], self._extra[session]
+
+    def remove(self, session: str) -> None:
+        with self._lock:
+            self._forget(session)
+
+    def _forget(self, session: str) -> None:
+        if self._ids.pop(session, None) is None:
+            return
+        self._extra.pop(session, None)
+        digest = self._digest_of.pop(session)
+        sessions = self._by_digest[digest]
+        sessions.discard(session)
+        if not sessions:
+            del self._by_digest[digest]
+
+    def find(self, ids) -> tuple[str, int] | None:
+        """The session whose ids are the longest prefix of `ids` (all of them included: a retried request),
+        and their length; or None."""
+        ids = tuple(int(t) for t in ids)
+        digests = self._digests(ids)
+        with self._lock:
+            for k in range(len(digests) - 1, -1, -1):
+                best = None
+                for session in self._by_digest.get(digests[k], ()):
+                    stored = self._ids[session]
+                    if len(stored) <= len(ids) and ids[k * self.block: len(stored)] == stored[k * self.block:]:
+                        if best is None or len(stored) > len(self._ids[best]):
+                            best = session
+                if best is not None:
+                    self._ids.move_to_end(best)
+                    return best, len(self._ids[best])
+        return None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ids)

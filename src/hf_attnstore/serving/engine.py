@@ -1,0 +1,115 @@
+"""The engine behind the HTTP handlers: admission, sessions, and the pipeline that runs the turns.
+
+Handlers never run the model: they turn a request into a :class:`Turn` (token ids and the session it
+continues), submit it, and await the result; queueing, serialization of a session's turns, cancellation and
+back-pressure live here and in the pipeline (one place, as in vLLM's AsyncLLM).
+
+Sessions. An explicit id (``X-Session-ID`` header, else the request's ``user``) names the session; without
+one, the :class:`SessionIndex` finds the session whose conversation the request continues, and a request
+that continues none starts a new session. The index holds each session's ids as the *client* will send them
+next (prompt and reply), next to the ids the *model* saw: they differ once the context window truncated the
+conversation, and the next turn then continues the model's ids (what the store holds) with the client's new
+tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from ..pipeline import ChatPipeline, Reply
+from .conversation import MessageTokens, ReplyMemo, SessionIndex
+
+
+class Overloaded(Exception):
+    """The engine holds `max_pending` requests already: the client should retry later (HTTP 429)."""
+
+
+@dataclass
+class Turn:
+    session_id: str
+    client_ids: list[int]  # the prompt as the client's messages give it
+    model_ids: list[int]  # the prompt the model is fed (the store's ids, continued by the client's new ones)
+    explicit: bool  # the client named the session
+
+
+class ChatEngine:
+    """Turns requests into pipeline turns and keeps the sessions' index.
+
+    Args:
+        pipeline: Runs the turns (its store holds the sessions' KV).
+        max_pending: Requests admitted at once (running and queued); more are refused (`Overloaded`).
+        session_block: Granularity of the session index's digests, in tokens.
+        max_sessions: Conversations the index remembers (least recently used forgotten first).
+    """
+
+    def __init__(self, pipeline: ChatPipeline, *, max_pending: int = 64, session_block: int = 16,
+                 max_sessions: int = 100_000):
+        if max_pending < 1:
+            raise ValueError(f"`max_pending` must be at least 1, got {max_pending}")
+        self.pipeline = pipeline
+        self.tokens = MessageTokens(pipeline.tokenizer, ReplyMemo(max_sessions))
+        self.index = SessionIndex(session_block, max_sessions)
+        self.max_pending = max_pending
+        self._pending = 0
+        self._lock = threading.Lock()
+        special = set(pipeline.tokenizer.all_special_ids)
+        self._special = special
+
+    # -- admission ------------------------------------------------------------------------------------
+    def admit(self) -> None:
+        """Reserves room for one request. Raises Overloaded when `max_pending` are in the engine."""
+        with self._lock:
+            if self._pending >= self.max_pending:
+                raise Overloaded(f"the server holds {self._pending} requests (`--max-pending`): retry later")
+            self._pending += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    # -- turns ------------------------------------------------------------------------------------------
+    def prepare(self, messages: list[dict], session_id: str | None = None) -> Turn:
+        """The turn a request asks for: its prompt ids and its session.
+
+        Raises:
+            ValueError: The messages cannot be rendered, or the session id is invalid.
+        """
+        client = self.tokens.prompt_ids(messages)
+        if not client:
+            raise ValueError("the messages render to an empty prompt")
+        explicit = session_id is not None
+        if session_id is None:
+            found = self.index.find(client)
+            session_id = found[0] if found is not None else f"chat-{uuid.uuid4().hex}"
+        model = client
+        known = self.index.get(session_id)
+        if known is not None:
+            ids, model_ids = known
+            if tuple(client[: len(ids)]) == ids:
+                model = list(model_ids) + client[len(ids):]
+        return Turn(session_id, client, model, explicit)
+
+    def submit(self, turn: Turn, streamer=None, cancel: threading.Event | None = None, **options) -> Future:
+        return self.pipeline.submit_prompt(turn.session_id, turn.model_ids, streamer, cancel=cancel, **options)
+
+    def finish(self, turn: Turn, reply: Reply) -> None:
+        """Records a finished turn: the session's ids for the index, and the reply's exact ids for the memo."""
+        content = list(reply.generated_ids)
+        while content and content[-1] in self._special:  # the end of turn: the template's closing adds it back
+            content.pop()
+        if reply.cancelled:  # the client never saw the whole reply and will not send it back
+            self.index.add(turn.session_id, turn.client_ids, list(reply.prompt_ids))
+            return
+        self.tokens.memo.add(reply.text, content)
+        self.index.add(turn.session_id, turn.client_ids + content, list(reply.prompt_ids) + content)
+
+    @staticmethod
+    def finish_reason(reply: Reply, max_new_tokens: int) -> str:
+        return "length" if reply.generated_tokens >= max_new_tokens else "stop"

@@ -1,0 +1,101 @@
+"""Prometheus metrics of `attnstore serve` (``GET /metrics``), on a registry of the app's own.
+
+Per request (updated by the app): turns by KV source, reused / prefilled / generated tokens, TTFT,
+queueing and turn time histograms, errors by HTTP status. Per store (read from `AttnStore.stats()` at
+each scrape): hits per tier, bytes used and limits per tier, bytes moved, evictions, I/O errors.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..store import AttnStore
+
+# Seconds: TTFT on a CPU ranges from tens of ms (a resumed turn) to tens of s (a long cold prefill).
+_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
+
+
+class StoreCollector:
+    """Reads the store's counters at scrape time (one lock acquisition per scrape)."""
+
+    def __init__(self, store: AttnStore | None):
+        self.store = store
+
+    def collect(self):
+        if self.store is None:
+            return
+        s = self.store.stats()
+        hits = CounterMetricFamily("attnstore_store_hits", "Store lookups that found the session, by tier",
+                                   labels=["tier"])
+        for tier, value in (("host", s.hits_host), ("disk", s.hits_disk), ("remote", s.hits_remote)):
+            hits.add_metric([tier], value)
+        yield hits
+        yield CounterMetricFamily("attnstore_store_misses", "Store lookups that found nothing", value=s.misses)
+        used = GaugeMetricFamily("attnstore_store_bytes_used", "Bytes held per tier", labels=["tier"])
+        used.add_metric(["host"], s.host_bytes_used)
+        used.add_metric(["disk"], s.disk_bytes_used)
+        yield used
+        limit = GaugeMetricFamily("attnstore_store_bytes_limit", "Capacity per tier", labels=["tier"])
+        limit.add_metric(["host"], s.host_bytes_limit)
+        limit.add_metric(["disk"], s.disk_bytes_limit if self.store.config.disk_dir else 0)
+        yield limit
+        sessions = GaugeMetricFamily("attnstore_store_sessions", "Sessions indexed, by where their KV is",
+                                     labels=["tier"])
+        sessions.add_metric(["all"], s.sessions)
+        sessions.add_metric(["host"], s.host_sessions)
+        sessions.add_metric(["disk"], s.disk_sessions)
+        yield sessions
+        moved = CounterMetricFamily("attnstore_store_bytes", "Bytes read from / written to a tier",
+                                    labels=["tier", "direction"])
+        for tier, direction, value in (("disk", "read", s.bytes_read), ("disk", "write", s.bytes_written),
+                                       ("remote", "read", s.remote_bytes_read),
+                                       ("remote", "write", s.remote_bytes_written)):
+            moved.add_metric([tier, direction], value)
+        yield moved
+        evictions = CounterMetricFamily("attnstore_store_evictions", "Sessions moved down or dropped",
+                                        labels=["kind"])
+        for kind, value in (("demoted", s.demotions), ("host_dropped", s.host_drops), ("disk_dropped", s.disk_drops),
+                            ("expired", s.ttl_expired)):
+            evictions.add_metric([kind], value)
+        yield evictions
+        errors = CounterMetricFamily("attnstore_store_errors", "Failed store I/O (each a miss or a retried write)",
+                                     labels=["kind"])
+        for kind, value in (("write", s.write_errors), ("load", s.load_errors), ("remote", s.remote_errors)):
+            errors.add_metric([kind], value)
+        yield errors
+
+
+class ServerMetrics:
+    """The app's metrics. `registry` is what ``GET /metrics`` exposes."""
+
+    def __init__(self, store: AttnStore | None, queue_depth):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.turns = Counter("attnstore_turns", "Completed turns, by where their KV came from", ["kv_source"],
+                             registry=r)
+        self.tokens = Counter("attnstore_tokens", "Tokens per kind: reused (KV from the store), prefilled, generated",
+                              ["kind"], registry=r)
+        self.ttft = Histogram("attnstore_ttft_seconds", "Time to first token, from the turn's start", registry=r,
+                              buckets=_BUCKETS)
+        self.queue = Histogram("attnstore_queue_seconds", "Time a turn waited before it started", registry=r,
+                               buckets=_BUCKETS)
+        self.turn_time = Histogram("attnstore_turn_seconds", "Time of a whole turn", registry=r, buckets=_BUCKETS)
+        self.errors = Counter("attnstore_request_errors", "Requests answered with an error, by HTTP status",
+                              ["status"], registry=r)
+        self.cancelled = Counter("attnstore_cancelled_turns", "Turns stopped because the client went away",
+                                 registry=r)
+        depth = Gauge("attnstore_queue_depth", "Requests admitted and not finished", registry=r)
+        depth.set_function(queue_depth)
+        r.register(StoreCollector(store))
+
+    def observe(self, reply) -> None:
+        self.turns.labels(reply.kv_source).inc()
+        self.tokens.labels("reused").inc(reply.reused_tokens)
+        self.tokens.labels("prefilled").inc(reply.prefilled_tokens)
+        self.tokens.labels("generated").inc(reply.generated_tokens)
+        self.ttft.observe(reply.ttft_s)
+        self.queue.observe(reply.queued_s)
+        self.turn_time.observe(reply.total_s)
+        if reply.cancelled:
+            self.cancelled.inc()

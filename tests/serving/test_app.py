@@ -1,0 +1,201 @@
+"""The HTTP API in-process (FastAPI's TestClient): multi-turn reuse, streaming, errors, overload, metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+from fastapi.testclient import TestClient
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from hf_attnstore import AttnStore
+from hf_attnstore.pipeline import ChatPipeline
+from hf_attnstore.serving import ChatEngine, create_app
+
+from ..conftest import char_tokenizer, make_tiny
+from .helpers import ForceReply, bpe_tokenizer
+
+GREEDY = {"temperature": 0, "max_tokens": 6}
+
+
+def make_client(store=True, tokenizer=None, max_pending=64, context_window=None, **generate):
+    model, tok = make_tiny("llama"), tokenizer or char_tokenizer()
+    store = AttnStore("16MiB") if store else None
+    pipe = ChatPipeline(model, tok, store, max_new_tokens=8, context_window=context_window, **generate)
+    engine = ChatEngine(pipe, max_pending=max_pending)
+    return TestClient(create_app(engine, "tiny", default_max_tokens=8)), pipe, store
+
+
+def close(pipe, store):
+    pipe.close(timeout=60)
+    if store is not None:
+        store.close()
+
+
+def chat(client, messages, headers=None, **extra):
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, **GREEDY, **extra},
+                    headers=headers or {})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_conversation_resent_by_the_client_reuses_everything_and_matches_recomputation():
+    client, pipe, store = make_client()
+    plain, plain_pipe, _ = make_client(store=False)
+    messages, previous = [{"role": "system", "content": "short answers"}], None
+    for k in range(4):
+        messages.append({"role": "user", "content": f"question {k}: " + "why " * k})
+        got, expected = chat(client, messages), chat(plain, messages)
+        assert got["choices"][0]["message"] == expected["choices"][0]["message"], k
+        usage = got["usage"]
+        assert usage["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+        if previous is None:
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 0 and got["attnstore"]["kv_source"] == "miss"
+            session = got["attnstore"]["session_id"]
+        else:
+            # Found without a session id; all of the previous prompt and reply reused (a reply cut by
+            # max_tokens has its last token stored too; one that ended on <|end|> gets it from the template).
+            stop = previous["choices"][0]["finish_reason"] == "stop"
+            assert got["attnstore"]["session_id"] == session and got["attnstore"]["kv_source"] == "host"
+            assert usage["prompt_tokens_details"]["cached_tokens"] == (
+                previous["usage"]["prompt_tokens"] + previous["usage"]["completion_tokens"] - stop)
+        messages.append({"role": "assistant", "content": got["choices"][0]["message"]["content"]})
+        previous = got
+    close(pipe, store)
+    close(plain_pipe, None)
+
+
+def test_a_reply_that_re_tokenizes_differently_is_still_reused_whole():
+    tok = bpe_tokenizer()
+    a = tok.convert_tokens_to_ids("a")
+    client, pipe, store = make_client(tokenizer=tok,
+                                      logits_processor=LogitsProcessorList([ForceReply(tok, [a, a, a, a])]))
+    messages = [{"role": "user", "content": "say aaaa"}]
+    first = chat(client, messages)
+    assert first["choices"][0]["message"]["content"] == "aaaa" and first["usage"]["completion_tokens"] == 5
+    assert len(tok("aaaa", add_special_tokens=False)["input_ids"]) == 2  # re-tokenized: two merged tokens
+    messages += [{"role": "assistant", "content": "aaaa"}, {"role": "user", "content": "again"}]
+    second = chat(client, messages)
+    # The prompt, the four generated "a" and <|end|>: everything before the new user message.
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"] + 4
+    close(pipe, store)
+
+
+def test_streaming_sends_the_same_reply_and_ends_with_done():
+    client, pipe, store = make_client()
+    messages = [{"role": "user", "content": "stream me"}]
+    whole = chat(client, messages, headers={"X-Session-ID": "one"})
+    assert whole["attnstore"]["session_id"] == "one"
+    body = {"model": "tiny", "messages": messages, "stream": True, "stream_options": {"include_usage": True}, **GREEDY}
+    with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-ID": "two"}) as r:
+        assert r.status_code == 200 and r.headers["x-session-id"] == "two"
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    close(pipe, store)
+
+
+def test_bad_requests_get_openai_style_errors():
+    client, pipe, store = make_client()
+    ok = [{"role": "user", "content": "hi"}]
+    cases = [
+        (dict(content=b"{not json", headers={"Content-Type": "application/json"}), 400, "not valid JSON"),
+        (dict(content=b"plain text"), 400, "JSON object"),
+        (dict(json={"model": "tiny"}), 400, "messages"),
+        (dict(json={"model": "tiny", "messages": []}), 400, "messages"),
+        (dict(json={"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}), 400, "role"),
+        (dict(json={"model": "tiny", "messages": ok + [{"role": "assistant", "content": "x"}]}), 400, "last message"),
+        (dict(json={"model": "tiny", "messages": ok, "n": 2}), 400, "`n`"),
+        (dict(json={"model": "tiny", "messages": ok, "max_tokens": 0}), 400, "max_tokens"),
+        (dict(json={"model": "tiny", "messages": ok, "temperature": 9}), 400, "temperature"),
+        (dict(json={"model": "gpt-4", "messages": ok}), 404, "not served here"),
+    ]
+    for kwargs, status, words in cases:
+        r = client.post("/v1/chat/completions", **kwargs)
+        assert r.status_code == status, (kwargs, r.text)
+        error = r.json()["error"]
+        assert words in error["message"] and error["type"], (kwargs, error)
+    metrics = client.get("/metrics").text
+    assert 'attnstore_request_errors_total{status="400"} 9.0' in metrics
+    assert chat(client, ok)["choices"][0]["message"]["content"] is not None  # still serving
+    close(pipe, store)
+
+
+class Gate(LogitsProcessor):
+    """Holds a turn at its first decoding step until released: a server that is busy, deterministically."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, input_ids, scores):
+        self.entered.set()
+        assert self.release.wait(30), "the test never released the gate"
+        return scores
+
+
+def test_a_full_server_answers_429_and_recovers():
+    gate = Gate()
+    client, pipe, store = make_client(max_pending=1, logits_processor=LogitsProcessorList([gate]))
+    results = []
+    first = threading.Thread(target=lambda: results.append(chat(client, [{"role": "user", "content": "slow"}])))
+    first.start()
+    assert gate.entered.wait(30)
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 429 and r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "overloaded"
+    gate.release.set()
+    first.join(60)
+    assert len(results) == 1
+    assert client.get("/health").json()["pending"] == 0
+    assert chat(client, [{"role": "user", "content": "now"}])  # room again
+    close(pipe, store)
+
+
+def test_concurrent_requests_on_one_session_are_serialized():
+    client, pipe, store = make_client()
+    messages = [{"role": "user", "content": "same session"}]
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(chat(client, messages, headers={"X-Session-ID": "s"})))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    texts = {r["choices"][0]["message"]["content"] for r in results}
+    assert len(results) == 3 and len(texts) == 1  # the same prompt, the same greedy reply, each turn whole
+    assert sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for r in results) == 2
+    close(pipe, store)
+
+
+def test_a_conversation_over_the_context_window_is_truncated_and_reported():
+    client, pipe, store = make_client(context_window=64)
+    messages = [{"role": "user", "content": "long " * 10}]
+    for _ in range(3):
+        got = chat(client, messages)
+        messages += [{"role": "assistant", "content": got["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "more " * 6}]
+    got = chat(client, messages)
+    info = got["attnstore"]
+    assert got["usage"]["prompt_tokens"] > 64 and info["kv_source"] == "truncated" and info["dropped_tokens"] > 0
+    assert info["reused_tokens"] > 0 and info["reused_tokens"] + info["prefilled_tokens"] <= 64  # the window
+    close(pipe, store)
+
+
+def test_models_health_and_metrics():
+    client, pipe, store = make_client()
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    assert client.get("/health").json()["status"] == "ok"
+    messages = [{"role": "user", "content": "count me"}]
+    first = chat(client, messages)
+    chat(client, messages + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                             {"role": "user", "content": "again"}])
+    text = client.get("/metrics").text
+    for line in ('attnstore_turns_total{kv_source="miss"} 1.0', 'attnstore_turns_total{kv_source="host"} 1.0',
+                 'attnstore_store_hits_total{tier="host"} 1.0', "attnstore_ttft_seconds_count 2.0",
+                 'attnstore_store_bytes_limit{tier="host"}', "attnstore_queue_depth 0.0"):
+        assert line in text, line
+    reused = next(float(x.split()[-1]) for x in text.splitlines() if x.startswith('attnstore_tokens_total{kind="reused"}'))
+    assert reused > 0
+    close(pipe, store)
