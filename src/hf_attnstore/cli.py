@@ -154,7 +154,9 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
                       remote=args.remote, policy=args.policy)
-    pipe = ChatPipeline(model, tokenizer, store, context_window=args.context_window, max_new_tokens=args.max_tokens)
+    # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
+    window = args.context_window or getattr(model.config, "max_position_embeddings", None)
+    pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens)
     try:
         app = create_app(ChatEngine(pipe, max_pending=args.max_pending), name, default_max_tokens=args.max_tokens,
                          request_timeout_s=args.request_timeout)
@@ -207,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "rediss://... or unix:///path.sock")
     sv.add_argument("--policy", default="lookahead", choices=("lookahead", "lru", "fifo"))
     sv.add_argument("--context-window", type=int, default=None,
-                    help="tokens the model sees; longer conversations are truncated (reported per response)")
+                    help="tokens the model sees (default: the model's max_position_embeddings); longer "
+                    "conversations are truncated, reported per response")
     sv.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets none")
     sv.add_argument("--max-pending", type=int, default=64, help="requests admitted at once; more get 429")
     sv.add_argument("--request-timeout", type=float, default=600.0, help="longest wait for one turn, seconds")
