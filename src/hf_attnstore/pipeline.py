@@ -64,6 +64,21 @@ class Reply:
 
 
 @dataclass
+class Prepared:
+    """A turn ready to run: its prompt (after truncation), its cache and what it reuses."""
+
+    job: "_Job"
+    started: float
+    timer: FirstTokenTimer
+    cache: object  # AttnStoreCache, or a DynamicCache without a store
+    prompt: torch.Tensor  # [1, seq] on the model's device
+    reused: int
+    dropped: int
+    source: str
+    options: dict
+
+
+@dataclass
 class _Job:
     session_id: str
     message: str
@@ -320,28 +335,23 @@ class ChatPipeline:
         if ahead:
             self.store.prefetch(ahead, self.store.fingerprint(self.model))
 
-    def _turn(self, job: _Job) -> Reply:
+    def _prepare(self, job: _Job) -> "Prepared":
+        """A turn's prompt ids, its cache (the store's reuse plan) and its `generate` options."""
         started = time.perf_counter()
         with self._cond:
             history = self._history.get(job.session_id)
         if job.prompt_ids is not None:
-            history = None
-        elif history is None and self.store is not None:
-            # A session this pipeline has not seen may be in the store (a previous process, same disk_dir).
-            # Its stored ids are the history but the last generated token (never fed to the model);
-            # `next_turn` re-adds the end-of-turn tokens, so a reply that ended on one resumes exactly.
-            stored = self.store.token_ids(job.session_id, self.store.fingerprint(self.model))
-            history = stored.view(1, -1) if stored is not None else None
-        if job.prompt_ids is not None:
             ids = job.prompt_ids
         else:
+            if history is None and self.store is not None:
+                # A session this pipeline has not seen may be in the store (a previous process, same disk_dir).
+                # Its stored ids are the history but the last generated token (never fed to the model);
+                # `next_turn` re-adds the end-of-turn tokens, so a reply that ended on one resumes exactly.
+                stored = self.store.token_ids(job.session_id, self.store.fingerprint(self.model))
+                history = stored.view(1, -1) if stored is not None else None
             ids = (self.chat_tokens.first_turn(job.message) if history is None
                    else self.chat_tokens.next_turn(history, job.message))
         options = {**self.generate_kwargs, **(job.options or {})}
-        if job.cancel is not None:
-            options["stopping_criteria"] = StoppingCriteriaList([_Cancelled(job.cancel)])
-        if "stop_strings" in options:
-            options["tokenizer"] = self.tokenizer  # `generate` matches stop strings with it
         timer = FirstTokenTimer().start()
         if self.store is None:
             cache, reused, dropped = DynamicCache(), 0, tokens_to_drop(ids.shape[1], self.truncation)
@@ -352,39 +362,58 @@ class ChatPipeline:
             cache = AttnStoreCache(self.model, self.store, job.session_id, ids, truncation=self.truncation)
             prompt, reused, dropped = cache.input_ids, cache.reused_tokens, cache.dropped_tokens
             source = "truncated" if dropped else cache.kv_source
+        return Prepared(job, started, timer, cache, prompt.to(self.model.device), reused, dropped, source, options)
+
+    def _turn(self, job: _Job) -> Reply:
+        p = self._prepare(job)
+        options = dict(p.options)
+        if job.cancel is not None:
+            options["stopping_criteria"] = StoppingCriteriaList([_Cancelled(job.cancel)])
+        if "stop_strings" in options:
+            options["tokenizer"] = self.tokenizer  # `generate` matches stop strings with it
         try:
             if job.reply is None:
                 # An explicit mask: without one, `generate` masks every id equal to the pad id, and a pad token
                 # inside a message or reply would break the positions of the whole session.
-                out = self.model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
-                                          streamer=_Tee(timer, job.streamer), **options)
-                ttft = timer.ttft
-                generated = out[:, prompt.shape[1]:]
-                if self.store is not None and generated.shape[1] and int(generated[0, -1]) != self.chat_tokens.eot_ids[0]:
+                out = self.model.generate(p.prompt, attention_mask=torch.ones_like(p.prompt), past_key_values=p.cache,
+                                          streamer=_Tee(p.timer, job.streamer), **options)
+                ttft = p.timer.ttft
+                generated = out[:, p.prompt.shape[1]:]
+                if self.needs_last_token(generated):
                     # `generate` never feeds its last token, so the store would not know it, and a pipeline that
                     # resumes this session from the store (another replica, a restart) would lose it. A reply
                     # cut by `max_new_tokens` has its last token fed now (one decode step); one that ended on
                     # the end-of-turn token needs nothing: `next_turn` re-adds that token anyway.
                     with torch.no_grad():
-                        self.model(generated[:, -1:].to(self.model.device), past_key_values=cache, use_cache=True)
+                        self.model(generated[:, -1:], past_key_values=p.cache, use_cache=True)
                 text = self.chat_tokens.reply_text(generated)
                 greedy = [] if options.get("do_sample") else generated.view(-1).tolist()
             else:
-                out, greedy, ttft = self._read_reply(prompt, cache, reused, job.reply, timer.t0)
-                generated, text = out[:, prompt.shape[1]:], job.reply
+                out, greedy, ttft = self._read_reply(p.prompt, p.cache, p.reused, job.reply, p.timer.t0)
+                generated, text = out[:, p.prompt.shape[1]:], job.reply
         finally:
-            if isinstance(cache, AttnStoreCache):
-                cache.close()  # the turn is over: its session may be demoted again
-        total = time.perf_counter() - timer.t0
+            if isinstance(p.cache, AttnStoreCache):
+                p.cache.close()  # the turn is over: its session may be demoted again
+        return self._finish(p, out, generated, text, greedy, ttft)
+
+    def needs_last_token(self, generated: torch.Tensor) -> bool:
+        """Whether a reply's last token must still be fed to store it (see `_turn`)."""
+        return self.store is not None and generated.shape[1] > 0 and int(generated[0, -1]) != self.chat_tokens.eot_ids[0]
+
+    def _finish(self, p: "Prepared", out: torch.Tensor, generated: torch.Tensor, text: str, greedy, ttft: float) -> Reply:
+        """The turn's Reply; the session's history becomes `out` (only a completed turn changes it)."""
+        total = time.perf_counter() - p.timer.t0
+        job = p.job
         with self._cond:
-            self._history[job.session_id] = out.cpu()  # only a completed turn changes the history
+            self._history[job.session_id] = out.cpu()
         return Reply(session_id=job.session_id, text=text,
-                     history_tokens=int(prompt.shape[1]), reused_tokens=reused,
-                     prefilled_tokens=int(prompt.shape[1]) - reused, generated_tokens=int(generated.shape[1]),
-                     dropped_tokens=dropped, ttft_s=ttft, total_s=total, kv_source=source,
-                     queued_s=started - job.submitted, tier=None if self.store is None else cache.kv_source,
+                     history_tokens=int(p.prompt.shape[1]), reused_tokens=p.reused,
+                     prefilled_tokens=int(p.prompt.shape[1]) - p.reused, generated_tokens=int(generated.shape[1]),
+                     dropped_tokens=p.dropped, ttft_s=ttft, total_s=total, kv_source=p.source,
+                     queued_s=p.started - job.submitted,
+                     tier=None if self.store is None else p.cache.kv_source,
                      greedy_ids=tuple(greedy), generated_ids=tuple(generated.view(-1).tolist()),
-                     prompt_ids=tuple(prompt.view(-1).tolist()),
+                     prompt_ids=tuple(p.prompt.view(-1).tolist()),
                      cancelled=job.cancel is not None and job.cancel.is_set())
 
     @torch.no_grad()

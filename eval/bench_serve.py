@@ -1,0 +1,171 @@
+"""Closed-loop chat users over real HTTP with the `openai` client: `attnstore serve` vs `transformers serve`.
+
+    python eval/bench_serve.py --users 1,4,8 --turns 4 --systems attnstore,transformers-cb,transformers
+
+Each user replays one ShareGPT conversation: its user messages (clipped to `--message-chars` characters of
+real text), resending the whole conversation each turn as OpenAI clients do, streaming, greedy, `--max-tokens`
+per reply, `--think` seconds between a reply and the next message. All users start together; a run ends
+when every user has done its turns. The same conversations and settings for every system; each system is
+a fresh server process (same model, same machine), started and stopped by this script.
+
+Reported per system and concurrency: completed turns/s and generated tokens/s over the run's wall time;
+TTFT of resumed turns (a user's second turn on: time to the first streamed content, queueing included)
+p50 / p99; the share of prompt tokens the server reports as cached (`usage.prompt_tokens_details.
+cached_tokens`, where the server reports it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+SYSTEMS = {
+    "attnstore": lambda port, model_dir, args: [sys.executable, "-m", "hf_attnstore", "serve", "--port", str(port),
+                                                "--max-tokens", str(args.max_tokens)],
+    "transformers-cb": lambda port, model_dir, args: ["transformers", "serve", model_dir, "--port", str(port),
+                                                      "--continuous-batching", "--dtype", "float32", "--device", "cpu"],
+    "transformers": lambda port, model_dir, args: ["transformers", "serve", model_dir, "--port", str(port),
+                                                   "--dtype", "float32", "--device", "cpu"],
+}
+
+
+def conversations(n: int, turns: int, chars: int) -> list[list[str]]:
+    from hf_attnstore.data import load_sharegpt
+
+    out = []
+    for conv in load_sharegpt(limit=4 * n, min_user_turns=1):
+        users = [m["content"][:chars] for m in conv.messages if m["role"] == "user" and len(m["content"]) >= 200]
+        if users:
+            out.append((users * turns)[:turns])  # short conversations repeat their messages
+        if len(out) == n:
+            return out
+    raise ValueError(f"not enough ShareGPT conversations with long user messages for {n} users")
+
+
+def start(system: str, port: int, model_dir: str, args) -> subprocess.Popen:
+    venv_bin = str(Path(sys.executable).parent)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": venv_bin + os.pathsep + os.environ.get("PATH", "")}
+    proc = subprocess.Popen(SYSTEMS[system](port, model_dir, args), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"{system} did not start")
+            time.sleep(0.5)
+
+
+def user(client, model: str, messages_in: list[str], args, records: list, lock: threading.Lock) -> None:
+    messages = []
+    for turn, text in enumerate(messages_in):
+        messages.append({"role": "user", "content": text})
+        t0 = time.perf_counter()
+        first, reply, usage = None, "", None
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
+                                                temperature=0, stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                if first is None:
+                    first = time.perf_counter()
+                reply += chunk.choices[0].delta.content
+            usage = chunk.usage or usage
+        end = time.perf_counter()
+        details = getattr(usage, "prompt_tokens_details", None) if usage else None
+        with lock:
+            records.append(dict(turn=turn, ttft=(first or end) - t0, total=end - t0,
+                                prompt=usage.prompt_tokens if usage else 0,
+                                completion=usage.completion_tokens if usage else 0,
+                                cached=getattr(details, "cached_tokens", None) if details else None, reply=reply))
+        messages.append({"role": "assistant", "content": reply})
+        time.sleep(args.think)
+
+
+def run(system: str, users: int, convs, model_dir: str, args) -> dict:
+    import openai
+
+    port = 8900 + hash((system, users)) % 500
+    proc = start(system, port, model_dir, args)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)
+        model = client.models.list().data[0].id if system == "attnstore" else model_dir
+        warm = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, temperature=0)
+        assert warm.choices
+        records, lock = [], threading.Lock()
+        threads = [threading.Thread(target=user, args=(client, model, convs[u], args, records, lock))
+                   for u in range(users)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    resumed = sorted(r["ttft"] for r in records if r["turn"] > 0)
+    cached = [r for r in records if r["cached"] is not None]
+    return dict(system=system, users=users, turns=len(records), wall_s=wall, turns_per_s=len(records) / wall,
+                tokens_per_s=sum(r["completion"] for r in records) / wall,
+                ttft_resumed_p50_ms=1000 * statistics.median(resumed) if resumed else float("nan"),
+                ttft_resumed_p99_ms=1000 * resumed[min(len(resumed) - 1, int(0.99 * len(resumed)))] if resumed
+                else float("nan"),
+                cached_share=(sum(r["cached"] for r in cached) / max(1, sum(r["prompt"] for r in cached))
+                              if cached else None),
+                prompt_tokens_mean=statistics.mean(r["prompt"] for r in records),
+                replies=[r["reply"] for r in sorted(records, key=lambda r: r["turn"])])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--users", default="1,4,8")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--message-chars", type=int, default=1200)
+    p.add_argument("--think", type=float, default=0.0)
+    p.add_argument("--systems", default="attnstore,transformers-cb,transformers")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    from hf_attnstore import load_default_model
+
+    model, _ = load_default_model()
+    model_dir = model.name_or_path
+    del model
+    levels = [int(x) for x in args.users.split(",")]
+    convs = conversations(max(levels), args.turns, args.message_chars)
+    rows = []
+    for users in levels:
+        for system in args.systems.split(","):
+            row = run(system, users, convs, model_dir, args)
+            rows.append(row)
+            print(f"{system} x{users}: {row['turns_per_s']:.3f} turns/s, resumed TTFT p50 "
+                  f"{row['ttft_resumed_p50_ms']:.0f} ms", flush=True)
+    print("\n| users | system | turns/s | tokens/s | resumed TTFT p50 | p99 | cached share | mean prompt | wall |")
+    print("| --- " * 9 + "|")
+    for r in rows:
+        cached = f"{100 * r['cached_share']:.1f}%" if r["cached_share"] is not None else "–"
+        print(f"| {r['users']} | {r['system']} | {r['turns_per_s']:.3f} | {r['tokens_per_s']:.2f} | "
+              f"{r['ttft_resumed_p50_ms']:.0f} ms | {r['ttft_resumed_p99_ms']:.0f} ms | {cached} | "
+              f"{r['prompt_tokens_mean']:.0f} | {r['wall_s']:.0f} s |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
