@@ -400,6 +400,24 @@ class AttnStoreCache(DynamicCache):
             if stored:
                 self.saved_tokens += int(ids.numel())
 
+    def append_computed(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+                        values: list[torch.Tensor]) -> None:
+        """Stores KV the model computed for this session outside this cache (a batched decoding step over
+        several sessions), exactly as a forward through the cache would store it.
+
+        Args:
+            token_ids: The ``n`` ids the KV belongs to, continuing the cache's ids.
+            positions: Their positions, ``[n]`` (the keys are rotated for these).
+            keys, values: Per layer, ``[1, kv_heads, n, head_dim]``; keys still rotated.
+        """
+        if len(keys) != self._geometry[0] or len(values) != self._geometry[0]:
+            raise ValueError(f"expected KV of {self._geometry[0]} layers, got {len(keys)}")
+        self._fwd_ids = token_ids.reshape(-1)
+        if self._rope.has_rope and self._save:
+            self._fwd_rope = self._rope.inverse(*self._rope.cos_sin(positions.reshape(-1), torch.float32))
+        self._pending = list(zip(keys, values))
+        self._end_forward()
+
     def close(self) -> None:
         """Ends the turn: the store may demote the session again. Later forwards through this cache are not
         saved. Called when the cache is garbage-collected; call it (or use ``with``) when keeping caches."""

@@ -131,6 +131,8 @@ class ChatPipeline:
             since the store fetches in queue order only what fits).
         eviction_window: Waiting jobs told to the eviction policy; default ``(C_host + C_disk) / S_kv``.
         max_new_tokens: Reply length limit; other `generate` keyword arguments are passed through.
+        max_batch_size: Turns of different sessions decoded together (continuous batching: a turn joins or
+            leaves between decoding steps; see `batching.py`). 1 runs one turn at a time with `generate`.
         histories: Where each session's token ids are kept between turns (the conversation itself, not its
             KV): a fresh dict by default. Replicas behind a load balancer share one mapping (standing in for
             the conversation database, or for clients that send the whole conversation), so a turn that
@@ -148,13 +150,16 @@ class ChatPipeline:
                  truncation: str = "decoupled", truncation_ratio: float = 0.5, keep_first: int = 4,
                  system_prompt: str | None = None, prefetch_window: int | None = None,
                  eviction_window: int | None = None, max_new_tokens: int = 256,
-                 histories: MutableMapping[str, torch.Tensor] | None = None, **generate_kwargs):
+                 histories: MutableMapping[str, torch.Tensor] | None = None, max_batch_size: int = 1,
+                 **generate_kwargs):
         self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
         for name, value in (("prefetch_window", prefetch_window), ("eviction_window", eviction_window)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"`{name}` must be a non-negative integer or None, got {value!r}")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
+        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+            raise ValueError(f"`max_batch_size` must be a positive integer, got {max_batch_size!r}")
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.chat_tokens = ChatTokens(tokenizer, system_prompt)
         self.prefetch_window, self.eviction_window = prefetch_window, eviction_window
@@ -166,7 +171,17 @@ class ChatPipeline:
         self._running: str | None = None
         self._cond = threading.Condition()
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name="attnstore-pipeline", daemon=True)
+        run = self._run
+        if max_batch_size > 1:
+            from .batching import BatchRunner, batchable
+
+            ok, why = batchable(model)
+            if ok:
+                run = BatchRunner(self, max_batch_size).run
+            else:
+                logger.warning("turns of %s run one at a time: %s", type(model).__name__, why)
+        self.max_batch_size = max_batch_size if run != self._run else 1
+        self._worker = threading.Thread(target=run, name="attnstore-pipeline", daemon=True)
         self._worker.start()
 
     # -- public API ---------------------------------------------------------------------------------
