@@ -1,6 +1,6 @@
 """Closed-loop chat users over real HTTP with the `openai` client: `attnstore serve` vs `transformers serve`.
 
-    python eval/bench_serve.py --users 1,4,8 --turns 4 --systems attnstore,transformers-cb,transformers
+    python eval/bench_serve.py --users 1,4,8 --turns 4 --systems attnstore,attnstore-b1,transformers-cb,transformers
 
 Each user replays one ShareGPT conversation: its user messages (clipped to `--message-chars` characters of
 real text), resending the whole conversation each turn as OpenAI clients do, streaming, greedy, `--max-tokens`
@@ -8,7 +8,9 @@ per reply, `--think` seconds between a reply and the next message. All users sta
 when every user has done its turns. The same conversations and settings for every system; each system is
 a fresh server process (same model, same machine), started and stopped by this script.
 
-Reported per system and concurrency: completed turns/s and generated tokens/s over the run's wall time;
+Systems: `attnstore` (continuous batching, `--max-batch-size 8`), `attnstore-b1` (one turn at a time: the
+batch-1 pipeline), `transformers-cb` (`transformers serve --continuous-batching`), `transformers` (plain
+`transformers serve`). Reported per system and concurrency: completed turns/s and generated tokens/s over the run's wall time;
 TTFT of resumed turns (a user's second turn on: time to the first streamed content, queueing included)
 p50 / p99; the share of prompt tokens the server reports as cached (`usage.prompt_tokens_details.
 cached_tokens`, where the server reports it).
@@ -29,7 +31,10 @@ from pathlib import Path
 
 SYSTEMS = {
     "attnstore": lambda port, model_dir, args: [sys.executable, "-m", "hf_attnstore", "serve", "--port", str(port),
-                                                "--max-tokens", str(args.max_tokens)],
+                                                "--max-tokens", str(args.max_tokens), "--max-batch-size", "8"],
+    "attnstore-b1": lambda port, model_dir, args: [sys.executable, "-m", "hf_attnstore", "serve", "--port",
+                                                   str(port), "--max-tokens", str(args.max_tokens),
+                                                   "--max-batch-size", "1"],
     "transformers-cb": lambda port, model_dir, args: ["transformers", "serve", model_dir, "--port", str(port),
                                                       "--continuous-batching", "--dtype", "float32", "--device", "cpu"],
     "transformers": lambda port, model_dir, args: ["transformers", "serve", model_dir, "--port", str(port),
@@ -99,7 +104,7 @@ def run(system: str, users: int, convs, model_dir: str, args) -> dict:
     proc = start(system, port, model_dir, args)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)
-        model = client.models.list().data[0].id if system == "attnstore" else model_dir
+        model = client.models.list().data[0].id if system.startswith("attnstore") else model_dir
         warm = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=2, temperature=0)
         assert warm.choices
@@ -138,7 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--message-chars", type=int, default=1200)
     p.add_argument("--think", type=float, default=0.0)
-    p.add_argument("--systems", default="attnstore,transformers-cb,transformers")
+    p.add_argument("--systems", default="attnstore,attnstore-b1,transformers-cb,transformers")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from hf_attnstore import load_default_model

@@ -18,10 +18,11 @@ from .helpers import ForceReply, bpe_tokenizer
 GREEDY = {"temperature": 0, "max_tokens": 6}
 
 
-def make_client(store=True, tokenizer=None, max_pending=64, context_window=None, **generate):
+def make_client(store=True, tokenizer=None, max_pending=64, context_window=None, max_batch_size=1, **generate):
     model, tok = make_tiny("llama"), tokenizer or char_tokenizer()
     store = AttnStore("16MiB") if store else None
-    pipe = ChatPipeline(model, tok, store, max_new_tokens=8, context_window=context_window, **generate)
+    pipe = ChatPipeline(model, tok, store, max_new_tokens=8, context_window=context_window,
+                        max_batch_size=max_batch_size, **generate)
     engine = ChatEngine(pipe, max_pending=max_pending)
     return TestClient(create_app(engine, "tiny", default_max_tokens=8)), pipe, store
 
@@ -199,3 +200,35 @@ def test_models_health_and_metrics():
     reused = next(float(x.split()[-1]) for x in text.splitlines() if x.startswith('attnstore_tokens_total{kind="reused"}'))
     assert reused > 0
     close(pipe, store)
+
+
+def test_concurrent_conversations_on_a_batching_server_match_one_at_a_time():
+    client, pipe, store = make_client(max_batch_size=4)
+    plain, plain_pipe, _ = make_client(store=False)
+
+    def conversation(u: int, out: dict) -> None:
+        messages = []
+        for k in range(3):
+            messages.append({"role": "user", "content": f"user {u} turn {k} " + "la " * (u + k)})
+            got = chat(client, messages)
+            out[(u, k)] = got
+            messages.append({"role": "assistant", "content": got["choices"][0]["message"]["content"]})
+
+    results: dict = {}
+    threads = [threading.Thread(target=conversation, args=(u, results)) for u in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 12
+    for u in range(4):
+        messages = []
+        for k in range(3):
+            messages.append({"role": "user", "content": f"user {u} turn {k} " + "la " * (u + k)})
+            expected = chat(plain, messages)["choices"][0]["message"]["content"]
+            assert results[(u, k)]["choices"][0]["message"]["content"] == expected, (u, k)
+            if k:
+                assert results[(u, k)]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            messages.append({"role": "assistant", "content": expected})
+    close(pipe, store)
+    close(plain_pipe, None)
