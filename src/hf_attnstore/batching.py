@@ -265,7 +265,9 @@ class BatchRunner:
             if isinstance(prep.cache, AttnStoreCache) and m.fed:
                 prompt_len = int(prep.prompt.shape[1])
                 keys = [layer.keys[b : b + 1, :, -m.fed:] for layer in self.cache.layers]
-                values = [layer.values[b : b + 1, :, -m.fed:] for layer in self.cache.layers]
+                # Copies: the store may adopt long value tensors as they are, and a view would keep the whole
+                # batch cache alive with them.
+                values = [layer.values[b : b + 1, :, -m.fed:].clone() for layer in self.cache.layers]
                 positions = torch.arange(prompt_len, prompt_len + m.fed, device=keys[0].device)
                 prep.cache.append_computed(torch.tensor(m.generated[: m.fed]), positions, keys, values)
         finally:
