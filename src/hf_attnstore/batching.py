@@ -72,6 +72,8 @@ class BatchRunner:
         self.pipe, self.max = pipe, max_batch_size
         self.model = pipe.model
         self.members: list[_Member] = []
+        self.seconds = {"prefill": 0.0, "step": 0.0, "settle": 0.0}  # where the worker's time goes
+        self.steps = 0
         self.cache: DynamicCache | None = None
         self.pads: list[int] = []  # left padding of each member in the batch cache
         gen = self.model.generation_config
@@ -88,22 +90,29 @@ class BatchRunner:
                 return
             joined = False
             for job in jobs:
+                started = time.perf_counter()
                 try:
                     joined |= self._start(job)
                 except BaseException as exc:  # the caller sees it through the future; the worker goes on
                     job.future.set_exception(exc)
                     if job.streamer is not None:
                         job.streamer.end()
+                self.seconds["prefill"] += time.perf_counter() - started
             if joined or any(m.done and not m.drain for m in self.members):
+                started = time.perf_counter()
                 self._settle()
+                self.seconds["settle"] += time.perf_counter() - started
             if self.members:
+                started = time.perf_counter()
                 try:
                     self._step()
+                    self.steps += 1
                 except BaseException as exc:  # a failed step fails its members, never the worker
                     logger.exception("a batched decoding step failed: %s", exc)
                     for m in self.members:
                         self._fail(m, exc)
                     self.members, self.cache, self.pads = [], None, []
+                self.seconds["step"] += time.perf_counter() - started
             with pipe._cond:
                 pipe._running = None if not self.members else self.members[0].prep.job.session_id
 

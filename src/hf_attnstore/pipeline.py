@@ -177,7 +177,8 @@ class ChatPipeline:
 
             ok, why = batchable(model)
             if ok:
-                run = BatchRunner(self, max_batch_size).run
+                self.batch_runner = BatchRunner(self, max_batch_size)
+                run = self.batch_runner.run
             else:
                 logger.warning("turns of %s run one at a time: %s", type(model).__name__, why)
         self.max_batch_size = max_batch_size if run != self._run else 1
