@@ -232,3 +232,20 @@ def test_concurrent_conversations_on_a_batching_server_match_one_at_a_time():
             messages.append({"role": "assistant", "content": expected})
     close(pipe, store)
     close(plain_pipe, None)
+
+
+def test_metrics_count_the_remote_tier(tmp_path):
+    from hf_attnstore.store.redis_server import RedisServer
+
+    with RedisServer(tmp_path / "redis") as server:
+        model, tok = make_tiny("llama"), char_tokenizer()
+        store = AttnStore("16MiB", remote=server.url, fsync=False)  # Redis below host memory
+        pipe = ChatPipeline(model, tok, store, max_new_tokens=8)
+        client = TestClient(create_app(ChatEngine(pipe), "tiny"))
+        chat(client, [{"role": "user", "content": "remember me"}])
+        store.flush()
+        text = client.get("/metrics").text
+        written = next(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith('attnstore_store_bytes_total{direction="write",tier="remote"}'))
+        assert written > 0 and 'attnstore_store_errors_total{kind="remote"} 0.0' in text
+        close(pipe, store)
