@@ -74,6 +74,7 @@ class BatchRunner:
         self.members: list[_Member] = []
         self.seconds = {"prefill": 0.0, "step": 0.0, "settle": 0.0}  # where the worker's time goes
         self.steps = 0
+        self._hinted: list[str] | None = None  # the queue the last look-ahead hints were given for
         self.cache: DynamicCache | None = None
         self.pads: list[int] = []  # left padding of each member in the batch cache
         gen = self.model.generation_config
@@ -139,10 +140,14 @@ class BatchRunner:
                 if pipe._closed and not pipe._queue:
                     return None
                 pipe._cond.wait(timeout=1.0)
-        try:
-            pipe._give_hints(waiting)
-        except Exception as exc:  # hints only speed things up
-            logger.warning("look-ahead hints failed (%s); the turn runs without them", exc)
+        if taken or waiting != self._hinted:
+            # Only when the queue changed: this runs between decoding steps, and a prefetch with a remote tier
+            # costs a round trip per waiting session.
+            self._hinted = waiting
+            try:
+                pipe._give_hints(waiting)
+            except Exception as exc:  # hints only speed things up
+                logger.warning("look-ahead hints failed (%s); the turn runs without them", exc)
         return taken
 
     # -- joining ----------------------------------------------------------------------------------------
