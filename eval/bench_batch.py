@@ -5,8 +5,8 @@
 `--sessions` ShareGPT conversations (user messages of up to `--message-chars` characters), `--turns` rounds:
 each round submits one turn of every session at once, `--max-new-tokens` per reply (no end-of-turn stop, so
 every reply has the same length), greedy, SmolLM2 fp32, a fresh store per run. Prints the wall time per
-batch size, and for the batched runs where the worker's time went (prefills, decoding steps, rebuilding the
-batch cache).
+batch size, and for the batched runs where the worker's time went (prefills, decoding steps, members leaving:
+their decoded KV handed to the store, rebuilding the batch cache).
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model()
     convs = conversations(args.sessions, args.turns, args.message_chars)
-    print("| batch | wall | turns/s | vs batch 1 | prefills | decoding steps | batch cache rebuilds |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| batch | wall | turns/s | vs batch 1 | prefills | decoding steps | members leaving | batch cache rebuilds |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     base = None
     for batch in [int(b) for b in args.batch.split(",")]:
         with AttnStore(host_bytes="8GiB") as store, \
@@ -58,12 +58,12 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - started
             runner = getattr(pipe, "batch_runner", None)
         base = base or wall
-        split = ("–", "–", "–") if runner is None else (
+        split = ("–", "–", "–", "–") if runner is None else (
             f"{runner.seconds['prefill']:.1f} s", f"{runner.seconds['step']:.1f} s ({runner.steps} steps)",
-            f"{runner.seconds['settle']:.1f} s")
+            f"{runner.seconds['leave']:.1f} s", f"{runner.seconds['rebuild']:.1f} s")
         turns = args.sessions * args.turns
         print(f"| {batch} | {wall:.1f} s | {turns / wall:.2f} | {base / wall:.2f}x | {split[0]} | {split[1]} | "
-              f"{split[2]} |", flush=True)
+              f"{split[2]} | {split[3]} |", flush=True)
     return 0
 
 

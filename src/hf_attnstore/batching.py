@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .cache import AttnStoreCache
 from .pipeline import Prepared, _Tee
@@ -35,6 +36,37 @@ if TYPE_CHECKING:
     from .pipeline import ChatPipeline, _Job
 
 logger = logging.getLogger(__name__)
+
+
+class _SlabLayer(DynamicLayer):
+    """A batch cache layer preallocated for the tokens its members may still add: each decoding step writes
+    one column in place, where `DynamicLayer` would concatenate (copy) the whole batch's KV at every step.
+    `keys` / `values` are views of the filled columns."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+        super().__init__()
+        batch, heads, width, dim = keys.shape
+        self._k = keys.new_empty(batch, heads, max(capacity, width), dim)
+        self._v = values.new_empty(batch, values.shape[1], max(capacity, width), values.shape[3])
+        self._k[:, :, :width] = keys
+        self._v[:, :, :width] = values
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self._set(width)
+
+    def _set(self, length: int) -> None:
+        self.length = length
+        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[2]
+        if self.length + n > self._k.shape[2]:  # more than planned (should not happen): grow once, by doubling
+            grow = max(self._k.shape[2], n)
+            self._k = torch.cat([self._k, self._k.new_empty(*self._k.shape[:2], grow, self._k.shape[3])], dim=2)
+            self._v = torch.cat([self._v, self._v.new_empty(*self._v.shape[:2], grow, self._v.shape[3])], dim=2)
+        self._k[:, :, self.length : self.length + n] = key_states
+        self._v[:, :, self.length : self.length + n] = value_states
+        self._set(self.length + n)
+        return self.keys, self.values
 
 
 def batchable(model) -> tuple[bool, str]:
@@ -72,7 +104,9 @@ class BatchRunner:
         self.pipe, self.max = pipe, max_batch_size
         self.model = pipe.model
         self.members: list[_Member] = []
-        self.seconds = {"prefill": 0.0, "step": 0.0, "settle": 0.0}  # where the worker's time goes
+        # Where the worker's time goes: prefills, decoding steps, members leaving (their KV handed to the store)
+        # and rebuilding the batch cache.
+        self.seconds = {"prefill": 0.0, "step": 0.0, "leave": 0.0, "rebuild": 0.0}
         self.steps = 0
         self._hinted: list[str] | None = None  # the queue the last look-ahead hints were given for
         self.cache: DynamicCache | None = None
@@ -100,9 +134,7 @@ class BatchRunner:
                         job.streamer.end()
                 self.seconds["prefill"] += time.perf_counter() - started
             if joined or any(m.done and not m.drain for m in self.members):
-                started = time.perf_counter()
                 self._settle()
-                self.seconds["settle"] += time.perf_counter() - started
             if self.members:
                 started = time.perf_counter()
                 try:
@@ -235,6 +267,7 @@ class BatchRunner:
     def _settle(self) -> None:
         """Finishes the members that are done and rebuilds the batch cache for those that stay."""
         staying = []
+        started = time.perf_counter()
         for b, m in enumerate(self.members):
             if m.done and not m.drain:
                 try:
@@ -243,6 +276,8 @@ class BatchRunner:
                     self._fail(m, exc)
             else:
                 staying.append((b, m))
+        self.seconds["leave"] += time.perf_counter() - started
+        started = time.perf_counter()
         kvs = []
         for b, m in staying:
             if m.kv is None:  # in the batch cache: its columns after the padding
@@ -250,26 +285,34 @@ class BatchRunner:
                 m.kv = [(layer.keys[b : b + 1, :, pad:], layer.values[b : b + 1, :, pad:]) for layer in self.cache.layers]
             kvs.append(m.kv)
         self.members = [m for _, m in staying]
-        self.cache, self.pads = self._build(kvs) if kvs else (None, [])
+        # Room for every token the members may still feed (their remaining replies, and a drained last one).
+        room = max((m.max_new - len(m.generated) + 1 for m in self.members), default=0)
+        self.cache, self.pads = self._build(kvs, room) if kvs else (None, [])
         for m in self.members:
             m.kv = None
             if m.prep.cache is not None and hasattr(m.prep.cache, "layers"):
                 for layer in m.prep.cache.layers:  # the batch cache holds them now: free the copy
                     layer.keys = layer.values = None
+        self.seconds["rebuild"] += time.perf_counter() - started
 
-    def _build(self, kvs: list) -> tuple[DynamicCache, list[int]]:
-        """A batch cache of the members' KV, left-padded to the longest."""
+    def _build(self, kvs: list, room: int) -> tuple[DynamicCache, list[int]]:
+        """A batch cache of the members' KV, left-padded to the longest, with `room` more columns."""
         width = max(kv[0][0].shape[2] for kv in kvs)
         pads = [width - kv[0][0].shape[2] for kv in kvs]
-        cache = DynamicCache()
+        layers = []
         for layer in range(len(kvs[0])):
             k0, v0 = kvs[0][layer]
-            keys = k0.new_zeros(len(kvs), k0.shape[1], width, k0.shape[3])
-            values = v0.new_zeros(len(kvs), v0.shape[1], width, v0.shape[3])
+            keys = k0.new_empty(len(kvs), k0.shape[1], width, k0.shape[3])
+            values = v0.new_empty(len(kvs), v0.shape[1], width, v0.shape[3])
             for b, kv in enumerate(kvs):
                 keys[b : b + 1, :, pads[b]:] = kv[layer][0]
                 values[b : b + 1, :, pads[b]:] = kv[layer][1]
-            cache.update(keys, values, layer)
+                # Padding is masked out, but must hold finite numbers: 0 * NaN would still be NaN.
+                keys[b, :, : pads[b]] = 0
+                values[b, :, : pads[b]] = 0
+            layers.append(_SlabLayer(keys, values, width + room))
+        cache = DynamicCache()
+        cache.layers = layers
         return cache, pads
 
     def _leave(self, m: _Member, b: int) -> None:
