@@ -107,7 +107,8 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
                            "(GET /v1/models)", code="model_not_found", param="model")
         missing = body.unsupported()
         if missing:
-            raise APIError(400, f"{missing} is not supported by this server", param=missing.strip("`").split("`")[0])
+            field, what = missing
+            raise APIError(400, f"{what} is not supported by this server", param=field)
         session = request.headers.get("x-session-id") or body.user
         try:
             engine.admit()

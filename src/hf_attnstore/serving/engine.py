@@ -55,8 +55,7 @@ class ChatEngine:
         self.max_pending = max_pending
         self._pending = 0
         self._lock = threading.Lock()
-        special = set(pipeline.tokenizer.all_special_ids)
-        self._special = special
+        self._special = set(pipeline.tokenizer.all_special_ids)
 
     # -- admission ------------------------------------------------------------------------------------
     def admit(self) -> None:

@@ -63,14 +63,14 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("the last message must come from the user (the server writes the assistant's reply)")
         return messages
 
-    def unsupported(self) -> str | None:
-        """The first requested feature this server does not implement, or None."""
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first requested feature this server does not implement, as (field, what), or None."""
         if self.n != 1:
-            return "`n` other than 1"
+            return "n", "`n` other than 1"
         if self.tools:
-            return "`tools`"
+            return "tools", "`tools`"
         if self.logprobs:
-            return "`logprobs`"
+            return "logprobs", "`logprobs`"
         return None
 
     def max_new_tokens(self, default: int) -> int:
