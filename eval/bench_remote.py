@@ -25,7 +25,7 @@ from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
 from hf_attnstore.store.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_tiers import history_snapshot, ideal_prefill  # noqa: E402
+from bench_tiers import history_snapshot, ideal_prefill, interleaved  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -78,11 +78,7 @@ def main(argv=None) -> None:
         remote_stats = []
         ideal(0), disk(-1), remote(-1)
         remote_stats.clear()
-        rows = {"ideal": [], "AS-disk": [], "AS-remote": []}
-        fns = {"ideal": ideal, "AS-disk": disk, "AS-remote": remote}
-        for rep in range(args.reps):
-            for v in sorted(rows, key=lambda _: random.Random(rep).random()):
-                rows[v].append(fns[v](rep))
+        rows = interleaved({"ideal": ideal, "AS-disk": disk, "AS-remote": remote}, args.reps)
         base = statistics.median(rows["ideal"])
         print(f"SmolLM2-135M fp32, {torch.get_num_threads()} threads; history {H}, new {N}, {args.reps} reps "
               f"(interleaved)")

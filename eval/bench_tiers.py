@@ -86,6 +86,18 @@ def med(xs):
     return statistics.median(xs)
 
 
+def interleaved(variants: dict, reps: int) -> dict[str, list[float]]:
+    """Each variant's result over `reps` repetitions (`variants[name](rep)`), all variants once per repetition
+    in an order drawn anew each time: this machine's speed drifts, so no variant may always run first."""
+    rows: dict[str, list[float]] = {name: [] for name in variants}
+    for rep in range(reps):
+        order = list(variants)
+        random.Random(rep).shuffle(order)
+        for name in order:
+            rows[name].append(variants[name](rep))
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--history", type=int, default=2048)
