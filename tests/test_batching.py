@@ -135,3 +135,130 @@ def test_a_failing_step_fails_its_members_and_the_worker_goes_on():
             failing.result(60)
         Boom.armed = False
         assert pipe.chat("ok", "still serving", timeout=60).generated_tokens == 6
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gpt2"])
+def test_chunked_prefill_produces_the_tokens_of_whole_prefills(arch):
+    """With a token budget, prompts are prefilled in several forwards between decoding steps; tokens and what
+    the store keeps are those of whole prefills."""
+    model = make_tiny(arch)
+    whole = run(model, AttnStore("64MiB"), 4)
+    with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_new_tokens=7, max_batch_size=4,
+                      max_batch_tokens=9) as pipe:
+        chunked = {}
+        for k in range(3):
+            futures = {s: pipe.submit(s, m[k]) for s, m in MESSAGES.items()}
+            chunked.update({(s, k): f.result(60) for s, f in futures.items()})
+        chunks = pipe.batch_runner.prefill_chunks
+    prefilled = sum(r.prefilled_tokens for r in chunked.values())
+    assert chunks >= prefilled / 9 > len(chunked)  # really chunked: more forwards than turns
+    for key, alone in whole.items():
+        assert chunked[key].generated_ids == alone.generated_ids, key
+        assert chunked[key].reused_tokens == alone.reused_tokens, key
+
+
+class Recorder:
+    """A streamer that logs `(name, what)` into a shared list: "prompt" first, then one "token" per put."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.seen_prompt = name, log, False
+
+    def put(self, value):
+        self.log.append((self.name, "token" if self.seen_prompt else "prompt"))
+        self.seen_prompt = True
+
+    def end(self):
+        self.log.append((self.name, "end"))
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+def test_a_token_budget_lets_running_replies_stream_while_a_long_prompt_prefills(budget):
+    model = make_tiny("llama")
+    log = []
+    with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_new_tokens=10, max_batch_size=2,
+                      max_batch_tokens=budget, eos_token_id=None) as pipe:
+        with pipe._cond:  # both queued before the worker looks (the condition's lock is re-entrant)
+            short = pipe.submit_prompt("short", torch.arange(10, 14), Recorder("short", log))
+            long = pipe.submit_prompt("long", torch.arange(120) % 90 + 10, Recorder("long", log))
+        assert short.result(60).generated_tokens == long.result(60).generated_tokens == 10
+    long_joined = log.index(("long", "prompt"))  # its prompt is streamed once its prefill is done
+    short_tokens_before = log[:long_joined].count(("short", "token"))
+    if budget is None:  # both prompts prefilled whole before the first decoding step
+        assert short_tokens_before == 1
+    else:  # 120 tokens at most 5 per iteration: the short reply is finished before the long one starts
+        assert short_tokens_before == 10 and log.index(("short", "end")) < long_joined
+
+
+def test_max_batch_tokens_must_leave_room_to_prefill():
+    model = make_tiny("llama")
+    for bad in (4, 0, 2.5, True):
+        with pytest.raises(ValueError, match="max_batch_tokens"):
+            ChatPipeline(model, char_tokenizer(), None, max_batch_size=4, max_batch_tokens=bad)
+
+
+def test_members_of_different_reply_lengths_leave_from_any_row_and_others_join_in_place():
+    """Replies of 1-9 tokens: members leave from the middle rows (the last row takes their place) and queued
+    turns join the running batch cache; every turn still gets its solo tokens."""
+    model = make_tiny("qwen2")
+    prompts = {f"p{i}": torch.arange(3 * i + 5) % 97 + 11 for i in range(8)}
+    lengths = {f"p{i}": (9, 1, 4, 7, 2, 9, 3, 5)[i] for i in range(8)}
+
+    def replies(batch):
+        with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_batch_size=batch, eos_token_id=None) as pipe:
+            futures = {s: pipe.submit_prompt(s, p, max_new_tokens=lengths[s]) for s, p in prompts.items()}
+            return {s: f.result(60) for s, f in futures.items()}, pipe.batch_runner if batch > 1 else None
+
+    solo, _ = replies(1)
+    batched, runner = replies(3)
+    for s, r in solo.items():
+        assert batched[s].generated_ids == r.generated_ids and len(r.generated_ids) == lengths[s], s
+    assert runner.steps < sum(lengths.values())  # decoded together
+
+
+def test_batch_kv_keeps_each_rows_kv_right_aligned_through_joins_and_leaves():
+    from hf_attnstore.batching import BatchKV
+
+    def kv(length, value):
+        return [(torch.full((1, 2, length, 4), float(value)), torch.full((1, 2, length, 4), -float(value)))] * 3
+
+    cache = BatchKV()
+    expected = []  # per row: (length, value)
+
+    def check():
+        assert cache.layers[0].keys.shape[0] == len(expected)
+        for b, (length, value) in enumerate(expected):
+            for layer in cache.layers:
+                row = layer.keys[b]
+                assert cache.width - cache.pad(b) == length
+                assert torch.all(row[:, cache.pad(b):] == value) and torch.all(layer.values[b, :, cache.pad(b):] == -value)
+                assert torch.isfinite(row).all() and torch.isfinite(layer.values[b]).all()
+
+    for length, value in ((5, 1), (3, 2), (9, 3)):  # the third is longer than the free columns: reallocated
+        cache.admit([kv(length, value)], rows=4, room=6)
+        expected.append((length, value))
+        check()
+    slab = cache.layers[0]._k
+    for layer in cache.layers:  # one decoding step for every row
+        layer.update(torch.full((3, 2, 1, 4), 7.0), torch.full((3, 2, 1, 4), -7.0))
+    cache.remove(0)  # the last row (value 3) moves to row 0
+    expected = [(10, 3), (4, 2)]
+    assert cache.width == 10
+    for layer in cache.layers:
+        assert torch.all(layer.keys[:, :, -1] == 7)
+        layer.keys[:, :, -1] = layer.keys[:, :, -2]  # make the check below uniform
+        layer.values[:, :, -1] = layer.values[:, :, -2]
+    check()
+    for layer in cache.layers:  # whatever is not live may hold anything (the slab is allocated uninitialized)
+        for t in (layer._k, layer._v):
+            t[layer.n:] = float("nan")
+            t[:, :, : layer.start] = float("nan")
+    cache.admit([kv(8, 4)], rows=4, room=2)  # fits: written in place, into a row that held garbage
+    expected.append((8, 4))
+    check()
+    cache.admit([kv(12, 8)], rows=4, room=2)  # in place, longer than the batch: older rows get zeroed padding
+    assert cache.layers[0]._k is slab
+    expected.append((12, 8))
+    check()
+    cache.admit([kv(2, 5), kv(20, 6)], rows=6, room=2)  # several at once: one reallocation for the longest
+    expected += [(2, 5), (20, 6)]
+    check()

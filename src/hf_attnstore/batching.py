@@ -6,12 +6,18 @@ decoding steps feed one token of every member at once. Members have different hi
 cache holds each member's KV left-padded to the longest, with an attention mask over the padding and each
 member's own positions (its keys were rotated for them already, so padding shifts nothing). A member leaves
 as soon as it is done (end of turn, `max_new_tokens`, a stop string, a cancelled request), and a queued turn
-joins at the next step; the batch cache is rebuilt when members change.
+joins at the next step into a free row of the batch cache (see `BatchKV`).
 
 A member's decoded KV is handed to its session's cache when it leaves (`AttnStoreCache.append_computed`),
 so the store gets what a solo turn would have stored: the prompt, then every generated token that was fed
 back. A reply cut by `max_new_tokens` stays one more step, so its last token is fed and stored too (the
 solo path feeds it separately).
+
+With ``max_batch_tokens`` a joining turn's new tokens are prefilled in chunks: each iteration of the loop
+computes at most ``max_batch_tokens`` tokens (the running members' decoding step counts one each), so a long
+prompt no longer stalls the running members' replies for its whole prefill (chunked prefill, as vLLM's and
+SGLang's token budget). Without it a joining turn is prefilled in one forward, which on a CPU is the fastest:
+chunks, and several sessions' prompts padded into one forward, both cost more there (`eval/bench_prefill.py`).
 
 Two turns of one session never run together: a queued turn waits until its session's running turn leaves.
 Models with sliding-window attention run one turn at a time (their window masks count cache columns, which
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,34 +46,127 @@ logger = logging.getLogger(__name__)
 
 
 class _SlabLayer(DynamicLayer):
-    """A batch cache layer preallocated for the tokens its members may still add: each decoding step writes
-    one column in place, where `DynamicLayer` would concatenate (copy) the whole batch's KV at every step.
-    `keys` / `values` are views of the filled columns."""
+    """One layer of the batch cache: a preallocated slab ``[rows, kv_heads, columns, head_dim]`` whose rows
+    ``[:n]`` (the members) and columns ``[start:end]`` are live; `keys` / `values` are views of that region.
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int):
+    A decoding step writes one column in place (where `DynamicLayer` concatenates, copying the whole batch's
+    KV at every step); a joining member is written into a free row, right-aligned at `end`; a leaving one is
+    replaced by the last row. The masked padding left of a member's first column must hold finite numbers
+    (0 * NaN would still be NaN): it is zeroed when it becomes live, not the whole slab up front (that would
+    touch every page of a large allocation twice)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: int, columns: int, start: int):
         super().__init__()
-        batch, heads, width, dim = keys.shape
-        self._k = keys.new_empty(batch, heads, max(capacity, width), dim)
-        self._v = values.new_empty(batch, values.shape[1], max(capacity, width), values.shape[3])
-        self._k[:, :, :width] = keys
-        self._v[:, :, :width] = values
+        self._k = keys.new_empty(rows, keys.shape[1], columns, keys.shape[3])
+        self._v = values.new_empty(rows, values.shape[1], columns, values.shape[3])
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self._set(width)
+        self.n, self.start, self.end = 0, start, start
+        self._views()
 
-    def _set(self, length: int) -> None:
-        self.length = length
-        self.keys, self.values = self._k[:, :, :length], self._v[:, :, :length]
+    def _views(self) -> None:
+        self.keys = self._k[: self.n, :, self.start : self.end]
+        self.values = self._v[: self.n, :, self.start : self.end]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n = key_states.shape[2]
-        if self.length + n > self._k.shape[2]:  # more than planned (should not happen): grow once, by doubling
-            grow = max(self._k.shape[2], n)
-            self._k = torch.cat([self._k, self._k.new_empty(*self._k.shape[:2], grow, self._k.shape[3])], dim=2)
-            self._v = torch.cat([self._v, self._v.new_empty(*self._v.shape[:2], grow, self._v.shape[3])], dim=2)
-        self._k[:, :, self.length : self.length + n] = key_states
-        self._v[:, :, self.length : self.length + n] = value_states
-        self._set(self.length + n)
+        if self.end + n > self._k.shape[2]:
+            raise RuntimeError("the batch cache has no room left (the runner plans it): this is a bug")
+        self._k[: self.n, :, self.end : self.end + n] = key_states
+        self._v[: self.n, :, self.end : self.end + n] = value_states
+        self.end += n
+        self._views()
         return self.keys, self.values
+
+    def extend_left(self, start: int) -> None:
+        """Makes columns from `start` live: the existing rows' new columns are padding (zeroed)."""
+        if start < self.start:
+            self._k[: self.n, :, start : self.start] = 0
+            self._v[: self.n, :, start : self.start] = 0
+            self.start = start
+
+    def put(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes a member's KV ``[1, h, L, d]`` into `row`, ending at `end`; its padding is zeroed."""
+        first = self.end - keys.shape[2]
+        self._k[row, :, first : self.end] = keys[0]
+        self._v[row, :, first : self.end] = values[0]
+        self._k[row, :, self.start : first] = 0
+        self._v[row, :, self.start : first] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        self._k[dst, :, self.start : self.end] = self._k[src, :, self.start : self.end]
+        self._v[dst, :, self.start : self.end] = self._v[src, :, self.start : self.end]
+
+    def copy_from(self, old: "_SlabLayer") -> None:
+        """Takes over the live region of a smaller slab, keeping its `end` aligned with ours."""
+        width = old.end - old.start
+        self._k[: old.n, :, self.end - width : self.end] = old.keys
+        self._v[: old.n, :, self.end - width : self.end] = old.values
+
+
+class BatchKV(DynamicCache):
+    """The batch cache: each member's KV in one row, left-padded so that all rows end at the same column.
+
+    Members join and leave without rebuilding it: a joiner takes the next free row (the columns left of its
+    first one are masked), a leaver's row is filled by the last row, and the slab is reallocated (one copy of
+    the live KV) only when a joiner is longer than the free columns on the left, or the members' remaining
+    tokens would not fit on the right.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.layers: list[_SlabLayer] = []
+        self.first: list[int] = []  # each row's first live column (the padding is left of it)
+
+    @property
+    def width(self) -> int:
+        return self.layers[0].end - self.layers[0].start if self.layers else 0
+
+    def pad(self, row: int) -> int:
+        return self.first[row] - self.layers[0].start
+
+    def admit(self, kvs: list[list[tuple[torch.Tensor, torch.Tensor]]], rows: int, room: int) -> None:
+        """Adds members' KV (each per layer ``[1, h, L, d]``) as the last rows; `rows` is the most rows the batch
+        may have, `room` the columns its members may still add."""
+        length = max(kv[0][0].shape[2] for kv in kvs)
+        old = self.layers[0] if self.layers else None
+        if old is None or old.n + len(kvs) > rows or old.end < length or old._k.shape[2] - old.end < room:
+            # Reallocate once for all joiners, with headroom on the left (a session's next turn is longer) and
+            # `room` on the right.
+            width = max(length, self.width)
+            end = width // 2 + width
+            layers = []
+            for i, (k, v) in enumerate(kvs[0]):
+                layer = _SlabLayer(k, v, rows, end + room, end)
+                if old is not None:
+                    layer.copy_from(self.layers[i])
+                    layer.n, layer.start = old.n, end - self.width
+                layers.append(layer)
+            if old is not None:
+                self.first = [f + end - old.end for f in self.first]
+            self.layers = layers
+        for kv in kvs:
+            length, row = kv[0][0].shape[2], self.layers[0].n
+            for layer, (k, v) in zip(self.layers, kv):
+                layer.extend_left(layer.end - length)
+                layer.put(row, k, v)
+                layer.n = row + 1
+                layer._views()
+            self.first.append(self.layers[0].end - length)
+
+    def remove(self, row: int) -> None:
+        """Drops a row; the last row takes its place."""
+        last = self.layers[0].n - 1
+        for layer in self.layers:
+            if row != last:
+                layer.move(last, row)
+            layer.n = last
+        self.first[row] = self.first[last]
+        self.first.pop()
+        # The columns no member uses any more are left of the earliest first column.
+        start = min(self.first, default=self.layers[0].end)
+        for layer in self.layers:
+            layer.start = start
+            layer._views()
 
 
 def batchable(model) -> tuple[bool, str]:
@@ -86,6 +186,7 @@ class _Member:
     stops: list[str]
     sample: dict | None  # temperature / top_p, or None for greedy
     generated: list[int] = field(default_factory=list)
+    prefilled: int = 0  # new prompt tokens (after the reused ones) computed so far
     fed: int = 0  # generated tokens fed back through the model (their KV is in the batch cache)
     kv: list | None = None  # per layer (keys, values) [1, h, L, d], until the member joins the batch cache
     done: bool = False
@@ -100,17 +201,18 @@ class _Member:
 class BatchRunner:
     """The worker of a ChatPipeline with ``max_batch_size > 1`` (see the module docstring)."""
 
-    def __init__(self, pipe: "ChatPipeline", max_batch_size: int):
-        self.pipe, self.max = pipe, max_batch_size
+    def __init__(self, pipe: "ChatPipeline", max_batch_size: int, max_batch_tokens: int | None = None):
+        self.pipe, self.max, self.max_tokens = pipe, max_batch_size, max_batch_tokens
         self.model = pipe.model
-        self.members: list[_Member] = []
+        self.members: list[_Member] = []  # decoding, in the batch cache
+        self.prefilling: deque[_Member] = deque()  # joining: their prompts are being prefilled, in order
         # Where the worker's time goes: prefills, decoding steps, members leaving (their KV handed to the store)
         # and rebuilding the batch cache.
         self.seconds = {"prefill": 0.0, "step": 0.0, "leave": 0.0, "rebuild": 0.0}
         self.steps = 0
+        self.prefill_chunks = 0  # forwards that prefilled (part of) a joining turn
         self._hinted: list[str] | None = None  # the queue the last look-ahead hints were given for
-        self.cache: DynamicCache | None = None
-        self.pads: list[int] = []  # left padding of each member in the batch cache
+        self.cache: BatchKV | None = None  # the decoding members' KV, row b for self.members[b]
         gen = self.model.generation_config
         default_eos = gen.eos_token_id
         self.default_eos = set(default_eos if isinstance(default_eos, (list, tuple)) else
@@ -123,16 +225,16 @@ class BatchRunner:
             jobs = self._take()
             if jobs is None:
                 return
-            joined = False
+            started = time.perf_counter()
             for job in jobs:
-                started = time.perf_counter()
                 try:
-                    joined |= self._start(job)
+                    self._start(job)
                 except BaseException as exc:  # the caller sees it through the future; the worker goes on
                     job.future.set_exception(exc)
                     if job.streamer is not None:
                         job.streamer.end()
-                self.seconds["prefill"] += time.perf_counter() - started
+            joined = self._prefill()
+            self.seconds["prefill"] += time.perf_counter() - started
             if joined or any(m.done and not m.drain for m in self.members):
                 self._settle()
             if self.members:
@@ -144,7 +246,7 @@ class BatchRunner:
                     logger.exception("a batched decoding step failed: %s", exc)
                     for m in self.members:
                         self._fail(m, exc)
-                    self.members, self.cache, self.pads = [], None, []
+                    self.members, self.cache = [], None
                 self.seconds["step"] += time.perf_counter() - started
             with pipe._cond:
                 pipe._running = None if not self.members else self.members[0].prep.job.session_id
@@ -155,8 +257,8 @@ class BatchRunner:
         pipe = self.pipe
         with pipe._cond:
             while True:
-                running = {m.prep.job.session_id for m in self.members}
-                room = self.max - len(self.members)
+                running = {m.prep.job.session_id for m in (*self.members, *self.prefilling)}
+                room = self.max - len(self.members) - len(self.prefilling)
                 taken = []
                 for job in list(pipe._queue):
                     if len(taken) >= room:
@@ -166,7 +268,7 @@ class BatchRunner:
                     pipe._queue.remove(job)
                     running.add(job.session_id)
                     taken.append(job)
-                if taken or self.members:
+                if taken or self.members or self.prefilling:
                     waiting = [j.session_id for j in pipe._queue]
                     break
                 if pipe._closed and not pipe._queue:
@@ -183,17 +285,17 @@ class BatchRunner:
         return taken
 
     # -- joining ----------------------------------------------------------------------------------------
-    def _start(self, job: "_Job") -> bool:
-        """Prefills a turn alone; returns whether it joins the batch (False: it is already finished)."""
+    def _start(self, job: "_Job") -> None:
+        """Looks the turn up in the store and queues it for prefilling (a given reply is read at once)."""
         if job.cancel is not None and job.cancel.is_set():
             job.future.cancel()
         if not job.future.set_running_or_notify_cancel():
             if job.streamer is not None:
                 job.streamer.end()
-            return False
+            return
         if job.reply is not None:  # reading a given reply is one forward: no decoding to batch
             job.future.set_result(self.pipe._turn(job))
-            return False
+            return
         prep = self.pipe._prepare(job)
         options = prep.options
         eos = options.get("eos_token_id", ...)
@@ -203,32 +305,52 @@ class BatchRunner:
         stops = [stops] if isinstance(stops, str) else list(stops)
         sample = ({"temperature": float(options.get("temperature") or 1.0), "top_p": float(options.get("top_p") or 1.0)}
                   if options.get("do_sample") else None)
-        member = _Member(prep, _Tee(prep.timer, job.streamer), int(options.get("max_new_tokens", 20)), eos, stops,
-                         sample)
-        try:
-            with torch.no_grad():
-                logits = self.model(prep.prompt[:, prep.reused:], past_key_values=prep.cache, use_cache=True,
-                                    logits_to_keep=1).logits[:, -1]
-            member.tee.put(prep.prompt.cpu())  # streamers expect the prompt first (skip_prompt)
-            self._accept(member, logits)
-            member.kv = [(layer.keys, layer.values) for layer in prep.cache.layers]
-        except BaseException:
-            if isinstance(prep.cache, AttnStoreCache):
-                prep.cache.close()
-            raise
-        self.members.append(member)
-        return True
+        self.prefilling.append(_Member(prep, _Tee(prep.timer, job.streamer), int(options.get("max_new_tokens", 20)),
+                                       eos, stops, sample))
+
+    def _prefill(self) -> bool:
+        """Prefills joining turns in order, within this iteration's token budget; returns whether one finished
+        (it then joins the batch with its first token chosen)."""
+        budget = None if self.max_tokens is None else self.max_tokens - len(self.members)
+        joined = False
+        while self.prefilling and (budget is None or budget > 0):
+            m = self.prefilling[0]
+            prep = m.prep
+            start = prep.reused + m.prefilled
+            left = int(prep.prompt.shape[1]) - start
+            n = left if budget is None else min(left, budget)
+            try:
+                with torch.no_grad():
+                    logits = self.model(prep.prompt[:, start : start + n], past_key_values=prep.cache,
+                                        use_cache=True, logits_to_keep=1).logits[:, -1]
+                self.prefill_chunks += 1
+                m.prefilled += n
+                if n == left:
+                    m.tee.put(prep.prompt.cpu())  # streamers expect the prompt first (skip_prompt)
+                    self._accept(m, logits)
+                    m.kv = [(layer.keys, layer.values) for layer in prep.cache.layers]
+            except BaseException as exc:  # this turn fails; the others go on
+                self.prefilling.popleft()
+                self._fail(m, exc)
+                continue
+            if budget is not None:
+                budget -= n
+            if n == left:
+                self.prefilling.popleft()
+                self.members.append(m)
+                joined = True
+        return joined
 
     # -- a decoding step ---------------------------------------------------------------------------------
     def _step(self) -> None:
         members = self.members
         device = self.model.device
-        width = self.cache.get_seq_length()
+        width = self.cache.width
         tokens = torch.tensor([[m.generated[-1]] for m in members], device=device)
         positions = torch.tensor([[m.length] for m in members], device=device)
         mask = torch.ones(len(members), width + 1, dtype=torch.long, device=device)
-        for b, pad in enumerate(self.pads):
-            mask[b, :pad] = 0
+        for b in range(len(members)):
+            mask[b, : self.cache.pad(b)] = 0
         with torch.no_grad():
             logits = self.model(tokens, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
                                 use_cache=True, logits_to_keep=1).logits[:, -1]
@@ -265,61 +387,49 @@ class BatchRunner:
 
     # -- membership --------------------------------------------------------------------------------------
     def _settle(self) -> None:
-        """Finishes the members that are done and rebuilds the batch cache for those that stay."""
-        staying = []
+        """Finishes the members that are done and puts the joining ones into the batch cache."""
         started = time.perf_counter()
-        for b, m in enumerate(self.members):
+        in_cache = [m for m in self.members if m.kv is None]  # row b of the batch cache is in_cache[b]
+        joining = [m for m in self.members if m.kv is not None]
+        for b in range(len(in_cache) - 1, -1, -1):  # from the last row: a removed row is filled by the last
+            m = in_cache[b]
             if m.done and not m.drain:
-                try:
-                    self._leave(m, b)
-                except BaseException as exc:
-                    self._fail(m, exc)
-            else:
-                staying.append((b, m))
+                self._leave_safely(m, b)
+                self.cache.remove(b)
+                in_cache[b] = in_cache[-1]
+                in_cache.pop()
+        for m in joining:
+            if m.done and not m.drain:  # done at its first token: nothing decoded to store
+                self._leave_safely(m, None)
+        joining = [m for m in joining if not (m.done and not m.drain)]
         self.seconds["leave"] += time.perf_counter() - started
         started = time.perf_counter()
-        kvs = []
-        for b, m in staying:
-            if m.kv is None:  # in the batch cache: its columns after the padding
-                pad = self.pads[b]
-                m.kv = [(layer.keys[b : b + 1, :, pad:], layer.values[b : b + 1, :, pad:]) for layer in self.cache.layers]
-            kvs.append(m.kv)
-        self.members = [m for _, m in staying]
-        # Room for every token the members may still feed (their remaining replies, and a drained last one).
-        room = max((m.max_new - len(m.generated) + 1 for m in self.members), default=0)
-        self.cache, self.pads = self._build(kvs, room) if kvs else (None, [])
-        for m in self.members:
-            m.kv = None
-            if m.prep.cache is not None and hasattr(m.prep.cache, "layers"):
-                for layer in m.prep.cache.layers:  # the batch cache holds them now: free the copy
-                    layer.keys = layer.values = None
+        self.members = in_cache + joining
+        if not self.members:
+            self.cache = None  # free the slab: the store holds the sessions
+        elif joining:
+            # Room for every token the members may still feed (their remaining replies, and a drained last one).
+            room = max(m.max_new - len(m.generated) + 1 for m in self.members)
+            self.cache = self.cache or BatchKV()
+            self.cache.admit([m.kv for m in joining], self.max, room)
+            for m in joining:
+                m.kv = None
+                if m.prep.cache is not None and hasattr(m.prep.cache, "layers"):
+                    for layer in m.prep.cache.layers:  # the batch cache holds them now: free the copy
+                        layer.keys = layer.values = None
         self.seconds["rebuild"] += time.perf_counter() - started
 
-    def _build(self, kvs: list, room: int) -> tuple[DynamicCache, list[int]]:
-        """A batch cache of the members' KV, left-padded to the longest, with `room` more columns."""
-        width = max(kv[0][0].shape[2] for kv in kvs)
-        pads = [width - kv[0][0].shape[2] for kv in kvs]
-        layers = []
-        for layer in range(len(kvs[0])):
-            k0, v0 = kvs[0][layer]
-            keys = k0.new_empty(len(kvs), k0.shape[1], width, k0.shape[3])
-            values = v0.new_empty(len(kvs), v0.shape[1], width, v0.shape[3])
-            for b, kv in enumerate(kvs):
-                keys[b : b + 1, :, pads[b]:] = kv[layer][0]
-                values[b : b + 1, :, pads[b]:] = kv[layer][1]
-                # Padding is masked out, but must hold finite numbers: 0 * NaN would still be NaN.
-                keys[b, :, : pads[b]] = 0
-                values[b, :, : pads[b]] = 0
-            layers.append(_SlabLayer(keys, values, width + room))
-        cache = DynamicCache()
-        cache.layers = layers
-        return cache, pads
+    def _leave_safely(self, m: _Member, b: int | None) -> None:
+        try:
+            self._leave(m, b)
+        except BaseException as exc:
+            self._fail(m, exc)
 
-    def _leave(self, m: _Member, b: int) -> None:
-        """Stores the member's decoded KV in its session and resolves its future."""
+    def _leave(self, m: _Member, b: int | None) -> None:
+        """Stores the member's decoded KV (row `b` of the batch cache) in its session and resolves its future."""
         prep = m.prep
         try:
-            if isinstance(prep.cache, AttnStoreCache) and m.fed:
+            if isinstance(prep.cache, AttnStoreCache) and m.fed and b is not None:
                 prompt_len = int(prep.prompt.shape[1])
                 keys = [layer.keys[b : b + 1, :, -m.fed:] for layer in self.cache.layers]
                 # Copies: the store may adopt long value tensors as they are, and a view would keep the whole

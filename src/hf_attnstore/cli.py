@@ -157,7 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
     window = args.context_window or getattr(model.config, "max_position_embeddings", None)
     pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
-                        max_batch_size=args.max_batch_size)
+                        max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
     try:
         app = create_app(ChatEngine(pipe, max_pending=args.max_pending), name, default_max_tokens=args.max_tokens,
                          request_timeout_s=args.request_timeout)
@@ -215,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets none")
     sv.add_argument("--max-batch-size", type=int, default=8,
                     help="turns of different sessions decoded together (continuous batching); 1: one at a time")
+    sv.add_argument("--max-batch-tokens", type=int, default=None,
+                    help="tokens one batch iteration computes at most: long prompts are prefilled in chunks "
+                    "between decoding steps so running replies keep streaming (default: whole prompts)")
     sv.add_argument("--max-pending", type=int, default=64, help="requests admitted at once; more get 429")
     sv.add_argument("--request-timeout", type=float, default=600.0, help="longest wait for one turn, seconds")
     sv.set_defaults(func=_serve)

@@ -133,6 +133,11 @@ class ChatPipeline:
         max_new_tokens: Reply length limit; other `generate` keyword arguments are passed through.
         max_batch_size: Turns of different sessions decoded together (continuous batching: a turn joins or
             leaves between decoding steps; see `batching.py`). 1 runs one turn at a time with `generate`.
+        max_batch_tokens: With batching, the most tokens one iteration of the batch computes: the running
+            members' decoding step (one token each) and chunks of joining turns' prompts. A long prompt is then
+            prefilled in chunks between decoding steps, so running replies keep streaming (chunked prefill).
+            ``None`` (default) prefills each joining prompt in one forward: the fastest on a CPU. Must exceed
+            ``max_batch_size``.
         histories: Where each session's token ids are kept between turns (the conversation itself, not its
             KV): a fresh dict by default. Replicas behind a load balancer share one mapping (standing in for
             the conversation database, or for clients that send the whole conversation), so a turn that
@@ -151,7 +156,7 @@ class ChatPipeline:
                  system_prompt: str | None = None, prefetch_window: int | None = None,
                  eviction_window: int | None = None, max_new_tokens: int = 256,
                  histories: MutableMapping[str, torch.Tensor] | None = None, max_batch_size: int = 1,
-                 **generate_kwargs):
+                 max_batch_tokens: int | None = None, **generate_kwargs):
         self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
         for name, value in (("prefetch_window", prefetch_window), ("eviction_window", eviction_window)):
             if value is not None and (not isinstance(value, int) or value < 0):
@@ -160,6 +165,11 @@ class ChatPipeline:
             raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
             raise ValueError(f"`max_batch_size` must be a positive integer, got {max_batch_size!r}")
+        if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool)
+                                             or max_batch_tokens <= max_batch_size):
+            raise ValueError(f"`max_batch_tokens` must be None or an integer above `max_batch_size` "
+                             f"({max_batch_size}): each iteration decodes one token per member and needs room "
+                             f"to prefill; got {max_batch_tokens!r}")
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.chat_tokens = ChatTokens(tokenizer, system_prompt)
         self.prefetch_window, self.eviction_window = prefetch_window, eviction_window
@@ -177,7 +187,7 @@ class ChatPipeline:
 
             ok, why = batchable(model)
             if ok:
-                self.batch_runner = BatchRunner(self, max_batch_size)
+                self.batch_runner = BatchRunner(self, max_batch_size, max_batch_tokens)
                 run = self.batch_runner.run
             else:
                 logger.warning("turns of %s run one at a time: %s", type(model).__name__, why)
