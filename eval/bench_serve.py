@@ -8,6 +8,12 @@ per reply, `--think` seconds between a reply and the next message. All users sta
 when every user has done its turns. The same conversations and settings for every system; each system is
 a fresh server process (same model, same machine), started and stopped by this script.
 
+Many sessions whose KV does not fit in memory (`--host-bytes` for ours, `--cb-num-blocks` for transformers'
+continuous batching; `--disk-dir` gives ours its disk tier):
+
+    python eval/bench_serve.py --users 64 --turns 2 --systems attnstore,attnstore-b1,transformers-cb \
+        --host-bytes 512MiB --disk-dir /tmp --cb-num-blocks 90
+
 Systems: `attnstore` (continuous batching, `--max-batch-size 8`), `attnstore-b1` (one turn at a time: the
 batch-1 pipeline), `transformers-cb` (`transformers serve --continuous-batching`), `transformers` (plain
 `transformers serve`). Reported per system and concurrency: completed turns/s and generated tokens/s over the run's wall time;
@@ -24,19 +30,28 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
+def attnstore(port: int, args, batch: int) -> list[str]:
+    cmd = [sys.executable, "-m", "hf_attnstore", "serve", "--port", str(port), "--max-tokens", str(args.max_tokens),
+           "--max-batch-size", str(batch), "--max-pending", "256"]
+    if args.host_bytes:
+        cmd += ["--host-bytes", args.host_bytes]
+    if args.disk_dir:  # a fresh folder per server: no session survives from an earlier run
+        cmd += ["--disk-dir", tempfile.mkdtemp(prefix="attnstore-bench-", dir=args.disk_dir)]
+    return cmd
+
+
 SYSTEMS = {
-    "attnstore": lambda port, model_dir, args: [sys.executable, "-m", "hf_attnstore", "serve", "--port", str(port),
-                                                "--max-tokens", str(args.max_tokens), "--max-batch-size", "8"],
-    "attnstore-b1": lambda port, model_dir, args: [sys.executable, "-m", "hf_attnstore", "serve", "--port",
-                                                   str(port), "--max-tokens", str(args.max_tokens),
-                                                   "--max-batch-size", "1"],
+    "attnstore": lambda port, model_dir, args: attnstore(port, args, 8),
+    "attnstore-b1": lambda port, model_dir, args: attnstore(port, args, 1),
     "transformers-cb": lambda port, model_dir, args: ["transformers", "serve", model_dir, "--port", str(port),
-                                                      "--continuous-batching", "--dtype", "float32", "--device", "cpu"],
+                                                      "--continuous-batching", "--dtype", "float32", "--device", "cpu"]
+    + (["--cb-num-blocks", str(args.cb_num_blocks)] if args.cb_num_blocks else []),
     "transformers": lambda port, model_dir, args: ["transformers", "serve", model_dir, "--port", str(port),
                                                    "--dtype", "float32", "--device", "cpu"],
 }
@@ -145,6 +160,11 @@ def main(argv=None) -> int:
     p.add_argument("--think", type=float, default=0.0)
     p.add_argument("--systems", default="attnstore,attnstore-b1,transformers-cb,transformers")
     p.add_argument("--json", default=None)
+    # Memory limits, for the many-sessions run: the sessions' KV does not fit in the servers' KV memory.
+    p.add_argument("--host-bytes", default=None, help="attnstore's host tier (default: the server's)")
+    p.add_argument("--disk-dir", default=None, help="give attnstore a disk tier (a fresh folder under this one)")
+    p.add_argument("--cb-num-blocks", type=int, default=None,
+                   help="transformers' continuous batching KV memory, in blocks of 256 tokens of every layer")
     args = p.parse_args(argv)
     from hf_attnstore import load_default_model
 

@@ -130,13 +130,13 @@ class BatchKV(DynamicCache):
         length = max(kv[0][0].shape[2] for kv in kvs)
         old = self.layers[0] if self.layers else None
         if old is None or old.n + len(kvs) > rows or old.end < length or old._k.shape[2] - old.end < room:
-            # Reallocate once for all joiners, with headroom on the left (a session's next turn is longer) and
-            # `room` on the right.
+            # Reallocate once for all joiners, with headroom on both sides: on the left a session's next turn
+            # is longer; on the right every decoding step takes a column, and a later joiner needs `room` more.
             width = max(length, self.width)
             end = width // 2 + width
             layers = []
             for i, (k, v) in enumerate(kvs[0]):
-                layer = _SlabLayer(k, v, rows, end + room, end)
+                layer = _SlabLayer(k, v, rows, end + room + width // 2, end)
                 if old is not None:
                     layer.copy_from(self.layers[i])
                     layer.n, layer.start = old.n, end - self.width
