@@ -49,6 +49,39 @@ TINY_MODELS = {
                                                                           "partial_rotary_factor": 0.5}))),
     "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**dict(_COMMON))),
 }
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_SCALED = dict(attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0)
+_SLIDING = dict(sliding_window=24, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+# Families whose attention is llama's (one rotary module, `rotate_half` on the first rotary dims) around other
+# parts: mixture-of-experts MLPs, qk-norms, clipped qkv, multipliers, biases, LayerNorm, and sliding-window
+# layers mixed with global ones (one rotary module for both, so keys are re-rotated alike).
+# transformers is imported lazily here: each class is only needed by the tests that build it.
+FAMILY_MODELS = {
+    "mixtral": lambda: _build("Mixtral", _gqa(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": lambda: _build("Qwen2Moe", _gqa(**_MOE, shared_expert_intermediate_size=32)),
+    "qwen3_moe": lambda: _build("Qwen3Moe", _gqa(**_MOE, head_dim=16)),
+    "olmo": lambda: _build("Olmo", _gqa(clip_qkv=8.0)),
+    "olmo2": lambda: _build("Olmo2", _gqa()),
+    "olmoe": lambda: _build("Olmoe", _gqa(num_experts=4, num_experts_per_tok=2)),
+    "granite": lambda: _build("Granite", _gqa(**_SCALED)),
+    "starcoder2": lambda: _build("Starcoder2", _gqa(sliding_window=None)),
+    "stablelm": lambda: _build("StableLm", _gqa(qk_layernorm=True, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})),
+    "gemma": lambda: _build("Gemma", _gqa(head_dim=16)),
+    "seed_oss": lambda: _build("SeedOss", _gqa(head_dim=16)),
+    "apertus": lambda: _build("Apertus", _gqa()),
+    "arcee": lambda: _build("Arcee", _gqa()),
+    "exaone4": lambda: _build("Exaone4", _gqa(**_SLIDING)),
+    "hunyuan_v1_dense": lambda: _build("HunYuanDenseV1", _gqa(head_dim=16)),
+}
+
+
+def _build(name: str, config: dict):
+    import transformers
+
+    return getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**config))
+
+
 # Llama with each length-independent RoPE scaling type: re-rotation goes through the model's own rotary
 # module, so scaled frequencies (and yarn's attention scaling) must round-trip exactly too.
 _ROPE_SCALINGS = {
@@ -70,7 +103,7 @@ ABSOLUTE_MODELS = {
 
 def make_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     torch.manual_seed(seed)
-    builders = {**TINY_MODELS, **ABSOLUTE_MODELS, **SCALED_ROPE_MODELS}
+    builders = {**TINY_MODELS, **ABSOLUTE_MODELS, **SCALED_ROPE_MODELS, **FAMILY_MODELS}
     return builders[arch]().to(dtype).eval()
 
 

@@ -1,0 +1,115 @@
+"""Model families beyond the first ones: reuse, truncation, disk round trips and batching, per family.
+
+Each family is a tiny random model (conftest.FAMILY_MODELS) whose attention is llama's around other parts
+(mixture-of-experts MLPs, qk-norms, clipped qkv, multipliers, LayerNorm, sliding-window layers mixed with
+global ones). What must hold for each, fp32: multi-turn reuse gives the tokens of a `DynamicCache` run;
+re-rotated keys are the model's own; decoupled truncation puts keys at their new positions and recompute
+truncation generates what the truncated ids generate; sessions demoted to disk resume exactly; batched turns
+give their solo tokens (where the family is batched).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_attnstore import AttnStore, AttnStoreCache
+from hf_attnstore.batching import batchable
+from hf_attnstore.rope import SUPPORTED_ROPE_MODEL_TYPES
+
+from . import test_batching, test_cache, test_cache_tiers
+from .conftest import FAMILY_MODELS, make_tiny, random_ids
+
+FAMILIES = sorted(FAMILY_MODELS)
+GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+def test_every_family_here_is_declared_supported():
+    assert set(FAMILIES) <= SUPPORTED_ROPE_MODEL_TYPES
+    assert len(FAMILIES) >= 10
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_multi_turn_reuse_equals_recompute(arch):
+    test_cache.test_multi_turn_greedy_equals_recompute(arch)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_rerotated_keys_are_the_models_own(arch):
+    test_cache.test_rerotated_keys_equal_model_post_rope_keys(arch)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_decoupled_truncation_puts_keys_at_their_new_positions(arch):
+    """Layer 0's keys depend only on each token and its position, so after a decoupled truncation the
+    loaded ones equal what the model computes for the truncated ids from scratch."""
+    model = make_tiny(arch)
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(40, 1)
+    test_cache.prefill(model, store, "t", ids[:, :36])
+    cache = AttnStoreCache(model, store, "t", ids, context_window=32, keep_first=4)
+    assert cache.dropped_tokens == 14 and cache.reused_tokens == 36 - 14
+    ref = DynamicCache()
+    with torch.no_grad():
+        model(cache.input_ids, past_key_values=ref)
+    heads, dim = ref.layers[0].keys.shape[1], ref.layers[0].keys.shape[3]
+    empty = torch.empty(1, heads, 0, dim)
+    keys = cache._load_layer(0, cache.reused_tokens, empty, empty)[0]
+    torch.testing.assert_close(keys, ref.layers[0].keys[:, :, : cache.reused_tokens], atol=1e-5, rtol=0)
+    # And the truncated turn runs: it generates from the kept KV, and the session goes on from it.
+    out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=4, **GREEDY)
+    nxt = torch.cat([out, random_ids(3, 2)], dim=1)
+    assert AttnStoreCache(model, store, "t", nxt, context_window=64).reused_tokens == out.shape[1] - 1
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_recompute_truncation_generates_what_the_truncated_ids_generate(arch):
+    model = make_tiny(arch)
+    store = AttnStore(host_bytes="64MiB")
+    hist = random_ids(40, 5)
+    test_cache.prefill(model, store, "r", hist)
+    hist = torch.cat([hist, random_ids(16, 6)], dim=1)
+    cache = AttnStoreCache(model, store, "r", hist, context_window=48, keep_first=4, truncation="recompute")
+    assert cache.reused_tokens == 4
+    out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
+    assert torch.equal(out, model.generate(cache.input_ids, max_new_tokens=5, **GREEDY))
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_sessions_round_trip_through_disk(tmp_path, arch):
+    model = make_tiny(arch)
+    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 4 * (
+        getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads)
+    # Room for about one session in host memory: the others resume from disk.
+    store = AttnStore(host_bytes=40 * per_token, disk_dir=str(tmp_path), **test_cache_tiers.FAST)
+    sources, _ = test_cache_tiers.chat(model, store, ["a", "b", "c"], turns=2)
+    assert "disk" in sources
+    store.close()
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_batched_turns_give_solo_tokens_or_run_alone(arch):
+    model = make_tiny(arch)
+    if not batchable(model)[0]:  # sliding-window layers: one turn at a time (tested in test_batching)
+        assert getattr(model.config, "sliding_window", None)
+        return
+    solo = test_batching.run(model, AttnStore("64MiB"), 1)
+    batched = test_batching.run(model, AttnStore("64MiB"), 4)
+    for key, alone in solo.items():
+        assert batched[key].generated_ids == alone.generated_ids, key
+        assert batched[key].reused_tokens == alone.reused_tokens, key
+
+
+@pytest.mark.parametrize("name, config, why", [
+    ("Cohere", dict(), "interleaved"),
+    ("SmolLM3", dict(no_rope_layers=[1, 1, 0]), "NoPE"),
+])
+def test_refused_families_say_why(name, config, why):
+    import transformers
+
+    from .conftest import _gqa
+
+    model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**_gqa(**config)))
+    with pytest.raises(ValueError, match=f"not supported.*{why}"):
+        AttnStoreCache(model, AttnStore(), "x", random_ids(8, 0))
