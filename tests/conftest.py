@@ -72,6 +72,7 @@ FAMILY_MODELS = {
     "apertus": lambda: _build("Apertus", _gqa()),
     "arcee": lambda: _build("Arcee", _gqa()),
     "exaone4": lambda: _build("Exaone4", _gqa(**_SLIDING)),
+    "smollm3": lambda: _build("SmolLM3", _gqa(no_rope_layers=[1, 0, 1])),  # layer 1 without RoPE
     "hunyuan_v1_dense": lambda: _build("HunYuanDenseV1", _gqa(head_dim=16)),
 }
 

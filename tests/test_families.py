@@ -103,7 +103,7 @@ def test_batched_turns_give_solo_tokens_or_run_alone(arch):
 
 @pytest.mark.parametrize("name, config, why", [
     ("Cohere", dict(), "interleaved"),
-    ("SmolLM3", dict(no_rope_layers=[1, 1, 0]), "NoPE"),
+    ("Glm", dict(), "interleaved"),
 ])
 def test_refused_families_say_why(name, config, why):
     import transformers

@@ -280,7 +280,7 @@ class AttnStoreCache(DynamicCache):
         for k, v in parts:
             m = k.shape[2]
             k = k.to(device=device, dtype=dtype)
-            if self._rope.has_rope:
+            if self._rope.layer_has_rope(idx):
                 self._rope.rotate_into(keys[:, :, pos : pos + m], k, cos[:, :, pos : pos + m],
                                        sin[:, :, pos : pos + m], halves_equal)
             else:
@@ -391,7 +391,10 @@ class AttnStoreCache(DynamicCache):
             keys = torch.stack([p[0] for p in pending])
             if self._rope.has_rope:
                 inv_cos, inv_sin = self._fwd_rope
+                rotated = keys
                 keys = self._rope.unrotate(keys, inv_cos.to(keys.device), inv_sin.to(keys.device))
+                if self._rope.nope_layers:  # those keys were never rotated
+                    keys[self._rope.nope_layers] = rotated[self._rope.nope_layers]
             n = keys.shape[-2]
             # A long prefill's values are kept as they are (adopted without a copy); short steps are stacked.
             values = torch.stack([p[1] for p in pending]) if n < 64 else [p[1] for p in pending]

@@ -28,6 +28,8 @@ SUPPORTED_ROPE_MODEL_TYPES = frozenset({
     "hunyuan_v1_dense",
     # Sliding-window layers mixed with global ones, one rotary module for both.
     "exaone4",
+    # NoPE layers (no rotary at all) between RoPE ones: their keys are stored and loaded as they are.
+    "smollm3",
 })
 # Refused, with the reason given in the error (see `_REFUSED`).
 _REFUSED = {
@@ -38,7 +40,6 @@ _REFUSED = {
     "glm": "it rotates interleaved pairs of dims, not halves",
     "helium": "it rotates interleaved pairs of dims, not halves",
     "ernie4_5": "it rotates interleaved pairs of dims, not halves",
-    "smollm3": "some of its layers have no RoPE (NoPE), which needs per-layer handling",
 }
 # Models with absolute (or no) position embeddings: KV is reused as-is and never re-rotated.
 SUPPORTED_ABSOLUTE_MODEL_TYPES = frozenset({"gpt2"})
@@ -79,6 +80,9 @@ class RopeAdapter:
                     "keys cannot be re-positioned exactly; use a model with a static RoPE type"
                 )
             self.rotary = rotary
+            # smollm3: `no_rope_layers[i]` is 1 where layer i uses RoPE (the name says the opposite).
+            flags = getattr(config, "no_rope_layers", None) if self.model_type == "smollm3" else None
+            self.nope_layers = [i for i, uses in enumerate(flags or ()) if not uses]
         else:
             supported = sorted(SUPPORTED_ROPE_MODEL_TYPES | SUPPORTED_ABSOLUTE_MODEL_TYPES)
             why = _REFUSED.get(self.model_type, "its position encoding is not verified to be invertible here")
@@ -86,6 +90,11 @@ class RopeAdapter:
                 f"model type {self.model_type!r} is not supported by AttnStoreCache: {why}; "
                 f"supported model types: {', '.join(supported)}"
             )
+
+    nope_layers: list[int] = []  # layers without RoPE in a RoPE model: their keys are never rotated
+
+    def layer_has_rope(self, layer: int) -> bool:
+        return self.rotary is not None and layer not in self.nope_layers
 
     @property
     def has_rope(self) -> bool:
