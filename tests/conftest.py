@@ -73,8 +73,21 @@ FAMILY_MODELS = {
     "arcee": lambda: _build("Arcee", _gqa()),
     "exaone4": lambda: _build("Exaone4", _gqa(**_SLIDING)),
     "smollm3": lambda: _build("SmolLM3", _gqa(no_rope_layers=[1, 0, 1])),  # layer 1 without RoPE
+    "gemma2": lambda: _build("Gemma2", _gqa(**_SLIDING, head_dim=16)),
+    "gpt_oss": lambda: _build("GptOss", _gqa(**_SLIDING, head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
+    # Sliding and global layers with their own rotary frequencies (local and global bases).
+    "gemma3_text": lambda: _gemma3(),
+    "olmo3": lambda: _build("Olmo3", _gqa(**_SLIDING, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
     "hunyuan_v1_dense": lambda: _build("HunYuanDenseV1", _gqa(head_dim=16)),
 }
+
+
+def _gemma3():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return Gemma3ForCausalLM(Gemma3TextConfig(**_gqa(**_SLIDING, head_dim=16)))
 
 
 def _build(name: str, config: dict):

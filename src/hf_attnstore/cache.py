@@ -206,7 +206,7 @@ class AttnStoreCache(DynamicCache):
         self._fed_ids: list[torch.Tensor] = []
         self._pending: list | None = None
         self._fwd_ids: torch.Tensor | None = None
-        self._fwd_rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fwd_rope: dict | None = None  # rotary group -> un-rotation factors of the current forward
         self._save = bool(save)
         self._broken = False
         self.saved_tokens = 0
@@ -268,12 +268,13 @@ class AttnStoreCache(DynamicCache):
         _, heads, n, dim = new_keys.shape
         keys = torch.empty(1, heads, length + n, dim, dtype=dtype, device=device)
         values = torch.empty(1, heads, length + new_values.shape[2], new_values.shape[3], dtype=dtype, device=device)
-        if self._rope.has_rope:
-            # cos/sin are computed once per turn and shared by all layers: only the rotation is per layer.
-            rope_key = (length, device, dtype)
+        if self._rope.layer_has_rope(idx):
+            # cos/sin are computed once per turn and rotary group (layer type), shared by the group's layers.
+            group = self._rope.group(idx)
+            rope_key = (length, device, dtype, group)
             if rope_key not in self._load_rope:
                 positions = self.plan.key_positions[:length].to(device)
-                cos, sin = self._rope.cos_sin(positions, dtype)
+                cos, sin = self._rope.cos_sin(positions, dtype, group)
                 self._load_rope[rope_key] = cos, sin, RopeAdapter.halves_equal(cos, sin)
             cos, sin, halves_equal = self._load_rope[rope_key]
         pos = 0
@@ -361,8 +362,13 @@ class AttnStoreCache(DynamicCache):
                 )
             self._fwd_ids = input_ids.reshape(-1)
         if self._rope.has_rope and self._save:
-            self._fwd_rope = self._rope.inverse(*self._rope.cos_sin(positions, torch.float32))
+            self._fwd_rope = self._inverse_rope(positions)
         self._pending = [None] * self._geometry[0]
+
+    def _inverse_rope(self, positions: torch.Tensor) -> dict:
+        """Per rotary group, the factors that un-rotate keys computed at `positions` (see RopeAdapter.inverse)."""
+        return {group: self._rope.inverse(*self._rope.cos_sin(positions, torch.float32, group))
+                for group in self._rope.groups}
 
     def _record(self, idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keeps a layer's new KV (keys still rotated) until the forward completes."""
@@ -390,11 +396,15 @@ class AttnStoreCache(DynamicCache):
             started = time.perf_counter()
             keys = torch.stack([p[0] for p in pending])
             if self._rope.has_rope:
-                inv_cos, inv_sin = self._fwd_rope
-                rotated = keys
-                keys = self._rope.unrotate(keys, inv_cos.to(keys.device), inv_sin.to(keys.device))
-                if self._rope.nope_layers:  # those keys were never rotated
-                    keys[self._rope.nope_layers] = rotated[self._rope.nope_layers]
+                rope = self._rope
+                if rope.uniform:
+                    inv_cos, inv_sin = next(iter(self._fwd_rope.values()))
+                    keys = rope.unrotate(keys, inv_cos.to(keys.device), inv_sin.to(keys.device))
+                else:  # each layer type with its own frequencies; NoPE layers' keys were never rotated
+                    rotated, keys = keys, keys.clone()
+                    for group, layers in rope.groups.items():
+                        inv_cos, inv_sin = self._fwd_rope[group]
+                        keys[layers] = rope.unrotate(rotated[layers], inv_cos.to(keys.device), inv_sin.to(keys.device))
             n = keys.shape[-2]
             # A long prefill's values are kept as they are (adopted without a copy); short steps are stacked.
             values = torch.stack([p[1] for p in pending]) if n < 64 else [p[1] for p in pending]
@@ -417,7 +427,7 @@ class AttnStoreCache(DynamicCache):
             raise ValueError(f"expected KV of {self._geometry[0]} layers, got {len(keys)}")
         self._fwd_ids = token_ids.reshape(-1)
         if self._rope.has_rope and self._save:
-            self._fwd_rope = self._rope.inverse(*self._rope.cos_sin(positions.reshape(-1), torch.float32))
+            self._fwd_rope = self._inverse_rope(positions.reshape(-1))
         self._pending = list(zip(keys, values))
         self._end_forward()
 

@@ -26,15 +26,16 @@ SUPPORTED_ROPE_MODEL_TYPES = frozenset({
     # qk-norms, clipped qkv, multipliers, biases, LayerNorm; the same rotary.
     "olmo", "olmo2", "granite", "starcoder2", "stablelm", "gemma", "seed_oss", "apertus", "arcee",
     "hunyuan_v1_dense",
-    # Sliding-window layers mixed with global ones, one rotary module for both.
-    "exaone4",
+    # Sliding-window layers mixed with global ones, one rotary module for both (gpt_oss: with attention sinks,
+    # which change no key, and cos/sin of half the head dim, applied to both halves).
+    "exaone4", "gemma2", "gpt_oss",
     # NoPE layers (no rotary at all) between RoPE ones: their keys are stored and loaded as they are.
     "smollm3",
+    # Per-layer-type rotary: sliding and global layers with their own frequencies (one module, called per type).
+    "gemma3_text", "olmo3",
 })
 # Refused, with the reason given in the error (see `_REFUSED`).
 _REFUSED = {
-    "gemma3": "its sliding and global layers use different rotary modules (local and global RoPE bases)",
-    "olmo3": "its sliding and global layers use different rotary parameters per layer type",
     "granitemoe": "generate feeds it position ids that do not continue a resumed cache (not yet understood)",
     "cohere": "it rotates interleaved pairs of dims, not halves",
     "glm": "it rotates interleaved pairs of dims, not halves",
@@ -61,8 +62,8 @@ class RopeAdapter:
         model: A causal LM from transformers.
 
     Raises:
-        ValueError: If the model applies RoPE in a way we cannot invert exactly (per-layer-type rotary as in
-            gemma3, interleaved rotary, length-dependent scaling).
+        ValueError: If the model applies RoPE in a way we cannot invert exactly (interleaved rotary,
+            length-dependent scaling) or is not verified here.
     """
 
     def __init__(self, model: nn.Module):
@@ -74,15 +75,26 @@ class RopeAdapter:
             self.rotary = None
         elif self.model_type in SUPPORTED_ROPE_MODEL_TYPES and isinstance(rotary, nn.Module):
             rope_type = getattr(rotary, "rope_type", "default")
-            if rope_type in _LENGTH_DEPENDENT_ROPE:
-                raise ValueError(
-                    f"RoPE type {rope_type!r} rescales frequencies with the sequence length of each call, so cached "
-                    "keys cannot be re-positioned exactly; use a model with a static RoPE type"
-                )
+            # Per-layer-type rotary (gemma3, olmo3): one module called with each layer's type, which picks
+            # that type's frequencies (a local base for sliding layers, a global one for the others).
+            per_type = isinstance(rope_type, dict)
+            for kind in (rope_type.values() if per_type else [rope_type]):
+                if kind in _LENGTH_DEPENDENT_ROPE:
+                    raise ValueError(
+                        f"RoPE type {kind!r} rescales frequencies with the sequence length of each call, so cached "
+                        "keys cannot be re-positioned exactly; use a model with a static RoPE type"
+                    )
             self.rotary = rotary
+            layers = config.num_hidden_layers
+            types = list(config.layer_types) if per_type else [None] * layers
             # smollm3: `no_rope_layers[i]` is 1 where layer i uses RoPE (the name says the opposite).
             flags = getattr(config, "no_rope_layers", None) if self.model_type == "smollm3" else None
             self.nope_layers = [i for i, uses in enumerate(flags or ()) if not uses]
+            self.groups = {}  # rotary group (a layer type, or None) -> its layers; NoPE layers are in none
+            for i, kind in enumerate(types):
+                if i not in self.nope_layers:
+                    self.groups.setdefault(kind, []).append(i)
+            self._group_of = {i: kind for kind, members in self.groups.items() for i in members}
         else:
             supported = sorted(SUPPORTED_ROPE_MODEL_TYPES | SUPPORTED_ABSOLUTE_MODEL_TYPES)
             why = _REFUSED.get(self.model_type, "its position encoding is not verified to be invertible here")
@@ -92,20 +104,34 @@ class RopeAdapter:
             )
 
     nope_layers: list[int] = []  # layers without RoPE in a RoPE model: their keys are never rotated
+    groups: dict = {}
 
     def layer_has_rope(self, layer: int) -> bool:
-        return self.rotary is not None and layer not in self.nope_layers
+        return self.rotary is not None and layer in self._group_of
+
+    def group(self, layer: int):
+        """The rotary group of a layer (its layer type for per-type rotary, else None)."""
+        return self._group_of[layer]
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer is rotated alike (one group, no NoPE layer)."""
+        return len(self.groups) == 1 and not self.nope_layers
 
     @property
     def has_rope(self) -> bool:
         """Whether keys carry rotary positions (and therefore can be decoupled)."""
         return self.rotary is not None
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of shape ``[1, 1, seq, rot_dim]`` for 1-D ``positions``, computed by the model's module."""
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape ``[1, 1, seq, rot_dim]`` for 1-D ``positions``, computed by the model's module for
+        the layers of `group` (see :meth:`group`)."""
         assert self.rotary is not None, "cos_sin needs a RoPE model"
         dummy = torch.empty(0, dtype=dtype, device=positions.device)
-        cos, sin = self.rotary(dummy, positions.view(1, -1))
+        args = () if group is None else (group,)
+        cos, sin = self.rotary(dummy, positions.view(1, -1), *args)
+        if self.model_type == "gpt_oss":  # its attention rotates the two halves with the same half-width cos/sin
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     @staticmethod
