@@ -75,6 +75,11 @@ FAMILY_MODELS = {
     "smollm3": lambda: _build("SmolLM3", _gqa(no_rope_layers=[1, 0, 1])),  # layer 1 without RoPE
     "gemma2": lambda: _build("Gemma2", _gqa(**_SLIDING, head_dim=16)),
     "gpt_oss": lambda: _build("GptOss", _gqa(**_SLIDING, head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
+    # Rotary over interleaved pairs of dims (glm: on the first half of each head).
+    "cohere": lambda: _build("Cohere", _gqa()),
+    "glm": lambda: _build("Glm", _gqa(head_dim=16)),
+    "helium": lambda: _build("Helium", _gqa(head_dim=16)),
+    "ernie4_5": lambda: _build("Ernie4_5", _gqa(head_dim=16)),
     # Sliding and global layers with their own rotary frequencies (local and global bases).
     "gemma3_text": lambda: _gemma3(),
     "olmo3": lambda: _build("Olmo3", _gqa(**_SLIDING, rope_parameters={

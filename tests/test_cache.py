@@ -230,11 +230,10 @@ class TestBadInput:
             tiny_llama.generate(cache.input_ids, past_key_values=cache, max_new_tokens=2, num_beams=2, **GREEDY)
 
     def test_unsupported_architecture(self):
-        from transformers import CohereConfig, CohereForCausalLM
+        from transformers import BloomConfig, BloomForCausalLM
 
-        model = CohereForCausalLM(CohereConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
-        with pytest.raises(ValueError, match="cohere.*not supported.*interleaved"):
+        model = BloomForCausalLM(BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=2))
+        with pytest.raises(ValueError, match="bloom.*not supported.*not verified"):
             AttnStoreCache(model, AttnStore(), "x", random_ids(8, 0))
 
     def test_length_dependent_rope_is_refused(self):

@@ -102,8 +102,8 @@ def test_batched_turns_give_solo_tokens_or_run_alone(arch):
 
 
 @pytest.mark.parametrize("name, config, why", [
-    ("Cohere", dict(), "interleaved"),
-    ("Glm", dict(), "interleaved"),
+    ("GraniteMoe", dict(num_local_experts=4, num_experts_per_tok=2), "position ids"),
+    ("Llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), "dynamic"),
 ])
 def test_refused_families_say_why(name, config, why):
     import transformers
@@ -111,5 +111,15 @@ def test_refused_families_say_why(name, config, why):
     from .conftest import _gqa
 
     model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**_gqa(**config)))
-    with pytest.raises(ValueError, match=f"not supported.*{why}"):
+    with pytest.raises(ValueError, match=why):
+        AttnStoreCache(model, AttnStore(), "x", random_ids(8, 0))
+
+
+@pytest.mark.parametrize("model_type, why", [("qwen3_next", "recurrent"), ("jamba", "state-space"),
+                                             ("deepseek_v3", "latent attention"), ("llama4_text", "chunked")])
+def test_families_not_handled_yet_are_refused_with_their_reason(model_type, why):
+    """A stand-in model that reports the family's model type (the real ones are large to build here)."""
+    model = make_tiny("llama")
+    model.config.model_type = model_type
+    with pytest.raises(ValueError, match=f"{model_type}.*not supported.*{why}"):
         AttnStoreCache(model, AttnStore(), "x", random_ids(8, 0))

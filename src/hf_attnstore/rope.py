@@ -15,6 +15,10 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+# Model types whose attention rotates interleaved pairs of dims; those of `_HALF_FREQS` take the first half of
+# the module's cos/sin and repeat each frequency twice (`repeat_interleave(2)`) before applying them.
+_INTERLEAVED = frozenset({"cohere", "glm", "helium", "ernie4_5"})
+_HALF_FREQS = frozenset({"glm", "helium", "ernie4_5"})
 # Model types whose attention applies `rotate_half`-style RoPE to the first `cos.shape[-1]` dims of each head
 # (full rotary for most, partial for phi3/gpt_neox/stablelm) with one rotary module shared by all layers, the
 # sliding-window layers of mixed models included. Each one is covered by equivalence tests against full
@@ -33,14 +37,20 @@ SUPPORTED_ROPE_MODEL_TYPES = frozenset({
     "smollm3",
     # Per-layer-type rotary: sliding and global layers with their own frequencies (one module, called per type).
     "gemma3_text", "olmo3",
+    # Rotary over interleaved pairs of dims (glm: partial).
+    *_INTERLEAVED,
 })
 # Refused, with the reason given in the error (see `_REFUSED`).
 _REFUSED = {
     "granitemoe": "generate feeds it position ids that do not continue a resumed cache (not yet understood)",
-    "cohere": "it rotates interleaved pairs of dims, not halves",
-    "glm": "it rotates interleaved pairs of dims, not halves",
-    "helium": "it rotates interleaved pairs of dims, not halves",
-    "ernie4_5": "it rotates interleaved pairs of dims, not halves",
+    **{hybrid: "its linear-attention / state-space layers keep recurrent and convolution states, which the store "
+               "does not save yet (only attention KV)"
+       for hybrid in ("qwen3_next", "qwen3_5", "qwen3_5_text", "lfm2", "falcon_h1", "granitemoehybrid", "jamba",
+                      "nemotron_h", "bamba", "zamba2")},
+    "deepseek_v3": "multi-head latent attention (keys and values of different head dims, rotary on the key's "
+                   "tail) is not handled yet",
+    "llama4": "its chunked attention with NoPE layers is not verified yet",
+    "llama4_text": "its chunked attention with NoPE layers is not verified yet",
 }
 # Models with absolute (or no) position embeddings: KV is reused as-is and never re-rotated.
 SUPPORTED_ABSOLUTE_MODEL_TYPES = frozenset({"gpt2"})
@@ -53,6 +63,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """Rotates half the hidden dims, as transformers' Llama-family attention does."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """Rotates interleaved pairs of dims ``(0, 1), (2, 3), ...``, as cohere, glm, helium and ernie4_5 do."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
 
 
 class RopeAdapter:
@@ -85,6 +101,8 @@ class RopeAdapter:
                         "keys cannot be re-positioned exactly; use a model with a static RoPE type"
                     )
             self.rotary = rotary
+            if self.model_type in _INTERLEAVED:
+                self._turn = rotate_pairs
             layers = config.num_hidden_layers
             types = list(config.layer_types) if per_type else [None] * layers
             # smollm3: `no_rope_layers[i]` is 1 where layer i uses RoPE (the name says the opposite).
@@ -104,6 +122,7 @@ class RopeAdapter:
             )
 
     nope_layers: list[int] = []  # layers without RoPE in a RoPE model: their keys are never rotated
+    _turn = staticmethod(rotate_half)  # the 90-degree turn of RoPE's pairs: halves, or interleaved pairs
     groups: dict = {}
 
     def layer_has_rope(self, layer: int) -> bool:
@@ -132,16 +151,18 @@ class RopeAdapter:
         cos, sin = self.rotary(dummy, positions.view(1, -1), *args)
         if self.model_type == "gpt_oss":  # its attention rotates the two halves with the same half-width cos/sin
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        elif self.model_type in _HALF_FREQS:  # as their attention prepares them
+            cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+            sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
-    @staticmethod
-    def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Applies RoPE exactly as the model's attention does (partial rotary passes the tail dims)."""
         rot = cos.shape[-1]
         if rot == keys.shape[-1]:
-            return keys * cos + rotate_half(keys) * sin
+            return keys * cos + self._turn(keys) * sin
         head, tail = keys[..., :rot], keys[..., rot:]
-        return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
+        return torch.cat((head * cos + self._turn(head) * sin, tail), dim=-1)
 
     @staticmethod
     def halves_equal(cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -152,16 +173,15 @@ class RopeAdapter:
         return rot % 2 == 0 and torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half],
                                                                                              sin[..., half:])
 
-    @staticmethod
-    def rotate_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def rotate_into(self, out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     halves_equal: bool) -> None:
         """:meth:`rotate`, written into `out` without temporaries.
 
         With `halves_equal` (see :meth:`halves_equal`) and ``c, s`` one half of cos/sin:
         ``out_a = k_a c - k_b s`` and ``out_b = k_b c + k_a s``. Otherwise the general path.
         """
-        if not halves_equal:
-            out.copy_(RopeAdapter.rotate(keys, cos, sin))
+        if not halves_equal or self._turn is not rotate_half:
+            out.copy_(self.rotate(keys, cos, sin))
             return
         rot = cos.shape[-1]
         half = rot // 2
@@ -186,13 +206,12 @@ class RopeAdapter:
         norm = cos32 * cos32 + sin32 * sin32
         return cos32 / norm, sin32 / norm
 
-    @staticmethod
-    def unrotate(keys: torch.Tensor, inv_cos: torch.Tensor, inv_sin: torch.Tensor) -> torch.Tensor:
+    def unrotate(self, keys: torch.Tensor, inv_cos: torch.Tensor, inv_sin: torch.Tensor) -> torch.Tensor:
         """Inverts :meth:`rotate` in fp32 with factors from :meth:`inverse`; returns the keys' dtype."""
         rot = inv_cos.shape[-1]
         k32 = keys.float()
         head = k32[..., :rot]
-        head = head * inv_cos - rotate_half(head) * inv_sin
+        head = head * inv_cos - self._turn(head) * inv_sin
         if rot != keys.shape[-1]:
             head = torch.cat((head, k32[..., rot:]), dim=-1)
         return head.to(keys.dtype)
