@@ -54,8 +54,11 @@ _REFUSED = {
 }
 # Models with absolute (or no) position embeddings: KV is reused as-is and never re-rotated.
 SUPPORTED_ABSOLUTE_MODEL_TYPES = frozenset({"gpt2"})
-# RoPE variants whose frequencies depend on the sequence length of each call: a key rotated in one call
-# could not be reproduced in another, so decoupling would be silently wrong.
+# RoPE variants whose frequencies depend on the sequence length of each call (`dynamic` NTK grows them past the
+# original length, and keeps the largest seen; `longrope` switches to long factors). Re-rotating stored
+# pre-RoPE keys with the frequencies of the current call fixes layer 0's keys only: every deeper layer's keys
+# and values were computed from hidden states that the old frequencies shaped, so reuse across a change of
+# frequencies cannot match a recomputation (measured: up to 5e-3 off in layer 1 on a tiny model).
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
@@ -97,8 +100,9 @@ class RopeAdapter:
             for kind in (rope_type.values() if per_type else [rope_type]):
                 if kind in _LENGTH_DEPENDENT_ROPE:
                     raise ValueError(
-                        f"RoPE type {kind!r} rescales frequencies with the sequence length of each call, so cached "
-                        "keys cannot be re-positioned exactly; use a model with a static RoPE type"
+                        f"RoPE type {kind!r} rescales frequencies with the sequence length of each call, and the KV "
+                        "of every layer past the first depends on the frequencies it was computed with, so stored "
+                        "KV cannot be reused exactly; use a model with a static RoPE type"
                     )
             self.rotary = rotary
             if self.model_type in _INTERLEAVED:
