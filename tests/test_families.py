@@ -89,11 +89,9 @@ def test_sessions_round_trip_through_disk(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_batched_turns_give_solo_tokens_or_run_alone(arch):
+def test_batched_turns_give_solo_tokens(arch):
     model = make_tiny(arch)
-    if not batchable(model)[0]:  # sliding-window layers: one turn at a time (tested in test_batching)
-        assert getattr(model.config, "sliding_window", None)
-        return
+    assert batchable(model)[0]
     solo = test_batching.run(model, AttnStore("64MiB"), 1)
     batched = test_batching.run(model, AttnStore("64MiB"), 4)
     for key, alone in solo.items():

@@ -20,8 +20,6 @@ SGLang's token budget). Without it a joining turn is prefilled in one forward, w
 chunks, and several sessions' prompts padded into one forward, both cost more there (`eval/bench_prefill.py`).
 
 Two turns of one session never run together: a queued turn waits until its session's running turn leaves.
-Models with sliding-window attention run one turn at a time (their window masks count cache columns, which
-padding shifts).
 """
 
 from __future__ import annotations
@@ -170,10 +168,13 @@ class BatchKV(DynamicCache):
 
 
 def batchable(model) -> tuple[bool, str]:
-    """Whether the model's turns can be batched here, and why not."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(config, "sliding_window", None) or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return False, "sliding-window attention counts cache columns, which left padding shifts"
+    """Whether the model's turns can be batched here, and why not.
+
+    Every model that AttnStoreCache supports is, sliding-window layers included: a sliding mask compares a
+    query's column with a key's column, and left padding shifts both by the same amount in a row, so the
+    distance is the positions' (tested: sliding models give their solo tokens batched, where dropping the
+    window changes most turns' tokens). The hook stays for families that will need a reason (recurrent
+    state cannot be left-padded)."""
     return True, ""
 
 
