@@ -1,6 +1,7 @@
 """Batched turns vs solo turns on SmolLM2 and real ShareGPT messages: identical replies, per dtype.
 
     python eval/batch_fidelity.py --sessions 8 --turns 3 --dtypes float32,bfloat16
+    python eval/batch_fidelity.py --dtypes float32 --max-batch-tokens 64     # with chunked prefill
 
 The same conversations run through a ChatPipeline twice: one turn at a time (`max_batch_size=1`) and
 with continuous batching (`--batch`), each over a fresh store, greedy. All sessions' turns of one round
@@ -20,10 +21,11 @@ from hf_attnstore.chat import clip_text
 from hf_attnstore.data import load_sharegpt
 
 
-def run(model, tokenizer, conversations, batch: int, max_new: int) -> dict:
+def run(model, tokenizer, conversations, batch: int, max_new: int, max_batch_tokens: int | None = None) -> dict:
     out = {}
     with AttnStore(host_bytes="8GiB") as store, \
-            ChatPipeline(model, tokenizer, store, max_new_tokens=max_new, max_batch_size=batch) as pipe:
+            ChatPipeline(model, tokenizer, store, max_new_tokens=max_new, max_batch_size=batch,
+                         max_batch_tokens=max_batch_tokens) as pipe:
         for k in range(max(len(c) for c in conversations)):
             futures = {i: pipe.submit(f"s{i}", c[k]) for i, c in enumerate(conversations) if k < len(c)}
             for i, f in futures.items():
@@ -39,6 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-user-tokens", type=int, default=128)
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="chunked prefill in the batched run")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
     ok = True
@@ -49,7 +52,7 @@ def main(argv=None) -> int:
         convs = [[clip_text(tokenizer, m["content"], args.max_user_tokens) for m in c.messages if m["role"] == "user"]
                  [: args.turns] for c in load_sharegpt(limit=args.sessions, min_user_turns=2)]
         solo = run(model, tokenizer, convs, 1, args.max_new_tokens)
-        batched = run(model, tokenizer, convs, args.batch, args.max_new_tokens)
+        batched = run(model, tokenizer, convs, args.batch, args.max_new_tokens, args.max_batch_tokens)
         same = sum(solo[key] == batched[key] for key in solo)
         firsts = sorted(next((s for s, (a, b) in enumerate(zip(solo[key], batched[key])) if a != b),
                              min(len(solo[key]), len(batched[key])))
