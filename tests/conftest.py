@@ -80,6 +80,10 @@ FAMILY_MODELS = {
     "glm": lambda: _build("Glm", _gqa(head_dim=16)),
     "helium": lambda: _build("Helium", _gqa(head_dim=16)),
     "ernie4_5": lambda: _build("Ernie4_5", _gqa(head_dim=16)),
+    # Complex-number rotary over pairs, NoPE layers (the last), chunked attention, experts every other layer.
+    "llama4_text": lambda: _build("Llama4", _gqa(head_dim=16, intermediate_size_mlp=128, num_hidden_layers=4,
+                                                 num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                                 no_rope_layers=[1, 1, 1, 0], attention_chunk_size=16)),
     # Sliding and global layers with their own rotary frequencies (local and global bases).
     "gemma3_text": lambda: _gemma3(),
     "olmo3": lambda: _build("Olmo3", _gqa(**_SLIDING, rope_parameters={
@@ -98,7 +102,8 @@ def _gemma3():
 def _build(name: str, config: dict):
     import transformers
 
-    return getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**config))
+    config_class = getattr(transformers, f"{name}TextConfig", None) or getattr(transformers, f"{name}Config")
+    return getattr(transformers, f"{name}ForCausalLM")(config_class(**config))
 
 
 # Llama with each length-independent RoPE scaling type: re-rotation goes through the model's own rotary

@@ -173,8 +173,11 @@ def batchable(model) -> tuple[bool, str]:
     Every model that AttnStoreCache supports is, sliding-window layers included: a sliding mask compares a
     query's column with a key's column, and left padding shifts both by the same amount in a row, so the
     distance is the positions' (tested: sliding models give their solo tokens batched, where dropping the
-    window changes most turns' tokens). The hook stays for families that will need a reason (recurrent
-    state cannot be left-padded)."""
+    window changes most turns' tokens). Chunked attention (llama4) is not: its chunks start at multiples of
+    the chunk size, counted in columns, and left padding moves a row's positions off those boundaries."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "attention_chunk_size", None):
+        return False, "chunked attention's chunk boundaries count cache columns, which left padding shifts"
     return True, ""
 
 

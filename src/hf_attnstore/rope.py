@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 # Model types whose attention rotates interleaved pairs of dims; those of `_HALF_FREQS` take the first half of
 # the module's cos/sin and repeat each frequency twice (`repeat_interleave(2)`) before applying them.
-_INTERLEAVED = frozenset({"cohere", "glm", "helium", "ernie4_5"})
+_INTERLEAVED = frozenset({"cohere", "glm", "helium", "ernie4_5", "llama4_text"})
 _HALF_FREQS = frozenset({"glm", "helium", "ernie4_5"})
 # Model types whose attention applies `rotate_half`-style RoPE to the first `cos.shape[-1]` dims of each head
 # (full rotary for most, partial for phi3/gpt_neox/stablelm) with one rotary module shared by all layers, the
@@ -37,7 +37,7 @@ SUPPORTED_ROPE_MODEL_TYPES = frozenset({
     "smollm3",
     # Per-layer-type rotary: sliding and global layers with their own frequencies (one module, called per type).
     "gemma3_text", "olmo3",
-    # Rotary over interleaved pairs of dims (glm: partial).
+    # Rotary over interleaved pairs of dims (glm: partial; llama4 as complex numbers, with NoPE layers).
     *_INTERLEAVED,
 })
 # Refused, with the reason given in the error (see `_REFUSED`).
@@ -49,8 +49,6 @@ _REFUSED = {
                       "nemotron_h", "bamba", "zamba2")},
     "deepseek_v3": "multi-head latent attention (keys and values of different head dims, rotary on the key's "
                    "tail) is not handled yet",
-    "llama4": "its chunked attention with NoPE layers is not verified yet",
-    "llama4_text": "its chunked attention with NoPE layers is not verified yet",
 }
 # Models with absolute (or no) position embeddings: KV is reused as-is and never re-rotated.
 SUPPORTED_ABSOLUTE_MODEL_TYPES = frozenset({"gpt2"})
@@ -89,6 +87,8 @@ class RopeAdapter:
         config = model.config.get_text_config(decoder=True)
         self.model_type = config.model_type
         base = model.base_model
+        if base is model and isinstance(getattr(model, "model", None), nn.Module):  # llama4: prefix not found
+            base = model.model
         rotary = getattr(base, "rotary_emb", None)
         if self.model_type in SUPPORTED_ABSOLUTE_MODEL_TYPES:
             self.rotary = None
@@ -109,8 +109,8 @@ class RopeAdapter:
                 self._turn = rotate_pairs
             layers = config.num_hidden_layers
             types = list(config.layer_types) if per_type else [None] * layers
-            # smollm3: `no_rope_layers[i]` is 1 where layer i uses RoPE (the name says the opposite).
-            flags = getattr(config, "no_rope_layers", None) if self.model_type == "smollm3" else None
+            # smollm3, llama4: `no_rope_layers[i]` is 1 where layer i uses RoPE (the name says the opposite).
+            flags = getattr(config, "no_rope_layers", None) if self.model_type in ("smollm3", "llama4_text") else None
             self.nope_layers = [i for i, uses in enumerate(flags or ()) if not uses]
             self.groups = {}  # rotary group (a layer type, or None) -> its layers; NoPE layers are in none
             for i, kind in enumerate(types):
@@ -152,6 +152,11 @@ class RopeAdapter:
         assert self.rotary is not None, "cos_sin needs a RoPE model"
         dummy = torch.empty(0, dtype=dtype, device=positions.device)
         args = () if group is None else (group,)
+        if self.model_type == "llama4_text":
+            # Its module returns complex frequencies; its attention multiplies pairs of dims by them.
+            cis = self.rotary(dummy, positions.view(1, -1), *args)
+            return (cis.real.to(dtype).repeat_interleave(2, dim=-1).unsqueeze(1),
+                    cis.imag.to(dtype).repeat_interleave(2, dim=-1).unsqueeze(1))
         cos, sin = self.rotary(dummy, positions.view(1, -1), *args)
         if self.model_type == "gpt_oss":  # its attention rotates the two halves with the same half-width cos/sin
             cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
