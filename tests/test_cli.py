@@ -17,6 +17,9 @@ def test_parser_knows_the_commands():
     parser = build_parser()
     assert parser.parse_args(["chat", "--session", "x"]).session == "x"
     assert parser.parse_args(["replay", "--conversations", "3"]).conversations == 3
+    serve = parser.parse_args(["serve", "--max-batch-size", "4", "--max-batch-tokens", "256"])
+    assert (serve.max_batch_size, serve.max_batch_tokens) == (4, 256)
+    assert parser.parse_args(["serve"]).max_batch_tokens is None  # whole prompts by default
     with pytest.raises(SystemExit):
         parser.parse_args(["fly"])
 

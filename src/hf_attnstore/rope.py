@@ -47,6 +47,10 @@ _REFUSED = {
                "does not save yet (only attention KV)"
        for hybrid in ("qwen3_next", "qwen3_5", "qwen3_5_text", "lfm2", "falcon_h1", "granitemoehybrid", "jamba",
                       "nemotron_h", "bamba", "zamba2")},
+    "gemma4_text": "its layers differ in head dim, and some reuse another layer's KV (KV sharing), which the "
+                   "store's one geometry per model does not describe yet",
+    "gemma4": "its layers differ in head dim, and some reuse another layer's KV (KV sharing), which the store's "
+              "one geometry per model does not describe yet",
     "deepseek_v3": "multi-head latent attention (keys and values of different head dims, rotary on the key's "
                    "tail) is not handled yet",
 }
