@@ -63,6 +63,7 @@ FAMILY_MODELS = {
     "olmo": lambda: _build("Olmo", _gqa(clip_qkv=8.0)),
     "olmo2": lambda: _build("Olmo2", _gqa()),
     "olmoe": lambda: _build("Olmoe", _gqa(num_experts=4, num_experts_per_tok=2)),
+    "granitemoe": lambda: _build("GraniteMoe", _gqa(num_local_experts=4, num_experts_per_tok=2, **_SCALED)),
     "granite": lambda: _build("Granite", _gqa(**_SCALED)),
     "starcoder2": lambda: _build("Starcoder2", _gqa(sliding_window=None)),
     "stablelm": lambda: _build("StableLm", _gqa(qk_layernorm=True, rope_parameters={

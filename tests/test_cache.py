@@ -30,8 +30,11 @@ def run_turns(model, store, session, turns, new_tokens=6, **cache_kwargs):
         hist = user if hist is None else torch.cat([hist, user], dim=1)
         ref_hist = user if ref_hist is None else torch.cat([ref_hist, user], dim=1)
         cache = AttnStoreCache(model, store, session, hist, **cache_kwargs)
-        out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=new_tokens, **GREEDY)
-        ref = model.generate(ref_hist, past_key_values=DynamicCache(), max_new_tokens=new_tokens, **GREEDY)
+        # Explicit masks: without one, `generate` masks every id equal to the pad id (a generated 0 here).
+        out = model.generate(cache.input_ids, attention_mask=torch.ones_like(cache.input_ids), past_key_values=cache,
+                             max_new_tokens=new_tokens, **GREEDY)
+        ref = model.generate(ref_hist, attention_mask=torch.ones_like(ref_hist), past_key_values=DynamicCache(),
+                             max_new_tokens=new_tokens, **GREEDY)
         records.append((cache, out, ref))
         hist, ref_hist = out, ref
     return records

@@ -101,20 +101,6 @@ def test_batched_turns_give_solo_tokens(arch):
         assert batched[key].reused_tokens == alone.reused_tokens, key
 
 
-@pytest.mark.parametrize("name, config, why", [
-    ("GraniteMoe", dict(num_local_experts=4, num_experts_per_tok=2), "position ids"),
-    ("Llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), "dynamic"),
-])
-def test_refused_families_say_why(name, config, why):
-    import transformers
-
-    from .conftest import _gqa
-
-    model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**_gqa(**config)))
-    with pytest.raises(ValueError, match=why):
-        AttnStoreCache(model, AttnStore(), "x", random_ids(8, 0))
-
-
 @pytest.mark.parametrize("model_type, why", [("qwen3_next", "recurrent"), ("jamba", "state-space"),
                                              ("deepseek_v3", "latent attention"), ("gemma4_text", "KV sharing")])
 def test_families_not_handled_yet_are_refused_with_their_reason(model_type, why):

@@ -26,7 +26,7 @@ _HALF_FREQS = frozenset({"glm", "helium", "ernie4_5"})
 SUPPORTED_ROPE_MODEL_TYPES = frozenset({
     "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt_neox",
     # Mixture-of-experts MLPs around llama's attention.
-    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+    "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe",
     # qk-norms, clipped qkv, multipliers, biases, LayerNorm; the same rotary.
     "olmo", "olmo2", "granite", "starcoder2", "stablelm", "gemma", "seed_oss", "apertus", "arcee",
     "hunyuan_v1_dense",
@@ -42,7 +42,6 @@ SUPPORTED_ROPE_MODEL_TYPES = frozenset({
 })
 # Refused, with the reason given in the error (see `_REFUSED`).
 _REFUSED = {
-    "granitemoe": "generate feeds it position ids that do not continue a resumed cache (not yet understood)",
     **{hybrid: "its linear-attention / state-space layers keep recurrent and convolution states, which the store "
                "does not save yet (only attention KV)"
        for hybrid in ("qwen3_next", "qwen3_5", "qwen3_5_text", "lfm2", "falcon_h1", "granitemoehybrid", "jamba",
