@@ -40,7 +40,7 @@ SUPPORTED_ROPE_MODEL_TYPES = frozenset({
     # Rotary over interleaved pairs of dims (glm: partial; llama4 as complex numbers, with NoPE layers).
     *_INTERLEAVED,
 })
-# Refused, with the reason given in the error (see `_REFUSED`).
+# Families refused, with the reason their error gives (any other unlisted type is refused as unverified).
 _REFUSED = {
     **{hybrid: "its linear-attention / state-space layers keep recurrent and convolution states, which the store "
                "does not save yet (only attention KV)"
@@ -70,9 +70,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """Rotates interleaved pairs of dims ``(0, 1), (2, 3), ...``, as cohere, glm, helium and ernie4_5 do."""
+    """Rotates interleaved pairs of dims ``(0, 1), (2, 3), ...``, as cohere, glm, helium, ernie4_5 and llama4
+    (with complex numbers) do."""
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-
 
 
 class RopeAdapter:
@@ -82,8 +82,8 @@ class RopeAdapter:
         model: A causal LM from transformers.
 
     Raises:
-        ValueError: If the model applies RoPE in a way we cannot invert exactly (interleaved rotary,
-            length-dependent scaling) or is not verified here.
+        ValueError: If stored KV could not be reused exactly for the model (length-dependent RoPE scaling, a
+            family listed in `_REFUSED`), or its family is not verified here; the message says which.
     """
 
     def __init__(self, model: nn.Module):
@@ -131,6 +131,7 @@ class RopeAdapter:
     nope_layers: list[int] = []  # layers without RoPE in a RoPE model: their keys are never rotated
     _turn = staticmethod(rotate_half)  # the 90-degree turn of RoPE's pairs: halves, or interleaved pairs
     groups: dict = {}
+    _group_of: dict = {}
 
     def layer_has_rope(self, layer: int) -> bool:
         return self.rotary is not None and layer in self._group_of
