@@ -276,3 +276,32 @@ def test_batch_kv_keeps_each_rows_kv_right_aligned_through_joins_and_leaves():
     cache.admit([kv(2, 5), kv(20, 6)], rows=6, room=2)  # several at once: one reallocation for the longest
     expected += [(2, 5), (20, 6)]
     check()
+
+
+def test_every_running_member_leads_the_eviction_schedule():
+    """The store keeps the sessions of the whole running batch (their write buffers) last in line for
+    eviction, ahead of the waiting queue, not just one of them."""
+    class Recording(AttnStore):
+        schedules = []
+
+        def set_schedule(self, sessions):
+            Recording.schedules.append(list(sessions))
+            return super().set_schedule(sessions)
+
+    class Running(LogitsProcessor):  # what the pipeline calls running while the batch decodes
+        seen = []
+
+        def __call__(self, input_ids, scores):
+            Running.seen.append(frozenset(pipe._running))
+            return scores
+
+    model = make_tiny("llama")
+    with ChatPipeline(model, char_tokenizer(), Recording("64MiB"), max_new_tokens=6, max_batch_size=2,
+                      eos_token_id=None, logits_processor=LogitsProcessorList([Running()])) as pipe:
+        with pipe._cond:  # all four queued before the worker looks
+            futures = [pipe.submit_prompt(f"s{i}", torch.arange(10, 20 + i)) for i in range(4)]
+        for f in futures:
+            f.result(60)
+    assert {"s0", "s1"} in Running.seen and {"s2", "s3"} in Running.seen
+    # Hints given while s2 and s3 decode put both first.
+    assert any(set(s[:2]) == {"s2", "s3"} for s in Recording.schedules)

@@ -253,7 +253,7 @@ class BatchRunner:
                     self.members, self.cache = [], None
                 self.seconds["step"] += time.perf_counter() - started
             with pipe._cond:
-                pipe._running = None if not self.members else self.members[0].prep.job.session_id
+                pipe._running = [m.prep.job.session_id for m in (*self.members, *self.prefilling)]
 
     def _take(self) -> list | None:
         """Queued turns that may join now (room in the batch, their session not running), in queue order.
@@ -274,6 +274,9 @@ class BatchRunner:
                     taken.append(job)
                 if taken or self.members or self.prefilling:
                     waiting = [j.session_id for j in pipe._queue]
+                    # Every member's session, the joining ones included, goes first in the schedule.
+                    pipe._running = [m.prep.job.session_id for m in (*self.members, *self.prefilling)] + \
+                        [j.session_id for j in taken]
                     break
                 if pipe._closed and not pipe._queue:
                     return None

@@ -178,7 +178,7 @@ class ChatPipeline:
         # Each session's source of truth: its token ids (a turn of a session runs on one pipeline at a time).
         self._history: MutableMapping[str, torch.Tensor] = {} if histories is None else histories
         self._queue: deque[_Job] = deque()
-        self._running: str | None = None
+        self._running: list[str] = []  # sessions whose turns run now (several when batching)
         self._cond = threading.Condition()
         self._closed = False
         run = self._run
@@ -321,7 +321,7 @@ class ChatPipeline:
                 if not self._queue:
                     return
                 job = self._queue.popleft()
-                self._running = job.session_id
+                self._running = [job.session_id]
                 waiting = [j.session_id for j in self._queue]
             if job.cancel is not None and job.cancel.is_set():
                 job.future.cancel()
@@ -353,10 +353,9 @@ class ChatPipeline:
         if self.store is None:
             return
         prefetch, eviction = self._windows()
-        # The running job's session comes first: the store holds its write buffer (the paper keeps it on
-        # the device), so it must be the last to be evicted.
-        running = [self._running] if self._running is not None else []
-        self.store.set_schedule(running + waiting[:eviction])
+        # The running turns' sessions come first: the store holds their write buffers (the paper keeps them on
+        # the device), so they must be the last to be evicted.
+        self.store.set_schedule(list(self._running) + waiting[:eviction])
         ahead = list(dict.fromkeys(waiting[:prefetch]))
         if ahead:
             self.store.prefetch(ahead, self.store.fingerprint(self.model))
