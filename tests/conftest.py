@@ -87,6 +87,7 @@ FAMILY_MODELS = {
                                                  no_rope_layers=[1, 1, 1, 0], attention_chunk_size=16)),
     # Sliding and global layers with their own rotary frequencies (local and global bases).
     "gemma3_text": lambda: _gemma3(),
+    "gemma3": lambda: _gemma3_multimodal(),  # the image-text wrapper most checkpoints ship as, used for text
     "olmo3": lambda: _build("Olmo3", _gqa(**_SLIDING, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
@@ -98,6 +99,17 @@ def _gemma3():
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     return Gemma3ForCausalLM(Gemma3TextConfig(**_gqa(**_SLIDING, head_dim=16)))
+
+
+def _gemma3_multimodal():
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(**_gqa(**_SLIDING, head_dim=16))
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)
+    return Gemma3ForConditionalGeneration(Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                                       mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+                                                       boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3))
 
 
 def _build(name: str, config: dict):

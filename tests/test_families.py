@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.batching import batchable
+from hf_attnstore.fingerprint import kv_geometry
 from hf_attnstore.rope import SUPPORTED_ROPE_MODEL_TYPES
 
 from . import test_batching, test_cache, test_cache_tiers
@@ -26,8 +27,9 @@ GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
 
 def test_every_family_here_is_declared_supported():
-    assert set(FAMILIES) <= SUPPORTED_ROPE_MODEL_TYPES
-    assert len(FAMILIES) >= 10
+    decoders = {make_tiny(arch).config.get_text_config(decoder=True).model_type for arch in FAMILIES}
+    assert decoders <= SUPPORTED_ROPE_MODEL_TYPES
+    assert len(decoders) >= 10
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -79,8 +81,8 @@ def test_recompute_truncation_generates_what_the_truncated_ids_generate(arch):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_sessions_round_trip_through_disk(tmp_path, arch):
     model = make_tiny(arch)
-    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads * 4 * (
-        getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads)
+    layers, heads, dim = kv_geometry(model)
+    per_token = 2 * layers * heads * dim * 4
     # Room for about one session in host memory: the others resume from disk.
     store = AttnStore(host_bytes=40 * per_token, disk_dir=str(tmp_path), **test_cache_tiers.FAST)
     sources, _ = test_cache_tiers.chat(model, store, ["a", "b", "c"], turns=2)
@@ -92,7 +94,7 @@ def test_sessions_round_trip_through_disk(tmp_path, arch):
 def test_batched_turns_give_solo_tokens(arch):
     model = make_tiny(arch)
     if not batchable(model)[0]:  # chunked attention (llama4): one turn at a time, see batchable
-        assert model.config.attention_chunk_size
+        assert model.config.get_text_config().attention_chunk_size
         return
     solo = test_batching.run(model, AttnStore("64MiB"), 1)
     batched = test_batching.run(model, AttnStore("64MiB"), 4)

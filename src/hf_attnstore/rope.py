@@ -75,6 +75,16 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
+def _find_rotary(model: nn.Module) -> nn.Module | None:
+    """The decoder's rotary module: on the base model, or on its language model (multimodal wrappers such as
+    Gemma3ForConditionalGeneration), or on `model.model` where the base-model prefix does not match (llama4)."""
+    for holder in (model.base_model, getattr(model.base_model, "language_model", None), getattr(model, "model", None)):
+        rotary = getattr(holder, "rotary_emb", None)
+        if isinstance(rotary, nn.Module):
+            return rotary
+    return None
+
+
 class RopeAdapter:
     """Wraps a model's rotary module to rotate and un-rotate cached keys.
 
@@ -89,10 +99,7 @@ class RopeAdapter:
     def __init__(self, model: nn.Module):
         config = model.config.get_text_config(decoder=True)
         self.model_type = config.model_type
-        base = model.base_model
-        if base is model and isinstance(getattr(model, "model", None), nn.Module):  # llama4: prefix not found
-            base = model.model
-        rotary = getattr(base, "rotary_emb", None)
+        rotary = _find_rotary(model)
         if self.model_type in SUPPORTED_ABSOLUTE_MODEL_TYPES:
             self.rotary = None
         elif self.model_type in SUPPORTED_ROPE_MODEL_TYPES and isinstance(rotary, nn.Module):
