@@ -211,16 +211,13 @@ class BatchRunner:
         self.members: list[_Member] = []  # decoding, in the batch cache
         self.prefilling: deque[_Member] = deque()  # joining: their prompts are being prefilled, in order
         # Where the worker's time goes: prefills, decoding steps, members leaving (their KV handed to the store)
-        # and rebuilding the batch cache.
+        # and putting joiners into the batch cache ("rebuild": writing their rows, reallocating if needed).
         self.seconds = {"prefill": 0.0, "step": 0.0, "leave": 0.0, "rebuild": 0.0}
         self.steps = 0
         self.prefill_chunks = 0  # forwards that prefilled (part of) a joining turn
         self._hinted: list[str] | None = None  # the queue the last look-ahead hints were given for
         self.cache: BatchKV | None = None  # the decoding members' KV, row b for self.members[b]
-        gen = self.model.generation_config
-        default_eos = gen.eos_token_id
-        self.default_eos = set(default_eos if isinstance(default_eos, (list, tuple)) else
-                               [default_eos] if default_eos is not None else [])
+        self.default_eos = _id_set(self.model.generation_config.eos_token_id)
 
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -253,7 +250,11 @@ class BatchRunner:
                     self.members, self.cache = [], None
                 self.seconds["step"] += time.perf_counter() - started
             with pipe._cond:
-                pipe._running = [m.prep.job.session_id for m in (*self.members, *self.prefilling)]
+                pipe._running = self._sessions()
+
+    def _sessions(self) -> list[str]:
+        """The sessions of the running turns: decoding, then joining."""
+        return [m.prep.job.session_id for m in (*self.members, *self.prefilling)]
 
     def _take(self) -> list | None:
         """Queued turns that may join now (room in the batch, their session not running), in queue order.
@@ -261,7 +262,7 @@ class BatchRunner:
         pipe = self.pipe
         with pipe._cond:
             while True:
-                running = {m.prep.job.session_id for m in (*self.members, *self.prefilling)}
+                running = set(self._sessions())
                 room = self.max - len(self.members) - len(self.prefilling)
                 taken = []
                 for job in list(pipe._queue):
@@ -275,8 +276,7 @@ class BatchRunner:
                 if taken or self.members or self.prefilling:
                     waiting = [j.session_id for j in pipe._queue]
                     # Every member's session, the joining ones included, goes first in the schedule.
-                    pipe._running = [m.prep.job.session_id for m in (*self.members, *self.prefilling)] + \
-                        [j.session_id for j in taken]
+                    pipe._running = self._sessions() + [j.session_id for j in taken]
                     break
                 if pipe._closed and not pipe._queue:
                     return None
@@ -294,20 +294,14 @@ class BatchRunner:
     # -- joining ----------------------------------------------------------------------------------------
     def _start(self, job: "_Job") -> None:
         """Looks the turn up in the store and queues it for prefilling (a given reply is read at once)."""
-        if job.cancel is not None and job.cancel.is_set():
-            job.future.cancel()
-        if not job.future.set_running_or_notify_cancel():
-            if job.streamer is not None:
-                job.streamer.end()
+        if not job.claim():
             return
         if job.reply is not None:  # reading a given reply is one forward: no decoding to batch
             job.future.set_result(self.pipe._turn(job))
             return
         prep = self.pipe._prepare(job)
         options = prep.options
-        eos = options.get("eos_token_id", ...)
-        eos = self.default_eos if eos is ... else set(eos if isinstance(eos, (list, tuple)) else
-                                                     [eos] if eos is not None else [])
+        eos = self.default_eos if "eos_token_id" not in options else _id_set(options["eos_token_id"])
         stops = options.get("stop_strings") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
         sample = ({"temperature": float(options.get("temperature") or 1.0), "top_p": float(options.get("top_p") or 1.0)}
@@ -461,6 +455,11 @@ class BatchRunner:
             m.tee.end()
         if not m.prep.job.future.done():
             m.prep.job.future.set_exception(exc)
+
+
+def _id_set(ids) -> set:
+    """`eos_token_id` as generate takes it (an id, a list of ids, or None) as a set."""
+    return set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
 
 
 def _sample(scores: torch.Tensor, temperature: float, top_p: float) -> int:

@@ -90,6 +90,16 @@ class _Job:
     cancel: threading.Event | None = None  # set: the turn stops after its current step (a client went away)
     options: dict | None = None  # per-turn `generate` options over the pipeline's
 
+    def claim(self) -> bool:
+        """Marks the turn as running; False if it was cancelled while queued (its reader is then released)."""
+        if self.cancel is not None and self.cancel.is_set():
+            self.future.cancel()
+        if self.future.set_running_or_notify_cancel():
+            return True
+        if self.streamer is not None:  # nothing runs: the reader must not hang
+            self.streamer.end()
+        return False
+
 
 class _Tee:
     """Forwards `generate`'s streamer calls to several streamers (our TTFT timer and the caller's)."""
@@ -225,15 +235,7 @@ class ChatPipeline:
             if n > room:
                 raise ValueError(f"the message has {n} tokens but at most {room} fit the context window "
                                  f"({window} minus {self.truncation.keep_first} kept tokens): shorten it")
-        future: Future = Future()
-        with self._cond:
-            if self._closed:
-                raise ValueError("this ChatPipeline is closed")
-            self._queue.append(_Job(session_id, message, future, streamer, time.perf_counter(), reply))
-            self._cond.notify_all()
-            waiting = [j.session_id for j in self._queue]
-        self._give_hints(waiting)  # the queue changed: fetch ahead now, not only when the next job starts
-        return future
+        return self._enqueue(_Job(session_id, message, Future(), streamer, time.perf_counter(), reply))
 
     def submit_prompt(self, session_id: str, prompt_ids, streamer=None, *, cancel: threading.Event | None = None,
                       **generate_options) -> Future:
@@ -255,16 +257,18 @@ class ChatPipeline:
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).view(1, -1)
         if ids.shape[1] == 0:
             raise ValueError("`prompt_ids` is empty")
-        future: Future = Future()
+        return self._enqueue(_Job(session_id, "", Future(), streamer, time.perf_counter(), prompt_ids=ids,
+                                  cancel=cancel, options=generate_options))
+
+    def _enqueue(self, job: "_Job") -> Future:
         with self._cond:
             if self._closed:
                 raise ValueError("this ChatPipeline is closed")
-            self._queue.append(_Job(session_id, "", future, streamer, time.perf_counter(), prompt_ids=ids,
-                                    cancel=cancel, options=generate_options))
+            self._queue.append(job)
             self._cond.notify_all()
             waiting = [j.session_id for j in self._queue]
-        self._give_hints(waiting)
-        return future
+        self._give_hints(waiting)  # the queue changed: fetch ahead now, not only when the next job starts
+        return job.future
 
     def queue_length(self) -> int:
         """Turns waiting to run (the running one not included)."""
@@ -323,11 +327,7 @@ class ChatPipeline:
                 job = self._queue.popleft()
                 self._running = [job.session_id]
                 waiting = [j.session_id for j in self._queue]
-            if job.cancel is not None and job.cancel.is_set():
-                job.future.cancel()
-            if not job.future.set_running_or_notify_cancel():
-                if job.streamer is not None:  # cancelled while queued: nothing runs, the reader must not hang
-                    job.streamer.end()
+            if not job.claim():
                 continue
             try:
                 self._give_hints(waiting)
