@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 
 import torch
 from transformers import DynamicCache
@@ -44,8 +45,6 @@ def sharegpt_ids(tokenizer, n: int) -> torch.Tensor:
 
 
 def timed(fn) -> float:
-    import time
-
     started = time.perf_counter()
     fn()
     return time.perf_counter() - started

@@ -86,19 +86,13 @@ FAMILY_MODELS = {
                                                  num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2,
                                                  no_rope_layers=[1, 1, 1, 0], attention_chunk_size=16)),
     # Sliding and global layers with their own rotary frequencies (local and global bases).
-    "gemma3_text": lambda: _gemma3(),
+    "gemma3_text": lambda: _build("Gemma3", _gqa(**_SLIDING, head_dim=16)),
     "gemma3": lambda: _gemma3_multimodal(),  # the image-text wrapper most checkpoints ship as, used for text
     "olmo3": lambda: _build("Olmo3", _gqa(**_SLIDING, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
     "hunyuan_v1_dense": lambda: _build("HunYuanDenseV1", _gqa(head_dim=16)),
 }
-
-
-def _gemma3():
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    return Gemma3ForCausalLM(Gemma3TextConfig(**_gqa(**_SLIDING, head_dim=16)))
 
 
 def _gemma3_multimodal():
