@@ -23,7 +23,8 @@ def _chat(args: argparse.Namespace) -> int:
     from .store import AttnStore
 
     model, tokenizer = load_default_model(args.model)
-    store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, remote=args.remote)
+    store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, remote=args.remote,
+                      kv_codec=_codec(args.kv_codec))
     pipe = ChatPipeline(model, tokenizer, store, context_window=args.context_window,
                         max_new_tokens=args.max_new_tokens, system_prompt=args.system)
     print(f"session {args.session!r}; /stats, /reset, /quit", file=sys.stderr)
@@ -153,7 +154,7 @@ def _serve(args: argparse.Namespace) -> int:
     model, tokenizer = load_default_model(args.model, dtype=args.dtype)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
-                      remote=args.remote, policy=args.policy)
+                      remote=args.remote, policy=args.policy, kv_codec=_codec(args.kv_codec))
     # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
     window = args.context_window or getattr(model.config, "max_position_embeddings", None)
     pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
@@ -169,6 +170,16 @@ def _serve(args: argparse.Namespace) -> int:
         pipe.close(timeout=args.request_timeout)
         store.close()
     return 0
+
+
+def _codec_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-codec", default="none", choices=("none", "int8", "int4"),
+                        help="how the disk and remote copies store KV: none (lossless, the default), or int8/int4 "
+                        "(lossy, several times smaller; fidelity in docs/evaluation.md)")
+
+
+def _codec(name: str) -> str | None:
+    return None if name == "none" else name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--remote", default=None, help="shared remote tier: redis://[:password@]host:port/db, "
                       "rediss://... or unix:///path.sock (sessions resumable from other servers)")
     chat.add_argument("--host-bytes", default="2GiB")
+    _codec_option(chat)
     chat.add_argument("--context-window", type=int, default=None)
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--system", default=None, help="system prompt")
@@ -209,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--remote", default=None, help="shared remote tier: redis://[:password@]host:port/db, "
                     "rediss://... or unix:///path.sock")
     sv.add_argument("--policy", default="lookahead", choices=("lookahead", "lru", "fifo"))
+    _codec_option(sv)
     sv.add_argument("--context-window", type=int, default=None,
                     help="tokens the model sees (default: the model's max_position_embeddings); longer "
                     "conversations are truncated, reported per response")

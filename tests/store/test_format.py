@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hf_attnstore.store.disk import DiskTier
-from hf_attnstore.store.format import (FORMAT, FormatError, Manifest, Span, encode_chunk, prefix_digest,
-                                       session_dirname)
+from hf_attnstore.store.format import (FORMAT, FormatError, Manifest, Span, encode_chunk, file_reader,
+                                       prefix_digest, read_range, session_dirname)
 
 from .kvdata import FP, kv
 
@@ -37,7 +37,7 @@ def test_chunk_round_trip(disk, dtype):
     fd, meta = disk.open_chunk(FP, "s", "00000000")
     try:
         assert meta.n_tokens == 3 and meta.dtype == dtype and meta.geometry == (3, 2, 4)
-        assert disk.read_tensor(fd, meta, "ids").tolist() == [5, 6, 7]
+        assert disk.read_ids(fd, meta).tolist() == [5, 6, 7]
         for layer in range(3):
             k, v = torch.empty_like(keys[layer]), torch.empty_like(values[layer])
             disk.read_layer_into(fd, meta, layer, 0, 3, k, v)
@@ -59,8 +59,8 @@ def open_and_read_all(disk, fp=FP, session="s", digest=None):
     """Reads every tensor, as the loader does; with `digest`, also checks the manifest's pin."""
     fd, meta = disk.open_chunk(fp, session, "00000000")
     try:
-        for name in meta.offsets:
-            disk.read_tensor(fd, meta, name)
+        for name, (begin, end) in meta.offsets.items():
+            read_range(file_reader(fd), begin, end, name, meta)
         if digest is not None and meta.digest != digest:
             raise FormatError("not the pinned chunk")
     finally:

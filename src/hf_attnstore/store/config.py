@@ -10,6 +10,7 @@ import torch
 
 from ..config import parse_bytes
 from ..policy import make_policy
+from .codec import KVCodec
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,14 @@ class StoreConfig:
         remote_ttl_s: Expiry of everything written to the remote tier; ``None`` = until Redis evicts it.
         remote_timeout_s: Socket timeout of each remote call. After a failure the remote tier is skipped
             (a miss) for a few seconds, so a dead server never slows every turn.
+        kv_codec: How the cold copies (disk and remote tiers) store keys and values: ``None`` (default,
+            lossless: reuse is exact or a miss), ``"int8"`` or ``"int4"`` (asymmetric integers; keys per channel
+            before RoPE, values per token; see :mod:`hf_attnstore.store.codec`). Host memory and the running
+            turn stay at the model's precision. Each chunk records its codec: a store serves stored KV only
+            when it is lossless or at least as accurate as its own codec (others are a miss), so a lossless
+            store never serves lossy KV. Measured fidelity: docs/evaluation.md.
+        kv_codec_group: Values per scale and zero point of a lossy codec (tokens per key group, channels per
+            value group); even, at most 4096.
         namespace: A salt mixed into every model fingerprint (see
             :func:`~hf_attnstore.fingerprint.model_fingerprint`): entries stored under one namespace are
             never served under another. Use it for what weights cannot show (a tenant, a policy).
@@ -71,6 +80,8 @@ class StoreConfig:
     fsync: bool = True
     io_timeout_s: float = 60.0
     namespace: str | None = None
+    kv_codec: str | None = None
+    kv_codec_group: int = 32
     remote: str | None = None
     remote_ttl_s: float | None = None
     remote_timeout_s: float = 2.0
@@ -97,6 +108,7 @@ class StoreConfig:
         object.__setattr__(self, "host_bytes", parse_bytes(self.host_bytes, "host_bytes"))
         object.__setattr__(self, "disk_bytes", parse_bytes(self.disk_bytes, "disk_bytes"))
         make_policy(self.policy)  # validates the name
+        self.codec  # validates `kv_codec` and `kv_codec_group`
         if self.ttl_s is not None and not self.ttl_s > 0:
             raise ValueError(f"`ttl_s` must be positive or None, got {self.ttl_s!r}")
         if not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
@@ -113,6 +125,15 @@ class StoreConfig:
             object.__setattr__(self, "pin_memory", torch.cuda.is_available())
         elif self.pin_memory and not torch.cuda.is_available():
             raise ValueError("`pin_memory=True` needs CUDA; leave it as None to decide automatically")
+
+    @property
+    def codec(self) -> KVCodec | None:
+        """The codec of the cold copies (None: lossless)."""
+        if self.kv_codec is None:
+            return None
+        if not isinstance(self.kv_codec, str):
+            raise ValueError(f"`kv_codec` must be None, 'int8' or 'int4', got {self.kv_codec!r}")
+        return KVCodec(self.kv_codec, self.kv_codec_group)
 
     def layerwise_on(self, device: torch.device) -> bool:
         """Whether a session loading from disk is consumed layer by layer on `device` (see `preload`)."""

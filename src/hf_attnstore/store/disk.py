@@ -62,7 +62,7 @@ class DiskChunk(ChunkReader):
         self.tier, self.fd, self.meta = tier, fd, meta
 
     def ids(self) -> torch.Tensor:
-        return self.tier.read_tensor(self.fd, self.meta, "ids")
+        return self.tier.read_ids(self.fd, self.meta)
 
     def read_layer_into(self, layer, start, end, keys_out, values_out) -> int:
         return self.tier.read_layer_into(self.fd, self.meta, layer, start, end, keys_out, values_out)
@@ -215,27 +215,24 @@ class DiskTier(Tier):
             raise
 
     @staticmethod
-    def read_tensor(fd: int, meta: ChunkMeta, name: str) -> torch.Tensor:
-        begin, end = meta.offsets[name]
-        layers, heads, dim = meta.geometry
-        if name == "ids":
-            return bytes_to_tensor(read_range(file_reader(fd), begin, end, name, meta), torch.int64, [meta.n_tokens])
-        return bytes_to_tensor(read_range(file_reader(fd), begin, end, name, meta), meta.dtype,
-                               [1, heads, meta.n_tokens, dim])
+    def read_ids(fd: int, meta: ChunkMeta) -> torch.Tensor:
+        begin, end = meta.offsets["ids"]
+        return bytes_to_tensor(read_range(file_reader(fd), begin, end, "ids", meta), torch.int64, [meta.n_tokens])
 
     def read_layer_into(self, fd: int, meta: ChunkMeta, layer: int, start: int, end: int,
                         keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
         """Reads tokens ``[start, end)`` of a layer into `keys_out`/`values_out` ``[1, heads, end-start, dim]``,
         verifying the checksums. Returns the bytes read.
 
-        A whole chunk is read with one `preadv` straight into the destination (one buffer per head: each
-        head's tokens are contiguous both in the file and in a host segment) and hashed in place: no
-        intermediate copy. A partial span (after truncation) goes through a temporary tensor.
+        A whole lossless chunk is read with one `preadv` straight into the destination (one buffer per head:
+        each head's tokens are contiguous both in the file and in a host segment) and hashed in place: no
+        intermediate copy. A partial span (after truncation) goes through a temporary buffer, and a lossy
+        chunk is dequantized from one.
         """
         nbytes = 0
         for name, out in zip(layer_names(layer), (keys_out, values_out)):
             begin, stop = meta.offsets[name]
-            if start == 0 and end == meta.n_tokens:
+            if meta.codec is None and start == 0 and end == meta.n_tokens:
                 views = [memoryview(_numpy(out[0, h])).cast("B") for h in range(out.shape[1])]
                 got = os.preadv(fd, views, begin)
                 if got != stop - begin:
@@ -246,7 +243,7 @@ class DiskTier(Tier):
                 if digest.hexdigest() != meta.checksums[name]:
                     raise FormatError(f"checksum mismatch in {name}")
             else:
-                out.copy_(self.read_tensor(fd, meta, name)[:, :, start:end])
+                meta.decode_into(name, read_range(file_reader(fd), begin, stop, name, meta), out, start)
             nbytes += stop - begin
         return nbytes
 
@@ -272,33 +269,34 @@ class DiskTier(Tier):
             for tmp in folder.glob(TMP_PREFIX + "*"):
                 self._remove(tmp)  # a crash's leftovers (the lock says no other store is writing)
             try:
-                manifest, sizes, layout = self._validate(folder)
+                manifest, sizes, layout, codecs = self._validate(folder)
             except (OSError, FormatError) as exc:
                 logger.warning("disk tier: removing damaged session folder %s (%s)", folder.name, exc)
                 self._remove(folder)
                 continue
             self.collect_garbage(manifest.fingerprint, manifest.session_id, set(sizes))
             stat = (folder / MANIFEST).stat()
-            found.append(Found(manifest, sizes, layout, stat.st_mtime, stat.st_size))
+            found.append(Found(manifest, sizes, layout, stat.st_mtime, stat.st_size, codecs))
         found.sort(key=lambda item: item.mtime)
         yield from found
 
-    def _validate(self, folder: Path) -> tuple[Manifest, dict[str, int], tuple]:
+    def _validate(self, folder: Path) -> tuple[Manifest, dict[str, int], tuple, frozenset]:
         path = folder / MANIFEST
         if not path.is_file() or path.is_symlink():
             raise FormatError("no manifest")
         manifest = Manifest.decode(path.read_bytes())
         if session_dirname(manifest.fingerprint, manifest.session_id) != folder.name:
             raise FormatError("manifest does not belong to this folder")
-        sizes, pos, layouts, metas = {}, 0, set(), []
+        sizes, pos, layouts, metas, codecs = {}, 0, set(), [], set()
         for span in manifest.spans:
             fd, meta = self.open_chunk(manifest.fingerprint, manifest.session_id, span.chunk)
             try:
                 metas.append(meta)
                 layouts.add((meta.geometry, meta.dtype))
+                codecs.add(meta.codec)
                 if span.end > meta.n_tokens:
                     raise FormatError("span beyond the chunk's tokens")
-                ids = self.read_tensor(fd, meta, "ids")[span.start : span.end]
+                ids = self.read_ids(fd, meta)[span.start : span.end]
                 if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
                     raise FormatError("chunk ids disagree with the manifest")
                 sizes[span.chunk] = (os.fstat(fd).st_size, meta.n_tokens)
@@ -308,7 +306,7 @@ class DiskTier(Tier):
         if len(layouts) != 1:
             raise FormatError("chunks of one session disagree on shapes or dtype (or there are none)")
         check_chain(manifest, metas)
-        return manifest, sizes, layouts.pop()
+        return manifest, sizes, layouts.pop(), frozenset(codecs)
 
     @staticmethod
     def _remove(path: Path) -> None:

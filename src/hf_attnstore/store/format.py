@@ -4,7 +4,8 @@ A chunk file is a plain safetensors file holding ``ids`` ``[n]`` (int64) and, pe
 keys ``L{l:04d}.k`` and values ``L{l:04d}.v`` ``[1, kv_heads, n, head_dim]``; safetensors sorts tensors by
 alignment then name, so the file is laid out ids first, then layer by layer (a layer is one contiguous
 range: layer-wise loading reads it with a single `pread`). Its string metadata carries the format
-version, model fingerprint, full session id, geometry, an xxh64 checksum of every tensor, and the chunk's
+version, model fingerprint, full session id, geometry, an xxh64 checksum of every tensor, the codec of a
+lossy chunk (codec.py: each of its keys and values tensors is then one ``uint8`` blob), and the chunk's
 place in its history: `prefix`, a digest of every token id before it (seeded with the fingerprint), and
 `previous`, the digest of the chunk before it. A chunk's own *digest* hashes all of that metadata, so it
 pins the file's content; the manifest records the digest of every chunk it uses. A chunk is therefore only
@@ -31,10 +32,12 @@ import torch
 import xxhash
 from safetensors.torch import save as safetensors_save
 
+from .codec import CodecRangeError, KVCodec
+
 FORMAT = "hf_attnstore/2"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64}
+           "I64": torch.int64, "U8": torch.uint8}
 KV_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)  # what keys and values may be
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -97,15 +100,37 @@ class ChunkMeta:
     prefix: str = ""  # digest of every token id before the chunk when it was computed
     previous: str = ""  # digest of the chunk before it ("" for the first)
     digest: str = ""  # this chunk's digest (pinned in the manifest)
+    codec: KVCodec | None = None  # how keys and values are encoded; None = lossless, in `dtype`
+
+    def decode_into(self, name: str, data: bytes, out: torch.Tensor, start: int) -> None:
+        """Writes tokens ``[start, start + out.shape[2])`` of tensor `name`, whose verified bytes are `data`,
+        into `out` ``[1, heads, m, dim]`` (dequantized when the chunk is lossy)."""
+        if self.codec is None:
+            _, heads, dim = self.geometry
+            out.copy_(bytes_to_tensor(data, self.dtype, [1, heads, self.n_tokens, dim])[:, :, start : start + out.shape[2]])
+        else:
+            blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            self.codec.decode_into(blob, self.n_tokens, out, name.endswith(".k"), start)
 
 
 def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: list[torch.Tensor],
-                 values: list[torch.Tensor], prefix: str, previous: str) -> tuple[bytes, str]:
-    """Serializes one chunk to safetensors bytes; returns them and the chunk's digest."""
+                 values: list[torch.Tensor], prefix: str, previous: str,
+                 codec: KVCodec | None = None) -> tuple[bytes, str]:
+    """Serializes one chunk to safetensors bytes; returns them and the chunk's digest.
+
+    With a `codec`, keys and values are quantized (codec.py); KV the codec cannot represent (non-finite, out
+    of fp16's range) is written lossless instead, and the chunk says which it is.
+    """
     tensors = {"ids": ids.detach().to("cpu", torch.int64).contiguous()}
-    for layer, (k, v) in enumerate(zip(keys, values)):
-        kn, vn = layer_names(layer)
-        tensors[kn], tensors[vn] = k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
+    try:
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            kn, vn = layer_names(layer)
+            if codec is None:
+                tensors[kn], tensors[vn] = k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
+            else:
+                tensors[kn], tensors[vn] = codec.encode(k, keys=True), codec.encode(v, keys=False)
+    except CodecRangeError:
+        return encode_chunk(fingerprint, session_id, ids, keys, values, prefix, previous, None)
     _, heads, n, dim = keys[0].shape
     meta = {
         "format": FORMAT,
@@ -118,6 +143,8 @@ def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: lis
         "prefix": prefix,
         "previous": previous,
     }
+    if codec is not None:
+        meta["codec"] = codec.describe()
     return safetensors_save(tensors, metadata=meta), metadata_digest(meta)
 
 
@@ -156,6 +183,9 @@ def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerpr
         n = int(meta["n_tokens"])
         geometry = tuple(int(x) for x in json.loads(meta["geometry"]))
         dtype = _DTYPES[meta["dtype"]]
+        if dtype not in KV_DTYPES:
+            raise FormatError(f"keys and values of dtype {meta['dtype']!r}")
+        codec = KVCodec.parse(meta["codec"]) if "codec" in meta else None
         sums = json.loads(meta["checksums"])
         prefix, previous = str(meta["prefix"]), str(meta["previous"])
         digest = metadata_digest(meta)
@@ -164,22 +194,25 @@ def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerpr
     except Exception as exc:  # any malformed field: the header is damaged
         raise FormatError(f"unreadable header: {exc}") from exc
     try:
-        offsets = _validate_layout(header, sums, n, geometry, dtype, 8 + header_len, file_size)
+        offsets = _validate_layout(header, sums, n, geometry, dtype, codec, 8 + header_len, file_size)
     except FormatError:
         raise
     except Exception as exc:  # a damaged field of any type
         raise FormatError(f"unreadable header: {exc}") from exc
-    return ChunkMeta(fingerprint, session_id, n, geometry, dtype, offsets, sums, prefix, previous, digest)
+    return ChunkMeta(fingerprint, session_id, n, geometry, dtype, offsets, sums, prefix, previous, digest, codec)
 
 
-def _validate_layout(header: dict, sums: dict, n: int, geometry: tuple, dtype: torch.dtype, data_start: int,
-                     file_size: int) -> dict[str, tuple[int, int]]:
+def _validate_layout(header: dict, sums: dict, n: int, geometry: tuple, dtype: torch.dtype, codec: KVCodec | None,
+                     data_start: int, file_size: int) -> dict[str, tuple[int, int]]:
     """Checks names, dtypes, shapes and offsets of every tensor; returns absolute byte ranges."""
     layers, heads, dim = geometry
     expected = {"ids": ("I64", [n])}
     for layer in range(layers):
-        for name in layer_names(layer):
-            expected[name] = (_DTYPE_NAMES[dtype], [1, heads, n, dim])
+        for name, is_key in zip(layer_names(layer), (True, False)):
+            if codec is None:
+                expected[name] = (_DTYPE_NAMES[dtype], [1, heads, n, dim])
+            else:
+                expected[name] = ("U8", [codec.nbytes(heads, n, dim, is_key)])
     if set(header) != set(expected) or set(sums) != set(expected):
         raise FormatError("unexpected tensor names")
     offsets, spans = {}, []

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .buffer import SessionBuffer
+from .codec import KVCodec, serves
 from .format import FormatError, Manifest, check_chain
 from .loader import LoadHandle
 from .tier import ChunkReader, Tier
@@ -48,6 +49,7 @@ class LoadJob:
     buf: SessionBuffer
     priority: int
     tier: Tier | None = None  # where the session is read from
+    codec: KVCodec | None = None  # the store's codec: chunks it does not serve are refused (codec.serves)
     entry: object = None  # the store's index entry (opaque here)
     opened: dict[str, ChunkReader] = field(default_factory=dict)  # chunk name -> open chunk, verified
     verified: bool = False
@@ -154,6 +156,10 @@ class LoadThread:
             chunk = job.opened[span.chunk]
             if (chunk.meta.geometry, chunk.meta.dtype) != (buf.geometry, buf.dtype):
                 raise FormatError("chunk shapes changed since the session was indexed")
+            if not serves(job.codec, chunk.meta.codec):
+                raise FormatError(f"chunk {span.chunk} is stored with codec {chunk.meta.codec.name}/"
+                                  f"{chunk.meta.codec.group}, less accurate than this store's "
+                                  f"{job.codec.name + '/' + str(job.codec.group) if job.codec else 'lossless'}")
             ids = chunk.ids()[span.start : span.end]
             if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
                 raise FormatError("chunk ids disagree with the manifest")
@@ -188,7 +194,8 @@ class LoadPlanning:
         e.pins += 1
         self._set_host(e, buf)
         self._loads_active += 1
-        e.load_job = LoadJob(e.key, e.loading, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e)
+        e.load_job = LoadJob(e.key, e.loading, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e,
+                             codec=self.config.codec)
         self._loader.submit(e.load_job)
         return True
 

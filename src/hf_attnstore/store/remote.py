@@ -106,11 +106,8 @@ class RemoteChunk(ChunkReader):
             pipe.getrange(self.name, begin, stop - 1)
         datas = self.tier._call(pipe.execute)
         nbytes = 0
-        _, heads, dim = self.meta.geometry
         for name, data, out in zip(names, datas, (keys_out, values_out)):
-            tensor = bytes_to_tensor(verified(data, name, self.meta), self.meta.dtype,
-                                     [1, heads, self.meta.n_tokens, dim])
-            out.copy_(tensor[:, :, start:end])
+            self.meta.decode_into(name, verified(data, name, self.meta), out, start)
             nbytes += len(data)
         return nbytes
 

@@ -70,6 +70,7 @@ class SaveThread:
     def __init__(self, store: AttnStore, tier: Tier, chunk_tokens: int, timeout_s: float, mirror: Tier | None = None):
         self.store, self.tier, self.chunk_tokens, self.timeout_s = store, tier, chunk_tokens, timeout_s
         self.mirror = mirror  # the shared remote tier: a copy of what `tier` holds, written behind it
+        self.codec = store.config.codec  # of every chunk it writes (None: lossless)
         self.thread = threading.Thread(target=self._run, name="attnstore-save", daemon=True)
         self.thread.start()
 
@@ -104,7 +105,7 @@ class SaveThread:
                 b = min(a + self.chunk_tokens, job.end)
                 ids, keys, values = job.snap.tensors(a, b)
                 data, digest = encode_chunk(fp, sid, ids, keys, values, history.hexdigest(),
-                                            spans[-1].digest if spans else "")
+                                            spans[-1].digest if spans else "", self.codec)
                 name = digest if self.tier.content_addressed else f"{next_chunk:08d}"
                 next_chunk += 1
                 reserved += self.store._reserve_disk(job.entry, len(data))

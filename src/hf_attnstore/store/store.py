@@ -32,6 +32,7 @@ from ..policy import make_policy
 from .buffer import SessionBuffer, SessionKV, ranges
 from .host import HostTier
 from .config import StoreConfig
+from .codec import serves
 from .disk import DiskTier
 from .format import FormatError, Manifest
 from .entry import Entry, Key, Write, blocks, validate_session_id
@@ -177,6 +178,8 @@ class AttnStore(LoadPlanning, SavePlanning):
             if layout is None:
                 with remote.get(key, manifest.spans[0].chunk) as chunk:
                     layout = (chunk.meta.geometry, chunk.meta.dtype)
+                    if not serves(self.config.codec, chunk.meta.codec):
+                        return None  # written by a store with a less accurate codec: a miss (the load checks all)
             return manifest, layout
         except (RemoteUnavailableError, FormatError) as exc:
             with self._lock:
@@ -679,6 +682,13 @@ class AttnStore(LoadPlanning, SavePlanning):
         for found in self._disk.scan():
             manifest = found.manifest
             if manifest.length == 0:
+                continue
+            if not all(serves(self.config.codec, c) for c in found.codecs):
+                # Stored with a codec less accurate than this store's (e.g. int4 KV reopened by a lossless
+                # store): never served, so its files go rather than hold disk space nothing counts.
+                self._once.warning("codec", "disk tier: sessions stored with a less accurate codec than "
+                                   "kv_codec=%r are removed (recomputed when used)", self.config.kv_codec)
+                self._disk.delete_session(manifest.fingerprint, manifest.session_id)
                 continue
             e = Entry(key=(manifest.fingerprint, manifest.session_id), layout=found.layout)
             self._next_chunk[e.key] = manifest.next_chunk

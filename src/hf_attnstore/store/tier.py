@@ -76,6 +76,7 @@ class Found:
     layout: tuple  # ((layers, kv_heads, head_dim), dtype)
     mtime: float  # wall-clock time of the last write
     manifest_size: int
+    codecs: frozenset = frozenset()  # the codecs of its chunks (None: lossless)
 
 
 class Tier(abc.ABC):
