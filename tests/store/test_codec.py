@@ -7,7 +7,7 @@ import torch
 
 from hf_attnstore.store import AttnStore
 from hf_attnstore.store.codec import KVCodec, serves
-from hf_attnstore.store.format import encode_chunk, file_reader, prefix_digest, read_chunk_meta
+from hf_attnstore.store.format import encode_chunk, prefix_digest, read_chunk_meta
 
 from .kvdata import FP, HEADS, LAYERS, expect, layer_of, write_turn
 
