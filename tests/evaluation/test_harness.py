@@ -74,6 +74,15 @@ def test_modes_see_different_contexts_and_the_store_keeps_the_filler(parts):
     assert len({round(s, 4) for s in scores.values()}) == 4
 
 
+def test_a_lossy_filler_is_read_back_from_its_cold_copy(parts):
+    lossless = lm(parts, truncation="decoupled")
+    want = [s for s, _ in lossless._loglikelihood_tokens(requests_of(lossless, PAIRS), disable_tqdm=True)]
+    m = lm(parts, truncation="decoupled", kv_codec="int8")
+    got = [s for s, _ in m._loglikelihood_tokens(requests_of(m, PAIRS), disable_tqdm=True)]
+    assert m._store.stats().hits_disk == 1  # the first request loaded the lossy copy; the rest reuse it in memory
+    assert got != want and all(math.isclose(a, b, rel_tol=0.02, abs_tol=0.02) for a, b in zip(got, want))
+
+
 def test_a_context_longer_than_the_window_is_cut_from_the_left(parts):
     m = lm(parts, truncation="decoupled", context_window=64)
     long_ctx = "x" * 200

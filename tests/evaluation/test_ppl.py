@@ -108,3 +108,15 @@ def test_corpus_errors():
     with pytest.raises(ValueError, match="documents"):
         load_texts("pydoc", tok, 10**6, 10)
     assert set(CORPORA) == {"sharegpt", "pydoc"}
+
+
+def test_a_lossy_cold_copy_moves_ppl_a_little_and_int4_more_than_int8(model):
+    ids = random_ids(120, 4)[0]
+    lossless = sliding_perplexity(model, ids, context_window=48, chunk_tokens=10, mode="decoupled")
+    got = {c: sliding_perplexity(model, ids, context_window=48, chunk_tokens=10, mode="decoupled", kv_codec=c)
+           for c in ("int8", "int4")}
+    gaps = {c: abs(r.nll - lossless.nll) / lossless.nll for c, r in got.items()}
+    assert all(r.overflows == lossless.overflows and r.tokens == lossless.tokens for r in got.values())
+    assert 0 < gaps["int8"] < gaps["int4"] < 0.02, gaps
+    with pytest.raises(ValueError, match="naive-rotated"):
+        sliding_perplexity(model, ids, context_window=48, chunk_tokens=10, mode="naive-rotated", kv_codec="int8")

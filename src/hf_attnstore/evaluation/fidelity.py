@@ -66,12 +66,46 @@ def reuse_fidelity(model, tokenizer, *, turns: int = 200, max_new_tokens: int = 
         max_prompt_tokens: A conversation stops before its prompt grows past this.
         progress: Show a progress bar.
     """
+    store = AttnStore(host_bytes=2**62)
+    try:
+        return _replay(model, tokenizer, {"host": (store, False)}, turns, max_new_tokens, max_user_tokens,
+                       max_turns_per_conversation, max_prompt_tokens, progress)["host"]
+    finally:
+        store.close()
+
+
+@torch.no_grad()
+def codec_fidelity(model, tokenizer, codecs=("int8", "int4"), *, turns: int = 200, max_new_tokens: int = 16,
+                   max_user_tokens: int = 256, max_turns_per_conversation: int = 8, max_prompt_tokens: int = 4096,
+                   progress: bool = True) -> dict[str, FidelityResult]:
+    """Like :func:`reuse_fidelity`, with every turn resumed from a cold copy stored with each codec in `codecs`.
+
+    After each turn the session is flushed to a disk tier (``kv_codec``) and evicted from host memory, so the
+    next turn loads its whole history from the lossy copy: the worst case, a session that always went cold.
+    All codecs are compared with the same recomputation, turn by turn.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="attnstore-codec-") as root:
+        stores = {name: AttnStore(host_bytes=2**62, disk_dir=f"{root}/{name}", kv_codec=name, fsync=False,
+                                  idle_flush_s=0.05) for name in codecs}
+        try:
+            return _replay(model, tokenizer, {name: (store, True) for name, store in stores.items()}, turns,
+                           max_new_tokens, max_user_tokens, max_turns_per_conversation, max_prompt_tokens, progress)
+        finally:
+            for store in stores.values():
+                store.close()
+
+
+def _replay(model, tokenizer, variants: dict, turns: int, max_new_tokens: int, max_user_tokens: int,
+            max_turns_per_conversation: int, max_prompt_tokens: int, progress: bool) -> dict[str, FidelityResult]:
+    """Replays ShareGPT turns through each variant ``name -> (store, cold)`` against one recomputation; a cold
+    variant's session is flushed and evicted after each turn."""
     from tqdm.auto import tqdm
 
     chat = ChatTokens(tokenizer)
-    store = AttnStore(host_bytes=2**62)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    result = FidelityResult()
+    results = {name: FidelityResult() for name in variants}
     started = time.perf_counter()
     bar = tqdm(total=turns, desc="resumed turns", disable=not progress)
     for conv in load_sharegpt(min_user_turns=2):
@@ -81,23 +115,29 @@ def reuse_fidelity(model, tokenizer, *, turns: int = 200, max_new_tokens: int = 
             ids = chat.first_turn(message) if ids is None else chat.next_turn(ids, message)
             if ids.shape[1] + max_new_tokens > max_prompt_tokens:
                 break
-            cache = AttnStoreCache(model, store, conv.id, ids)
-            out, logits = _generate(model, cache.input_ids, cache, max_new_tokens, pad)
             ref, ref_logits = _generate(model, ids, DynamicCache(), max_new_tokens, pad)
+            for name, (store, cold) in variants.items():
+                cache = AttnStoreCache(model, store, conv.id, ids)
+                out, logits = _generate(model, cache.input_ids, cache, max_new_tokens, pad)
+                cache.close()
+                if cold:
+                    store.flush()
+                    store.evict(conv.id)
+                if turn > 1:
+                    result = results[name]
+                    _compare(result, conv.id, turn, out, ref, logits, ref_logits, ids.shape[1])
+                    result.reused_tokens += cache.reused_tokens
+                    result.prompt_tokens += ids.shape[1]
             if turn > 1:
-                _compare(result, conv.id, turn, out, ref, logits, ref_logits, ids.shape[1])
-                result.reused_tokens += cache.reused_tokens
-                result.prompt_tokens += ids.shape[1]
                 bar.update(1)
-                if result.turns == turns:
+                if next(iter(results.values())).turns == turns:
                     bar.close()
-                    result.seconds = time.perf_counter() - started
-                    store.close()
-                    return result
+                    for result in results.values():
+                        result.seconds = time.perf_counter() - started
+                    return results
             ids = ref
     bar.close()
-    store.close()
-    raise ValueError(f"ShareGPT ran out after {result.turns} resumed turns: ask for fewer")
+    raise ValueError(f"ShareGPT ran out after {next(iter(results.values())).turns} resumed turns: ask for fewer")
 
 
 def _compare(result: FidelityResult, conv: str, turn: int, out, ref, logits, ref_logits, prompt_len: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -71,13 +72,15 @@ class AttnStoreLM(TemplateLM):
         truncation_ratio: Fraction of the window dropped at an overflow.
         filler_tokens: Length of the filler history; default ``context_window - 1``, so every request
             overflows.
+        kv_codec: ``"int8"`` or ``"int4"``: the filler is stored in a disk tier with that lossy codec and
+            every request reads it back from there (dequantized); default lossless, in host memory.
         batch_size: Accepted for lm-eval's CLI; requests run one at a time (one session per cache).
     """
 
     def __init__(self, pretrained=None, tokenizer=None, dtype: str = "float32", device: str | None = None,
                  truncation: str = "decoupled", context_window: int = 1024, keep_first: int = 4,
-                 truncation_ratio: float = 0.5, filler_tokens: int | None = None, batch_size=1,
-                 max_batch_size=None, **kwargs):
+                 truncation_ratio: float = 0.5, filler_tokens: int | None = None, kv_codec: str | None = None,
+                 batch_size=1, max_batch_size=None, **kwargs):
         super().__init__()
         if truncation not in TRUNCATIONS:
             raise ValueError(f"unknown truncation {truncation!r}: expected one of {', '.join(TRUNCATIONS)}")
@@ -105,11 +108,22 @@ class AttnStoreLM(TemplateLM):
         if not 0 < n_filler < self.context_window or self.keep_first >= n_filler:
             raise ValueError(f"`filler_tokens` must be in ({self.keep_first}, {self.context_window}), got {n_filler}")
         self._filler = torch.tensor(filler_text(self.tokenizer, n_filler), dtype=torch.long)
-        self._store = AttnStore(host_bytes=2**62)
+        self._tmp = None
+        if kv_codec in (None, "", "none"):
+            self._store = AttnStore(host_bytes=2**62)
+        else:
+            # The filler goes through a cold copy with the codec: written to a disk tier, evicted, and loaded
+            # back (dequantized) by the first request; every request then reads the same lossy history.
+            self._tmp = tempfile.TemporaryDirectory(prefix="attnstore-lm-eval-")
+            self._store = AttnStore(host_bytes=2**62, disk_dir=self._tmp.name, kv_codec=kv_codec, fsync=False)
         self._truncated_requests = 0
         with torch.no_grad():
             first = AttnStoreCache(self.model, self._store, "filler", self._filler)
             self.model(first.input_ids, past_key_values=first)
+            first.close()
+        if self._tmp is not None:
+            self._store.flush()
+            self._store.evict("filler")
 
     # -- lm-eval's tokenizer interface ---------------------------------------------------------------
     @property

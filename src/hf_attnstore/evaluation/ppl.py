@@ -8,6 +8,8 @@ truncation does to all later turns, not only to the turn that overflowed.
 
 from __future__ import annotations
 
+import tempfile
+
 import math
 from dataclasses import dataclass
 
@@ -53,7 +55,7 @@ class PerplexityResult:
 @torch.no_grad()
 def sliding_perplexity(model, ids, *, context_window: int, chunk_tokens: int = 128, mode: str = "decoupled",
                        keep_first: int = 4, truncation_ratio: float = 0.5,
-                       score_from: int | None = None) -> PerplexityResult:
+                       score_from: int | None = None, kv_codec: str | None = None) -> PerplexityResult:
     """Scores a text read in turns of `chunk_tokens` through a window of `context_window` tokens.
 
     Each turn appends the next chunk to the (possibly already truncated) history and resumes from the
@@ -76,6 +78,9 @@ def sliding_perplexity(model, ids, *, context_window: int, chunk_tokens: int = 1
         truncation_ratio: Fraction of the window dropped at an overflow.
         score_from: First token index scored; default `context_window`, i.e. only tokens the model reads
             after the first overflow (before it, all modes are the same computation).
+        kv_codec: With a lossy codec (``"int8"``, ``"int4"``), the store keeps the history in a disk tier with
+            that codec and evicts it from host memory after every turn: each turn resumes from the cold,
+            lossy copy (store modes only).
 
     Returns:
         A :class:`PerplexityResult` for this text.
@@ -98,7 +103,19 @@ def sliding_perplexity(model, ids, *, context_window: int, chunk_tokens: int = 1
     if mode == "full" and limit is not None and ids.numel() > limit:
         raise ValueError(f"mode 'full' needs the whole text ({ids.numel()} tokens) in the model's {limit} positions")
     config = TruncationConfig(context_window, truncation_ratio, keep_first, "recompute")
-    turn = _rotated_turns(model, config) if mode == "naive-rotated" else _store_turns(model, config, mode)
+    if mode == "naive-rotated":
+        if kv_codec is not None:
+            raise ValueError("`kv_codec` applies to the store's modes, not 'naive-rotated'")
+        turn, close = _rotated_turns(model, config), lambda: None
+    else:
+        turn, close = _store_turns(model, config, mode, kv_codec)
+    try:
+        return _score(turn, ids, chunk_tokens, score_from)
+    finally:
+        close()
+
+
+def _score(turn, ids: torch.Tensor, chunk_tokens: int, score_from: int) -> PerplexityResult:
     result = PerplexityResult()
     last_logit = None
     for start in range(0, ids.numel(), chunk_tokens):
@@ -119,9 +136,15 @@ def sliding_perplexity(model, ids, *, context_window: int, chunk_tokens: int = 1
     return result
 
 
-def _store_turns(model, config: TruncationConfig, mode: str):
-    """Turns through an :class:`AttnStoreCache`: returns ``turn(chunk) -> (logits of the fed ids, dropped)``."""
-    store = AttnStore(host_bytes=2**62)  # one session; the store only keeps it between turns
+def _store_turns(model, config: TruncationConfig, mode: str, kv_codec: str | None = None):
+    """Turns through an :class:`AttnStoreCache`: returns ``turn(chunk) -> (logits of the fed ids, dropped)`` and
+    a function that releases the store."""
+    tmp = None
+    if kv_codec is None:
+        store = AttnStore(host_bytes=2**62)  # one session; the store only keeps it between turns
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="attnstore-ppl-")
+        store = AttnStore(host_bytes=2**62, disk_dir=tmp.name, kv_codec=kv_codec, fsync=False, idle_flush_s=0.05)
     window = None if mode == "full" else config.context_window
     cache_mode = "decoupled" if mode == "full" else mode
     history = torch.empty(0, dtype=torch.long)
@@ -134,9 +157,18 @@ def _store_turns(model, config: TruncationConfig, mode: str):
         assert cache.input_ids.shape[1] - cache.reused_tokens >= chunk.numel(), "the chunk is always computed"
         logits = model(cache.input_ids[:, cache.reused_tokens :], past_key_values=cache).logits[0].float()
         history = cache.input_ids[0].cpu()
+        if tmp is not None:  # the next turn resumes from the cold copy
+            cache.close()
+            store.flush()
+            store.evict("ppl")
         return logits, cache.dropped_tokens
 
-    return turn
+    def close() -> None:
+        store.close()
+        if tmp is not None:
+            tmp.cleanup()
+
+    return turn, close
 
 
 def _rotated_turns(model, config: TruncationConfig):
