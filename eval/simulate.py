@@ -7,6 +7,8 @@ Sections:
   policies   hit rate and where hits come from, per policy, at 128G/2T and 128G/10T (+ RE, no store)
   overflow   decoupled truncation vs KV invalidated on overflow (Fig. 22), per model
   capacity   hit rate vs disk capacity with 128 GB of DRAM (Fig. 23); writes docs/img/sim_capacity.png
+  codecs     hit rate and DRAM share vs disk capacity per lossy codec of the cold copies (issue 14), with
+             look-ahead + prefetch and LRU
 
 See `hf_attnstore.simulation` for the serving model and the cost model's assumptions.
 """
@@ -19,7 +21,7 @@ import statistics
 import time
 
 from hf_attnstore.models import load_default_model
-from hf_attnstore.simulation import PROFILES, SimConfig, sharegpt_trace, simulate
+from hf_attnstore.simulation import PROFILES, SimConfig, codec_ratio, sharegpt_trace, simulate
 
 POLICIES = (("lookahead", True), ("lru", False), ("fifo", False))
 
@@ -119,6 +121,25 @@ def main(argv=None):
             fig.tight_layout()
             fig.savefig(args.plot, dpi=120)
             print(f"\nplot: {args.plot}")
+    if "codecs" in sections:
+        codecs = ((None, "disk"), ("int8", "disk"), ("int4", "disk"), ("int4", "all"))
+        disks = (0.5e12, 1e12, 2e12)
+        print(f"\n## {profile.name}: lossy cold copies, hit rate vs disk capacity (128 GB DRAM; cells: hit rate "
+              "(share of hits from DRAM))\n")
+        print("| codec (bytes vs fp16) | policy | " + " | ".join(f"{d / 1e12:g} TB" for d in disks) + " |\n"
+              "| --- | --- |" + " --- |" * len(disks))
+        for codec, where in codecs:
+            ratio = codec_ratio(codec)
+            label = "lossless" if codec is None else f"{codec} {'disk' if where == 'disk' else 'host + disk'} ({ratio:.3f})"
+            for policy, prefetch in POLICIES[:2]:
+                cells = []
+                for disk in disks:
+                    r = simulate(trace, profile, dataclasses.replace(base, disk_bytes=disk, policy=policy,
+                                                                     prefetch=prefetch, kv_codec=codec,
+                                                                     codec_tiers=where))
+                    cells.append(f"{100 * r.hit_rate:.1f}% ({100 * r.host_share:.0f}%)")
+                print(f"| {label} | {policy}{' + prefetch' if prefetch else ''} | " + " | ".join(cells) + " |",
+                      flush=True)
     print(f"\nsimulated in {time.perf_counter() - started:.0f} s")
 
 

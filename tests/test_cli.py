@@ -20,6 +20,10 @@ def test_parser_knows_the_commands():
     serve = parser.parse_args(["serve", "--max-batch-size", "4", "--max-batch-tokens", "256"])
     assert (serve.max_batch_size, serve.max_batch_tokens) == (4, 256)
     assert parser.parse_args(["serve"]).max_batch_tokens is None  # whole prompts by default
+    assert parser.parse_args(["serve"]).kv_codec == "none"  # lossless by default
+    assert parser.parse_args(["chat", "--kv-codec", "int4"]).kv_codec == "int4"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--kv-codec", "int3"])
     with pytest.raises(SystemExit):
         parser.parse_args(["fly"])
 

@@ -56,6 +56,23 @@ def test_a_disk_too_small_drops_sessions_and_costs_hits():
     assert r.disk_drops > 0 and r.hit_rate < 1.0
 
 
+def test_a_codec_fits_more_sessions_on_a_small_disk():
+    small = dataclasses.replace(BIG, host_bytes=50, disk_bytes=200, policy="lru", prefetch=False)
+    runs = {codec: simulate(TRACE, PROFILE, dataclasses.replace(small, kv_codec=codec)) for codec in (None, "int8", "int4")}
+    assert runs[None].hit_rate < runs["int8"].hit_rate <= runs["int4"].hit_rate
+    assert runs["int4"].disk_drops < runs[None].disk_drops
+    # The disk copy of int4 at 200 bytes holds what a lossless one needs 200 / ratio bytes for.
+    ratio = simulation.codec_ratio("int4")
+    assert ratio == (0.5 + 4 / 32) / 2
+    wide = simulate(TRACE, PROFILE, dataclasses.replace(small, disk_bytes=200 / ratio))
+    assert runs["int4"].hit_rate == pytest.approx(wide.hit_rate, abs=0.05)
+    # Encoding host copies too (a what-if) keeps more sessions in DRAM.
+    everywhere = simulate(TRACE, PROFILE, dataclasses.replace(small, kv_codec="int4", codec_tiers="all"))
+    assert everywhere.hits_host > runs["int4"].hits_host
+    with pytest.raises(ValueError, match="codec_tiers"):
+        simulate(TRACE, PROFILE, dataclasses.replace(small, kv_codec="int4", codec_tiers="ssd"))
+
+
 def test_runs_the_stores_placement_code(monkeypatch):
     """Every demotion and disk drop the simulator counts is a victim chosen by the store's own function."""
     chosen = []

@@ -66,6 +66,12 @@ class SimConfig:
         ssd_read_bytes_per_s: Disk read bandwidth for loads.
         truncation_ratio, keep_first: The truncation rule at overflow.
         seed: Random seed of arrivals and think times.
+        kv_codec: The store's lossy codec of cold copies (``None``, ``"int8"``, ``"int4"``): a session's disk
+            copy takes :func:`codec_ratio` of its fp16 bytes, and is read in that many bytes.
+        kv_codec_group: The codec's group size.
+        codec_tiers: ``"disk"``: only the disk copy is encoded, as the store does (a loaded session is
+            dequantized into host memory); ``"all"``: host copies of sessions between turns too (a what-if
+            the store does not implement yet).
     """
 
     host_bytes: float = 128e9
@@ -80,6 +86,20 @@ class SimConfig:
     truncation_ratio: float = 0.5
     keep_first: int = 4
     seed: int = 0
+    kv_codec: str | None = None
+    kv_codec_group: int = 32
+    codec_tiers: str = "disk"
+
+
+def codec_ratio(kv_codec: str | None, group: int = 32, dtype_bytes: int = 2) -> float:
+    """Bytes of a codec's copy per byte of the model's KV (`dtype_bytes` per value; heads of >= `group` channels,
+    as LLaMA's 128): the integers plus an fp16 scale and zero point per group (see store/codec.py)."""
+    if kv_codec is None:
+        return 1.0
+    from .store.codec import KVCodec
+
+    codec = KVCodec(kv_codec, group)
+    return (codec.bits / 8 + 4 / group) / dtype_bytes
 
 
 @dataclass
@@ -125,6 +145,10 @@ class _Tiers:
 
     def __init__(self, cfg: SimConfig, result: SimResult):
         self.cfg, self.result = cfg, result
+        ratio = codec_ratio(cfg.kv_codec, cfg.kv_codec_group)
+        if cfg.codec_tiers not in ("disk", "all"):
+            raise ValueError(f"`codec_tiers` must be 'disk' or 'all', got {cfg.codec_tiers!r}")
+        self.disk_ratio, self.host_ratio = ratio, (ratio if cfg.codec_tiers == "all" else 1.0)
         self.host_policy, self.disk_policy = make_policy(cfg.policy), make_policy(cfg.policy)
         self.host: dict[tuple, float] = {}
         self.disk: dict[tuple, float] = {}
@@ -170,12 +194,15 @@ class _Tiers:
         if self.disk_used > self.cfg.disk_bytes and current in self.disk:
             self.set_disk(current, None)
 
-    def save(self, key, nbytes: float) -> None:
-        """A turn's KV: kept in host memory (making room) and written to disk."""
+    def save(self, key, full: float) -> None:
+        """A turn's KV (`full` bytes at the model's precision): kept in host memory (making room) and written to
+        disk, each copy at its codec's size."""
+        nbytes = full * self.host_ratio
         if nbytes <= self.cfg.host_bytes and self.make_host_room(nbytes - self.host.get(key, 0.0), exclude=key):
             self.set_host(key, nbytes)
         else:
             self.set_host(key, None)
+        nbytes = full * self.disk_ratio
         if self.cfg.disk_bytes > 0 and nbytes <= self.cfg.disk_bytes:
             self.set_disk(key, nbytes)
             self.enforce_disk(key)
@@ -184,14 +211,15 @@ class _Tiers:
 
     def load(self, key, now: float, must_fit: bool) -> bool:
         """Reads a disk-only session into host memory; a prefetch (`must_fit`) never evicts a sooner one."""
-        nbytes = self.disk[key]
+        read = self.disk[key]
+        nbytes = read / self.disk_ratio * self.host_ratio  # dequantized into host memory unless it is encoded too
         if nbytes > self.cfg.host_bytes:
             return False
         keep = self.position(key) if must_fit else None
         if not self.make_host_room(nbytes, exclude=key, keep_sooner_than=keep) and must_fit:
             return False
         self.set_host(key, nbytes)
-        self.ssd_free_at = max(self.ssd_free_at, now) + nbytes / self.cfg.ssd_read_bytes_per_s
+        self.ssd_free_at = max(self.ssd_free_at, now) + read / self.cfg.ssd_read_bytes_per_s
         self.ready_at[key] = self.ssd_free_at
         return True
 
