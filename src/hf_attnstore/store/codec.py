@@ -67,7 +67,6 @@ class KVCodec:
             raise ValueError("malformed codec field")
         return cls(fields["name"], fields["group"])
 
-
     # -- sizes ------------------------------------------------------------------------------------------
     def _value_group(self, dim: int) -> int:
         return min(self.group, dim)
