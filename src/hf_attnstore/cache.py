@@ -18,6 +18,7 @@ from .hooks import ReuseFailed, install_hooks
 from .logs import OnceLogger
 from .rope import RopeAdapter
 from .store import AttnStore, LoadError, SessionKV
+from .store.buffer import Segment
 from .store.cuda import CudaLayerPrefetcher
 from .store.entry import validate_session_id
 from .truncation import plan_reuse
@@ -184,6 +185,11 @@ class AttnStoreCache(DynamicCache):
         self.plan = plan_reuse(
             prompt, snapshot.token_ids if snapshot else None, self.truncation, has_rope=self._rope.has_rope
         )
+        self.recomputed_head = 0  # leading tokens of a partially evicted session recomputed this turn
+        if snapshot is not None and snapshot.head and self.plan.reused:
+            snapshot = self._with_head(model, store, snapshot)
+            if snapshot is None:  # nothing worth reusing beyond the missing head
+                self.plan = plan_reuse(prompt, None, self.truncation, has_rope=self._rope.has_rope)
         self.reused_tokens = self.plan.reused
         self.dropped_tokens = self.plan.dropped
         self.input_ids = self.plan.input_ids.to(model.device)
@@ -232,6 +238,42 @@ class AttnStoreCache(DynamicCache):
             _once.warning("geometry", f"stored KV of session {self.session_id!r} does not fit the model: ignored")
             return None
         return snapshot
+
+    def _with_head(self, model: nn.Module, store: AttnStore, snapshot: SessionKV) -> SessionKV | None:
+        """The snapshot with its missing head recomputed (a partially evicted session), or None when every
+        reused token lies in that head (recomputing them is all the reuse would save).
+
+        Only the head's tokens up to the last one the plan keeps are computed, in one forward at positions
+        0.. without any history: exact, since under causal attention the first tokens' KV depends on them
+        alone. The loader reads the rest of the session meanwhile (it started at lookup). The head is
+        un-rotated like any stored key, and handed to the store so that later turns find the session whole.
+        """
+        keep, head = self.plan.keep, snapshot.head
+        kept = keep[keep < head]
+        if kept.numel() == self.plan.reused:
+            return None
+        need = int(kept.max()) + 1 if kept.numel() else 0
+        if need == 0:
+            return dataclasses.replace(snapshot, head=0)  # the head is not kept: nothing reads it
+        ids = snapshot.token_ids[:need]
+        try:
+            with torch.no_grad():
+                computed = DynamicCache()
+                model.base_model(input_ids=ids.view(1, -1).to(model.device), past_key_values=computed, use_cache=True)
+                keys = torch.stack([layer.keys for layer in computed.layers])
+                if self._rope.has_rope:
+                    keys = self._unrotate(keys, self._inverse_rope(torch.arange(need, device=keys.device)))
+                dtype = snapshot.source.dtype
+                keys = [k.to("cpu", dtype) for k in keys.unbind(0)]
+                values = [layer.values.to("cpu", dtype) for layer in computed.layers]
+        except Exception as exc:  # e.g. out of memory: the turn goes on without reuse (a miss, never an error)
+            _once.warning("head", f"recomputing the evicted head of session {self.session_id!r} failed ({exc}): "
+                          "the session is recomputed")
+            return None
+        if need == head:
+            store.fill_head(snapshot, keys, values)
+        self.recomputed_head = need
+        return snapshot.with_head(Segment.adopt(ids.clone(), keys, values))
 
     @property
     def token_ids(self) -> torch.Tensor:
@@ -370,6 +412,18 @@ class AttnStoreCache(DynamicCache):
         return {group: self._rope.inverse(*self._rope.cos_sin(positions, torch.float32, group))
                 for group in self._rope.groups}
 
+    def _unrotate(self, keys: torch.Tensor, inverse: dict) -> torch.Tensor:
+        """Stacked rotated keys ``[layers, 1, kv_heads, n, head_dim]`` back to pre-RoPE (see _inverse_rope)."""
+        rope = self._rope
+        if rope.uniform:
+            inv_cos, inv_sin = next(iter(inverse.values()))
+            return rope.unrotate(keys, inv_cos.to(keys.device), inv_sin.to(keys.device))
+        rotated, keys = keys, keys.clone()  # each layer type with its own frequencies; NoPE layers: not rotated
+        for group, layers in rope.groups.items():
+            inv_cos, inv_sin = inverse[group]
+            keys[layers] = rope.unrotate(rotated[layers], inv_cos.to(keys.device), inv_sin.to(keys.device))
+        return keys
+
     def _record(self, idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Keeps a layer's new KV (keys still rotated) until the forward completes."""
         if self._pending is None:
@@ -396,15 +450,7 @@ class AttnStoreCache(DynamicCache):
             started = time.perf_counter()
             keys = torch.stack([p[0] for p in pending])
             if self._rope.has_rope:
-                rope = self._rope
-                if rope.uniform:
-                    inv_cos, inv_sin = next(iter(self._fwd_rope.values()))
-                    keys = rope.unrotate(keys, inv_cos.to(keys.device), inv_sin.to(keys.device))
-                else:  # each layer type with its own frequencies; NoPE layers' keys were never rotated
-                    rotated, keys = keys, keys.clone()
-                    for group, layers in rope.groups.items():
-                        inv_cos, inv_sin = self._fwd_rope[group]
-                        keys[layers] = rope.unrotate(rotated[layers], inv_cos.to(keys.device), inv_sin.to(keys.device))
+                keys = self._unrotate(keys, self._fwd_rope)
             n = keys.shape[-2]
             # A long prefill's values are kept as they are (adopted without a copy); short steps are stacked.
             values = torch.stack([p[1] for p in pending]) if n < 64 else [p[1] for p in pending]

@@ -196,7 +196,16 @@ def test_store_arguments_are_checked_with_their_names(tmp_path):
 
 def disk_usage(kvdir) -> int:
     """Bytes the files occupy, rounded to 4 KiB blocks (what the limit counts; `du` agrees on ext4/tmpfs)."""
-    return sum(-(-p.stat().st_size // 4096) * 4096 for p in kvdir.rglob("*") if p.is_file() and p.name != "LOCK")
+    total = 0
+    # os.walk, not rglob: the save thread may delete a folder (a dropped session) while this walks the tree.
+    for folder, _, names in os.walk(kvdir):
+        for name in names:
+            try:
+                size = os.stat(os.path.join(folder, name)).st_size
+            except FileNotFoundError:
+                continue  # deleted meanwhile: it no longer occupies anything
+            total += -(-size // 4096) * 4096 if name != "LOCK" else 0
+    return total
 
 
 def test_disk_bytes_is_never_exceeded_while_writing(tmp_path, monkeypatch):

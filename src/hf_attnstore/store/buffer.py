@@ -76,6 +76,9 @@ class SessionKV:
         tier: Where the KV came from: ``"host"`` or ``"disk"``.
         generation: The session's generation when the snapshot was taken (it changes when the session's
             history is cut or truncated): tells a later turn whether positions still mean the same tokens.
+        head: Leading tokens whose KV is not there (a partially evicted session, see `StoreConfig.
+            partial_eviction`): their ids are known, their memory holds nothing yet. The turn that reuses the
+            snapshot recomputes them (`AttnStore.fill_head`); no reader may read them before.
     """
 
     token_ids: torch.Tensor
@@ -84,6 +87,7 @@ class SessionKV:
     loader: LoadHandle | None = None
     tier: str = "host"
     generation: int = 0
+    head: int = 0
 
     @property
     def length(self) -> int:
@@ -109,6 +113,17 @@ class SessionKV:
             out.append((seg.keys[idx][:, :, a:b], seg.values[idx][:, :, a:b]))
             remaining -= b - a
         return out
+
+    def with_head(self, seg: "Segment") -> "SessionKV":
+        """This snapshot with its first ``seg.filled`` tokens read from `seg` instead (a recomputed head); the
+        tokens after them, up to the missing head's end, are never read (not kept by the turn)."""
+        n, parts, pos = seg.filled, [(seg, 0, seg.filled)], 0
+        for s, a, b in self.parts:
+            x = max(a, a + n - pos)
+            if x < b:
+                parts.append((s, x, b))
+            pos += b - a
+        return SessionKV(self.token_ids, tuple(parts), self.source, self.loader, self.tier, self.generation, head=0)
 
     def tensors(self, start: int, end: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """Contiguous copies of tokens ``[start, end)``: ids and per-layer keys and values (for the writer)."""
@@ -167,6 +182,10 @@ class SessionBuffer:
         self.pin_memory = pin_memory
         self.parts: list[Part] = list(parts or [])
         self.length = sum(b - a for _, a, b in self.parts)
+        # Partial eviction: the first `missing_head` tokens were loaded without KV (their chunks were dropped);
+        # one turn fills them in (`head_claimed`) and sets it to 0. Nothing reads them before.
+        self.missing_head = 0
+        self.head_claimed = False
 
     @property
     def nbytes(self) -> int:
@@ -182,7 +201,7 @@ class SessionBuffer:
         if not ids:
             token_ids = torch.empty(0, dtype=torch.long)
         return SessionKV(token_ids=token_ids, parts=tuple(self.parts), source=self, loader=loader, tier=tier,
-                         generation=generation)
+                         generation=generation, head=self.missing_head)
 
     def _tail_room(self) -> int:
         """Tokens that can be appended in place (0 if the last part does not end at its segment's fill mark)."""
@@ -259,6 +278,7 @@ class SessionBuffer:
             parts.append((seg, a, a + take))
             pos += take
         self.parts, self.length = parts, length
+        self.missing_head = min(self.missing_head, length)
 
     @classmethod
     def selected(cls, base: SessionKV, keep: torch.Tensor, pin_memory: bool) -> "SessionBuffer":
@@ -266,7 +286,15 @@ class SessionBuffer:
         assert base.loader is None or base.loader.done, "select only fully loaded snapshots"
         seg = base.parts[0][0]
         geometry = (len(seg.keys), seg.keys[0].shape[1], seg.keys[0].shape[3])
-        return cls(*geometry, seg.keys[0].dtype, pin_memory, parts=base.select(keep.to(torch.long)))
+        keep = keep.to(torch.long)
+        buf = cls(*geometry, seg.keys[0].dtype, pin_memory, parts=base.select(keep))
+        if base.head:
+            # Tokens without KV may only lead (a head is recomputed from position 0).
+            missing = int((keep < base.head).sum())
+            if not torch.equal(keep[:missing], torch.arange(missing)):
+                raise ValueError("a selection keeps tokens of a missing head after a gap: recompute the head first")
+            buf.missing_head = missing
+        return buf
 
     @classmethod
     def for_load(cls, geometry, dtype, length: int, pin_memory: bool) -> "SessionBuffer":

@@ -62,6 +62,13 @@ class StoreConfig:
             store never serves lossy KV. Measured fidelity: docs/evaluation.md.
         kv_codec_group: Values per scale and zero point of a lossy codec (tokens per key group, channels per
             value group); even, at most 4096.
+        partial_eviction: When the disk tier is full, cold sessions lose their leading chunks first, the
+            rest staying (Pensieve): chunks go in order of retention value, recompute cost ÷ time since the
+            session's last use (:func:`~hf_attnstore.store.placement.choose_head_drops`), so an idle
+            session's head goes before a busy session's, and a session is gone only when its last chunk is.
+            A turn resuming such a session recomputes the dropped head, exactly, while the rest loads.
+            Sessions the scheduler queued (``policy="lookahead"``) are not shrunk. ``False`` (default):
+            whole sessions leave, in the policy's order.
         namespace: A salt mixed into every model fingerprint (see
             :func:`~hf_attnstore.fingerprint.model_fingerprint`): entries stored under one namespace are
             never served under another. Use it for what weights cannot show (a tenant, a policy).
@@ -82,6 +89,7 @@ class StoreConfig:
     namespace: str | None = None
     kv_codec: str | None = None
     kv_codec_group: int = 32
+    partial_eviction: bool = False
     remote: str | None = None
     remote_ttl_s: float | None = None
     remote_timeout_s: float = 2.0
@@ -108,6 +116,8 @@ class StoreConfig:
         object.__setattr__(self, "host_bytes", parse_bytes(self.host_bytes, "host_bytes"))
         object.__setattr__(self, "disk_bytes", parse_bytes(self.disk_bytes, "disk_bytes"))
         make_policy(self.policy)  # validates the name
+        if not isinstance(self.partial_eviction, bool):
+            raise TypeError(f"`partial_eviction` must be True or False, got {self.partial_eviction!r}")
         self.codec  # validates `kv_codec` and `kv_codec_group`
         if self.ttl_s is not None and not self.ttl_s > 0:
             raise ValueError(f"`ttl_s` must be positive or None, got {self.ttl_s!r}")

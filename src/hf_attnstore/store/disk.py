@@ -198,6 +198,10 @@ class DiskTier(Tier):
             if path.name[: -len(CHUNK_SUFFIX)] not in keep and not path.name.startswith(TMP_PREFIX):
                 self._remove(path)
 
+    def delete_chunk(self, fingerprint: str, session_id: str, name: str) -> None:
+        """Deletes one chunk file (partial eviction), once no manifest on disk references it."""
+        (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).unlink(missing_ok=True)
+
     def delete_session(self, fingerprint: str, session_id: str) -> None:
         shutil.rmtree(self.session_dir(fingerprint, session_id), ignore_errors=True)
 
@@ -287,7 +291,7 @@ class DiskTier(Tier):
         manifest = Manifest.decode(path.read_bytes())
         if session_dirname(manifest.fingerprint, manifest.session_id) != folder.name:
             raise FormatError("manifest does not belong to this folder")
-        sizes, pos, layouts, metas, codecs = {}, 0, set(), [], set()
+        sizes, pos, layouts, metas, codecs = {}, manifest.head, set(), [], set()
         for span in manifest.spans:
             fd, meta = self.open_chunk(manifest.fingerprint, manifest.session_id, span.chunk)
             try:

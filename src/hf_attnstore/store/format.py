@@ -296,27 +296,49 @@ class Span:
 
 @dataclass(frozen=True)
 class Manifest:
-    """A session's durable state: its token ids and where their KV lies, in order."""
+    """A session's durable state: its token ids and where their KV lies, in order.
+
+    ``dropped``: the leading spans whose chunk files partial eviction deleted (their digests are kept for the
+    chain). Their tokens, the session's *head*, have ids but no stored KV: a turn that resumes the session
+    recomputes them (exactly: under causal attention the first tokens' KV does not depend on later ones) and
+    loads ``spans``, which cover the tokens after the head.
+    """
 
     fingerprint: str
     session_id: str
     token_ids: torch.Tensor  # [length] int64
     spans: tuple[Span, ...]
     next_chunk: int  # chunk names are never reused, even after a restart
+    dropped: tuple[Span, ...] = ()
 
     @property
     def length(self) -> int:
         return int(self.token_ids.numel())
 
+    @property
+    def head(self) -> int:
+        """Leading tokens without stored KV (partially evicted)."""
+        return sum(s.length for s in self.dropped)
+
+    def drop_head_span(self) -> "Manifest":
+        """The manifest after partial eviction of its first stored span (its chunk's file can then go)."""
+        assert self.spans, "nothing left to drop"
+        return Manifest(self.fingerprint, self.session_id, self.token_ids, self.spans[1:], self.next_chunk,
+                        self.dropped + self.spans[:1])
+
     def select(self, ranges: list[tuple[int, int]]) -> "Manifest":
-        """The manifest of the logical token ranges `ranges` (in order), without touching any data."""
-        spans, ids, pos = [], [], 0
+        """The manifest of the logical token ranges `ranges` (in order), without touching any data.
+
+        Tokens of the dropped head stay dropped; they can only lead (a head is recomputed from the start), so
+        a selection that keeps stored tokens and then head tokens again stops before the latter: a shorter
+        durable prefix, whose remainder the store writes again from host memory.
+        """
+        spans, dropped, ids, pos = [], [], [], 0
         bounds = []
-        for span in self.spans:
+        for span in self.dropped + self.spans:
             bounds.append((pos, pos + span.length, span))
             pos += span.length
-        for a, b in ranges:
-            ids.append(self.token_ids[a:b])
+        head = self.head
         kept = 0  # tokens kept before the first dropped one: spans after a gap are rebased
         for a, b in ranges:
             if a != kept:
@@ -326,11 +348,18 @@ class Manifest:
             for lo, hi, span in bounds:
                 x, y = max(a, lo), min(b, hi)
                 if x < y:
-                    spans.append(Span(span.chunk, span.start + x - lo, span.start + y - lo, span.digest,
-                                      span.rebased or x > kept))
+                    piece = Span(span.chunk, span.start + x - lo, span.start + y - lo, span.digest,
+                                 span.rebased or x > kept)
+                    if lo < head and spans:
+                        break  # head tokens after stored ones: the selection ends here
+                    (dropped if lo < head else spans).append(piece)
+                    ids.append(self.token_ids[x:y])
+            else:
+                continue
+            break
         token_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.long)
-        assert sum(s.length for s in spans) == token_ids.numel(), "spans must cover the selected tokens"
-        return Manifest(self.fingerprint, self.session_id, token_ids, tuple(spans), self.next_chunk)
+        assert sum(s.length for s in spans + dropped) == token_ids.numel(), "spans must cover the selected tokens"
+        return Manifest(self.fingerprint, self.session_id, token_ids, tuple(spans), self.next_chunk, tuple(dropped))
 
     def encode(self) -> bytes:
         body = {
@@ -341,6 +370,8 @@ class Manifest:
             "spans": [[s.chunk, s.start, s.end, s.digest, s.rebased] for s in self.spans],
             "next_chunk": self.next_chunk,
         }
+        if self.dropped:  # absent otherwise: a store without partial eviction writes what it always wrote
+            body["dropped"] = [[s.chunk, s.start, s.end, s.digest, s.rebased] for s in self.dropped]
         text = json.dumps(body, sort_keys=True)
         return json.dumps({"body": text, "xxh64": checksum(text.encode())}).encode()
 
@@ -357,31 +388,37 @@ class Manifest:
                 raise FormatError(f"manifest format {body['format']!r} is not {FORMAT!r}")
             raw = base64.b64decode(body["token_ids"], validate=True)
             ids = torch.frombuffer(bytearray(raw), dtype=torch.int64).clone() if raw else torch.empty(0, dtype=torch.long)
-            spans = tuple(Span(str(c), int(a), int(b), str(d), bool(r)) for c, a, b, d, r in body["spans"])
-            manifest = cls(str(body["fingerprint"]), str(body["session_id"]), ids, spans, int(body["next_chunk"]))
+            spans, dropped = (tuple(Span(str(c), int(a), int(b), str(d), bool(r)) for c, a, b, d, r in body.get(k, ()))
+                              for k in ("spans", "dropped"))
+            manifest = cls(str(body["fingerprint"]), str(body["session_id"]), ids, spans, int(body["next_chunk"]),
+                           dropped)
         except FormatError:
             raise
         except Exception as exc:
             raise FormatError(f"unreadable manifest: {exc}") from exc
         if fingerprint is not None and manifest.fingerprint != fingerprint:
             raise FormatError("manifest of another model")
-        if any(s.start < 0 or s.end <= s.start for s in spans) or sum(s.length for s in spans) != manifest.length:
+        every = spans + dropped
+        if any(s.start < 0 or s.end <= s.start for s in every) or sum(s.length for s in every) != manifest.length:
             raise FormatError("manifest spans do not cover its tokens")
         return manifest
 
 
 def check_chain(manifest: Manifest, metas: list[ChunkMeta]) -> None:
-    """Checks that the chunks are exactly the ones the manifest pinned, each in its own history.
+    """Checks that the chunks of the stored spans are exactly the ones the manifest pinned, each in its own
+    history (a dropped head is checked through its pinned digests: the first stored chunk must follow it).
 
     Raises:
         FormatError: A chunk is not the pinned one, or was computed after other tokens than the manifest's.
     """
-    hasher, pos = prefix_hasher(manifest.fingerprint), 0
-    for i, (span, meta) in enumerate(zip(manifest.spans, metas, strict=True)):
+    hasher, pos = prefix_hasher(manifest.fingerprint), manifest.head
+    hasher.update(tensor_bytes(manifest.token_ids[:pos].to(torch.int64)))
+    previous = manifest.dropped[-1].digest if manifest.dropped else ""
+    for span, meta in zip(manifest.spans, metas, strict=True):
         if meta.digest != span.digest:
             raise FormatError(f"chunk {span.chunk} is not the one the manifest pinned (replaced or rewritten)")
-        if not span.rebased and (meta.prefix != hasher.copy().hexdigest()
-                                 or meta.previous != (manifest.spans[i - 1].digest if i else "")):
+        if not span.rebased and (meta.prefix != hasher.copy().hexdigest() or meta.previous != previous):
             raise FormatError(f"chunk {span.chunk} was computed after another history")
         hasher.update(tensor_bytes(manifest.token_ids[pos : pos + span.length].to(torch.int64)))
         pos += span.length
+        previous = span.digest

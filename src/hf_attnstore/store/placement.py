@@ -6,6 +6,7 @@ simulated sessions, so the hit rates it reports come from the code that runs in 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Hashable, Iterable
 
 
@@ -59,3 +60,50 @@ def lookahead_windows(host_limit: int, disk_limit: int, host_used: int, host_ses
     prefetch = prefetch_window if prefetch_window is not None else max(1, 2 * (host_limit // mean))
     eviction = eviction_window if eviction_window is not None else max(1, (host_limit + disk_limit) // mean)
     return prefetch, eviction
+
+
+# The history length at which one token's attention costs as much as its linear layers (per token: ~2P FLOPs
+# for the weights, ~4·layers·hidden·position for attention; equal near P / (2·layers·hidden): ~32K tokens for
+# LLaMA-13B, ~26K for 7B, ~4K for SmolLM2-135M). Only the ratio between chunks matters for the victim order.
+ATTENTION_TOKENS = 16384
+
+
+def recompute_cost(start: int, end: int, attention_tokens: int = ATTENTION_TOKENS) -> float:
+    """Relative prefill cost of recomputing tokens ``[start, end)`` after the tokens before them: their linear
+    layers, plus attention over every earlier position (so later chunks cost more)."""
+    n = end - start
+    return n * (1.0 + (start + end - 1) / 2 / attention_tokens)
+
+
+def choose_head_drops(candidates: Iterable[tuple[Hashable, float, list[tuple[int, int, int]]]], overflow: int,
+                      attention_tokens: int = ATTENTION_TOKENS) -> list[Hashable]:
+    """Partial eviction (Pensieve §4.3): the leading chunks to drop, across sessions, until `overflow` bytes are
+    freed, cheapest to lose first.
+
+    A chunk's retention value is its recompute cost divided by the time since its session was last used: a
+    session idle for long, and the head of any session (its first tokens are the cheapest to recompute, and
+    only a head can be recomputed before the rest is loaded), go first. A session only ever loses its
+    current first chunk; losing its last one is losing the session.
+
+    Args:
+        candidates: ``(key, idle_seconds, units)`` per session that may shrink, where `units` are its stored
+            chunks in order as ``(start, end, bytes freed)`` (token positions in the session).
+        overflow: Bytes to free; nothing is chosen when it is 0 or less.
+
+    Returns:
+        One key per chunk to drop, in order (a key repeats when a session loses several chunks). They may
+        free less than `overflow` if the candidates hold too little.
+    """
+    heap, chosen = [], []
+    for order, (key, idle, units) in enumerate(candidates):
+        if units:
+            heap.append((recompute_cost(*units[0][:2], attention_tokens) / max(idle, 1e-3), order, 0, key, idle, units))
+    heapq.heapify(heap)
+    while heap and overflow > 0:
+        _, order, i, key, idle, units = heapq.heappop(heap)
+        chosen.append(key)
+        overflow -= units[i][2]
+        if i + 1 < len(units):
+            value = recompute_cost(*units[i + 1][:2], attention_tokens) / max(idle, 1e-3)
+            heapq.heappush(heap, (value, order, i + 1, key, idle, units))
+    return chosen

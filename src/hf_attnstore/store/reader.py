@@ -137,7 +137,7 @@ class LoadThread:
                 if not self._queue.empty():
                     return False  # let other loads run; come back to this one
             job.gated_since = None
-            pos = 0
+            pos = manifest.head  # a partially evicted head is left for the turn to recompute
             for span in manifest.spans:
                 job.nbytes += job.opened[span.chunk].read_layer_into(
                     layer, span.start, span.end, seg.keys[layer][:, :, pos : pos + span.length],
@@ -149,7 +149,7 @@ class LoadThread:
 
     def _open_and_verify(self, job: LoadJob) -> None:
         """Opens every chunk once and checks ids, shapes and the chain before any KV is read."""
-        manifest, buf, pos = job.manifest, job.buf, 0
+        manifest, buf, pos = job.manifest, job.buf, job.manifest.head
         for span in manifest.spans:
             if span.chunk not in job.opened:
                 job.opened[span.chunk] = job.tier.get(job.key, span.chunk)
@@ -190,6 +190,7 @@ class LoadPlanning:
         if not self._make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
             return False
         buf.parts[0][0].token_ids[:length].copy_(manifest.token_ids)
+        buf.missing_head = manifest.head  # a partially evicted head: left for the turn to recompute
         e.loading = LoadHandle(layers, self.config.read_buffer_layers, self.config.io_timeout_s)
         e.pins += 1
         self._set_host(e, buf)

@@ -186,8 +186,9 @@ class RemoteTier(Tier):
         if name == MANIFEST:
             # Chunks are stored by digest: the manifest names them so (the digests it pins).
             manifest = Manifest.decode(data, key[0])
-            spans = tuple(Span(s.digest, s.start, s.end, s.digest, s.rebased) for s in manifest.spans)
-            data = Manifest(manifest.fingerprint, manifest.session_id, manifest.token_ids, spans, 0).encode()
+            spans, dropped = (tuple(Span(s.digest, s.start, s.end, s.digest, s.rebased) for s in part)
+                              for part in (manifest.spans, manifest.dropped))
+            data = Manifest(manifest.fingerprint, manifest.session_id, manifest.token_ids, spans, 0, dropped).encode()
             target = self.key_of(key, "m")
         else:
             target = self.key_of(key, "c:" + chunk_digest(data))
@@ -223,13 +224,13 @@ class RemoteTier(Tier):
         pipe = self.client.pipeline(transaction=False)
         for span in manifest.spans:
             pipe.exists(self.key_of(key, "c:" + span.chunk))
-        present, end = self._call(pipe.execute), 0
+        present, end = self._call(pipe.execute), manifest.head
         for span, here in zip(manifest.spans, present):
             if not here:
                 break
             end += span.length
         if end < manifest.length:
-            manifest = manifest.select([(0, end)]) if end else None
+            manifest = manifest.select([(0, end)]) if end > manifest.head else None
         return manifest
 
     def remove(self, key: Key, keep: set[str] | None = None) -> None:

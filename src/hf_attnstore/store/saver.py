@@ -104,8 +104,8 @@ class SaveThread:
                 self.store._yield_for_save(job.entry)
                 b = min(a + self.chunk_tokens, job.end)
                 ids, keys, values = job.snap.tensors(a, b)
-                data, digest = encode_chunk(fp, sid, ids, keys, values, history.hexdigest(),
-                                            spans[-1].digest if spans else "", self.codec)
+                previous = (spans or job.base.dropped or [Span("", 0, 0)])[-1].digest
+                data, digest = encode_chunk(fp, sid, ids, keys, values, history.hexdigest(), previous, self.codec)
                 name = digest if self.tier.content_addressed else f"{next_chunk:08d}"
                 next_chunk += 1
                 reserved += self.store._reserve_disk(job.entry, len(data))
@@ -116,7 +116,8 @@ class SaveThread:
                 spans.append(Span(name, 0, b - a, digest))
             for name, tokens, future in pending:
                 new_chunks[name] = (future.result(self.timeout_s), tokens)
-            manifest = Manifest(fp, sid, job.snap.token_ids[: job.end].clone(), tuple(spans), next_chunk)
+            manifest = Manifest(fp, sid, job.snap.token_ids[: job.end].clone(), tuple(spans), next_chunk,
+                                job.base.dropped)
             manifest_bytes = manifest.encode()
             reserved += self.store._reserve_disk(job.entry, len(manifest_bytes))
             manifest_size = self.tier.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)

@@ -18,6 +18,8 @@ class StoreStats:
     demotions: int = 0  # host -> disk
     host_drops: int = 0  # evicted from host with no disk copy
     disk_drops: int = 0
+    head_drops: int = 0  # leading chunks dropped from disk copies (partial_eviction)
+    head_dropped_tokens: int = 0
     rejected_too_large: int = 0
     stale_writes: int = 0
     write_errors: int = 0

@@ -33,10 +33,10 @@ from .buffer import SessionBuffer, SessionKV, ranges
 from .host import HostTier
 from .config import StoreConfig
 from .codec import serves
-from .disk import DiskTier
+from .disk import MANIFEST, DiskTier
 from .format import FormatError, Manifest
 from .entry import Entry, Key, Write, blocks, validate_session_id
-from .placement import choose_victims
+from .placement import choose_head_drops, choose_victims
 from .reader import LoadPlanning, LoadThread
 from .remote import RemoteTier, RemoteUnavailableError
 from .saver import NoDiskRoom, SavePlanning, SaveThread
@@ -87,7 +87,11 @@ class AttnStore(LoadPlanning, SavePlanning):
         self._next_turn = 0
         self._dirty: set[Key] = set()
         self._next_chunk: dict[Key, int] = {}  # per session, only ever grows
-        self._deletes: list[tuple[Key, int]] = []  # folders to delete, with the bytes they occupy
+        # Deletions for the save thread, in order: (key, bytes freed, None) deletes a session's folder;
+        # (key, bytes freed, (manifest, chunk)) writes the manifest of a partially evicted session, then
+        # deletes `chunk` (if not None). Their bytes stay counted in `_disk_used` until done (`_deleting`).
+        self._deletes: list[tuple[Key, int, tuple | None]] = []
+        self._deleting = 0
         self._ended_turns: deque[tuple[Key, int]] = deque()  # closed writers, applied under the lock
         self._loads_active = 0
         self._wanted: list[tuple[str | None, str]] = []  # the last prefetch request
@@ -176,6 +180,8 @@ class AttnStore(LoadPlanning, SavePlanning):
                     return None
                 layout = e.layout if e is not None else None
             if layout is None:
+                if not manifest.spans:
+                    return None  # nothing stored but a dropped head: nothing to reuse
                 with remote.get(key, manifest.spans[0].chunk) as chunk:
                     layout = (chunk.meta.geometry, chunk.meta.dtype)
                     if not serves(self.config.codec, chunk.meta.codec):
@@ -343,6 +349,32 @@ class AttnStore(LoadPlanning, SavePlanning):
                 return e.host.snapshot().token_ids.clone()
             return (e.manifest or e.remote).token_ids.clone()
 
+    def fill_head(self, snapshot: SessionKV, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
+        """Gives a partially evicted session its recomputed head back in host memory (see `SessionKV.head`).
+
+        Called by the turn that recomputed it (AttnStoreCache), with per-layer pre-RoPE ``[1, kv_heads, head,
+        head_dim]`` tensors of the snapshot's first ``snapshot.head`` tokens. The first caller fills the buffer;
+        a concurrent or later one finds it claimed and changes nothing. Returns whether this call filled it.
+        """
+        buf, head = snapshot.source, snapshot.head
+        with self._lock:
+            if head == 0 or buf.head_claimed or buf.missing_head == 0:
+                return False
+            buf.head_claimed = True
+        seg, a, b = snapshot.parts[0]  # the load's one segment: the head is its first tokens
+        assert b - a >= head and len(keys) == len(seg.keys), "the head lies in the load's segment"
+        try:
+            for dst, src in ((seg.keys, keys), (seg.values, values)):
+                for d, t in zip(dst, src):
+                    d[:, :, a : a + head].copy_(t)
+        except BaseException:
+            with self._lock:
+                buf.head_claimed = False
+            raise
+        with self._lock:
+            buf.missing_head = 0  # a truncation meanwhile only shortened it; the tokens kept are filled
+        return True
+
     def tier_of(self, session_id: str, fingerprint: str) -> str | None:
         """``"host"``, ``"disk"``, ``"remote"`` or ``None``: where the session's KV is now (``"remote"``: only in
         the shared remote tier, as far as this store knows)."""
@@ -427,8 +459,12 @@ class AttnStore(LoadPlanning, SavePlanning):
         """Queues the deletion of the session's folder; its bytes stay counted until it is gone."""
         nbytes = e.disk_bytes
         self._set_files(e, {}, 0)
+        self._queue_delete(e.key, nbytes, None)
+
+    def _queue_delete(self, key: Key, nbytes: int, head: tuple | None) -> None:
         self._disk_used += nbytes
-        self._deletes.append((e.key, nbytes))
+        self._deleting += nbytes
+        self._deletes.append((key, nbytes, head))
         self._cond.notify_all()
 
     def _drop(self, e: Entry) -> None:
@@ -507,15 +543,68 @@ class AttnStore(LoadPlanning, SavePlanning):
             self._stats.demotions += 1
 
     def _enforce_disk(self, current: Entry | None) -> bool:
-        """Drops other sessions' disk copies while the disk tier is over its limit. Returns whether it fits."""
+        """Drops other sessions' disk copies (or, with `partial_eviction`, their leading chunks first) while
+        the disk tier is over its limit. Returns whether it fits once the queued deletions have run (the caller
+        runs them before writing)."""
         limit = self.config.disk_bytes
         entries = self._entries
+        if self.config.partial_eviction and self._disk_used - self._deleting > limit:
+            self._drop_disk_heads(current, self._disk_used - self._deleting - limit)
         for key in choose_victims(self._disk_policy.victims(), lambda key: entries[key].disk_bytes,
                                   lambda key: entries[key] is not current and entries[key].pins == 0,
-                                  self._disk_used - limit):
+                                  self._disk_used - self._deleting - limit):
             self._stats.disk_drops += 1
             self._drop_disk_copy(entries[key])
-        return self._disk_used <= limit
+        return self._disk_used - self._deleting <= limit
+
+    def _drop_disk_heads(self, current: Entry | None, overflow: int) -> None:
+        """Partial eviction: drops leading chunks of idle sessions' disk copies, lowest retention value first
+        (`placement.choose_head_drops`). Sessions pinned, queued by the scheduler, or being written are left."""
+        now = time.monotonic()
+        position = getattr(self._disk_policy, "position", lambda key: None)
+        candidates = []
+        for key in self._disk_policy.victims():
+            e = self._entries[key]
+            if e is current or e.pins or e.manifest is None or not e.manifest.spans or position(key) is not None:
+                continue
+            candidates.append((key, now - e.last_access, self._head_units(e)))
+        for key in choose_head_drops(candidates, overflow):
+            e = self._entries.get(key)
+            if e is None or e.manifest is None:
+                continue
+            if len(e.manifest.spans) == 1:  # its last chunk: the session leaves the disk tier
+                self._stats.disk_drops += 1
+                self._drop_disk_copy(e)
+            else:
+                self._drop_disk_head(e)
+
+    @staticmethod
+    def _head_units(e: Entry) -> list[tuple[int, int, int]]:
+        """The session's stored chunks in order as (start, end, bytes freed when dropped); the last frees
+        everything left (the manifest, chunks not yet collected)."""
+        spans, units, pos = e.manifest.spans, [], e.manifest.head
+        for i, span in enumerate(spans):
+            shared = any(s.chunk == span.chunk for s in spans[i + 1 :])
+            units.append((pos, pos + span.length, 0 if shared else blocks(e.files.get(span.chunk, 0))))
+            pos += span.length
+        a, b, _ = units[-1]
+        units[-1] = (a, b, e.disk_bytes - sum(u[2] for u in units[:-1]))
+        return units
+
+    def _drop_disk_head(self, e: Entry) -> None:
+        """Drops the first stored chunk of a session's disk copy: the index at once, the files on the save
+        thread (the new manifest first, then the chunk, so a crash in between leaves an orphan chunk)."""
+        old = e.manifest
+        manifest = old.drop_head_span()
+        chunk = old.spans[0].chunk
+        gone = chunk if all(s.chunk != chunk for s in manifest.spans) else None
+        self._set_manifest(e, manifest, e.chunks)
+        files = dict(e.files)
+        nbytes = blocks(files.pop(gone)) if gone in files else 0
+        self._set_files(e, files, e.manifest_size)
+        self._queue_delete(e.key, nbytes, (manifest, gone))
+        self._stats.head_drops += 1
+        self._stats.head_dropped_tokens += old.spans[0].length
 
     def _reserve_disk(self, e: Entry, nbytes: int) -> int:
         """Makes room for a file of `nbytes` before it is written (save thread), so the files on disk never
@@ -538,12 +627,36 @@ class AttnStore(LoadPlanning, SavePlanning):
             raise NoDiskRoom(f"session {e.key[1]!r} is larger than the disk tier")
         return size
 
-    def _run_deletes(self, deletes: list[tuple[Key, int]]) -> None:
-        for (fp, sid), _ in deletes:
-            self._disk.delete_session(fp, sid)
+    def _run_deletes(self, deletes: list[tuple[Key, int, tuple | None]]) -> None:
+        """Runs queued deletions (save thread, without the lock; see `_deletes`)."""
+        for key, nbytes, head in deletes:
+            if head is None:
+                self._disk.delete_session(*key)
+                continue
+            manifest, chunk = head
+            try:
+                size = self._disk.write_file(*key, MANIFEST, manifest.encode())
+            except OSError as exc:
+                # The index says the chunk is dropped, the disk still has the old manifest: make them agree by
+                # letting the whole disk copy go (a clean miss later; the chunk is deleted with the folder).
+                self._once.warning("head_drop", "disk tier: writing the manifest of partially evicted session %r "
+                                   "failed (%s); its disk copy is dropped", key[1], exc)
+                with self._cond:
+                    e = self._entries.get(key)
+                    if e is not None and e.manifest is manifest:
+                        self._drop_disk_copy(e)
+                continue
+            if chunk is not None:
+                self._disk.delete_chunk(*key, chunk)
+            with self._cond:
+                e = self._entries.get(key)
+                if e is not None and e.manifest is manifest:
+                    self._set_files(e, e.files, size)
         if deletes:
             with self._cond:
-                self._disk_used -= sum(nbytes for _, nbytes in deletes)
+                nbytes = sum(item[1] for item in deletes)
+                self._disk_used -= nbytes
+                self._deleting -= nbytes
 
     def _drop_disk_copy(self, e: Entry) -> None:
         """Removes a session from the disk tier; with no copy in host memory either, it is gone."""
