@@ -138,3 +138,64 @@ def test_a_lossy_codec_resumes_from_disk_close_to_recomputation(tmp_path, codec,
         want = model(ids).logits[0, -1]
     # The cold copy is lossy (never bit-identical), within the codec's error of recomputation.
     assert 0 < (got - want).abs().max() < tol * want.abs().max()
+
+
+def _partially_evicted(tmp_path, model, turns=2):
+    """Three sessions on disk, then a store whose disk holds them minus a few chunks: writing a fourth
+    session makes the idle ones lose leading chunks. Returns the store and the sessions' next prompts."""
+    store = AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), **FAST)
+    _, hist = chat(model, store, ["a", "b", "c"], turns=turns)
+    store.close()
+    used = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    store = AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), disk_bytes=used + 16 * 4096,
+                      partial_eviction=True, **FAST)
+    with AttnStoreCache(model, store, "d", random_ids(40, 9)) as cache:
+        model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=2, **GREEDY)
+    store.flush()
+    assert store.stats().head_drops >= 1
+    return store, hist
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "smollm3"])  # uniform RoPE; sliding layers; a NoPE layer
+def test_a_partially_evicted_session_resumes_exactly(tmp_path, arch):
+    """The dropped head is recomputed, the rest loaded: the same greedy tokens as recomputing everything."""
+    model = make_tiny(arch)
+    store, hist = _partially_evicted(tmp_path, model)
+    resumed = 0
+    for s in ["a", "b", "c"]:
+        cache = AttnStoreCache(model, store, s, hist[s])
+        head = cache.recomputed_head
+        assert cache.kv_source == "disk" and cache.reused_tokens == hist[s].shape[1] - 7
+        out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
+        assert torch.equal(out, model.generate(hist[s], past_key_values=DynamicCache(), max_new_tokens=5, **GREEDY))
+        cache.close()
+        if head:
+            resumed += 1
+            # The host copy is whole now: the next turn reuses it without recomputing anything.
+            again = AttnStoreCache(model, store, s, out)
+            assert again.kv_source == "host" and again.recomputed_head == 0 and again.reused_tokens == out.shape[1] - 1
+            assert torch.equal(model.generate(again.input_ids, past_key_values=again, max_new_tokens=3, **GREEDY),
+                               model.generate(out, past_key_values=DynamicCache(), max_new_tokens=3, **GREEDY))
+    assert resumed >= 1
+    store.close()
+
+
+def test_a_partially_evicted_session_truncates_like_a_whole_one(tmp_path):
+    """Decoupled truncation keeps the sinks of a recomputed head and stored tokens after the gap: the output
+    equals the same truncation over the whole stored session."""
+    model = make_tiny("llama")
+    store, hist = _partially_evicted(tmp_path, model)
+    victim = next(s for s in "abc" if store.lookup(s, AttnStore.fingerprint(store, model)).head)
+    window = hist[victim].shape[1] - 4  # overflows: half of the window is dropped after the 4 sinks
+    cache = AttnStoreCache(model, store, victim, hist[victim], context_window=window, save=False)
+    assert cache.dropped_tokens > 0 and cache.recomputed_head == 4  # only the sinks of the head are needed
+    out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
+    store.close()
+    # The same history, never partially evicted.
+    whole = AttnStore(host_bytes="16MiB", **FAST)
+    first = AttnStoreCache(model, whole, victim, hist[victim][:, :-7])
+    model.generate(first.input_ids, past_key_values=first, max_new_tokens=1, **GREEDY)
+    first.close()
+    ref = AttnStoreCache(model, whole, victim, hist[victim], context_window=window, save=False)
+    assert ref.dropped_tokens == cache.dropped_tokens and ref.reused_tokens == cache.reused_tokens
+    assert torch.equal(out, model.generate(ref.input_ids, past_key_values=ref, max_new_tokens=5, **GREEDY))
