@@ -9,6 +9,8 @@ Sections:
   capacity   hit rate vs disk capacity with 128 GB of DRAM (Fig. 23); writes docs/img/sim_capacity.png
   codecs     hit rate and DRAM share vs disk capacity per lossy codec of the cold copies (issue 14), with
              look-ahead + prefetch and LRU
+  partial    partial eviction (leading chunks of cold sessions first, Pensieve) vs whole-session eviction,
+             lossless and int4, vs disk capacity
 
 See `hf_attnstore.simulation` for the serving model and the cost model's assumptions.
 """
@@ -140,6 +142,24 @@ def main(argv=None):
                     cells.append(f"{100 * r.hit_rate:.1f}% ({100 * r.host_share:.0f}%)")
                 print(f"| {label} | {policy}{' + prefetch' if prefetch else ''} | " + " | ".join(cells) + " |",
                       flush=True)
+    if "partial" in sections:
+        disks = (0.25e12, 0.5e12, 1e12, 2e12)
+        print(f"\n## {profile.name}: partial vs whole-session eviction from disk (128 GB DRAM; cells: hit rate / "
+              "token hit rate / mean TTFT without queueing (load stall + prefill))\n")
+        print("| codec | eviction | policy | " + " | ".join(f"{d / 1e12:g} TB" for d in disks) + " |\n"
+              "| --- | --- | --- |" + " --- |" * len(disks))
+        for codec in (None, "int4"):
+            for partial in (False, True):
+                for policy, prefetch in POLICIES[:2]:
+                    cells = []
+                    for disk in disks:
+                        r = simulate(trace, profile, dataclasses.replace(base, disk_bytes=disk, policy=policy,
+                                                                         prefetch=prefetch, kv_codec=codec,
+                                                                         partial_eviction=partial))
+                        cells.append(f"{100 * r.hit_rate:.1f}% / {100 * r.token_hit_rate:.1f}% / "
+                                     f"{1000 * statistics.mean(r.service_ttft_s):.0f} ms")
+                    print(f"| {codec or 'lossless'} | {'partial' if partial else 'whole'} | "
+                          f"{policy}{' + prefetch' if prefetch else ''} | " + " | ".join(cells) + " |", flush=True)
     print(f"\nsimulated in {time.perf_counter() - started:.0f} s")
 
 

@@ -105,3 +105,26 @@ def test_cost_is_gpu_time_plus_provisioned_tiers():
     assert c_re["gpu"] == pytest.approx(re.gpu_busy_s / 3600 * 5.0) and c_re["dram"] == c_re["ssd"] == 0
     assert c_as["dram"] == pytest.approx(1.0 * stored.makespan_s / 3600 * 0.0088)  # 1e9 bytes = 1 GB
     assert c_as["gpu"] < c_re["gpu"]  # fewer prefill tokens
+
+
+def test_partial_eviction_drops_heads_and_recomputes_them_on_resume(monkeypatch):
+    small = dataclasses.replace(BIG, host_bytes=50, disk_bytes=400, policy="lru", prefetch=False, chunk_tokens=10)
+    whole = simulate(TRACE, PROFILE, small)
+    part = simulate(TRACE, PROFILE, dataclasses.replace(small, partial_eviction=True))
+    assert whole.head_drops == whole.partial_hits == whole.head_recompute_tokens == 0
+    # With every session's chunks about as costly (short histories: attention is a small share of a token's
+    # cost), the retention value orders chunks by idle time: the oldest session loses chunk after chunk, as
+    # whole-session LRU would lose it, and no session comes back half evicted on this trace.
+    assert part.head_drops > 0 and part.hit_rate == whole.hit_rate
+    # Forcing one head chunk off every idle session shows the resume path: the head is recomputed, the rest
+    # reused, and every history token is either reused or prefilled again.
+    real = simulation.choose_head_drops
+    monkeypatch.setattr(simulation, "choose_head_drops", lambda cands, overflow: [k for k, _, u in cands if len(u) > 1])
+    forced = simulate(TRACE, PROFILE, dataclasses.replace(small, partial_eviction=True))
+    assert forced.partial_hits > 0 and forced.head_recompute_tokens >= 10 * forced.partial_hits
+    assert forced.token_hit_rate < forced.hit_rate
+    new_tokens = sum(u for conv in TRACE for u, _ in conv)
+    for r in (whole, part, forced):
+        assert r.reused_tokens + r.head_recompute_tokens <= r.history_tokens
+        assert r.prefill_tokens == new_tokens + r.history_tokens - r.reused_tokens
+    assert real is not simulation.choose_head_drops  # the simulator calls the store's placement code by name

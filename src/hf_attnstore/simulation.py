@@ -23,7 +23,7 @@ from itertools import islice
 
 from .config import TruncationConfig
 from .policy import make_policy
-from .store.placement import choose_victims, lookahead_windows
+from .store.placement import HEAD_SEARCH, choose_head_drops, choose_victims, lookahead_windows
 from .truncation import tokens_to_drop
 
 
@@ -72,6 +72,10 @@ class SimConfig:
         codec_tiers: ``"disk"``: only the disk copy is encoded, as the store does (a loaded session is
             dequantized into host memory); ``"all"``: host copies of sessions between turns too (a what-if
             the store does not implement yet).
+        partial_eviction: The disk tier drops cold sessions' leading chunks first (the store's
+            ``partial_eviction``, with its victim choice); a resumed session recomputes its dropped head while
+            the rest is read.
+        chunk_tokens: Tokens per chunk (the unit partial eviction drops).
     """
 
     host_bytes: float = 128e9
@@ -89,6 +93,8 @@ class SimConfig:
     kv_codec: str | None = None
     kv_codec_group: int = 32
     codec_tiers: str = "disk"
+    partial_eviction: bool = False
+    chunk_tokens: int = 256
 
 
 def codec_ratio(kv_codec: str | None, group: int = 32, dtype_bytes: int = 2) -> float:
@@ -122,6 +128,11 @@ class SimResult:
     demotions: int = 0
     disk_drops: int = 0
     prefetches: int = 0
+    head_drops: int = 0  # chunks dropped by partial eviction
+    partial_hits: int = 0  # disk hits whose head was recomputed
+    head_recompute_tokens: int = 0
+    history_tokens: int = 0  # tokens of resumed turns' histories (kept after truncation)
+    reused_tokens: int = 0  # of those, reused from a tier rather than recomputed
 
     @property
     def hit_rate(self) -> float:
@@ -133,6 +144,12 @@ class SimResult:
 
         return (prices or CostModel()).cost(self.gpu_busy_s * profile.gpus, cfg.host_bytes, cfg.disk_bytes,
                                             self.makespan_s)
+
+    @property
+    def token_hit_rate(self) -> float:
+        """Share of resumed turns' history tokens reused rather than recomputed (partial hits count their
+        stored tail only)."""
+        return self.reused_tokens / self.history_tokens if self.history_tokens else float("nan")
 
     @property
     def host_share(self) -> float:
@@ -152,6 +169,11 @@ class _Tiers:
         self.host_policy, self.disk_policy = make_policy(cfg.policy), make_policy(cfg.policy)
         self.host: dict[tuple, float] = {}
         self.disk: dict[tuple, float] = {}
+        self.head: dict[tuple, int] = {}  # disk copies' dropped head, in tokens (partial eviction)
+        self.tokens: dict[tuple, int] = {}  # disk copies' length in tokens
+        self.last_use: dict[tuple, float] = {}
+        self.missing: dict[tuple, int] = {}  # host copies loaded without their head (filled by the next turn)
+        self.now = 0.0
         self.host_used = self.disk_used = 0.0
         self.ready_at: dict[tuple, float] = {}  # sessions being loaded: when their read completes
         self.ssd_free_at = 0.0
@@ -173,9 +195,14 @@ class _Tiers:
 
     def set_host(self, key, nbytes):
         self.host_used += self._set(self.host, self.host_policy, key, nbytes)
+        if nbytes is None:
+            self.missing.pop(key, None)
 
     def set_disk(self, key, nbytes):
         self.disk_used += self._set(self.disk, self.disk_policy, key, nbytes)
+        if nbytes is None:
+            self.head.pop(key, None)
+            self.tokens.pop(key, None)
 
     def make_host_room(self, extra: float, exclude, keep_sooner_than: int | None = None) -> bool:
         movable = lambda k: k != exclude and k not in self.pinned and k not in self.ready_at  # noqa: E731
@@ -187,6 +214,8 @@ class _Tiers:
 
     def enforce_disk(self, current) -> None:
         movable = lambda k: k != current and k not in self.ready_at  # noqa: E731
+        if self.cfg.partial_eviction and self.disk_used > self.cfg.disk_bytes:
+            self._drop_heads(movable)
         for key in choose_victims(self.disk_policy.victims(), self.disk.get, movable,
                                   self.disk_used - self.cfg.disk_bytes):
             self.set_disk(key, None)
@@ -194,17 +223,48 @@ class _Tiers:
         if self.disk_used > self.cfg.disk_bytes and current in self.disk:
             self.set_disk(current, None)
 
-    def save(self, key, full: float) -> None:
-        """A turn's KV (`full` bytes at the model's precision): kept in host memory (making room) and written to
-        disk, each copy at its codec's size."""
+    def _drop_heads(self, movable) -> None:
+        """Partial eviction with the store's victim choice: leading chunks of idle, unqueued sessions."""
+        chunk = self.cfg.chunk_tokens
+        position = getattr(self.disk_policy, "position", lambda k: None)
+        candidates = []
+        overflow, offered = self.disk_used - self.cfg.disk_bytes, 0.0
+        for key in self.disk_policy.victims():
+            if offered >= HEAD_SEARCH * overflow:
+                break
+            if not movable(key) or key in self.pinned or position(key) is not None:
+                continue
+            head, n = self.head.get(key, 0), self.tokens[key]
+            per_token = self.disk[key] / (n - head)
+            bounds = list(range(head, n, chunk)) + [n]
+            units = [(a, b, (b - a) * per_token) for a, b in zip(bounds, bounds[1:])]
+            candidates.append((key, self.now - self.last_use.get(key, 0.0), units))
+            offered += self.disk[key]
+        for key in choose_head_drops(candidates, overflow):
+            head, n = self.head.get(key, 0), self.tokens[key]
+            drop = min(chunk, n - head)
+            if head + drop >= n:
+                self.set_disk(key, None)
+                self.result.disk_drops += 1
+                continue
+            self.disk_used -= self.disk[key] * drop / (n - head)
+            self.disk[key] *= (n - head - drop) / (n - head)
+            self.head[key] = head + drop
+            self.result.head_drops += 1
+
+    def save(self, key, full: float, tokens: int = 0, head: int = 0) -> None:
+        """A turn's KV (`full` bytes at the model's precision, `tokens` tokens): kept in host memory (making
+        room) and written to disk, each copy at its codec's size; the disk copy's dropped `head` stays dropped
+        (the store never rewrites a head)."""
         nbytes = full * self.host_ratio
         if nbytes <= self.cfg.host_bytes and self.make_host_room(nbytes - self.host.get(key, 0.0), exclude=key):
             self.set_host(key, nbytes)
         else:
             self.set_host(key, None)
-        nbytes = full * self.disk_ratio
+        nbytes = full * self.disk_ratio * ((tokens - head) / tokens if tokens else 1.0)
         if self.cfg.disk_bytes > 0 and nbytes <= self.cfg.disk_bytes:
             self.set_disk(key, nbytes)
+            self.tokens[key], self.head[key] = tokens, head
             self.enforce_disk(key)
         else:
             self.set_disk(key, None)
@@ -212,13 +272,17 @@ class _Tiers:
     def load(self, key, now: float, must_fit: bool) -> bool:
         """Reads a disk-only session into host memory; a prefetch (`must_fit`) never evicts a sooner one."""
         read = self.disk[key]
-        nbytes = read / self.disk_ratio * self.host_ratio  # dequantized into host memory unless it is encoded too
+        n, head = self.tokens.get(key, 1), self.head.get(key, 0)
+        # Dequantized into host memory unless it is encoded too; room for the whole session (the head is
+        # recomputed into it).
+        nbytes = read / self.disk_ratio * self.host_ratio * n / (n - head)
         if nbytes > self.cfg.host_bytes:
             return False
         keep = self.position(key) if must_fit else None
         if not self.make_host_room(nbytes, exclude=key, keep_sooner_than=keep) and must_fit:
             return False
         self.set_host(key, nbytes)
+        self.missing[key] = head
         self.ssd_free_at = max(self.ssd_free_at, now) + read / self.cfg.ssd_read_bytes_per_s
         self.ready_at[key] = self.ssd_free_at
         return True
@@ -250,6 +314,7 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
     tiers = _Tiers(cfg, result)
     window = TruncationConfig(profile.context_window, cfg.truncation_ratio, cfg.keep_first, "recompute")
     history = [0] * len(conversations)
+    heads = [0] * len(conversations)  # each session's dropped head after its last turn
     events: list = []
     seq = 0
 
@@ -290,6 +355,7 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
         kept = hist - min(drop, hist)
         stall = 0.0
         hit = None
+        head = tiers.head.get(key, 0) if job.turn > 0 else 0  # the disk copy's dropped head, if any
         if job.turn > 0:
             result.resumed += 1
             if key in tiers.host:
@@ -309,6 +375,20 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
                 result.hits_disk += 1
             for k in [k for k, r in tiers.ready_at.items() if r <= now]:
                 del tiers.ready_at[k]
+        # A host copy loaded without its head (partial eviction): this turn recomputes the head tokens it keeps
+        # (the sinks only, if truncation drops the rest of the head), while the rest is read.
+        missing = tiers.missing.pop(key, 0) if hit is not None else 0
+        need = missing if not drop or missing > cfg.keep_first + drop else min(missing, cfg.keep_first)
+        if hit is None:
+            head = 0  # recomputed and stored anew
+        elif drop:
+            head = min(head, cfg.keep_first) + max(0, head - cfg.keep_first - drop)
+        if job.turn > 0:
+            result.history_tokens += kept
+            result.reused_tokens += kept - need if hit is not None else 0
+            result.partial_hits += need > 0
+            result.head_recompute_tokens += need
+        tiers.last_use[key] = now
         tiers.ready_at.pop(key, None)
         tiers.pinned.add(key)
         prefill = user if hit is not None else kept + user
@@ -316,13 +396,18 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
         result.prefill_tokens += prefill
         result.prefill_tokens_recompute += kept + user
         prefill_s = prefill * profile.prefill_s_per_token
-        service = stall + prefill_s + reply * profile.decode_s_per_step
+        head_s = need * profile.prefill_s_per_token
+        result.prefill_tokens += need
+        # The head is recomputed while the rest of the session is read: the turn waits for the longer of the two.
+        wait = max(stall, head_s)
+        service = wait + prefill_s + reply * profile.decode_s_per_step
         # A decode step serves the whole batch, so a job's share of the GPU is a 1/batch of each step.
-        result.gpu_busy_s += prefill_s + reply * profile.decode_s_per_step / cfg.batch
-        result.stall_s += stall
-        result.ttft_s.append(now - job.arrival + stall + prefill_s)
-        result.service_ttft_s.append(stall + prefill_s)
+        result.gpu_busy_s += head_s + prefill_s + reply * profile.decode_s_per_step / cfg.batch
+        result.stall_s += max(0.0, stall - head_s)
+        result.ttft_s.append(now - job.arrival + wait + prefill_s)
+        result.service_ttft_s.append(wait + prefill_s)
         history[job.sid] = kept + user + reply
+        heads[job.sid] = head
         running.append(job)
         push(now + service, 1, job)
 
@@ -334,8 +419,11 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
             running.remove(job)
             key = ("sim", job.sid)
             tiers.pinned.discard(key)
+            tiers.last_use[key] = now
+            tiers.now = now
             if cfg.host_bytes > 0 or cfg.disk_bytes > 0:
-                tiers.save(key, history[job.sid] * profile.kv_bytes_per_token)
+                tiers.save(key, history[job.sid] * profile.kv_bytes_per_token, history[job.sid],
+                           heads[job.sid] if key in tiers.disk else 0)
             if job.turn + 1 < len(conversations[job.sid]):
                 nxt = now + rng.expovariate(1.0 / cfg.think_time_s) if cfg.think_time_s > 0 else now
                 push(nxt, 0, _Job(job.sid, job.turn + 1, nxt))

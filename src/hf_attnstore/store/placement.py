@@ -68,6 +68,13 @@ def lookahead_windows(host_limit: int, disk_limit: int, host_used: int, host_ses
 ATTENTION_TOKENS = 16384
 
 
+# Callers offer `choose_head_drops` the sessions first in their eviction policy's order (least recently used
+# first) until these hold this many times the bytes to free: with idle time dominating the value, a younger
+# session's chunk is chosen only when an older one's cost is far higher, and scanning every session of a
+# large tier at each write would cost more than it could gain.
+HEAD_SEARCH = 4
+
+
 def recompute_cost(start: int, end: int, attention_tokens: int = ATTENTION_TOKENS) -> float:
     """Relative prefill cost of recomputing tokens ``[start, end)`` after the tokens before them: their linear
     layers, plus attention over every earlier position (so later chunks cost more)."""

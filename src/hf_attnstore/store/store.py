@@ -36,7 +36,7 @@ from .codec import serves
 from .disk import MANIFEST, DiskTier
 from .format import FormatError, Manifest
 from .entry import Entry, Key, Write, blocks, validate_session_id
-from .placement import choose_head_drops, choose_victims
+from .placement import HEAD_SEARCH, choose_head_drops, choose_victims
 from .reader import LoadPlanning, LoadThread
 from .remote import RemoteTier, RemoteUnavailableError
 from .saver import NoDiskRoom, SavePlanning, SaveThread
@@ -559,15 +559,20 @@ class AttnStore(LoadPlanning, SavePlanning):
 
     def _drop_disk_heads(self, current: Entry | None, overflow: int) -> None:
         """Partial eviction: drops leading chunks of idle sessions' disk copies, lowest retention value first
-        (`placement.choose_head_drops`). Sessions pinned, queued by the scheduler, or being written are left."""
+        (`placement.choose_head_drops`). Sessions loading, being written, running a turn or queued by the
+        scheduler are left whole."""
         now = time.monotonic()
         position = getattr(self._disk_policy, "position", lambda key: None)
-        candidates = []
+        candidates, offered = [], 0
         for key in self._disk_policy.victims():
+            if offered >= HEAD_SEARCH * overflow:
+                break
             e = self._entries[key]
-            if e is current or e.pins or e.manifest is None or not e.manifest.spans or position(key) is not None:
+            if e is current or e.pins or e.writers or e.manifest is None or not e.manifest.spans \
+                    or position(key) is not None:
                 continue
             candidates.append((key, now - e.last_access, self._head_units(e)))
+            offered += e.disk_bytes
         for key in choose_head_drops(candidates, overflow):
             e = self._entries.get(key)
             if e is None or e.manifest is None:
