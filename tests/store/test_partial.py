@@ -184,3 +184,19 @@ def test_a_failed_manifest_write_drops_the_whole_copy(kvdir, monkeypatch):
     assert store.lookup("old", FP) is None  # a clean miss, never a manifest that disagrees with the files
     assert store.stats().disk_bytes_used <= store.config.disk_bytes
     store.close()
+
+
+def test_making_room_for_a_write_lets_the_write_happen(kvdir):
+    """Regression: bytes queued for deletion counted as used when deciding whether a file fits, so a write
+    that evicted other sessions to make room was then refused as 'larger than the disk tier'."""
+    with make(kvdir) as store:
+        for i, name in enumerate(["a", "b", "c"]):
+            write_turn(store, name, list(range(100 * i, 100 * i + 12)))
+    one = session_bytes(kvdir, "a")
+    with make(kvdir, disk_bytes=3 * one) as store:  # room for three: the fourth evicts one
+        write_turn(store, "d", list(range(500, 512)))
+        store.flush()
+        s = store.stats()
+        assert s.rejected_too_large == 0 and s.disk_drops == 1 and s.disk_sessions == 3
+        store.evict("d")
+        assert store.tier_of("d", FP) == "disk"
