@@ -270,9 +270,9 @@ class AttnStoreCache(DynamicCache):
             _once.warning("head", f"recomputing the evicted head of session {self.session_id!r} failed ({exc}): "
                           "the session is recomputed")
             return None
-        if need == head:
-            store.fill_head(snapshot, keys, values)
         self.recomputed_head = need
+        if need == head and store.fill_head(snapshot, keys, values):
+            return dataclasses.replace(snapshot, head=0)  # the host copy holds the head now: read it there
         return snapshot.with_head(Segment.adopt(ids.clone(), keys, values))
 
     @property

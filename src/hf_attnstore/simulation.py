@@ -413,6 +413,7 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
 
     while events:
         now, _, kind, job = heapq.heappop(events)
+        tiers.now = now
         if kind == 0:
             waiting.append(job)
         else:
@@ -420,7 +421,6 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
             key = ("sim", job.sid)
             tiers.pinned.discard(key)
             tiers.last_use[key] = now
-            tiers.now = now
             if cfg.host_bytes > 0 or cfg.disk_bytes > 0:
                 tiers.save(key, history[job.sid] * profile.kv_bytes_per_token, history[job.sid],
                            heads[job.sid] if key in tiers.disk else 0)

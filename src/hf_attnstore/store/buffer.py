@@ -9,6 +9,7 @@ otherwise starts a new segment. Nothing is ever copied to grow or to cut a sessi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -123,7 +124,7 @@ class SessionKV:
             if x < b:
                 parts.append((s, x, b))
             pos += b - a
-        return SessionKV(self.token_ids, tuple(parts), self.source, self.loader, self.tier, self.generation, head=0)
+        return dataclasses.replace(self, parts=tuple(parts), head=0)
 
     def tensors(self, start: int, end: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """Contiguous copies of tokens ``[start, end)``: ids and per-layer keys and values (for the writer)."""

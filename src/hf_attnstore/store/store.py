@@ -649,6 +649,8 @@ class AttnStore(LoadPlanning, SavePlanning):
                 with self._cond:
                     e = self._entries.get(key)
                     if e is not None and e.manifest is manifest:
+                        # The chunk is still there: count it with the folder, whose deletion removes it.
+                        self._set_files(e, {**e.files, chunk: nbytes} if chunk else e.files, e.manifest_size)
                         self._drop_disk_copy(e)
                 continue
             if chunk is not None:
