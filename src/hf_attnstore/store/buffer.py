@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .loader import LoadHandle
+from .state import SessionState
 
 _ROUND_TOKENS = 16
 
@@ -80,6 +81,9 @@ class SessionKV:
         head: Leading tokens whose KV is not there (a partially evicted session, see `StoreConfig.
             partial_eviction`): their ids are known, their memory holds nothing yet. The turn that reuses the
             snapshot recomputes them (`AttnStore.fill_head`); no reader may read them before.
+        state: A hybrid model's recurrent and convolution states after the first ``state.tokens`` tokens
+            (state.py), or None. Set once the session is loaded (a snapshot of a session still loading has
+            none: read the buffer's, ``source.state``, after waiting for the load).
     """
 
     token_ids: torch.Tensor
@@ -89,6 +93,7 @@ class SessionKV:
     tier: str = "host"
     generation: int = 0
     head: int = 0
+    state: SessionState | None = None
 
     @property
     def length(self) -> int:
@@ -187,11 +192,16 @@ class SessionBuffer:
         # one turn fills them in (`head_claimed`) and sets it to 0. Nothing reads them before.
         self.missing_head = 0
         self.head_claimed = False
+        # A hybrid model's states after the first `state.tokens` tokens (state.py); they stay valid while
+        # those tokens are kept, and count in the buffer's bytes.
+        self.state: SessionState | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the segments this session uses (whole segments: that is what occupies memory)."""
-        return sum(seg.nbytes for seg in {id(seg): seg for seg, _, _ in self.parts}.values())
+        """Bytes of the segments this session uses (whole segments: that is what occupies memory), and of
+        its state."""
+        kv = sum(seg.nbytes for seg in {id(seg): seg for seg, _, _ in self.parts}.values())
+        return kv + (self.state.nbytes if self.state is not None else 0)
 
     def new_segment(self, capacity: int) -> Segment:
         return Segment(self.geometry, self.dtype, _round(capacity), self.pin_memory)
@@ -202,7 +212,7 @@ class SessionBuffer:
         if not ids:
             token_ids = torch.empty(0, dtype=torch.long)
         return SessionKV(token_ids=token_ids, parts=tuple(self.parts), source=self, loader=loader, tier=tier,
-                         generation=generation, head=self.missing_head)
+                         generation=generation, head=self.missing_head, state=self.state)
 
     def _tail_room(self) -> int:
         """Tokens that can be appended in place (0 if the last part does not end at its segment's fill mark)."""
@@ -280,6 +290,8 @@ class SessionBuffer:
             pos += take
         self.parts, self.length = parts, length
         self.missing_head = min(self.missing_head, length)
+        if self.state is not None and self.state.tokens > length:
+            self.state = None  # it summarizes tokens that are gone
 
     @classmethod
     def selected(cls, base: SessionKV, keep: torch.Tensor, pin_memory: bool) -> "SessionBuffer":
@@ -295,6 +307,9 @@ class SessionBuffer:
             if not torch.equal(keep[:missing], torch.arange(missing)):
                 raise ValueError("a selection keeps tokens of a missing head after a gap: recompute the head first")
             buf.missing_head = missing
+        n = int(keep.numel())
+        if base.state is not None and base.state.tokens <= n and torch.equal(keep, torch.arange(n)):
+            buf.state = base.state  # its tokens are kept in place: still the state after them
         return buf
 
     @classmethod

@@ -22,6 +22,7 @@ from .format import (
     ChunkMeta,
     FormatError,
     Manifest,
+    StateRef,
     bytes_to_tensor,
     check_chain,
     file_reader,
@@ -139,6 +140,15 @@ class DiskTier(Tier):
     def get(self, key: Key, chunk: str) -> DiskChunk:
         fd, meta = self.open_chunk(key[0], key[1], chunk)
         return DiskChunk(self, fd, meta)
+
+    def read_state(self, key: Key, ref: StateRef) -> bytes:
+        path = self.session_dir(*key) / (ref.name + CHUNK_SUFFIX)
+        if not path.is_file() or path.is_symlink():
+            raise FormatError("the session's state file is missing or not a regular file")
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise FormatError(f"the session's state file cannot be read ({exc})") from exc
 
     def manifest(self, key: Key) -> Manifest | None:
         path = self.session_dir(*key) / MANIFEST
@@ -310,6 +320,11 @@ class DiskTier(Tier):
         if len(layouts) != 1:
             raise FormatError("chunks of one session disagree on shapes or dtype (or there are none)")
         check_chain(manifest, metas)
+        if manifest.state is not None:  # verified when loaded (it is read whole then); here: it is there
+            path = folder / (manifest.state.name + CHUNK_SUFFIX)
+            if not path.is_file() or path.is_symlink():
+                raise FormatError("the manifest's state file is missing")
+            sizes[manifest.state.name] = (path.stat().st_size, 0)
         return manifest, sizes, layouts.pop(), frozenset(codecs)
 
     @staticmethod

@@ -74,6 +74,7 @@ class Entry:
     generation: int = 0
     pins: int = 0  # loads and writes in flight: the entry's buffers must not change
     writers: set = field(default_factory=set)  # turns running on the session: it stays in host memory
+    live: object = None  # weakref to the running turn's TurnWriter, for a hybrid model's states (or None)
     loading: LoadHandle | None = None
     load_job: LoadJob | None = None
     last_access: float = 0.0
@@ -96,8 +97,16 @@ class Entry:
         return self.manifest.length if self.manifest is not None else 0
 
     @property
+    def state_dirty(self) -> bool:
+        """Whether the host copy has a hybrid-model state that the durable copy lacks (state.py)."""
+        state = self.host.state if self.host is not None else None
+        durable = self.manifest.state if self.manifest is not None else None
+        return state is not None and (durable is None or durable.digest != state.digest)
+
+    @property
     def dirty(self) -> bool:
-        return self.host is not None and self.persisted < self.host.length and self.write is not Write.NEVER
+        return self.host is not None and (self.persisted < self.host.length or self.state_dirty) \
+            and self.write is not Write.NEVER
 
     @property
     def urgent(self) -> bool:

@@ -274,6 +274,31 @@ def bytes_to_tensor(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.
 
 
 # -- manifest -------------------------------------------------------------------------------------------
+STATE_PREFIX = "s-"  # state files (state.py) are named "s-<digest>"; chunk files never start so
+
+
+@dataclass(frozen=True)
+class StateRef:
+    """A manifest's hybrid-model state (state.py): file `name` (without its suffix), which summarizes the
+    session's first `tokens` tokens and whose metadata digest must be `digest`."""
+
+    name: str
+    tokens: int
+    digest: str
+
+    def encode(self) -> list:
+        return [self.name, self.tokens, self.digest]
+
+    @classmethod
+    def decode(cls, raw) -> "StateRef":
+        name, tokens, digest = raw
+        if not isinstance(name, str) or not name.startswith(STATE_PREFIX) or not name[len(STATE_PREFIX):].isalnum():
+            raise FormatError("malformed state reference")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+            raise FormatError("malformed state reference")
+        return cls(name, tokens, str(digest))
+
+
 @dataclass(frozen=True)
 class Span:
     """Tokens ``[start, end)`` of chunk file ``chunk``, whose digest must be ``digest``.
@@ -310,6 +335,7 @@ class Manifest:
     spans: tuple[Span, ...]
     next_chunk: int  # chunk names are never reused, even after a restart
     dropped: tuple[Span, ...] = ()
+    state: StateRef | None = None  # a hybrid model's states after the first `state.tokens` tokens (state.py)
 
     @property
     def length(self) -> int:
@@ -324,7 +350,7 @@ class Manifest:
         """The manifest after partial eviction of its first stored span (its chunk's file can then go)."""
         assert self.spans, "nothing left to drop"
         return Manifest(self.fingerprint, self.session_id, self.token_ids, self.spans[1:], self.next_chunk,
-                        self.dropped + self.spans[:1])
+                        self.dropped + self.spans[:1], self.state)
 
     def select(self, ranges: list[tuple[int, int]]) -> "Manifest":
         """The manifest of the logical token ranges `ranges` (in order), without touching any data.
@@ -359,7 +385,11 @@ class Manifest:
             break
         token_ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.long)
         assert sum(s.length for s in spans + dropped) == token_ids.numel(), "spans must cover the selected tokens"
-        return Manifest(self.fingerprint, self.session_id, token_ids, tuple(spans), self.next_chunk, tuple(dropped))
+        # A state summarizes exactly its first tokens: it stays only if they are kept, in place.
+        state = self.state if self.state is not None and ranges and ranges[0][0] == 0 \
+            and ranges[0][1] >= self.state.tokens else None
+        return Manifest(self.fingerprint, self.session_id, token_ids, tuple(spans), self.next_chunk, tuple(dropped),
+                        state)
 
     def encode(self) -> bytes:
         body = {
@@ -372,6 +402,8 @@ class Manifest:
         }
         if self.dropped:  # absent otherwise: a store without partial eviction writes what it always wrote
             body["dropped"] = [[s.chunk, s.start, s.end, s.digest, s.rebased] for s in self.dropped]
+        if self.state is not None:  # only hybrid models' sessions have one
+            body["state"] = self.state.encode()
         text = json.dumps(body, sort_keys=True)
         return json.dumps({"body": text, "xxh64": checksum(text.encode())}).encode()
 
@@ -390,8 +422,9 @@ class Manifest:
             ids = torch.frombuffer(bytearray(raw), dtype=torch.int64).clone() if raw else torch.empty(0, dtype=torch.long)
             spans, dropped = (tuple(Span(str(c), int(a), int(b), str(d), bool(r)) for c, a, b, d, r in body.get(k, ()))
                               for k in ("spans", "dropped"))
+            state = StateRef.decode(body["state"]) if "state" in body else None
             manifest = cls(str(body["fingerprint"]), str(body["session_id"]), ids, spans, int(body["next_chunk"]),
-                           dropped)
+                           dropped, state)
         except FormatError:
             raise
         except Exception as exc:
@@ -401,6 +434,8 @@ class Manifest:
         every = spans + dropped
         if any(s.start < 0 or s.end <= s.start for s in every) or sum(s.length for s in every) != manifest.length:
             raise FormatError("manifest spans do not cover its tokens")
+        if manifest.state is not None and manifest.state.tokens > manifest.length:
+            raise FormatError("the manifest's state covers more tokens than the manifest")
         return manifest
 
 

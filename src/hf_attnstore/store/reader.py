@@ -27,8 +27,9 @@ import torch
 
 from .buffer import SessionBuffer
 from .codec import KVCodec, serves
-from .format import FormatError, Manifest, check_chain
+from .format import FormatError, Manifest, check_chain, prefix_digest
 from .loader import LoadHandle
+from .state import SessionState
 from .tier import ChunkReader, Tier
 
 if TYPE_CHECKING:
@@ -165,6 +166,13 @@ class LoadThread:
                 raise FormatError("chunk ids disagree with the manifest")
             pos += span.length
         check_chain(manifest, [job.opened[span.chunk].meta for span in manifest.spans])
+        if manifest.state is not None:
+            # Read whole and verified before any KV: a turn of a hybrid model needs it to reuse anything.
+            ref = manifest.state
+            state = SessionState.decode(job.tier.read_state(job.key, ref), job.key, ref)
+            if state.prefix != prefix_digest(job.key[0], manifest.token_ids[: ref.tokens]):
+                raise FormatError("the state was computed after another history")
+            buf.state = state
         job.verified = True
 
 
@@ -215,6 +223,8 @@ class LoadPlanning:
                 self._stats.read_seconds += job.seconds
             if e.loading is job.handle:
                 e.loading, e.load_job = None, None
+            if e.host is job.buf:
+                self._host.account(e)  # a state read with the KV counts now
             if error is not None:
                 self._stats.load_errors += 1
                 self._stats.remote_errors += remote

@@ -23,6 +23,7 @@ vanished is served up to its last chunk still present (the verified prefix).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -36,6 +37,7 @@ from .format import (
     FormatError,
     Manifest,
     Span,
+    StateRef,
     bytes_to_tensor,
     chunk_digest,
     layer_names,
@@ -188,7 +190,9 @@ class RemoteTier(Tier):
             manifest = Manifest.decode(data, key[0])
             spans, dropped = (tuple(Span(s.digest, s.start, s.end, s.digest, s.rebased) for s in part)
                               for part in (manifest.spans, manifest.dropped))
-            data = Manifest(manifest.fingerprint, manifest.session_id, manifest.token_ids, spans, 0, dropped).encode()
+            # A state file is named by its digest already ("s-<digest>"), stored like a chunk under it.
+            data = Manifest(manifest.fingerprint, manifest.session_id, manifest.token_ids, spans, 0, dropped,
+                            manifest.state).encode()
             target = self.key_of(key, "m")
         else:
             target = self.key_of(key, "c:" + chunk_digest(data))
@@ -205,8 +209,15 @@ class RemoteTier(Tier):
             raise FormatError(f"chunk {chunk[:12]} is not in the remote tier (expired or evicted)")
         return RemoteChunk(self, name, size, *key)
 
+    def read_state(self, key: Key, ref: StateRef) -> bytes:
+        data = self._call(self.client.get, self.key_of(key, "c:" + ref.digest))
+        if data is None:
+            raise FormatError("the session's state is not in the remote tier (expired or evicted)")
+        return data
+
     def manifest(self, key: Key) -> Manifest | None:
-        """The session's manifest, cut to its chunks still present (Redis may have evicted later ones).
+        """The session's manifest, cut to its chunks still present (Redis may have evicted later ones), without
+        its state if Redis evicted that.
 
         Raises:
             RemoteUnavailableError: The server failed (the caller treats it as a miss and counts it).
@@ -224,7 +235,11 @@ class RemoteTier(Tier):
         pipe = self.client.pipeline(transaction=False)
         for span in manifest.spans:
             pipe.exists(self.key_of(key, "c:" + span.chunk))
+        if manifest.state is not None:
+            pipe.exists(self.key_of(key, "c:" + manifest.state.digest))
         present, end = self._call(pipe.execute), manifest.head
+        if manifest.state is not None and not present.pop():
+            manifest = dataclasses.replace(manifest, state=None)
         for span, here in zip(manifest.spans, present):
             if not here:
                 break

@@ -23,7 +23,7 @@ import torch
 from .buffer import SessionKV
 from .disk import CHUNK_SUFFIX, MANIFEST
 from .entry import Entry, Write
-from .format import Manifest, Span, encode_chunk, prefix_hasher, tensor_bytes
+from .format import Manifest, Span, StateRef, encode_chunk, prefix_hasher, tensor_bytes
 from .tier import Key, Tier
 
 if TYPE_CHECKING:
@@ -114,10 +114,12 @@ class SaveThread:
                     copies.append((digest, self.mirror.put(key, name + CHUNK_SUFFIX, data)))
                 history.update(tensor_bytes(ids))
                 spans.append(Span(name, 0, b - a, digest))
+            state, size = self._write_state(job, pending, copies if mirroring else None)
+            reserved += size
             for name, tokens, future in pending:
                 new_chunks[name] = (future.result(self.timeout_s), tokens)
             manifest = Manifest(fp, sid, job.snap.token_ids[: job.end].clone(), tuple(spans), next_chunk,
-                                job.base.dropped)
+                                job.base.dropped, state)
             manifest_bytes = manifest.encode()
             reserved += self.store._reserve_disk(job.entry, len(manifest_bytes))
             manifest_size = self.tier.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
@@ -141,6 +143,23 @@ class SaveThread:
         result.keep = keep
         return result
 
+    def _write_state(self, job: SaveJob, pending: list, copies: list | None) -> tuple[StateRef | None, int]:
+        """The state the new manifest names (a hybrid model's, state.py), and the disk bytes reserved for it:
+        the host copy's if the job's tokens cover it (its file is put now, unless the durable copy has it
+        already), else the durable copy's."""
+        state, base = job.snap.state, job.base.state
+        if state is None or state.tokens > job.end:
+            return (base if base is not None and base.tokens <= job.end else None), 0
+        ref = state.ref
+        if base is not None and base.digest == ref.digest:
+            return base, 0
+        data = state.encode()
+        reserved = self.store._reserve_disk(job.entry, len(data))
+        pending.append((ref.name, 0, self.tier.put(job.entry.key, ref.name + CHUNK_SUFFIX, data)))
+        if copies is not None and ref.digest not in job.mirrored:
+            copies.append((ref.digest, self.mirror.put(job.entry.key, ref.name + CHUNK_SUFFIX, data)))
+        return ref, reserved
+
     def _copy_to_mirror(self, job: SaveJob, manifest: Manifest | None, manifest_bytes: bytes | None,
                         copies: list, result: SaveResult) -> None:
         """Completes the mirror's copy of the session: chunks it lacks (read back from `tier`), then the
@@ -149,10 +168,13 @@ class SaveThread:
         try:
             if manifest is not None:
                 # Chunks of earlier saves that the mirror does not have yet (it was down, or is new).
-                for span in manifest.spans:
-                    if span.digest not in job.mirrored | {d for d, _ in copies}:
-                        data = self.tier.read_file(key, span.chunk + CHUNK_SUFFIX)
-                        copies.append((span.digest, self.mirror.put(key, span.chunk + CHUNK_SUFFIX, data)))
+                files = [(span.chunk, span.digest) for span in manifest.spans]
+                if manifest.state is not None:
+                    files.append((manifest.state.name, manifest.state.digest))
+                for name, digest in files:
+                    if digest not in job.mirrored | {d for d, _ in copies}:
+                        data = self.tier.read_file(key, name + CHUNK_SUFFIX)
+                        copies.append((digest, self.mirror.put(key, name + CHUNK_SUFFIX, data)))
             for digest, future in copies:
                 result.mirror_bytes += future.result(self.timeout_s)
                 result.mirrored.add(digest)
@@ -163,6 +185,13 @@ class SaveThread:
             for digest, future in copies:
                 if _settle(future, self.timeout_s) is not None:
                     result.mirrored.add(digest)
+
+
+def _names(manifest: Manifest | None) -> set[str]:
+    """The files a manifest references: its stored chunks and its state."""
+    if manifest is None:
+        return set()
+    return {s.chunk for s in manifest.spans} | ({manifest.state.name} if manifest.state is not None else set())
 
 
 def _settle(future: Future, timeout: float) -> int | None:
@@ -185,6 +214,7 @@ class SavePlanning:
         pinned and its chunk names reserved. Waits until there is some; ``None`` tells the thread to stop."""
         with self._cond:
             while True:
+                self._apply_ended_turns()  # end-of-turn states to write
                 deletes, self._deletes = self._deletes, []
                 e = self._next_save()
                 job = self._save_job(e) if e is not None else None
@@ -239,8 +269,8 @@ class SavePlanning:
                 start -= tokens
         if not (e.urgent or time.monotonic() - e.last_write >= self.config.idle_flush_s):
             end = start + (end - start) // chunk * chunk  # during a turn, write whole chunks only
-        if end <= start:
-            return None
+        if end < start or (end == start and not (e.state_dirty and buf.state.tokens <= end)):
+            return None  # (a job of no tokens writes a new state and the manifest naming it)
         e.pins += 1
         # Reserve the names this job writes. Names are never reused for a session, even by a later entry
         # replacing this one, so a chunk file never changes once a manifest may reference it.
@@ -254,9 +284,9 @@ class SavePlanning:
         manifest (a selection of the old one) still uses old chunks."""
         with self._lock:
             e = job.entry
-            keep = {s.chunk for s in manifest.spans} if manifest is not None else set()
+            keep = _names(manifest)
             if manifest is None or e.generation != job.generation:
-                keep |= set(e.chunks)
+                keep |= set(e.chunks) | _names(e.manifest)
             return keep, self._entries.get(e.key) is e
 
     def _save_thread_error(self, exc: BaseException) -> None:

@@ -21,6 +21,8 @@ class StoreStats:
     head_drops: int = 0  # leading chunks dropped from disk copies (partial_eviction)
     head_dropped_tokens: int = 0
     rejected_too_large: int = 0
+    states_kept: int = 0  # hybrid models' end-of-turn states kept with their sessions
+    states_refused: int = 0  # ... and those not kept (the turn lost its session, or did not store all its KV)
     stale_writes: int = 0
     write_errors: int = 0
     load_errors: int = 0

@@ -34,12 +34,13 @@ from .host import HostTier
 from .config import StoreConfig
 from .codec import serves
 from .disk import MANIFEST, DiskTier
-from .format import FormatError, Manifest
+from .format import FormatError, Manifest, prefix_digest
 from .entry import Entry, Key, Write, blocks, validate_session_id
 from .placement import HEAD_SEARCH, choose_head_drops, choose_victims
 from .reader import LoadPlanning, LoadThread
 from .remote import RemoteTier, RemoteUnavailableError
 from .saver import NoDiskRoom, SavePlanning, SaveThread
+from .state import SessionState
 from .stats import StoreStats
 from .writer import TurnWriter
 
@@ -92,7 +93,9 @@ class AttnStore(LoadPlanning, SavePlanning):
         # deletes `chunk` (if not None). Their bytes stay counted in `_disk_used` until done (`_deleting`).
         self._deletes: list[tuple[Key, int, tuple | None]] = []
         self._deleting = 0
-        self._ended_turns: deque[tuple[Key, int]] = deque()  # closed writers, applied under the lock
+        # Closed writers and hybrid models' states: (key, turn, state or None, whether the turn ended), applied
+        # under the lock.
+        self._ended_turns: deque[tuple[Key, int, SessionState | None, bool]] = deque()
         self._loads_active = 0
         self._wanted: list[tuple[str | None, str]] = []  # the last prefetch request
         self._forwards_active = 0  # model forwards running through caches of this store
@@ -139,9 +142,11 @@ class AttnStore(LoadPlanning, SavePlanning):
         extended it), the remote copy is loaded.
         """
         key = (fingerprint, validate_session_id(session_id))
+        self._publish_states([key])  # the previous turn's cache may still be open (and hold the states)
         found = self._remote_lookup(key)  # network I/O: outside the lock
         with self._lock:
             self._check_open()
+            self._apply_ended_turns()  # a turn that just ended may have left the state this lookup needs
             self._expire()
             self._stats.lookups += 1
             e = self._adopt_remote(key, found)
@@ -229,7 +234,7 @@ class AttnStore(LoadPlanning, SavePlanning):
             self._next_turn += 1
             writer = TurnWriter(self, key, self._next_turn, base, keep)
         # A writer dropped without close() ends its turn too (deque.append is safe in a finalizer).
-        weakref.finalize(writer, self._ended_turns.append, (key, writer.turn))
+        weakref.finalize(writer, self._ended_turns.append, (key, writer.turn, None, True))
         return writer
 
     def prefetch(self, session_ids, fingerprint: str | None = None) -> int:
@@ -304,7 +309,9 @@ class AttnStore(LoadPlanning, SavePlanning):
         if self._lower is None:
             return
         timeout = self.config.io_timeout_s if timeout is None else timeout
+        self._publish_states(None)
         with self._cond:
+            self._apply_ended_turns()  # end-of-turn states are part of what becomes durable
             for key in list(self._dirty):
                 e = self._entries.get(key)
                 if e is not None and e.write is not Write.DEMOTE:
@@ -490,17 +497,57 @@ class AttnStore(LoadPlanning, SavePlanning):
         """Shortens a session. A new generation: a save in flight may hold tokens past the cut, and must not
         commit them (it would describe a history that no longer exists)."""
         e.host.truncate(length)
+        self._host.account(e)  # a state of the cut tokens went with them
         e.generation += 1
         if e.persisted > length:
             self._set_manifest(e, e.manifest.select([(0, length)]), e.chunks)
 
     def _apply_ended_turns(self) -> None:
-        """Unpins the sessions of turns that ended (see TurnWriter.close)."""
+        """Unpins the sessions of turns that ended (see TurnWriter.close), keeping their end-of-turn states."""
         while self._ended_turns:
-            key, turn = self._ended_turns.popleft()
+            key, turn, state, ended = self._ended_turns.popleft()
             e = self._entries.get(key)
-            if e is not None:
+            if e is None:
+                continue
+            if state is not None:
+                self._keep_state(e, turn, state)
+            if ended:
                 e.writers.discard(turn)
+                live = e.live() if e.live is not None else None
+                if live is None or live.turn == turn:
+                    e.live = None
+
+    def _publish_states(self, keys) -> None:
+        """Asks the open turns of these sessions for their hybrid models' states, where the session's stored
+        state is not the one after all its tokens (a next turn's lookup, a flush, while the previous turn's
+        cache is still referenced). Called without the lock: the states are copied meanwhile."""
+        writers = []
+        with self._lock:
+            for key in list(self._entries) if keys is None else keys:
+                e = self._entries.get(key)
+                writer = e.live() if e is not None and e.live is not None else None
+                buf = e.host if e is not None else None
+                if writer is not None and writer.turn == e.owner and not writer.dead and buf is not None \
+                        and (buf.state is None or buf.state.tokens != buf.length):
+                    writers.append(writer)
+        for writer in writers:
+            writer.publish_state()
+
+    def _keep_state(self, e: Entry, turn: int, state: SessionState) -> None:
+        """Keeps a hybrid model's end-of-turn state with the session, if it is the state after exactly the KV
+        stored: the turn still owns the session, and every token it computed was stored (no refused append,
+        no cut). It is sealed with the digest of those ids, which a later turn's prompt must extend."""
+        buf = e.host
+        if e.owner != turn or buf is None or buf.length != state.tokens or buf.missing_head or state.tokens == 0:
+            self._stats.states_refused += 1
+            return
+        ids = buf.snapshot().token_ids
+        buf.state = state.sealed(e.key, prefix_digest(e.key[0], ids))
+        self._host.account(e)
+        self._stats.states_kept += 1
+        if self._lower is not None and e.dirty:
+            self._dirty.add(e.key)
+            self._cond.notify_all()
 
     def _make_host_room(self, extra: int, exclude: Entry | None, keep_sooner_than: int | None = None) -> bool:
         """Demotes (or drops) host sessions until `extra` more bytes fit. Pinned ones stay; dirty ones are
@@ -568,8 +615,10 @@ class AttnStore(LoadPlanning, SavePlanning):
             if offered >= HEAD_SEARCH * overflow:
                 break
             e = self._entries[key]
+            # A hybrid model's session (with a state) stays whole: its head could not be recomputed without
+            # recomputing the states, i.e. the whole session.
             if e is current or e.pins or e.writers or e.manifest is None or not e.manifest.spans \
-                    or position(key) is not None:
+                    or e.manifest.state is not None or position(key) is not None:
                 continue
             candidates.append((key, now - e.last_access, self._head_units(e)))
             offered += e.disk_bytes
@@ -791,6 +840,7 @@ class AttnStore(LoadPlanning, SavePlanning):
             self._entries[writer.key] = e
             self._set_host(e, buf)
         e.owner = writer.turn
+        e.live = weakref.ref(writer) if writer.state_source is not None else None
         e.writers = {writer.turn}  # pinned in host memory until the turn closes; older turns' pins are void
         if e.write is Write.NEVER:
             e.write = Write.BEHIND  # a new turn: the disk tier may have room again

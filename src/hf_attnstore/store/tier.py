@@ -31,7 +31,7 @@ from typing import TypeVar
 
 import torch
 
-from .format import ChunkMeta, Manifest
+from .format import ChunkMeta, Manifest, StateRef
 
 Key = tuple[str, str]  # (model fingerprint, session id)
 T = TypeVar("T")
@@ -100,6 +100,14 @@ class Tier(abc.ABC):
 
         Raises:
             FormatError: Missing, damaged, of another format, or not this session's (a clean miss).
+        """
+
+    @abc.abstractmethod
+    def read_state(self, key: Key, ref: StateRef) -> bytes:
+        """The bytes of a session's state file (a hybrid model's, state.py), unverified.
+
+        Raises:
+            FormatError: Missing (a clean miss).
         """
 
     @abc.abstractmethod

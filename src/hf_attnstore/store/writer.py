@@ -10,6 +10,7 @@ from .buffer import SessionKV
 from .entry import Key
 from .format import KV_DTYPES
 from .loader import LoadError
+from .state import SessionState
 
 if TYPE_CHECKING:
     from .store import AttnStore
@@ -25,6 +26,9 @@ class TurnWriter:
         self.dead = False
         self.geometry: tuple[int, int, int] | None = None
         self.dtype: torch.dtype | None = None
+        # A hybrid model's turn: a weak reference to what publishes its states (layers.TurnEnd), asked by the
+        # store when it needs the states of a turn that is still open (`AttnStore._publish_states`).
+        self.state_source = None
 
     def append(self, token_ids: torch.Tensor, keys, values) -> bool:
         """Appends tokens with their pre-RoPE keys and values: per-layer lists of ``[1, kv_heads, n, head_dim]``
@@ -57,15 +61,33 @@ class TurnWriter:
                 self.base, self.keep = None, self.keep[:0]
         return self.store._append(self, token_ids.detach().to("cpu", torch.long).view(-1), keys, values)
 
-    def close(self) -> None:
+    def close(self, state: SessionState | None = None) -> None:
         """Ends the turn: the session may leave host memory again. Idempotent; later appends are dropped.
 
+        Args:
+            state: A hybrid model's states at the end of the turn (state.py). The store keeps them with the
+                session if the turn owns it still and its stored KV covers exactly ``state.tokens`` tokens.
+
         Also runs when the writer is garbage-collected. It never takes the store's lock (a collection may run
-        while this thread holds it): the store applies it at its next placement decision.
+        while this thread holds it): the store applies it at its next placement decision or lookup.
         """
+        # A turn that never wrote, or whose appends were refused (dead), has no state that matches its KV.
+        self.store._ended_turns.append((self.key, self.turn, state if self.started and not self.dead else None,
+                                        True))
         self.dead = True
         self.base = None
-        self.store._ended_turns.append((self.key, self.turn))
+
+    def offer_state(self, state: SessionState) -> None:
+        """Hands the store a hybrid model's states after the turn's last forward, the turn going on (the store
+        keeps them like those of `close`, see there). Never takes the store's lock."""
+        if self.started and not self.dead:
+            self.store._ended_turns.append((self.key, self.turn, state, False))
+
+    def publish_state(self) -> None:
+        """Asks the turn's state source (if any, and alive) to offer its current states."""
+        source = self.state_source() if self.state_source is not None else None
+        if source is not None:
+            source.publish()
 
     def __enter__(self) -> "TurnWriter":
         return self

@@ -1,0 +1,126 @@
+"""Recurrent and convolution states of hybrid models, kept with a session's KV.
+
+Linear-attention and state-space layers (qwen3_next, lfm2, falcon_h1, jamba, ...) keep no per-token KV:
+after ``t`` tokens they hold fixed-size states that summarize the whole history. Unlike pre-RoPE keys,
+those states cannot be re-positioned, cut or shared by another history: a state is reused only by a turn
+whose prompt extends exactly the ``t`` tokens it was computed for. So each state records its token count
+and the digest of those tokens' ids (seeded with the model fingerprint, as chunks are), and a session
+keeps at most one state, the one at the end of its last turn (the ids a next turn extends).
+
+On disk (and in the remote tier) a state is one safetensors file, ``s-<digest>.safetensors``, whose string
+metadata carries the format, fingerprint, session id, token count, history digest and an xxh64 checksum
+per tensor; its *digest* hashes that metadata and is pinned by the manifest, like a chunk's. Read back, the
+whole file is validated and every checksum verified: any doubt is a FormatError (a clean miss). No pickle.
+
+Tensor names: ``L{layer:04d}.c{i}`` (conv state ``i`` of model layer ``layer``) and ``L{layer:04d}.r{i}``
+(recurrent state ``i``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+from .format import FORMAT, KV_DTYPES, STATE_PREFIX, FormatError, StateRef, checksum, metadata_digest, tensor_bytes
+
+_NAME = re.compile(r"L\d{4}\.[cr]\d{1,3}")
+MAX_STATE_TENSORS = 4096
+
+
+@dataclass(frozen=True)
+class SessionState:
+    """A hybrid model's non-attention states after the first `tokens` tokens of a session.
+
+    Attributes:
+        tokens: How many tokens of the session the states summarize.
+        tensors: Name -> CPU tensor (see the module docstring for the names).
+        checksums: Name -> xxh64 of the tensor's bytes.
+        prefix: Digest of the session's ids ``[:tokens]`` (`format.prefix_digest`); empty until the store
+            seals the state against the ids it stored (:meth:`sealed`).
+        key: ``(fingerprint, session_id)`` once sealed.
+        digest: Pins the state's content once sealed: a hash of its metadata, which holds every tensor's
+            checksum (the manifest records it, as it records each chunk's).
+    """
+
+    tokens: int
+    tensors: dict[str, torch.Tensor]
+    checksums: dict[str, str]
+    prefix: str = ""
+    key: tuple[str, str] = ("", "")
+    digest: str = ""
+
+    @classmethod
+    def capture(cls, tokens: int, tensors: dict[str, torch.Tensor]) -> "SessionState":
+        """Copies `tensors` (any device) to host memory and checksums them: the model may change its own."""
+        copies = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
+        for name, t in copies.items():
+            if not _NAME.fullmatch(name) or t.dtype not in KV_DTYPES:
+                raise TypeError(f"state tensor {name!r} of dtype {t.dtype} cannot be stored")
+        return cls(int(tokens), copies, {name: checksum(tensor_bytes(t)) for name, t in copies.items()})
+
+    def sealed(self, key: tuple[str, str], prefix: str) -> "SessionState":
+        """This state bound to a session and the digest of the ids it was computed for."""
+        state = SessionState(self.tokens, self.tensors, self.checksums, prefix, key)
+        return SessionState(self.tokens, self.tensors, self.checksums, prefix, key, metadata_digest(state._meta()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def _meta(self) -> dict[str, str]:
+        return {
+            "format": FORMAT,
+            "kind": "state",
+            "fingerprint": self.key[0],
+            "session_id": self.key[1],
+            "n_tokens": str(self.tokens),
+            "prefix": self.prefix,
+            "checksums": json.dumps(self.checksums, sort_keys=True),
+        }
+
+    @property
+    def ref(self) -> StateRef:
+        assert self.digest, "seal the state before naming it"
+        return StateRef(STATE_PREFIX + self.digest, self.tokens, self.digest)
+
+    def encode(self) -> bytes:
+        """The state's file: safetensors bytes (see the module docstring)."""
+        return safetensors_save(self.tensors, metadata=self._meta())
+
+    @classmethod
+    def decode(cls, data: bytes, key: tuple[str, str], ref: StateRef) -> "SessionState":
+        """Parses and verifies a state file against the manifest's reference.
+
+        Raises:
+            FormatError: On any doubt (another format, model, session or history, a checksum mismatch).
+        """
+        try:
+            tensors = safetensors_load(bytes(data))
+            header_len = int.from_bytes(bytes(data[:8]), "little")
+            meta = json.loads(bytes(data[8 : 8 + header_len]))["__metadata__"]
+            if meta.get("format") != FORMAT or meta.get("kind") != "state":
+                raise FormatError("not a state file of this format")
+            sums = json.loads(meta["checksums"])
+            state = cls(int(meta["n_tokens"]), tensors, {str(k): str(v) for k, v in sums.items()},
+                        str(meta["prefix"]), (str(meta["fingerprint"]), str(meta["session_id"])), metadata_digest(meta))
+        except FormatError:
+            raise
+        except Exception as exc:  # any malformed header or tensor: the file is damaged
+            raise FormatError(f"unreadable state file: {exc}") from exc
+        if state.key != key:
+            raise FormatError("state of another model or session")
+        if state.tokens != ref.tokens or state.digest != ref.digest:
+            raise FormatError("state is not the one the manifest pinned")
+        if set(tensors) != set(state.checksums) or len(tensors) > MAX_STATE_TENSORS:
+            raise FormatError("state tensors disagree with their checksums")
+        for name, t in tensors.items():
+            if not _NAME.fullmatch(name) or t.dtype not in KV_DTYPES:
+                raise FormatError(f"unexpected state tensor {name!r}")
+            if checksum(tensor_bytes(t)) != state.checksums[name]:
+                raise FormatError(f"checksum mismatch in state tensor {name}")
+        return state
