@@ -72,7 +72,7 @@ def main(argv=None) -> None:
 
     from transformers.cache_utils import DynamicLayer
 
-    from hf_attnstore.cache import AttnStoreLayer
+    from hf_attnstore.layers import AttnStoreLayer
 
     for name in ("__init__", "_begin_forward", "_end_forward", "_record", "_load_layer"):
         setattr(AttnStoreCache, name, timed(getattr(AttnStoreCache, name)))

@@ -95,6 +95,41 @@ FAMILY_MODELS = {
 }
 
 
+# Hybrids: attention layers mixed with linear-attention / state-space layers (their recurrent and convolution
+# states are stored at the end of each turn). Four layers each; RoPE on the attention layers of qwen3_next,
+# qwen3_5, lfm2, falcon_h1, bamba (and granitemoehybrid's "rope" variant), none (NoPE) on the others.
+_LINEAR = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+               linear_value_head_dim=16)
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=16)
+_ALTERNATING = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+HYBRID_MODELS = {
+    "qwen3_next": lambda: _build("Qwen3Next", _gqa(**_LINEAR, **_MOE, num_hidden_layers=4,
+                                                   shared_expert_intermediate_size=32)),
+    "qwen3_5_text": lambda: _build("Qwen3_5", _gqa(**_LINEAR, num_hidden_layers=4)),
+    "lfm2": lambda: _build("Lfm2", _gqa(num_hidden_layers=4, layer_types=["conv", "full_attention", "conv",
+                                                                          "full_attention"])),
+    "falcon_h1": lambda: _build("FalconH1", _gqa(num_hidden_layers=4, mamba_d_ssm=64, mamba_n_heads=4,
+                                                 mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                                                 mamba_chunk_size=16)),  # attention and mamba in every layer
+    "bamba": lambda: _build("Bamba", _gqa(num_hidden_layers=4, attn_layer_indices=[1, 3], **_MAMBA2)),
+    "granitemoehybrid": lambda: _build("GraniteMoeHybrid", _gqa(num_hidden_layers=4, num_local_experts=4,
+                                                                num_experts_per_tok=2, layer_types=_ALTERNATING,
+                                                                shared_intermediate_size=64, **_MAMBA2)),
+    "granitemoehybrid-rope": lambda: _build("GraniteMoeHybrid", _gqa(
+        num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, layer_types=_ALTERNATING,
+        shared_intermediate_size=64, position_embedding_type="rope", **_MAMBA2)),
+    "jamba": lambda: _build("Jamba", _gqa(num_hidden_layers=4, num_experts=2, num_experts_per_tok=1,
+                                          attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                                          expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)),
+    "nemotron_h": lambda: _build("NemotronH", _gqa(
+        num_hidden_layers=4, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=8, n_groups=1, chunk_size=16,
+        head_dim=16, layers_block_type=["mamba", "mlp", "attention", "mlp"])),  # MLP layers keep no cache
+    "zamba2": lambda: _build("Zamba2", _gqa(num_hidden_layers=4, mamba_d_state=8, mamba_headdim=16,
+                                            n_mamba_heads=8, num_mem_blocks=1, chunk_size=16,
+                                            layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])),
+}
+
+
 def _gemma3_multimodal():
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
@@ -134,7 +169,7 @@ ABSOLUTE_MODELS = {
 
 def make_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     torch.manual_seed(seed)
-    builders = {**TINY_MODELS, **ABSOLUTE_MODELS, **SCALED_ROPE_MODELS, **FAMILY_MODELS}
+    builders = {**TINY_MODELS, **ABSOLUTE_MODELS, **SCALED_ROPE_MODELS, **FAMILY_MODELS, **HYBRID_MODELS}
     return builders[arch]().to(dtype).eval()
 
 

@@ -33,8 +33,8 @@ def run_turns(model, store, session, turns, new_tokens=6, **cache_kwargs):
         # Explicit masks: without one, `generate` masks every id equal to the pad id (a generated 0 here).
         out = model.generate(cache.input_ids, attention_mask=torch.ones_like(cache.input_ids), past_key_values=cache,
                              max_new_tokens=new_tokens, **GREEDY)
-        ref = model.generate(ref_hist, attention_mask=torch.ones_like(ref_hist), past_key_values=DynamicCache(),
-                             max_new_tokens=new_tokens, **GREEDY)
+        ref = model.generate(ref_hist, attention_mask=torch.ones_like(ref_hist),
+                             past_key_values=DynamicCache(config=model.config), max_new_tokens=new_tokens, **GREEDY)
         records.append((cache, out, ref))
         hist, ref_hist = out, ref
     return records

@@ -23,8 +23,12 @@ def chat(model, store, sessions, turns=3, new_tokens=5):
     for turn in range(turns):
         for s in sessions:
             cache = AttnStoreCache(model, store, s, hist[s])
-            out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=new_tokens, **GREEDY)
-            expected = model.generate(ref[s], past_key_values=DynamicCache(), max_new_tokens=new_tokens, **GREEDY)
+            # Explicit masks: without one, `generate` masks every id equal to the pad id (a generated 0 here).
+            out = model.generate(cache.input_ids, attention_mask=torch.ones_like(cache.input_ids), past_key_values=cache,
+                                 max_new_tokens=new_tokens, **GREEDY)
+            expected = model.generate(ref[s], attention_mask=torch.ones_like(ref[s]),
+                                      past_key_values=DynamicCache(config=model.config), max_new_tokens=new_tokens,
+                                      **GREEDY)
             assert torch.equal(out, expected), (turn, s)
             sources.append(cache.kv_source)
             extra = random_ids(6, 100 + turn)

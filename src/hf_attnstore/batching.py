@@ -176,6 +176,11 @@ def batchable(model) -> tuple[bool, str]:
     window changes most turns' tokens). Chunked attention (llama4) is not: its chunks start at multiples of
     the chunk size, counted in columns, and left padding moves a row's positions off those boundaries."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    from .layers import LayerLayout
+
+    if LayerLayout.of(model).has_state:
+        return False, ("a hybrid model's linear-attention states are per session, and the batch cache holds "
+                       "attention KV only")
     if getattr(config, "attention_chunk_size", None):
         return False, "chunked attention's chunk boundaries count cache columns, which left padding shifts"
     return True, ""

@@ -10,17 +10,20 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 
 from .config import TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint
 from .hooks import ReuseFailed, install_hooks
+from .layers import LayerLayout, TurnEnd, build_layers
 from .logs import OnceLogger
 from .rope import RopeAdapter
 from .store import AttnStore, LoadError, SessionKV
 from .store.buffer import Segment
 from .store.cuda import CudaLayerPrefetcher
 from .store.entry import validate_session_id
+from .store.format import prefix_digest
+from .store.state import SessionState
 from .truncation import plan_reuse
 
 logger = logging.getLogger(__name__)
@@ -56,52 +59,6 @@ def _as_prompt_ids(input_ids) -> torch.Tensor:
     if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
         raise ValueError("padded prompts are not supported: pass the ids of one session without padding")
     return ids.to("cpu", torch.long)
-
-
-class AttnStoreLayer(DynamicLayer):
-    """One layer of an :class:`AttnStoreCache`.
-
-    Until the layer's first `update()`, its reused KV stays in the store and only its length is known
-    (`generate` needs the length before any forward). The first update loads this layer alone and
-    re-applies RoPE for the new positions, so loading proceeds layer by layer with the forward pass.
-    """
-
-    def __init__(self, owner: "AttnStoreCache", layer_idx: int, reused: int):
-        super().__init__()
-        # A weak reference: no cycle between the cache and its layers, so a cache dropped by its user is freed
-        # (and its turn closed, see AttnStoreCache.close) at once rather than at the next garbage collection.
-        self._owner = weakref.proxy(owner)
-        self._layer_idx = layer_idx
-        self._pending_reuse = reused
-
-    def get_seq_length(self) -> int:
-        if not self.is_initialized:
-            return self._pending_reuse
-        return super().get_seq_length()
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if key_states.shape[0] != 1:
-            raise ValueError(
-                f"AttnStoreCache supports batch size 1 (got {key_states.shape[0]}): no beam search, "
-                "num_return_sequences=1, one session per cache"
-            )
-        if not self.is_initialized:
-            # First forward of the turn: this layer's reused KV (re-rotated) and the new KV, written into one
-            # tensor each (DynamicLayer's own concatenation would copy as much).
-            self.dtype, self.device = key_states.dtype, key_states.device
-            self.keys, self.values = self._owner._load_layer(self._layer_idx, self._pending_reuse, key_states,
-                                                             value_states)
-            self._owner._record(self._layer_idx, key_states, value_states)
-            self.is_initialized = True
-            return self.keys, self.values
-        self._owner._record(self._layer_idx, key_states, value_states)
-        return super().update(key_states, value_states)
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if not self.is_initialized:
-            self._pending_reuse = max(0, self._pending_reuse + min(0, tokens_to_remove))
-            return
-        super().crop(tokens_to_remove)
 
 
 class AttnStoreCache(DynamicCache):
@@ -181,12 +138,21 @@ class AttnStoreCache(DynamicCache):
             )
         self.fingerprint = store.fingerprint(model)
         self._geometry = kv_geometry(model)
+        self._layout = LayerLayout.of(model)
         snapshot = self._validated(store.lookup(session_id, self.fingerprint))
+        state = None
+        if self._layout.has_state:
+            snapshot, state = self._with_state(snapshot)
         self.plan = plan_reuse(
-            prompt, snapshot.token_ids if snapshot else None, self.truncation, has_rope=self._rope.has_rope
+            prompt, snapshot.token_ids[: state.tokens if state else None] if snapshot else None, self.truncation,
+            has_rope=self._rope.has_rope
         )
+        if state is not None and (self.plan.dropped or self.plan.reused != state.tokens):
+            # A hybrid model reuses its states after exactly their tokens, or nothing: a prompt that diverges
+            # earlier, or a truncation, is recomputed (the states cannot be cut or re-positioned).
+            self.plan = plan_reuse(prompt, None, self.truncation, has_rope=self._rope.has_rope)
         self.recomputed_head = 0  # leading tokens of a partially evicted session recomputed this turn
-        if snapshot is not None and snapshot.head and self.plan.reused:
+        if snapshot is not None and snapshot.head and self.plan.reused and not self._layout.has_state:
             snapshot = self._with_head(model, store, snapshot)
             if snapshot is None:  # nothing worth reusing beyond the missing head
                 self.plan = plan_reuse(prompt, None, self.truncation, has_rope=self._rope.has_rope)
@@ -219,7 +185,13 @@ class AttnStoreCache(DynamicCache):
         self.save_seconds = 0.0  # time this turn spent un-rotating keys and handing KV to the store
         self._fwd_input_len = 0
         # Cache.__init__ directly: DynamicCache's would set up lazily-created DynamicLayers instead of ours.
-        Cache.__init__(self, layers=[AttnStoreLayer(self, i, self.reused_tokens) for i in range(self._geometry[0])])
+        self._device = model.device
+        Cache.__init__(self, layers=build_layers(self, self._layout, self.reused_tokens,
+                                                 state if self.reused_tokens else None, self._device))
+        # A hybrid model's turn ends by keeping its states with the session, also when the cache is just dropped.
+        self._turn_end = TurnEnd(self._writer, self.layers, self._layout.has_state)
+        if self._layout.has_state and self._writer is not None:
+            weakref.finalize(self, self._turn_end)
         install_hooks(model)
 
     @staticmethod
@@ -238,6 +210,24 @@ class AttnStoreCache(DynamicCache):
             _once.warning("geometry", f"stored KV of session {self.session_id!r} does not fit the model: ignored")
             return None
         return snapshot
+
+    def _with_state(self, snapshot: SessionKV | None) -> tuple[SessionKV | None, SessionState | None]:
+        """A hybrid model's snapshot and the states stored with it, both None unless the states are there and
+        were computed for the snapshot's first ``state.tokens`` ids (a miss otherwise)."""
+        if snapshot is None:
+            return None, None
+        state = snapshot.state
+        if snapshot.loader is not None:
+            try:
+                # The loader reads and verifies the state before the first layer (reader.py).
+                snapshot.loader.wait_layer(0)
+            except LoadError:
+                return None, None
+            state = snapshot.source.state
+        if state is None or state.tokens > snapshot.length or state.key != (self.fingerprint, self.session_id) \
+                or state.prefix != prefix_digest(self.fingerprint, snapshot.token_ids[: state.tokens]):
+            return None, None
+        return snapshot, state
 
     def _with_head(self, model: nn.Module, store: AttnStore, snapshot: SessionKV) -> SessionKV | None:
         """The snapshot with its missing head recomputed (a partially evicted session), or None when every
@@ -357,8 +347,9 @@ class AttnStoreCache(DynamicCache):
         self._pending = None
         if self._writer is not None:
             self._writer.close()
-            self._writer = self._store.open_turn(self.session_id, self.fingerprint, None, torch.empty(0, dtype=torch.long))
-        self.layers = [AttnStoreLayer(self, i, 0) for i in range(self._geometry[0])]
+            self._writer = self._turn_end.writer = self._store.open_turn(self.session_id, self.fingerprint, None,
+                                                                         torch.empty(0, dtype=torch.long))
+        self.layers = self._turn_end.layers = build_layers(self, self._layout, 0, None, self._device)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "attention_mask", "cache_position")}
         kwargs["input_ids"] = self.input_ids[:, :total]
         args = ()
@@ -406,6 +397,9 @@ class AttnStoreCache(DynamicCache):
         if self._rope.has_rope and self._save:
             self._fwd_rope = self._inverse_rope(positions)
         self._pending = [None] * self._geometry[0]
+        if self._layout.has_state:
+            with self._turn_end.lock:
+                self._turn_end.complete = False  # until the forward completes, the layers' states disagree
 
     def _inverse_rope(self, positions: torch.Tensor) -> dict:
         """Per rotary group, the factors that un-rotate keys computed at `positions` (see RopeAdapter.inverse)."""
@@ -442,7 +436,7 @@ class AttnStoreCache(DynamicCache):
         """
         pending, self._pending = self._pending, None
         if pending is None or all(p is None for p in pending):
-            return  # e.g. use_cache=False: nothing was added
+            return  # e.g. use_cache=False: nothing was added (states, if any, did not change either)
         assert all(p is not None for p in pending), "every layer must update the cache in a forward"
         ids = self._fwd_ids
         self._fed_ids.append(ids)
@@ -458,6 +452,9 @@ class AttnStoreCache(DynamicCache):
             self.save_seconds += time.perf_counter() - started
             if stored:
                 self.saved_tokens += int(ids.numel())
+        if self._layout.has_state:
+            with self._turn_end.lock:
+                self._turn_end.tokens, self._turn_end.complete = self.get_seq_length(), True
 
     def append_computed(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor]) -> None:
@@ -480,8 +477,7 @@ class AttnStoreCache(DynamicCache):
     def close(self) -> None:
         """Ends the turn: the store may demote the session again. Later forwards through this cache are not
         saved. Called when the cache is garbage-collected; call it (or use ``with``) when keeping caches."""
-        if self._writer is not None:
-            self._writer.close()
+        self._turn_end()  # closes the writer, with a hybrid model's states
         self._save = False
 
     def __enter__(self) -> "AttnStoreCache":

@@ -31,12 +31,15 @@ _HASH_BLOCK = 64 * 1024 * 1024  # bytes copied off a GPU at a time
 
 
 def kv_geometry(model: nn.Module) -> tuple[int, int, int]:
-    """``(num_layers, num_kv_heads, head_dim)`` of a decoder's attention."""
+    """``(layers with KV, num_kv_heads, head_dim)`` of a decoder's attention (a hybrid model's linear-attention
+    layers keep no KV: see layers.LayerLayout)."""
+    from .layers import LayerLayout  # imports transformers' cache classes: only when a model is measured
+
     cfg = model.config.get_text_config(decoder=True)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, kv_heads, head_dim
+    return len(LayerLayout.of(model).kv_layers), kv_heads, head_dim
 
 
 def _walk(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list]:

@@ -13,6 +13,8 @@ import logging
 import torch
 from torch import nn
 
+from .layers import LayerLayout
+
 logger = logging.getLogger(__name__)
 
 # Model types whose attention rotates interleaved pairs of dims; those of `_HALF_FREQS` take the first half of
@@ -40,12 +42,14 @@ SUPPORTED_ROPE_MODEL_TYPES = frozenset({
     # Rotary over interleaved pairs of dims (glm: partial; llama4 as complex numbers, with NoPE layers).
     *_INTERLEAVED,
 })
+# Hybrids: attention layers (llama's `rotate_half` RoPE, or none at all: NoPE) mixed with linear-attention or
+# state-space layers whose recurrent and convolution states the store keeps at the end of each turn (layers.py,
+# store/state.py). Their states are not position-decoupled, so a turn reuses a session only when its prompt
+# extends exactly the ids the states were computed for: any divergence or truncation recomputes.
+HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "lfm2", "falcon_h1", "bamba", "granitemoehybrid",
+                                "jamba", "nemotron_h", "zamba2"})
 # Families refused, with the reason their error gives (any other unlisted type is refused as unverified).
 _REFUSED = {
-    **{hybrid: "its linear-attention / state-space layers keep recurrent and convolution states, which the store "
-               "does not save yet (only attention KV)"
-       for hybrid in ("qwen3_next", "qwen3_5", "qwen3_5_text", "lfm2", "falcon_h1", "granitemoehybrid", "jamba",
-                      "nemotron_h", "bamba", "zamba2")},
     "gemma4_text": "its layers differ in head dim, and some reuse another layer's KV (KV sharing), which the "
                    "store's one geometry per model does not describe yet",
     "gemma4": "its layers differ in head dim, and some reuse another layer's KV (KV sharing), which the store's "
@@ -100,9 +104,10 @@ class RopeAdapter:
         config = model.config.get_text_config(decoder=True)
         self.model_type = config.model_type
         rotary = _find_rotary(model)
-        if self.model_type in SUPPORTED_ABSOLUTE_MODEL_TYPES:
-            self.rotary = None
-        elif self.model_type in SUPPORTED_ROPE_MODEL_TYPES and isinstance(rotary, nn.Module):
+        hybrid = self.model_type in HYBRID_MODEL_TYPES
+        if self.model_type in SUPPORTED_ABSOLUTE_MODEL_TYPES or (hybrid and rotary is None):
+            self.rotary = None  # absolute positions, or none (NoPE hybrids: jamba, nemotron_h, ...)
+        elif (self.model_type in SUPPORTED_ROPE_MODEL_TYPES or hybrid) and isinstance(rotary, nn.Module):
             rope_type = getattr(rotary, "rope_type", "default")
             # Per-layer-type rotary (gemma3, olmo3): one module called with each layer's type, which picks
             # that type's frequencies (a local base for sliding layers, a global one for the others).
@@ -121,14 +126,17 @@ class RopeAdapter:
             types = list(config.layer_types) if per_type else [None] * layers
             # smollm3, llama4: `no_rope_layers[i]` is 1 where layer i uses RoPE (the name says the opposite).
             flags = getattr(config, "no_rope_layers", None) if self.model_type in ("smollm3", "llama4_text") else None
-            self.nope_layers = [i for i, uses in enumerate(flags or ()) if not uses]
-            self.groups = {}  # rotary group (a layer type, or None) -> its layers; NoPE layers are in none
-            for i, kind in enumerate(types):
-                if i not in self.nope_layers:
-                    self.groups.setdefault(kind, []).append(i)
+            nope = {i for i, uses in enumerate(flags or ()) if not uses}
+            # Everything below counts the store's KV slots: the layers that keep KV (all of them but in hybrids).
+            kv_layers = LayerLayout.of(model).kv_layers
+            self.nope_layers = [slot for slot, i in enumerate(kv_layers) if i in nope]
+            self.groups = {}  # rotary group (a layer type, or None) -> its slots; NoPE layers are in none
+            for slot, i in enumerate(kv_layers):
+                if i not in nope:
+                    self.groups.setdefault(types[i], []).append(slot)
             self._group_of = {i: kind for kind, members in self.groups.items() for i in members}
         else:
-            supported = sorted(SUPPORTED_ROPE_MODEL_TYPES | SUPPORTED_ABSOLUTE_MODEL_TYPES)
+            supported = sorted(SUPPORTED_ROPE_MODEL_TYPES | SUPPORTED_ABSOLUTE_MODEL_TYPES | HYBRID_MODEL_TYPES)
             why = _REFUSED.get(self.model_type, "its position encoding is not verified to be invertible here")
             raise ValueError(
                 f"model type {self.model_type!r} is not supported by AttnStoreCache: {why}; "
@@ -140,12 +148,13 @@ class RopeAdapter:
     groups: dict = {}
     _group_of: dict = {}
 
-    def layer_has_rope(self, layer: int) -> bool:
-        return self.rotary is not None and layer in self._group_of
+    def layer_has_rope(self, slot: int) -> bool:
+        """Whether the keys of KV slot `slot` (see layers.LayerLayout) are rotated."""
+        return self.rotary is not None and slot in self._group_of
 
-    def group(self, layer: int):
-        """The rotary group of a layer (its layer type for per-type rotary, else None)."""
-        return self._group_of[layer]
+    def group(self, slot: int):
+        """The rotary group of a KV slot (its layer type for per-type rotary, else None)."""
+        return self._group_of[slot]
 
     @property
     def uniform(self) -> bool:

@@ -1,0 +1,259 @@
+"""The per-layer objects of an :class:`~hf_attnstore.cache.AttnStoreCache`, and which layer gets which.
+
+Most models keep KV in every layer: each one is an :class:`AttnStoreLayer`. Hybrid models mix attention
+layers with linear-attention or state-space layers (transformers' layer types ``linear_attention`` and
+``conv``), layers that have both (``hybrid``: falcon_h1, zamba2) and layers with no cache (``dummy``:
+nemotron_h's MLP layers). :class:`LayerLayout` reads the types from the model's config, as
+`DynamicCache(config=...)` does, and numbers the KV-carrying layers: the store keeps one KV *slot* per
+such layer, so its geometry counts slots, not model layers.
+
+States are restored into transformers' own `LinearAttentionLayer` (the models call its
+`update_conv_state` / `update_recurrent_state`), and captured from it at the end of a turn (state.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+    get_layer_types_and_kwargs,
+)
+
+from .store.state import SessionState
+
+if TYPE_CHECKING:
+    from .cache import AttnStoreCache
+
+logger = logging.getLogger(__name__)
+KV, STATE, BOTH, NONE = "kv", "state", "both", "none"
+_KINDS = {"full_attention": KV, "sliding_attention": KV, "chunked_attention": KV, "linear_attention": STATE,
+          "conv": STATE, "hybrid": BOTH, "hybrid_sliding": BOTH, "dummy": NONE}
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """What each of a model's layers caches: ``kinds[i]`` is ``"kv"``, ``"state"``, ``"both"`` or ``"none"``;
+    ``states[i]`` how many conv/recurrent state pairs it has (linear-attention layers only)."""
+
+    kinds: tuple[str, ...]
+    states: tuple[int, ...]
+
+    @classmethod
+    def of(cls, model) -> "LayerLayout":
+        """The layout of `model`'s decoder (every layer keeps KV unless its config's layer types say otherwise).
+
+        Raises:
+            ValueError: A layer type whose cache the store cannot keep (e.g. a compressed or indexed one).
+        """
+        config = model.config.get_text_config(decoder=True)
+        if getattr(config, "layer_types", None) is None:
+            return cls((KV,) * config.num_hidden_layers, (0,) * config.num_hidden_layers)
+        types, kwargs = get_layer_types_and_kwargs(config)
+        unknown = sorted({t for t in types if t not in _KINDS})
+        if unknown:
+            raise ValueError(f"layer type(s) {', '.join(map(repr, unknown))} of model type {config.model_type!r} keep "
+                             "a cache AttnStoreCache cannot store; use DynamicCache for this model")
+        kinds = tuple(_KINDS[t] for t in types)
+        return cls(kinds, tuple(kw.get("number_of_states", 1) if k in (STATE, BOTH) else 0
+                                for k, kw in zip(kinds, kwargs)))
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The model layers that keep KV, in order: layer ``kv_layers[s]`` has the store's slot ``s``."""
+        return [i for i, kind in enumerate(self.kinds) if kind in (KV, BOTH)]
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some layer keeps recurrent or convolution states (a hybrid model)."""
+        return any(kind in (STATE, BOTH) for kind in self.kinds)
+
+
+class AttnStoreLayer(DynamicLayer):
+    """One KV layer of an :class:`AttnStoreCache` (store slot `slot`).
+
+    Until the layer's first `update()`, its reused KV stays in the store and only its length is known
+    (`generate` needs the length before any forward). The first update loads this layer alone and
+    re-applies RoPE for the new positions, so loading proceeds layer by layer with the forward pass.
+    """
+
+    def __init__(self, owner: "AttnStoreCache", slot: int, reused: int):
+        DynamicLayer.__init__(self)
+        # A weak reference: no cycle between the cache and its layers, so a cache dropped by its user is freed
+        # (and its turn closed, see AttnStoreCache.close) at once rather than at the next garbage collection.
+        self._owner = weakref.proxy(owner)
+        self._layer_idx = slot
+        self._pending_reuse = reused
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return self._pending_reuse
+        return super().get_seq_length()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise ValueError(
+                f"AttnStoreCache supports batch size 1 (got {key_states.shape[0]}): no beam search, "
+                "num_return_sequences=1, one session per cache"
+            )
+        if not self.is_initialized:
+            # First forward of the turn: this layer's reused KV (re-rotated) and the new KV, written into one
+            # tensor each (DynamicLayer's own concatenation would copy as much).
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.keys, self.values = self._owner._load_layer(self._layer_idx, self._pending_reuse, key_states,
+                                                             value_states)
+            self._owner._record(self._layer_idx, key_states, value_states)
+            self.is_initialized = True
+            return self.keys, self.values
+        self._owner._record(self._layer_idx, key_states, value_states)
+        return DynamicLayer.update(self, key_states, value_states)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if not self.is_initialized:
+            self._pending_reuse = max(0, self._pending_reuse + min(0, tokens_to_remove))
+            return
+        DynamicLayer.crop(self, tokens_to_remove)
+
+
+class AttnStoreHybridLayer(LinearAttentionLayer, AttnStoreLayer):
+    """A layer with both KV (an :class:`AttnStoreLayer`) and linear-attention states (falcon_h1, zamba2)."""
+
+    is_compileable = False  # its KV grows
+
+    def __init__(self, owner: "AttnStoreCache", slot: int, reused: int, number_of_states: int):
+        AttnStoreLayer.__init__(self, owner, slot, reused)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # As transformers' LinearAttentionAndFullAttentionLayer: the KV path passes two positional tensors,
+        # the state path keyword arguments.
+        if len(args) == 2 and not kwargs:
+            DynamicLayer.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return AttnStoreLayer.update(self, key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return AttnStoreLayer.get_seq_length(self)
+
+    def get_max_length(self) -> int:
+        return DynamicLayer.get_max_length(self)
+
+    def get_mask_sizes(self, *args, **kwargs):
+        return DynamicLayer.get_mask_sizes(self, *args, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        DynamicLayer.reset(self)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+        AttnStoreLayer.crop(self, tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        DynamicLayer.reorder_cache(self, beam_idx)
+
+
+def build_layers(owner: "AttnStoreCache", layout: LayerLayout, reused: int, state: SessionState | None,
+                 device: torch.device) -> list:
+    """The cache's layers for a turn that reuses `reused` tokens (and, for a hybrid model, `state`: the states
+    after exactly those tokens)."""
+    layers, slot = [], 0
+    for idx, (kind, n_states) in enumerate(zip(layout.kinds, layout.states)):
+        if kind == KV:
+            layers.append(AttnStoreLayer(owner, slot, reused))
+        elif kind == BOTH:
+            layers.append(AttnStoreHybridLayer(owner, slot, reused, n_states))
+        elif kind == STATE:
+            layers.append(LinearAttentionLayer(number_of_states=n_states))
+        else:
+            layers.append(DummyLayer())
+        slot += kind in (KV, BOTH)
+        if state is not None and kind in (STATE, BOTH):
+            _restore(layers[-1], idx, state, device)
+    return layers
+
+
+def _restore(layer: LinearAttentionCacheLayerMixin, idx: int, state: SessionState, device: torch.device) -> None:
+    """Puts layer `idx`'s stored states into `layer`, as if it had computed them (`has_previous_state`)."""
+    for i in range(layer.number_of_states):
+        conv, rec = state.tensors.get(f"L{idx:04d}.c{i}"), state.tensors.get(f"L{idx:04d}.r{i}")
+        if conv is not None:
+            conv = conv.to(device)
+            layer.lazy_initialization(conv_states=conv, state_idx=i, conv_kernel_size=conv.shape[-1])
+            layer.conv_states[i].copy_(conv)
+        if rec is not None:
+            rec = rec.to(device)
+            layer.lazy_initialization(recurrent_states=rec, state_idx=i)
+            layer.recurrent_states[i].copy_(rec)
+        layer.has_previous_state[i] = conv is not None or rec is not None
+
+
+def state_tensors(layers: list) -> dict[str, torch.Tensor] | None:
+    """The conv and recurrent states of every linear-attention layer (views: copy before the model runs
+    again), or None if some layer has none yet."""
+    out = {}
+    for idx, layer in enumerate(layers):
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            continue
+        for i in range(layer.number_of_states):
+            if not layer.has_previous_state[i]:
+                return None
+            if layer.is_conv_states_initialized[i]:
+                out[f"L{idx:04d}.c{i}"] = layer.conv_states[i]
+            if layer.is_recurrent_states_initialized[i]:
+                out[f"L{idx:04d}.r{i}"] = layer.recurrent_states[i]
+    return out
+
+
+class TurnEnd:
+    """Hands a hybrid model's states to the store: at the end of the turn (`AttnStoreCache.close`, or when
+    the cache is garbage-collected: this object holds the writer and the layers, never the cache), and
+    whenever the store asks for the states of a turn still open (a next turn's lookup while the previous
+    cache is still referenced, a flush: :meth:`publish`).
+
+    `tokens` and `complete` are set by the cache around each forward, under `lock`: states are copied only
+    between forwards (a forward in progress, or one that failed, leaves layers that disagree).
+    """
+
+    def __init__(self, writer, layers: list, has_state: bool):
+        self.writer, self.layers, self.has_state = writer, layers, has_state
+        self.tokens, self.complete, self.done = 0, False, False
+        self.lock = threading.Lock()
+        if writer is not None and has_state:
+            writer.state_source = weakref.ref(self)
+
+    def publish(self, end: bool = False) -> None:
+        """Copies the states after the last completed forward to the store (and closes the writer if `end`)."""
+        with self.lock:
+            if self.done:
+                return
+            self.done = end
+            state = None
+            if self.has_state and self.complete and self.tokens:
+                tensors = state_tensors(self.layers)
+                try:
+                    state = SessionState.capture(self.tokens, tensors) if tensors else None
+                except (TypeError, RuntimeError) as exc:  # e.g. out of memory: the next turn recomputes
+                    logger.warning("the states of a hybrid model's turn could not be kept (%s): its next turn "
+                                   "recomputes", exc)
+            if self.writer is None:
+                return
+            if end:
+                self.writer.close(state)
+            elif state is not None:
+                self.writer.offer_state(state)
+
+    def __call__(self) -> None:
+        self.publish(end=True)
