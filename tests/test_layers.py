@@ -164,3 +164,16 @@ def test_a_read_only_turn_reuses_the_states_and_changes_nothing():
         assert torch.equal(got, recompute(model, nxt))
         reader.close()
     assert torch.equal(store.token_ids("s", first.fingerprint), out[0, :-1])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "zamba2"])
+def test_the_chat_pipeline_serves_hybrids_one_turn_at_a_time_with_reuse(arch):
+    from . import test_batching
+
+    model = make_tiny(arch)
+    stored = test_batching.run(model, AttnStore("64MiB"), 4)  # asks for batches: hybrids run one at a time
+    plain = test_batching.run(model, None, 4)  # recomputation, no store
+    for key, reply in stored.items():
+        assert reply.generated_ids == plain[key].generated_ids, key
+        session, turn_index = key
+        assert (reply.reused_tokens > 0) == (turn_index > 0), key  # every later turn resumes its session

@@ -54,7 +54,7 @@ def run_demo(conversations: int = 3, turns: int = 4, max_new_tokens: int = 32, m
             out = model.generate(cache.input_ids, past_key_values=cache, streamer=timer, **gen)
             ttft_store = timer.ttft
             timer.start()
-            ref = model.generate(ids, past_key_values=DynamicCache(), streamer=timer, **gen)
+            ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), streamer=timer, **gen)
             r = TurnResult(conv.id, turn, ids.shape[1], cache.reused_tokens, ttft_store, timer.ttft,
                            torch.equal(out, ref))
             results.append(r)

@@ -230,7 +230,8 @@ class TurnEnd:
     def __init__(self, writer, layers: list, has_state: bool):
         self.writer, self.layers, self.has_state = writer, layers, has_state
         self.tokens, self.complete, self.done = 0, False, False
-        self.lock = threading.Lock()
+        # Re-entrant: the cache's finalizer may run (garbage collection) inside a publish on the same thread.
+        self.lock = threading.RLock()
         if writer is not None and has_state:
             writer.state_source = weakref.ref(self)
 

@@ -379,7 +379,9 @@ class ChatPipeline:
         options = {**self.generate_kwargs, **(job.options or {})}
         timer = FirstTokenTimer().start()
         if self.store is None:
-            cache, reused, dropped = DynamicCache(), 0, tokens_to_drop(ids.shape[1], self.truncation)
+            # With the config: a hybrid model's own cache has its linear-attention layers.
+            cache, reused = DynamicCache(config=self.model.config), 0
+            dropped = tokens_to_drop(ids.shape[1], self.truncation)
             k = self.truncation.keep_first
             prompt = torch.cat([ids[:, :k], ids[:, k + dropped :]], dim=1) if dropped else ids
             source = "truncated" if dropped else "recompute"

@@ -115,7 +115,7 @@ def _replay(model, tokenizer, variants: dict, turns: int, max_new_tokens: int, m
             ids = chat.first_turn(message) if ids is None else chat.next_turn(ids, message)
             if ids.shape[1] + max_new_tokens > max_prompt_tokens:
                 break
-            ref, ref_logits = _generate(model, ids, DynamicCache(), max_new_tokens, pad)
+            ref, ref_logits = _generate(model, ids, DynamicCache(config=model.config), max_new_tokens, pad)
             for name, (store, cold) in variants.items():
                 cache = AttnStoreCache(model, store, conv.id, ids)
                 out, logits = _generate(model, cache.input_ids, cache, max_new_tokens, pad)
