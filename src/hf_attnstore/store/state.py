@@ -18,6 +18,7 @@ Tensor names: ``L{layer:04d}.c{i}`` (conv state ``i`` of model layer ``layer``) 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -65,8 +66,8 @@ class SessionState:
 
     def sealed(self, key: tuple[str, str], prefix: str) -> "SessionState":
         """This state bound to a session and the digest of the ids it was computed for."""
-        state = SessionState(self.tokens, self.tensors, self.checksums, prefix, key)
-        return SessionState(self.tokens, self.tensors, self.checksums, prefix, key, metadata_digest(state._meta()))
+        state = dataclasses.replace(self, prefix=prefix, key=key)
+        return dataclasses.replace(state, digest=metadata_digest(state._meta()))
 
     @property
     def nbytes(self) -> int:
