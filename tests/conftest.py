@@ -52,6 +52,10 @@ TINY_MODELS = {
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 _SCALED = dict(attention_multiplier=0.2, embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0)
 _SLIDING = dict(sliding_window=24, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+_MLA = dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+                  "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+_MLA_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)
 # Families whose attention is llama's (one rotary module, `rotate_half` on the first rotary dims) around other
 # parts: mixture-of-experts MLPs, qk-norms, clipped qkv, multipliers, biases, LayerNorm, and sliding-window
 # layers mixed with global ones (one rotary module for both, so keys are re-rotated alike).
@@ -92,6 +96,15 @@ FAMILY_MODELS = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 500000.0}})),
     "hunyuan_v1_dense": lambda: _build("HunYuanDenseV1", _gqa(head_dim=16)),
+    # Multi-head latent attention: the cache holds a latent (32 wide) and the key's rotary part (8 wide), one
+    # head each; rotate_half on de-interleaved dims (deepseek_v3 and kin), complex pairs (deepseek_v2).
+    "deepseek_v3": lambda: _build("DeepseekV3", dict(_COMMON, **_MLA, **_MLA_MOE, first_k_dense_replace=1,
+                                                     rope_parameters=_DEEPSEEK_YARN)),  # as its checkpoints
+    "deepseek_v3-plain": lambda: _build("DeepseekV3", dict(_COMMON, **_MLA, **_MLA_MOE, rope_interleave=False)),
+    "deepseek_v2": lambda: _build("DeepseekV2", dict(_COMMON, **_MLA, **_MLA_MOE, first_k_dense_replace=1)),
+    "glm4_moe_lite": lambda: _build("Glm4MoeLite", dict(_COMMON, **_MLA, **_MLA_MOE)),
+    "youtu": lambda: _build("Youtu", dict(_COMMON, **_MLA)),
+    "axk1": lambda: _build("AXK1", dict(_COMMON, **_MLA, **_MLA_MOE)),
 }
 
 

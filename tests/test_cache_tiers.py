@@ -126,9 +126,10 @@ def test_cuda_layerwise_prefetch_and_async_saving(tmp_path, read_buffer_layers):
     store.close()
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])  # keys and values; a latent and the key's rotary part
 @pytest.mark.parametrize("codec, tol", [("int8", 0.01), ("int4", 0.1)])
-def test_a_lossy_codec_resumes_from_disk_close_to_recomputation(tmp_path, codec, tol):
-    model = make_tiny("llama")
+def test_a_lossy_codec_resumes_from_disk_close_to_recomputation(tmp_path, codec, tol, arch):
+    model = make_tiny(arch)
     ids = random_ids(48, 5)
     with AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), kv_codec=codec, **FAST) as store, torch.no_grad():
         first = AttnStoreCache(model, store, "s", ids[:, :40])
@@ -160,7 +161,8 @@ def _partially_evicted(tmp_path, model, turns=2):
     return store, hist
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "smollm3"])  # uniform RoPE; sliding layers; a NoPE layer
+# Uniform RoPE; sliding layers; a NoPE layer; multi-head latent attention (the recomputed head's KV swapped).
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "smollm3", "deepseek_v3"])
 def test_a_partially_evicted_session_resumes_exactly(tmp_path, arch):
     """The dropped head is recomputed, the rest loaded: the same greedy tokens as recomputing everything."""
     model = make_tiny(arch)

@@ -204,9 +204,7 @@ class AttnStoreCache(DynamicCache):
         """A stored entry whose shapes disagree with the model is a miss, never an error."""
         if snapshot is None:
             return None
-        layers, heads, dim = self._geometry
-        ok = snapshot.source.geometry == (layers, heads, dim)
-        if not ok:
+        if snapshot.source.geometry != self._geometry:
             _once.warning("geometry", f"stored KV of session {self.session_id!r} does not fit the model: ignored")
             return None
         return snapshot
@@ -248,14 +246,17 @@ class AttnStoreCache(DynamicCache):
         ids = snapshot.token_ids[:need]
         try:
             with torch.no_grad():
-                computed = DynamicCache()
+                computed = DynamicCache()  # without the config: sliding layers would keep only their window
                 model.base_model(input_ids=ids.view(1, -1).to(model.device), past_key_values=computed, use_cache=True)
-                keys = torch.stack([layer.keys for layer in computed.layers])
+                # In the store's roles (an MLA model's values are the rotated key part, see LayerLayout.latent).
+                keys, values = (("values", "keys") if self._layout.latent else ("keys", "values"))
+                values = [getattr(layer, values) for layer in computed.layers]
+                keys = torch.stack([getattr(layer, keys) for layer in computed.layers])
                 if self._rope.has_rope:
                     keys = self._unrotate(keys, self._inverse_rope(torch.arange(need, device=keys.device)))
                 dtype = snapshot.source.dtype
                 keys = [k.to("cpu", dtype) for k in keys.unbind(0)]
-                values = [layer.values.to("cpu", dtype) for layer in computed.layers]
+                values = [v.to("cpu", dtype) for v in values]
         except Exception as exc:  # e.g. out of memory: the turn goes on without reuse (a miss, never an error)
             _once.warning("head", f"recomputing the evicted head of session {self.session_id!r} failed ({exc}): "
                           "the session is recomputed")
@@ -464,10 +465,13 @@ class AttnStoreCache(DynamicCache):
         Args:
             token_ids: The ``n`` ids the KV belongs to, continuing the cache's ids.
             positions: Their positions, ``[n]`` (the keys are rotated for these).
-            keys, values: Per layer, ``[1, kv_heads, n, head_dim]``; keys still rotated.
+            keys, values: Per layer, ``[1, kv_heads, n, head_dim]``, as the model's layers cached them (keys still
+                rotated; for multi-head latent attention, the latent and the rotated key part).
         """
         if len(keys) != self._geometry[0] or len(values) != self._geometry[0]:
             raise ValueError(f"expected KV of {self._geometry[0]} layers, got {len(keys)}")
+        if self._layout.latent:  # the store's keys are the rotated tensor (layers.LayerLayout.latent)
+            keys, values = values, keys
         self._fwd_ids = token_ids.reshape(-1)
         if self._rope.has_rope and self._save:
             self._fwd_rope = self._inverse_rope(positions.reshape(-1))

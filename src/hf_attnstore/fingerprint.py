@@ -30,16 +30,22 @@ _MEMO_ATTR = "_hf_attnstore_fingerprint"
 _HASH_BLOCK = 64 * 1024 * 1024  # bytes copied off a GPU at a time
 
 
-def kv_geometry(model: nn.Module) -> tuple[int, int, int]:
-    """``(layers with KV, num_kv_heads, head_dim)`` of a decoder's attention (a hybrid model's linear-attention
-    layers keep no KV: see layers.LayerLayout)."""
+def kv_geometry(model: nn.Module) -> tuple:
+    """The geometry of the KV the store keeps for `model` (store/geometry.py): ``(layers with KV, num_kv_heads,
+    head_dim)`` for most models (a hybrid model's linear-attention layers keep no KV: see layers.LayerLayout);
+    ``(layers, 1, qk_rope_head_dim, 1, kv_lora_rank)`` for multi-head latent attention, whose store keys are
+    the key's rotary part and whose values are the compressed latent."""
     from .layers import LayerLayout  # imports transformers' cache classes: only when a model is measured
+    from .store.geometry import make_geometry
 
     cfg = model.config.get_text_config(decoder=True)
+    layout = LayerLayout.of(model)
+    if layout.latent:
+        return make_geometry(len(layout.kv_layers), (1, cfg.qk_rope_head_dim), (1, cfg.kv_lora_rank))
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return len(LayerLayout.of(model).kv_layers), kv_heads, head_dim
+    return len(layout.kv_layers), kv_heads, head_dim
 
 
 def _walk(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list]:

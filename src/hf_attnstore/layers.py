@@ -7,6 +7,12 @@ nemotron_h's MLP layers). :class:`LayerLayout` reads the types from the model's 
 `DynamicCache(config=...)` does, and numbers the KV-carrying layers: the store keeps one KV *slot* per
 such layer, so its geometry counts slots, not model layers.
 
+Multi-head latent attention (deepseek_v2/v3 and the families built on them, `LATENT_MODEL_TYPES`) caches two
+single-head tensors per layer: as "keys" the compressed latent ``[1, 1, n, kv_lora_rank]``, which carries no
+position, and as "values" the rotary part of the key ``[1, 1, n, qk_rope_head_dim]``, rotated. The store keeps
+them the other way round, so that its keys are always the rotated tensor (un-rotated on save, re-rotated on
+load, quantized per channel by a codec): the layers swap them at the boundary (`LayerLayout.latent`).
+
 States are restored into transformers' own `LinearAttentionLayer` (the models call its
 `update_conv_state` / `update_recurrent_state`), and captured from it at the end of a turn (state.py).
 """
@@ -35,6 +41,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 KV, STATE, BOTH, NONE = "kv", "state", "both", "none"
+# Multi-head latent attention whose cache holds the latent as keys and the rotated key part as values.
+LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1"})
 _KINDS = {"full_attention": KV, "sliding_attention": KV, "chunked_attention": KV, "linear_attention": STATE,
           "conv": STATE, "hybrid": BOTH, "hybrid_sliding": BOTH, "dummy": NONE}
 
@@ -42,10 +50,13 @@ _KINDS = {"full_attention": KV, "sliding_attention": KV, "chunked_attention": KV
 @dataclass(frozen=True)
 class LayerLayout:
     """What each of a model's layers caches: ``kinds[i]`` is ``"kv"``, ``"state"``, ``"both"`` or ``"none"``;
-    ``states[i]`` how many conv/recurrent state pairs it has (linear-attention layers only)."""
+    ``states[i]`` how many conv/recurrent state pairs it has (linear-attention layers only); `latent`: the
+    model caches a latent and the key's rotary part (multi-head latent attention), which the store keeps with
+    their roles swapped (see the module docstring)."""
 
     kinds: tuple[str, ...]
     states: tuple[int, ...]
+    latent: bool = False
 
     @classmethod
     def of(cls, model) -> "LayerLayout":
@@ -56,7 +67,8 @@ class LayerLayout:
         """
         config = model.config.get_text_config(decoder=True)
         if getattr(config, "layer_types", None) is None:
-            return cls((KV,) * config.num_hidden_layers, (0,) * config.num_hidden_layers)
+            return cls((KV,) * config.num_hidden_layers, (0,) * config.num_hidden_layers,
+                       config.model_type in LATENT_MODEL_TYPES)
         types, kwargs = get_layer_types_and_kwargs(config)
         unknown = sorted({t for t in types if t not in _KINDS})
         if unknown:
@@ -64,7 +76,7 @@ class LayerLayout:
                              "a cache AttnStoreCache cannot store; use DynamicCache for this model")
         kinds = tuple(_KINDS[t] for t in types)
         return cls(kinds, tuple(kw.get("number_of_states", 1) if k in (STATE, BOTH) else 0
-                                for k, kw in zip(kinds, kwargs)))
+                                for k, kw in zip(kinds, kwargs)), config.model_type in LATENT_MODEL_TYPES)
 
     @property
     def kv_layers(self) -> list[int]:
@@ -85,13 +97,14 @@ class AttnStoreLayer(DynamicLayer):
     re-applies RoPE for the new positions, so loading proceeds layer by layer with the forward pass.
     """
 
-    def __init__(self, owner: "AttnStoreCache", slot: int, reused: int):
+    def __init__(self, owner: "AttnStoreCache", slot: int, reused: int, swap: bool = False):
         DynamicLayer.__init__(self)
         # A weak reference: no cycle between the cache and its layers, so a cache dropped by its user is freed
         # (and its turn closed, see AttnStoreCache.close) at once rather than at the next garbage collection.
         self._owner = weakref.proxy(owner)
         self._layer_idx = slot
         self._pending_reuse = reused
+        self._swap = swap  # multi-head latent attention: the store's keys are the model's values (module doc)
 
     def get_seq_length(self) -> int:
         if not self.is_initialized:
@@ -104,16 +117,18 @@ class AttnStoreLayer(DynamicLayer):
                 f"AttnStoreCache supports batch size 1 (got {key_states.shape[0]}): no beam search, "
                 "num_return_sequences=1, one session per cache"
             )
+        # In the store's roles: `rotated` is what RoPE turned (the model's keys, or an MLA model's values).
+        rotated, other = (value_states, key_states) if self._swap else (key_states, value_states)
         if not self.is_initialized:
             # First forward of the turn: this layer's reused KV (re-rotated) and the new KV, written into one
             # tensor each (DynamicLayer's own concatenation would copy as much).
             self.dtype, self.device = key_states.dtype, key_states.device
-            self.keys, self.values = self._owner._load_layer(self._layer_idx, self._pending_reuse, key_states,
-                                                             value_states)
-            self._owner._record(self._layer_idx, key_states, value_states)
+            all_rotated, all_other = self._owner._load_layer(self._layer_idx, self._pending_reuse, rotated, other)
+            self.keys, self.values = (all_other, all_rotated) if self._swap else (all_rotated, all_other)
+            self._owner._record(self._layer_idx, rotated, other)
             self.is_initialized = True
             return self.keys, self.values
-        self._owner._record(self._layer_idx, key_states, value_states)
+        self._owner._record(self._layer_idx, rotated, other)
         return DynamicLayer.update(self, key_states, value_states)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -172,7 +187,7 @@ def build_layers(owner: "AttnStoreCache", layout: LayerLayout, reused: int, stat
     layers, slot = [], 0
     for idx, (kind, n_states) in enumerate(zip(layout.kinds, layout.states)):
         if kind == KV:
-            layers.append(AttnStoreLayer(owner, slot, reused))
+            layers.append(AttnStoreLayer(owner, slot, reused, layout.latent))
         elif kind == BOTH:
             layers.append(AttnStoreHybridLayer(owner, slot, reused, n_states))
         elif kind == STATE:

@@ -234,9 +234,9 @@ def drive(pipe: ChatPipeline, trace: Trace, *, label: str = "", timeout_s: float
 
 def kv_bytes_per_token(model) -> int:
     from .fingerprint import kv_geometry
+    from .store.geometry import bytes_per_token
 
-    layers, heads, dim = kv_geometry(model)
-    return 2 * layers * heads * dim * next(model.parameters()).element_size()
+    return bytes_per_token(kv_geometry(model), next(model.parameters()).element_size())
 
 
 def host_capacity(model, tokenizer, trace: Trace, cfg: ReplayConfig) -> tuple[int, int]:

@@ -13,13 +13,15 @@ import logging
 import torch
 from torch import nn
 
-from .layers import LayerLayout
+from .layers import LATENT_MODEL_TYPES, LayerLayout
 
 logger = logging.getLogger(__name__)
 
 # Model types whose attention rotates interleaved pairs of dims; those of `_HALF_FREQS` take the first half of
 # the module's cos/sin and repeat each frequency twice (`repeat_interleave(2)`) before applying them.
-_INTERLEAVED = frozenset({"cohere", "glm", "helium", "ernie4_5", "llama4_text"})
+_INTERLEAVED = frozenset({"cohere", "glm", "helium", "ernie4_5", "llama4_text", "deepseek_v2"})
+# Rotary modules that return complex frequencies (their attention multiplies pairs of dims by them).
+_COMPLEX = frozenset({"llama4_text", "deepseek_v2"})
 _HALF_FREQS = frozenset({"glm", "helium", "ernie4_5"})
 # Model types whose attention applies `rotate_half`-style RoPE to the first `cos.shape[-1]` dims of each head
 # (full rotary for most, partial for phi3/gpt_neox/stablelm) with one rotary module shared by all layers, the
@@ -41,6 +43,11 @@ SUPPORTED_ROPE_MODEL_TYPES = frozenset({
     "gemma3_text", "olmo3",
     # Rotary over interleaved pairs of dims (glm: partial; llama4 as complex numbers, with NoPE layers).
     *_INTERLEAVED,
+    # Multi-head latent attention: the cache holds a latent (no positions) and the key's rotary part, rotated
+    # by `rotate_half` (deepseek_v3 and its kin, interleaved weights or not: the interleaved form is
+    # `rotate_half` over de-interleaved dims, a fixed permutation that stays in the cache) or by complex
+    # pairs (deepseek_v2). The layers hand the store the rotary part as its keys (layers.LayerLayout.latent).
+    *LATENT_MODEL_TYPES,
 })
 # Hybrids: attention layers (llama's `rotate_half` RoPE, or none at all: NoPE) mixed with linear-attention or
 # state-space layers whose recurrent and convolution states the store keeps at the end of each turn (layers.py,
@@ -54,8 +61,8 @@ _REFUSED = {
                    "store's one geometry per model does not describe yet",
     "gemma4": "its layers differ in head dim, and some reuse another layer's KV (KV sharing), which the store's "
               "one geometry per model does not describe yet",
-    "deepseek_v3": "multi-head latent attention (keys and values of different head dims, rotary on the key's "
-                   "tail) is not handled yet",
+    "deepseek_v32": "its sparse-attention indexer keeps a second cache of its own (`update_indexer`), which the "
+                    "store does not keep",
 }
 # Models with absolute (or no) position embeddings: KV is reused as-is and never re-rotated.
 SUPPORTED_ABSOLUTE_MODEL_TYPES = frozenset({"gpt2"})
@@ -172,8 +179,8 @@ class RopeAdapter:
         assert self.rotary is not None, "cos_sin needs a RoPE model"
         dummy = torch.empty(0, dtype=dtype, device=positions.device)
         args = () if group is None else (group,)
-        if self.model_type == "llama4_text":
-            # Its module returns complex frequencies; its attention multiplies pairs of dims by them.
+        if self.model_type in _COMPLEX:
+            # The module returns complex frequencies; the attention multiplies pairs of dims by them.
             cis = self.rotary(dummy, positions.view(1, -1), *args)
             return (cis.real.to(dtype).repeat_interleave(2, dim=-1).unsqueeze(1),
                     cis.imag.to(dtype).repeat_interleave(2, dim=-1).unsqueeze(1))

@@ -14,7 +14,7 @@ def test_readers_of_shared_segments_wait_for_pending_copies():
     """A truncated copy (`selected`) and the disk writer read a segment whose copy may still be in flight."""
     layers, heads, dim, n = 4, 8, 128, 4096  # large enough that the copy is still running when we read
     for _ in range(20):
-        buf = SessionBuffer(layers, heads, dim, torch.float32, pin_memory=True)
+        buf = SessionBuffer((layers, heads, dim), torch.float32, pin_memory=True)
         keys = [torch.randn(1, heads, n, dim, device="cuda") for _ in range(layers)]
         values = [k * 2 for k in keys]
         torch.cuda._sleep(50_000_000)  # delay the stream so the copy lands late

@@ -1,10 +1,11 @@
 """A session's KV in host memory: per-layer segments that are appended to, and immutable snapshots.
 
 Layout: a segment holds, for every layer, pre-RoPE keys and values ``[1, kv_heads, capacity, head_dim]``
-and the token ids ``[capacity]``. A session is an ordered list of parts ``(segment, start, end)``. Data of
-a segment below its fill mark never changes, so snapshots, and other sessions (a truncated copy shares
-its segments), can keep pointing at it: appending writes in place only right after the fill mark, and
-otherwise starts a new segment. Nothing is ever copied to grow or to cut a session.
+(each of its own shape where they differ, see geometry.py) and the token ids ``[capacity]``. A session is an
+ordered list of parts ``(segment, start, end)``. Data of a segment below its fill mark never changes, so
+snapshots, and other sessions (a truncated copy shares its segments), can keep pointing at it: appending
+writes in place only right after the fill mark, and otherwise starts a new segment. Nothing is ever copied
+to grow or to cut a session.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .geometry import Geometry, bytes_per_token, make_geometry, shapes
 from .loader import LoadHandle
 from .state import SessionState
 
@@ -27,8 +29,8 @@ def _round(n: int) -> int:
 class Segment:
     """Host memory for `capacity` tokens of every layer (pinned when asked: async GPU copies)."""
 
-    def __init__(self, geometry: tuple[int, int, int], dtype: torch.dtype, capacity: int, pin_memory: bool):
-        layers, heads, dim = geometry
+    def __init__(self, geometry: Geometry, dtype: torch.dtype, capacity: int, pin_memory: bool):
+        layers, (kh, kd), (vh, vd) = shapes(geometry)
         self.capacity = capacity
         self.filled = 0  # tokens [0, filled) are written and may be visible: never overwritten
         # CUDA event recorded after the last asynchronous device-to-host copy into this segment. It lives on
@@ -41,12 +43,10 @@ class Segment:
         # One allocation per segment for all layers' keys, one for values (per-layer views): a decoding step
         # appends every layer in one copy, and pinned memory comes in two blocks rather than 2 x layers
         # (the caching host allocator rounds each block up to a power of two).
-        self.keys_all = torch.empty(layers, 1, heads, capacity, dim, dtype=dtype, pin_memory=pin_memory)
-        self.values_all = torch.empty(layers, 1, heads, capacity, dim, dtype=dtype, pin_memory=pin_memory)
+        self.keys_all = torch.empty(layers, 1, kh, capacity, kd, dtype=dtype, pin_memory=pin_memory)
+        self.values_all = torch.empty(layers, 1, vh, capacity, vd, dtype=dtype, pin_memory=pin_memory)
         self.keys, self.values = list(self.keys_all.unbind(0)), list(self.values_all.unbind(0))
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        self.nbytes = capacity * (2 * layers * heads * dim * itemsize + 8)
-
+        self.nbytes = capacity * (bytes_per_token(geometry, torch.tensor([], dtype=dtype).element_size()) + 8)
 
     @classmethod
     def adopt(cls, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> "Segment":
@@ -57,9 +57,13 @@ class Segment:
         seg.event = None
         seg.keys_all = seg.values_all = None  # full: never appended to
         seg.token_ids, seg.keys, seg.values = token_ids.clone(), list(keys), list(values)
-        itemsize = keys[0].element_size()
-        seg.nbytes = n * (2 * len(keys) * keys[0].shape[1] * keys[0].shape[3] * itemsize + 8)
+        seg.nbytes = n * (bytes_per_token(_geometry_of(seg), keys[0].element_size()) + 8)
         return seg
+
+
+def _geometry_of(seg: Segment) -> Geometry:
+    k, v = seg.keys[0], seg.values[0]
+    return make_geometry(len(seg.keys), (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]))
 
 
 Part = tuple[Segment, int, int]
@@ -181,9 +185,8 @@ def ranges(indices: torch.Tensor) -> list[tuple[int, int]]:
 class SessionBuffer:
     """A session's KV in host memory: the parts it is made of, its length, and where to append."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, pin_memory: bool,
-                 parts: list[Part] | None = None):
-        self.geometry = (num_layers, kv_heads, head_dim)
+    def __init__(self, geometry: Geometry, dtype: torch.dtype, pin_memory: bool, parts: list[Part] | None = None):
+        self.geometry = tuple(geometry)
         self.dtype = dtype
         self.pin_memory = pin_memory
         self.parts: list[Part] = list(parts or [])
@@ -225,8 +228,7 @@ class SessionBuffer:
         """Bytes the buffer would hold after appending `tokens` tokens."""
         if tokens <= self._tail_room():
             return self.nbytes
-        layers, heads, dim = self.geometry
-        per_token = 2 * layers * heads * dim * torch.tensor([], dtype=self.dtype).element_size() + 8
+        per_token = bytes_per_token(self.geometry, torch.tensor([], dtype=self.dtype).element_size()) + 8
         return self.nbytes + self._grow_capacity(tokens) * per_token
 
     def _grow_capacity(self, tokens: int) -> int:
@@ -241,14 +243,15 @@ class SessionBuffer:
         ``[layers, 1, kv_heads, n, head_dim]`` tensors (copied in one operation).
         """
         n = int(token_ids.numel())
-        layers, heads, dim = self.geometry
+        layers, (kh, kd), (vh, vd) = shapes(self.geometry)
         assert len(keys) == len(values) == layers, "one key/value tensor per layer is required"
         on_gpu = keys[0].is_cuda
         if not self.pin_memory and n >= _ADOPT_MIN_TOKENS and n > self._tail_room() and not on_gpu:
             # A prefill's KV is freshly computed and never modified afterwards: keep it as a segment instead
             # of copying it (this copy was most of the time saving adds to a turn).
             keys, values = list(keys), list(values)  # a stacked tensor's per-layer views share its storage
-            assert all(t.shape == (1, heads, n, dim) for t in keys + values), "KV shape mismatch"
+            assert all(t.shape == (1, kh, n, kd) for t in keys) and all(t.shape == (1, vh, n, vd) for t in values), \
+                "KV shape mismatch"
             self.parts.append((Segment.adopt(token_ids.view(-1), keys, values), 0, n))
             self.length += n
             return
@@ -262,7 +265,8 @@ class SessionBuffer:
         from_gpu = self.pin_memory and on_gpu
         # Into pinned memory the copy is asynchronous: it is ordered on the current stream, and readers
         # of the segment (the disk writer, a later turn) wait for its event first (see Segment.event).
-        for dst_all, dst, src in ((seg.keys_all, seg.keys, keys), (seg.values_all, seg.values, values)):
+        for dst_all, dst, src, (heads, dim) in ((seg.keys_all, seg.keys, keys, (kh, kd)),
+                                                (seg.values_all, seg.values, values, (vh, vd))):
             if isinstance(src, torch.Tensor):
                 assert src.shape == (layers, 1, heads, n, dim), f"expected {(layers, 1, heads, n, dim)}"
                 dst_all[:, :, :, b : b + n].copy_(src, non_blocking=from_gpu)
@@ -298,9 +302,8 @@ class SessionBuffer:
         """A buffer of `base`'s tokens at sorted indices `keep`, sharing its segments (no copy)."""
         assert base.loader is None or base.loader.done, "select only fully loaded snapshots"
         seg = base.parts[0][0]
-        geometry = (len(seg.keys), seg.keys[0].shape[1], seg.keys[0].shape[3])
         keep = keep.to(torch.long)
-        buf = cls(*geometry, seg.keys[0].dtype, pin_memory, parts=base.select(keep))
+        buf = cls(_geometry_of(seg), seg.keys[0].dtype, pin_memory, parts=base.select(keep))
         if base.head:
             # Tokens without KV may only lead (a head is recomputed from position 0).
             missing = int((keep < base.head).sum())
@@ -315,7 +318,7 @@ class SessionBuffer:
     @classmethod
     def for_load(cls, geometry, dtype, length: int, pin_memory: bool) -> "SessionBuffer":
         """A buffer with one segment for `length` tokens, to be filled by the disk loader."""
-        buf = cls(*geometry, dtype, pin_memory)
+        buf = cls(geometry, dtype, pin_memory)
         seg = buf.new_segment(length)
         seg.filled = length
         buf.parts, buf.length = [(seg, 0, length)], length

@@ -1,7 +1,8 @@
 """On-disk format of the disk tier: safetensors chunk files and a checksummed JSON manifest per session.
 
 A chunk file is a plain safetensors file holding ``ids`` ``[n]`` (int64) and, per layer ``l``, pre-RoPE
-keys ``L{l:04d}.k`` and values ``L{l:04d}.v`` ``[1, kv_heads, n, head_dim]``; safetensors sorts tensors by
+keys ``L{l:04d}.k`` and values ``L{l:04d}.v`` ``[1, kv_heads, n, head_dim]`` (keys and values each of their
+own shape where they differ: geometry.py); safetensors sorts tensors by
 alignment then name, so the file is laid out ids first, then layer by layer (a layer is one contiguous
 range: layer-wise loading reads it with a single `pread`). Its string metadata carries the format
 version, model fingerprint, full session id, geometry, an xxh64 checksum of every tensor, the codec of a
@@ -33,6 +34,7 @@ import xxhash
 from safetensors.torch import save as safetensors_save
 
 from .codec import CodecRangeError, KVCodec
+from .geometry import make_geometry, parse_geometry, shape_of
 
 FORMAT = "hf_attnstore/2"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -93,7 +95,7 @@ class ChunkMeta:
     fingerprint: str
     session_id: str
     n_tokens: int
-    geometry: tuple[int, int, int]  # layers, kv_heads, head_dim
+    geometry: tuple  # (layers, kv_heads, head_dim), or with the values' own (heads, dim): geometry.py
     dtype: torch.dtype
     offsets: dict[str, tuple[int, int]]  # tensor name -> absolute [begin, end) in the file
     checksums: dict[str, str]
@@ -106,7 +108,7 @@ class ChunkMeta:
         """Writes tokens ``[start, start + out.shape[2])`` of tensor `name`, whose verified bytes are `data`,
         into `out` ``[1, heads, m, dim]`` (dequantized when the chunk is lossy)."""
         if self.codec is None:
-            _, heads, dim = self.geometry
+            heads, dim = shape_of(self.geometry, name.endswith(".k"))
             out.copy_(bytes_to_tensor(data, self.dtype, [1, heads, self.n_tokens, dim])[:, :, start : start + out.shape[2]])
         else:
             blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -131,13 +133,14 @@ def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: lis
                 tensors[kn], tensors[vn] = codec.encode(k, keys=True), codec.encode(v, keys=False)
     except CodecRangeError:
         return encode_chunk(fingerprint, session_id, ids, keys, values, prefix, previous, None)
-    _, heads, n, dim = keys[0].shape
+    n = keys[0].shape[2]
+    geometry = make_geometry(len(keys), (keys[0].shape[1], keys[0].shape[3]), (values[0].shape[1], values[0].shape[3]))
     meta = {
         "format": FORMAT,
         "fingerprint": fingerprint,
         "session_id": session_id,
         "n_tokens": str(n),
-        "geometry": json.dumps([len(keys), heads, dim]),
+        "geometry": json.dumps(list(geometry)),
         "dtype": _DTYPE_NAMES[keys[0].dtype],
         "checksums": json.dumps({name: checksum(tensor_bytes(t)) for name, t in tensors.items()}),
         "prefix": prefix,
@@ -181,7 +184,7 @@ def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerpr
         if meta.get("session_id") != session_id:
             raise FormatError("chunk of another session")
         n = int(meta["n_tokens"])
-        geometry = tuple(int(x) for x in json.loads(meta["geometry"]))
+        geometry = parse_geometry(json.loads(meta["geometry"]))
         dtype = _DTYPES[meta["dtype"]]
         if dtype not in KV_DTYPES:
             raise FormatError(f"keys and values of dtype {meta['dtype']!r}")
@@ -205,10 +208,10 @@ def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerpr
 def _validate_layout(header: dict, sums: dict, n: int, geometry: tuple, dtype: torch.dtype, codec: KVCodec | None,
                      data_start: int, file_size: int) -> dict[str, tuple[int, int]]:
     """Checks names, dtypes, shapes and offsets of every tensor; returns absolute byte ranges."""
-    layers, heads, dim = geometry
     expected = {"ids": ("I64", [n])}
-    for layer in range(layers):
+    for layer in range(geometry[0]):
         for name, is_key in zip(layer_names(layer), (True, False)):
+            heads, dim = shape_of(geometry, is_key)
             if codec is None:
                 expected[name] = (_DTYPE_NAMES[dtype], [1, heads, n, dim])
             else:

@@ -67,13 +67,13 @@ class HostTier:
         return getattr(self.policy, "position", lambda key: None)(key)
 
     # -- allocation -----------------------------------------------------------------------------------
-    def new_buffer(self, geometry: tuple[int, int, int], dtype: torch.dtype) -> SessionBuffer:
-        return SessionBuffer(*geometry, dtype, self.pin_memory)
+    def new_buffer(self, geometry: tuple, dtype: torch.dtype) -> SessionBuffer:
+        return SessionBuffer(geometry, dtype, self.pin_memory)
 
     def selected(self, base: SessionKV, keep: torch.Tensor) -> SessionBuffer:
         """A buffer holding ``base[keep]``: shares `base`'s segments where the kept tokens are contiguous."""
         return SessionBuffer.selected(base, keep, self.pin_memory)
 
-    def for_load(self, geometry: tuple[int, int, int], dtype: torch.dtype, length: int) -> SessionBuffer:
+    def for_load(self, geometry: tuple, dtype: torch.dtype, length: int) -> SessionBuffer:
         """An empty buffer of exactly `length` tokens for a load from a lower tier."""
         return SessionBuffer.for_load(geometry, dtype, length, self.pin_memory)

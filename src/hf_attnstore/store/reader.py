@@ -187,10 +187,10 @@ class LoadPlanning:
         manifest, tier = (e.manifest, self._lower) if e.manifest is not None else (e.remote, self._remote)
         if tier is self._remote and not tier.available():
             return False  # the remote tier failed moments ago: a miss now rather than a wait on a dead server
-        (layers, heads, dim), dtype = e.layout
+        geometry, dtype = e.layout
         length = manifest.length
         # Exactly the session's size: the next turn appends in a new segment, without copying this one.
-        buf = self._host.for_load(e.layout[0], dtype, length)
+        buf = self._host.for_load(geometry, dtype, length)
         if buf.nbytes > self.config.host_bytes:
             self._once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
             return False
@@ -199,7 +199,7 @@ class LoadPlanning:
             return False
         buf.parts[0][0].token_ids[:length].copy_(manifest.token_ids)
         buf.missing_head = manifest.head  # a partially evicted head: left for the turn to recompute
-        e.loading = LoadHandle(layers, self.config.read_buffer_layers, self.config.io_timeout_s)
+        e.loading = LoadHandle(geometry[0], self.config.read_buffer_layers, self.config.io_timeout_s)
         e.pins += 1
         self._set_host(e, buf)
         self._loads_active += 1

@@ -9,6 +9,7 @@ import torch
 from .buffer import SessionKV
 from .entry import Key
 from .format import KV_DTYPES
+from .geometry import make_geometry
 from .loader import LoadError
 from .state import SessionState
 
@@ -24,7 +25,7 @@ class TurnWriter:
         self.base, self.keep = base, keep.to(torch.long).cpu()
         self.started = False
         self.dead = False
-        self.geometry: tuple[int, int, int] | None = None
+        self.geometry: tuple | None = None  # geometry.py
         self.dtype: torch.dtype | None = None
         # A hybrid model's turn: a weak reference to what publishes its states (layers.TurnEnd), asked by the
         # store when it needs the states of a turn that is still open (`AttnStore._publish_states`).
@@ -45,11 +46,14 @@ class TurnWriter:
             return False
         keys, values = _storable(keys, "keys"), _storable(values, "values")
         n = int(token_ids.numel())
-        layout = _layout(keys)
-        geometry, dtype = (layout[0], layout[1][1], layout[1][3]), layout[2]
-        if layout[1][2] != n or _layout(values) != layout:
+        layout, value_layout = _layout(keys), _layout(values)
+        if len(layout[1]) != 4 or len(value_layout[1]) != 4 or layout[1][2] != n or value_layout[1][2] != n \
+                or layout[0] != value_layout[0] or layout[1][0] != 1 or value_layout[1][0] != 1 \
+                or layout[2] is None or layout[2] != value_layout[2]:
             raise TypeError(f"expected {layout[0]} keys and values of shape [1, kv_heads, {n}, head_dim] and one "
                             "dtype")
+        geometry = make_geometry(layout[0], (layout[1][1], layout[1][3]), (value_layout[1][1], value_layout[1][3]))
+        dtype = layout[2]
         if self.geometry is None:
             self.geometry, self.dtype = geometry, dtype
         elif (geometry, dtype) != (self.geometry, self.dtype):

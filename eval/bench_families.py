@@ -1,15 +1,20 @@
-"""Resuming a hybrid model's session: TTFT with stored KV + states, against recomputation (issue 15).
+"""Resuming a session of a newer model family: TTFT with stored KV (and states) against recomputation (issue 15).
 
-    python eval/bench_hybrid.py --arch lfm2 --history 2048 --new 128 --reps 5
-    python eval/bench_hybrid.py --arch qwen3_next --history 2048 --new 128 --reps 5
+    python eval/bench_families.py --arch lfm2 --history 2048 --new 128 --reps 5
+    python eval/bench_families.py --arch qwen3_next --history 2048 --new 128 --reps 5
+    python eval/bench_families.py --arch deepseek_v3 --history 2048 --new 128 --reps 5
 
-No hybrid checkpoint can be downloaded here, so the model is built from a config at SmolLM2-135M's scale
-(hidden 576, 9 query / 3 KV heads of 64, MLP 1536, vocabulary 49152) with random weights: timings depend on
-shapes, not on weights. `--arch lfm2`: 16 layers, 10 short-convolution and 6 attention layers placed as in
-LFM2-350M; `--arch qwen3_next`: 24 layers, three gated-DeltaNet layers to one attention layer, as Qwen3-Next
-(dense MLP instead of its experts). Interleaved per repetition, medians reported:
+No such checkpoint can be downloaded here, so the model is built from a config at SmolLM2-135M's scale
+(hidden 576, 9 query heads, MLP 1536, vocabulary 49152) with random weights: timings depend on shapes, not on
+weights. Hybrids (KV of their attention layers, plus recurrent and convolution states): `--arch lfm2`, 16
+layers, 10 short-convolution and 6 attention layers placed as in LFM2-350M; `--arch qwen3_next`, 24 layers,
+three gated-DeltaNet layers to one attention layer, as Qwen3-Next (dense MLP instead of its experts), both
+with 3 KV heads of 64. Multi-head latent attention: `--arch deepseek_v3`, 30 layers (SmolLM2's count) of
+DeepSeek-V3's attention, scaled down (latent 128 wide, rotary key part 32, per-head no-RoPE key 64 and value
+64, no query compression; dense MLP instead of its experts; yarn RoPE as its checkpoints). Interleaved per
+repetition, medians reported:
 
-  RE       recomputation of history + new (DynamicCache, the model's own hybrid cache)
+  RE       recomputation of history + new (DynamicCache, the model's own cache)
   AS-host  the session in host memory: the cache built (KV loaded, states restored) and `--new` tokens prefilled
   AS-disk  the same from a store reopened on the folder, the session's pages dropped from the page cache
 
@@ -37,21 +42,30 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import drop_page_cache  # noqa: E402
 
 _SCALE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-              num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
+              max_position_embeddings=8192, tie_word_embeddings=True)
+_GQA = dict(_SCALE, num_key_value_heads=3, head_dim=64)
 _LFM2_TYPES = ["conv", "conv", "full_attention", "conv", "conv", "full_attention", "conv", "conv", "full_attention",
                "conv", "full_attention", "conv", "full_attention", "conv", "full_attention", "conv"]
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+                  "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
 
 def build(arch: str):
     if arch == "lfm2":
-        config = transformers.Lfm2Config(**_SCALE, num_hidden_layers=16, layer_types=_LFM2_TYPES)
+        config = transformers.Lfm2Config(**_GQA, num_hidden_layers=16, layer_types=_LFM2_TYPES)
         return transformers.Lfm2ForCausalLM(config)
     if arch == "qwen3_next":
         config = transformers.Qwen3NextConfig(
-            **_SCALE, num_hidden_layers=24, linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
+            **_GQA, num_hidden_layers=24, linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
             linear_value_head_dim=64, num_experts=0, mlp_only_layers=list(range(24)))
         return transformers.Qwen3NextForCausalLM(config)
-    raise SystemExit(f"--arch must be lfm2 or qwen3_next, got {arch!r}")
+    if arch == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            **_SCALE, num_key_value_heads=9, num_hidden_layers=30, kv_lora_rank=128, q_lora_rank=None,
+            qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=30,
+            rope_parameters=_DEEPSEEK_YARN)
+        return transformers.DeepseekV3ForCausalLM(config)
+    raise SystemExit(f"--arch must be lfm2, qwen3_next or deepseek_v3, got {arch!r}")
 
 
 def main(argv=None) -> int:
@@ -66,14 +80,15 @@ def main(argv=None) -> int:
     model = build(args.arch).eval()
     H, N = args.history, args.new
     ids = torch.randint(100, model.config.vocab_size, (1, H + N), generator=torch.Generator().manual_seed(0))
-    root = Path(tempfile.mkdtemp(prefix="attnstore-hybrid-"))
+    root = Path(tempfile.mkdtemp(prefix="attnstore-families-"))
     store = AttnStore(host_bytes="16GiB", disk_dir=str(root))
     prefill = AttnStoreCache(model, store, "s", ids[:, :H])
     model(prefill.input_ids, past_key_values=prefill)
     prefill.close()
     store.flush()
     snap = store.lookup("s", prefill.fingerprint)
-    state_bytes, kv_bytes = snap.state.nbytes, snap.source.nbytes - snap.state.nbytes
+    state_bytes = snap.state.nbytes if snap.state is not None else 0
+    kv_bytes = snap.source.nbytes - state_bytes
     folder = root / "sessions" / session_dirname(prefill.fingerprint, "s")
     model(ids[:, :8])  # warm-up
 
@@ -103,15 +118,16 @@ def main(argv=None) -> int:
         error = max(error, float((logits - ref).abs().max()))
     store.close()
     med = {k: statistics.median(v) for k, v in rows.items()}
-    kinds = model.config.layer_types
+    kinds = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
     print(f"{args.arch} at SmolLM2-135M scale (random weights, {len(kinds)} layers, "
           f"{kinds.count('full_attention')} with attention), fp32 on CPU, {torch.get_num_threads()} threads; "
           f"history {H} + new {N}, {args.reps} reps (medians)\n")
     print("| system | TTFT | vs RE |\n| --- | --- | --- |")
     for name, value in med.items():
         print(f"| {name} | {1000 * value:.0f} ms | {value / med['RE']:.2f}x |")
-    print(f"\nper session: KV {kv_bytes / 1e6:.1f} MB ({kv_bytes / H / 1e3:.1f} kB/token), states "
-          f"{state_bytes / 1e6:.2f} MB; resumed logits vs RE: max |diff| {error:.1e}")
+    states = f", states {state_bytes / 1e6:.2f} MB" if state_bytes else ""
+    print(f"\nper session: KV {kv_bytes / 1e6:.1f} MB ({kv_bytes / H / 1e3:.1f} kB/token){states}; resumed logits "
+          f"vs RE: max |diff| {error:.1e}")
     shutil.rmtree(root, ignore_errors=True)
     return 0
 
