@@ -61,7 +61,7 @@ def build(arch: str):
         return transformers.Qwen3NextForCausalLM(config)
     if arch == "deepseek_v3":
         config = transformers.DeepseekV3Config(
-            **_SCALE, num_key_value_heads=9, num_hidden_layers=30, kv_lora_rank=128, q_lora_rank=None,
+            **dict(_SCALE, max_position_embeddings=163840), num_key_value_heads=9, num_hidden_layers=30, kv_lora_rank=128, q_lora_rank=None,
             qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=30,
             rope_parameters=_DEEPSEEK_YARN)
         return transformers.DeepseekV3ForCausalLM(config)
