@@ -137,6 +137,12 @@ HYBRID_MODELS = {
     "nemotron_h": lambda: _build("NemotronH", _gqa(
         num_hidden_layers=4, mamba_num_heads=4, mamba_head_dim=32, ssm_state_size=8, n_groups=1, chunk_size=16,
         head_dim=16, layers_block_type=["mamba", "mlp", "attention", "mlp"])),  # MLP layers keep no cache
+    # Multi-head latent attention between linear-attention layers (kimi_linear's KDA, without RoPE).
+    "kimi_linear": lambda: _build("KimiLinear", dict(_COMMON, **_MLA, num_key_value_heads=4, num_hidden_layers=4,
+                                                     layer_types=_ALTERNATING, linear_head_dim=16, linear_num_heads=4,
+                                                     first_k_dense_replace=4)),
+    "bailing_hybrid": lambda: _build("BailingHybrid", dict(_COMMON, **_MLA, num_key_value_heads=4,
+                                                           num_hidden_layers=4, layer_types=_ALTERNATING)),
     "zamba2": lambda: _build("Zamba2", _gqa(num_hidden_layers=4, mamba_d_state=8, mamba_headdim=16,
                                             n_mamba_heads=8, num_mem_blocks=1, chunk_size=16,
                                             layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])),

@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 KV, STATE, BOTH, NONE = "kv", "state", "both", "none"
 # Multi-head latent attention whose cache holds the latent as keys and the rotated key part as values.
-LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1"})
+LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1",
+                                "kimi_linear", "bailing_hybrid"})  # (these two: hybrids, see rope.py)
 _KINDS = {"full_attention": KV, "sliding_attention": KV, "chunked_attention": KV, "linear_attention": STATE,
           "conv": STATE, "hybrid": BOTH, "hybrid_sliding": BOTH, "dummy": NONE}
 

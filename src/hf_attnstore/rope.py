@@ -54,7 +54,9 @@ SUPPORTED_ROPE_MODEL_TYPES = frozenset({
 # store/state.py). Their states are not position-decoupled, so a turn reuses a session only when its prompt
 # extends exactly the ids the states were computed for: any divergence or truncation recomputes.
 HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "lfm2", "falcon_h1", "bamba", "granitemoehybrid",
-                                "jamba", "nemotron_h", "zamba2"})
+                                "jamba", "nemotron_h", "zamba2",
+                                # With multi-head latent attention layers (kimi_linear's without RoPE).
+                                "kimi_linear", "bailing_hybrid"})
 # Families refused, with the reason their error gives (any other unlisted type is refused as unverified).
 _REFUSED = {
     "gemma4_text": "its layers differ in head dim, and some reuse another layer's KV (KV sharing), which the "
