@@ -89,13 +89,19 @@ def test_rerotated_keys_equal_model_post_rope_keys(arch):
         # What RoPE rotated round-trips within rounding, the rest bit for bit (multi-head latent attention
         # rotates the tensor it caches as values: the key's rotary part; its keys, a latent, carry no position).
         rotated_keys = not resumed._layout.latent
-        torch.testing.assert_close(keys, ref.layers[layer].keys, atol=1e-5 if rotated_keys else 0, rtol=0)
-        torch.testing.assert_close(values, ref.layers[layer].values, atol=0 if rotated_keys else 1e-5, rtol=0)
+        # A sliding-window layer loads only the tokens its window still sees.
+        start = resumed._load_start(layer, 40)
+        assert start == max(40 - resumed._windows.get(layer, 41) + 1, 0) and keys.shape[2] == 40 - start
+        torch.testing.assert_close(keys, ref.layers[layer].keys[:, :, start:], atol=1e-5 if rotated_keys else 0,
+                                   rtol=0)
+        torch.testing.assert_close(values, ref.layers[layer].values[:, :, start:], atol=0 if rotated_keys else 1e-5,
+                                   rtol=0)
 
 
 def loaded_kv(cache, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """KV slot `slot`'s first `n` reused tokens as the cache loads them (re-rotated), in the model's roles
-    (the store swaps those of multi-head latent attention, see layers.LayerLayout.latent)."""
+    """KV slot `slot`'s first `n` reused tokens as the cache loads them (re-rotated; a sliding-window slot: the
+    last `window - 1` of them), in the model's roles (the store swaps those of multi-head latent attention, see
+    layers.LayerLayout.latent)."""
     _, (kh, kd), (vh, vd) = shapes(cache._geometry)
     keys, values = cache._load_layer(slot, n, torch.empty(1, kh, 0, kd), torch.empty(1, vh, 0, vd))
     return (values, keys) if cache._layout.latent else (keys, values)

@@ -167,6 +167,18 @@ class BatchKV(DynamicCache):
             layer._views()
 
 
+def _whole(layer, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A solo cache layer's KV over all `length` tokens: a sliding-window layer keeps only its window's tail,
+    so its past is filled with zeros, which the batch's sliding mask never lets a query see (and zeros, not
+    garbage: a masked NaN would still poison the softmax)."""
+    keys, values = layer.keys, layer.values
+    missing = length - keys.shape[2]
+    if missing <= 0:
+        return keys, values
+    return (torch.cat([keys.new_zeros(*keys.shape[:2], missing, keys.shape[3]), keys], dim=2),
+            torch.cat([values.new_zeros(*values.shape[:2], missing, values.shape[3]), values], dim=2))
+
+
 def batchable(model) -> tuple[bool, str]:
     """Whether the model's turns can be batched here, and why not.
 
@@ -334,7 +346,7 @@ class BatchRunner:
                 if n == left:
                     m.tee.put(prep.prompt.cpu())  # streamers expect the prompt first (skip_prompt)
                     self._accept(m, logits)
-                    m.kv = [(layer.keys, layer.values) for layer in prep.cache.layers]
+                    m.kv = [_whole(layer, int(prep.prompt.shape[1])) for layer in prep.cache.layers]
             except BaseException as exc:  # this turn fails; the others go on
                 self.prefilling.popleft()
                 self._fail(m, exc)

@@ -139,6 +139,7 @@ class AttnStoreCache(DynamicCache):
         self.fingerprint = store.fingerprint(model)
         self._geometry = kv_geometry(model)
         self._layout = LayerLayout.of(model)
+        self._windows = self._layout.slot_windows  # KV slot -> sliding window
         snapshot = self._validated(store.lookup(session_id, self.fingerprint))
         state = None
         if self._layout.has_state:
@@ -298,15 +299,18 @@ class AttnStoreCache(DynamicCache):
                 parts = self._host_parts(idx, length)
         except LoadError as exc:
             raise ReuseFailed(str(exc)) from exc
+        # A sliding-window layer gets the reused tokens its window still sees: the last `window - 1`.
+        start = self._load_start(idx, length)
+        kept = length - start
         _, heads, n, dim = new_keys.shape
-        keys = torch.empty(1, heads, length + n, dim, dtype=dtype, device=device)
-        values = torch.empty(1, heads, length + new_values.shape[2], new_values.shape[3], dtype=dtype, device=device)
+        keys = torch.empty(1, heads, kept + n, dim, dtype=dtype, device=device)
+        values = torch.empty(1, heads, kept + new_values.shape[2], new_values.shape[3], dtype=dtype, device=device)
         if self._rope.layer_has_rope(idx):
             # cos/sin are computed once per turn and rotary group (layer type), shared by the group's layers.
             group = self._rope.group(idx)
-            rope_key = (length, device, dtype, group)
+            rope_key = (start, length, device, dtype, group)
             if rope_key not in self._load_rope:
-                positions = self.plan.key_positions[:length].to(device)
+                positions = self.plan.key_positions[start:length].to(device)
                 cos, sin = self._rope.cos_sin(positions, dtype, group)
                 self._load_rope[rope_key] = cos, sin, RopeAdapter.halves_equal(cos, sin)
             cos, sin, halves_equal = self._load_rope[rope_key]
@@ -321,21 +325,33 @@ class AttnStoreCache(DynamicCache):
                 keys[:, :, pos : pos + m].copy_(k)
             values[:, :, pos : pos + m].copy_(v)
             pos += m
-        keys[:, :, length:].copy_(new_keys)
-        values[:, :, length:].copy_(new_values)
+        keys[:, :, kept:].copy_(new_keys)
+        values[:, :, kept:].copy_(new_values)
         if idx == self._geometry[0] - 1:
             if self._snapshot.loader is not None:
                 self._snapshot.loader.release()
             self._snapshot = self._prefetcher = None  # every layer is loaded: release the snapshot
         return keys, values
 
+    def _load_start(self, idx: int, length: int) -> int:
+        """How many of the first `length` reused tokens KV slot `idx` does not load (a sliding window's past)."""
+        window = self._windows.get(idx)
+        return max(length - window + 1, 0) if window else 0
+
     def _host_parts(self, idx: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views of layer `idx`'s reused pre-RoPE KV in host memory (waits if it is still loading)."""
+        """Views of layer `idx`'s reused pre-RoPE KV in host memory, the tokens it loads of the first `length`
+        (waits if it is still loading)."""
         if not self._keep_is_prefix and self._selected is None:
             # A truncated history: the kept tokens, as views of the stored segments (no copy).
             self._selected = dataclasses.replace(self._snapshot, parts=tuple(self._snapshot.select(self.plan.keep)),
                                                  token_ids=self._snapshot.token_ids[self.plan.keep])
-        return (self._snapshot if self._keep_is_prefix else self._selected).layer_parts(idx, length)
+        parts = (self._snapshot if self._keep_is_prefix else self._selected).layer_parts(idx, length)
+        skip, out = self._load_start(idx, length), []
+        for k, v in parts:
+            if skip < k.shape[2]:
+                out.append((k[:, :, skip:], v[:, :, skip:]) if skip else (k, v))
+            skip = max(skip - k.shape[2], 0)
+        return out
 
     def _recompute_forward(self, original, args: tuple, kwargs: dict):
         """Runs the current forward again over the whole prompt, without reused KV (see hooks.py)."""

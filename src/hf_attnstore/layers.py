@@ -29,6 +29,7 @@ import torch
 from transformers.cache_utils import (
     DummyLayer,
     DynamicLayer,
+    DynamicSlidingWindowLayer,
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
     get_layer_types_and_kwargs,
@@ -58,6 +59,9 @@ class LayerLayout:
     kinds: tuple[str, ...]
     states: tuple[int, ...]
     latent: bool = False
+    # Per model layer, the sliding window of a sliding-attention KV layer (None elsewhere): such a layer keeps
+    # on the device only the `window - 1` tokens its next query can attend to (the store keeps them all).
+    windows: tuple[int | None, ...] = ()
 
     @classmethod
     def of(cls, model) -> "LayerLayout":
@@ -67,22 +71,28 @@ class LayerLayout:
             ValueError: A layer type whose cache the store cannot keep (e.g. a compressed or indexed one).
         """
         config = model.config.get_text_config(decoder=True)
-        if getattr(config, "layer_types", None) is None:
+        if getattr(config, "layer_types", None) is None and not getattr(config, "sliding_window", None):
             return cls((KV,) * config.num_hidden_layers, (0,) * config.num_hidden_layers,
-                       config.model_type in LATENT_MODEL_TYPES)
+                       config.model_type in LATENT_MODEL_TYPES, (None,) * config.num_hidden_layers)
         types, kwargs = get_layer_types_and_kwargs(config)
+        windows = tuple(kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, kwargs))
         unknown = sorted({t for t in types if t not in _KINDS})
         if unknown:
             raise ValueError(f"layer type(s) {', '.join(map(repr, unknown))} of model type {config.model_type!r} keep "
                              "a cache AttnStoreCache cannot store; use DynamicCache for this model")
         kinds = tuple(_KINDS[t] for t in types)
         return cls(kinds, tuple(kw.get("number_of_states", 1) if k in (STATE, BOTH) else 0
-                                for k, kw in zip(kinds, kwargs)), config.model_type in LATENT_MODEL_TYPES)
+                                for k, kw in zip(kinds, kwargs)), config.model_type in LATENT_MODEL_TYPES, windows)
 
     @property
     def kv_layers(self) -> list[int]:
         """The model layers that keep KV, in order: layer ``kv_layers[s]`` has the store's slot ``s``."""
         return [i for i, kind in enumerate(self.kinds) if kind in (KV, BOTH)]
+
+    @property
+    def slot_windows(self) -> dict[int, int]:
+        """KV slot -> sliding window, for the sliding-attention slots."""
+        return {slot: self.windows[i] for slot, i in enumerate(self.kv_layers) if self.windows and self.windows[i]}
 
     @property
     def has_state(self) -> bool:
@@ -139,6 +149,56 @@ class AttnStoreLayer(DynamicLayer):
         DynamicLayer.crop(self, tokens_to_remove)
 
 
+class AttnStoreSlidingLayer(AttnStoreLayer, DynamicSlidingWindowLayer):
+    """A sliding-window KV layer (store slot `slot`): like transformers' `DynamicSlidingWindowLayer`, it keeps
+    only the last ``sliding_window - 1`` tokens, all its next query can attend to, and it loads only those of
+    the reused ones. The store keeps every token (a later turn may diverge or truncate earlier)."""
+
+    is_sliding = True
+
+    def __init__(self, owner: "AttnStoreCache", slot: int, reused: int, swap: bool, sliding_window: int):
+        AttnStoreLayer.__init__(self, owner, slot, reused, swap)
+        # DynamicSlidingWindowLayer's state (its mask sizes, past recording and crop are used as they are).
+        self.sliding_window = sliding_window
+        self._sliding_window_tensor = torch.tensor(sliding_window, dtype=torch.long)
+        self.cumulative_length = reused  # tokens seen, including those no longer kept
+        self.record_past = False  # set by assisted decoding, which crops what it rejects
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            return AttnStoreLayer.update(self, key_states, value_states)  # raises the batch-size error
+        rotated, other = (value_states, key_states) if self._swap else (key_states, value_states)
+        if not self.is_initialized:
+            # The reused tokens the window still sees (the cache loads only those), then the new ones.
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+            all_rotated, all_other = self._owner._load_layer(self._layer_idx, self._pending_reuse, rotated, other)
+            full_keys, full_values = (all_other, all_rotated) if self._swap else (all_rotated, all_other)
+            self.is_initialized = True
+        else:
+            full_keys = torch.cat([self.keys, key_states], dim=-2)
+            full_values = torch.cat([self.values, value_states], dim=-2)
+        self._owner._record(self._layer_idx, rotated, other)
+        self.cumulative_length += key_states.shape[-2]
+        if self.record_past:  # kept whole until `crop` (as DynamicSlidingWindowLayer)
+            self.keys, self.values = full_keys, full_values
+            visible = self.sliding_window - 1 + key_states.shape[-2]
+            return full_keys[:, :, -visible:], full_values[:, :, -visible:]
+        self.keys = full_keys[:, :, -self.sliding_window + 1 :]
+        self.values = full_values[:, :, -self.sliding_window + 1 :]
+        return full_keys, full_values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if not self.is_initialized:
+            AttnStoreLayer.crop(self, tokens_to_remove)
+            self.cumulative_length = self._pending_reuse
+            return
+        DynamicSlidingWindowLayer.crop(self, tokens_to_remove)
+
+
 class AttnStoreHybridLayer(LinearAttentionLayer, AttnStoreLayer):
     """A layer with both KV (an :class:`AttnStoreLayer`) and linear-attention states (falcon_h1, zamba2)."""
 
@@ -187,7 +247,9 @@ def build_layers(owner: "AttnStoreCache", layout: LayerLayout, reused: int, stat
     after exactly those tokens)."""
     layers, slot = [], 0
     for idx, (kind, n_states) in enumerate(zip(layout.kinds, layout.states)):
-        if kind == KV:
+        if kind == KV and layout.windows and layout.windows[idx]:
+            layers.append(AttnStoreSlidingLayer(owner, slot, reused, layout.latent, layout.windows[idx]))
+        elif kind == KV:
             layers.append(AttnStoreLayer(owner, slot, reused, layout.latent))
         elif kind == BOTH:
             layers.append(AttnStoreHybridLayer(owner, slot, reused, n_states))

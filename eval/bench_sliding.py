@@ -1,0 +1,99 @@
+"""Sliding-window layers in a resumed turn: the KV the cache holds, TTFT and decoding speed (issue 15).
+
+    python eval/bench_sliding.py --history 2048 --new 128 --decode 64 --reps 3
+
+A Gemma-3-style model at SmolLM2-135M's scale with random weights (timings depend on shapes only): 30 layers,
+five sliding-window layers (window 512) to one global layer, 9 query / 3 KV heads of 64, MLP 1536. A session
+of `--history` tokens is stored in host memory; then a turn adds `--new` tokens and decodes `--decode` more:
+
+  RE   recomputation through `DynamicCache(config=...)` (transformers' own sliding layers)
+  AS   the resumed turn through AttnStoreCache
+
+Reported per system: the KV its cache layers hold at the end of the turn, TTFT (cache built, `--new` tokens
+prefilled) and decoding time per token; medians over `--reps`. To compare with the code before sliding
+layers were trimmed, run the same command with that commit's `src` on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import transformers
+from transformers import DynamicCache
+
+from hf_attnstore import AttnStore, AttnStoreCache
+
+_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 5
+
+
+def build(window: int):
+    config = transformers.Gemma3TextConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, num_hidden_layers=30, layer_types=_TYPES, sliding_window=window, max_position_embeddings=8192)
+    return transformers.Gemma3ForCausalLM(config).eval()
+
+
+def kv_bytes(cache) -> int:
+    return sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+               for layer in cache.layers)
+
+
+def decode(model, cache, first: torch.Tensor, steps: int) -> float:
+    """Seconds per greedy decoding step through `cache`."""
+    token = first
+    t = time.perf_counter()
+    for _ in range(steps):
+        token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+    return (time.perf_counter() - t) / steps
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--history", type=int, default=2048)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--decode", type=int, default=64)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args(argv)
+    torch.set_grad_enabled(False)
+    torch.manual_seed(0)
+    model = build(args.window)
+    H, N = args.history, args.new
+    ids = torch.randint(100, model.config.vocab_size, (1, H + N), generator=torch.Generator().manual_seed(0))
+    store = AttnStore(host_bytes="16GiB")
+    prefill = AttnStoreCache(model, store, "s", ids[:, :H])
+    model(prefill.input_ids, past_key_values=prefill)
+    prefill.close()
+    model(ids[:, :8])  # warm-up
+    rows = {"RE": {"ttft": [], "decode": [], "kv": 0}, "AS": {"ttft": [], "decode": [], "kv": 0}}
+    for _ in range(args.reps):
+        t = time.perf_counter()
+        ref = DynamicCache(config=model.config)
+        logits = model(ids, past_key_values=ref).logits[:, -1:]
+        rows["RE"]["ttft"].append(time.perf_counter() - t)
+        rows["RE"]["decode"].append(decode(model, ref, logits.argmax(-1), args.decode))
+        rows["RE"]["kv"] = kv_bytes(ref)
+        t = time.perf_counter()
+        cache = AttnStoreCache(model, store, "s", ids, save=False)
+        logits = model(cache.input_ids[:, H:], past_key_values=cache).logits[:, -1:]
+        rows["AS"]["ttft"].append(time.perf_counter() - t)
+        assert cache.reused_tokens == H, cache.reused_tokens
+        rows["AS"]["decode"].append(decode(model, cache, logits.argmax(-1), args.decode))
+        rows["AS"]["kv"] = kv_bytes(cache)
+        cache.close()
+    print(f"Gemma-3-style at SmolLM2-135M scale (random weights, 30 layers, 25 sliding with window {args.window}), fp32 "
+          f"on CPU, {torch.get_num_threads()} threads; history {H} + new {N}, {args.decode} decoded, {args.reps} reps "
+          "(medians)\n")
+    print("| system | KV held after the turn | TTFT | decode per token |\n| --- | --- | --- | --- |")
+    for name, r in rows.items():
+        print(f"| {name} | {r['kv'] / 1e6:.1f} MB | {1000 * statistics.median(r['ttft']):.0f} ms | "
+              f"{1000 * statistics.median(r['decode']):.1f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
