@@ -3,6 +3,7 @@
     python eval/bench_families.py --arch lfm2 --history 2048 --new 128 --reps 5
     python eval/bench_families.py --arch qwen3_next --history 2048 --new 128 --reps 5
     python eval/bench_families.py --arch deepseek_v3 --history 2048 --new 128 --reps 5
+    python eval/bench_families.py --arch phi3_longrope --history 2048 --new 128 --reps 5
 
 No such checkpoint can be downloaded here, so the model is built from a config at SmolLM2-135M's scale
 (hidden 576, 9 query heads, MLP 1536, vocabulary 49152) with random weights: timings depend on shapes, not on
@@ -11,7 +12,9 @@ layers, 10 short-convolution and 6 attention layers placed as in LFM2-350M; `--a
 three gated-DeltaNet layers to one attention layer, as Qwen3-Next (dense MLP instead of its experts), both
 with 3 KV heads of 64. Multi-head latent attention: `--arch deepseek_v3`, 30 layers (SmolLM2's count) of
 DeepSeek-V3's attention, scaled down (latent 128 wide, rotary key part 32, per-head no-RoPE key 64 and value
-64, no query compression; dense MLP instead of its experts; yarn RoPE as its checkpoints). Interleaved per
+64, no query compression; dense MLP instead of its experts; yarn RoPE as its checkpoints). Length-dependent
+RoPE: `--arch phi3_longrope`, 30 layers of phi3 with longrope whose original length is 1024, so the history
+is in the long regime. Interleaved per
 repetition, medians reported:
 
   RE       recomputation of history + new (DynamicCache, the model's own cache)
@@ -65,7 +68,16 @@ def build(arch: str):
             qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=30,
             rope_parameters=_DEEPSEEK_YARN)
         return transformers.DeepseekV3ForCausalLM(config)
-    raise SystemExit(f"--arch must be lfm2, qwen3_next or deepseek_v3, got {arch!r}")
+    if arch == "phi3_longrope":
+        # Phi-3.5/Phi-4-mini's longrope, its original length scaled down to 1024 so that 2048 + 128 is in the long
+        # regime (whose KV is keyed apart and reused: docs/design.md, "Length-dependent RoPE").
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 1024,
+                "factor": 8.0, "short_factor": [1.0 + 0.01 * i for i in range(32)],
+                "long_factor": [1.0 + 0.5 * i for i in range(32)]}
+        config = transformers.Phi3Config(**_GQA, num_hidden_layers=30, original_max_position_embeddings=1024,
+                                         rope_parameters=rope)
+        return transformers.Phi3ForCausalLM(config)
+    raise SystemExit(f"--arch must be lfm2, qwen3_next, deepseek_v3 or phi3_longrope, got {arch!r}")
 
 
 def main(argv=None) -> int:

@@ -1,4 +1,5 @@
-"""Why length-dependent RoPE is refused: re-rotating pre-RoPE keys with new frequencies fixes layer 0 only.
+"""Why length-dependent RoPE is reused per frequency regime only: re-rotating pre-RoPE keys with new frequencies
+fixes layer 0 only.
 
     python eval/rerotate_scaled_rope.py
 

@@ -180,6 +180,25 @@ SCALED_ROPE_MODELS = {
                                                                                               **p}))))
     for name, params in _ROPE_SCALINGS.items()
 }
+# Length-dependent RoPE (rope.RopeAdapter.regime): frequencies that change past REGIME_LIMIT tokens, which the
+# tests' conversations cross. longrope with distinct short and long factors (and its attention scaling).
+REGIME_LIMIT = 48
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": REGIME_LIMIT}
+
+
+def _longrope(dims: int, **extra) -> dict:
+    return {**_LONGROPE, "factor": 512 / REGIME_LIMIT, "short_factor": [1.0 + 0.05 * i for i in range(dims)],
+            "long_factor": [1.0 + 0.5 * i for i in range(dims)], **extra}
+
+
+LENGTH_DEPENDENT_MODELS = {
+    "llama-longrope": lambda: LlamaForCausalLM(LlamaConfig(**_gqa(rope_parameters=_longrope(8)))),
+    "phi3-longrope": lambda: Phi3ForCausalLM(Phi3Config(**_gqa(
+        original_max_position_embeddings=REGIME_LIMIT, rope_parameters=_longrope(4, partial_rotary_factor=0.5)))),
+    "llama-dynamic": lambda: LlamaForCausalLM(LlamaConfig(**dict(
+        _gqa(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+        max_position_embeddings=REGIME_LIMIT))),
+}
 ABSOLUTE_MODELS = {
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=512,
                                                bos_token_id=1, eos_token_id=2)),
@@ -188,7 +207,8 @@ ABSOLUTE_MODELS = {
 
 def make_tiny(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     torch.manual_seed(seed)
-    builders = {**TINY_MODELS, **ABSOLUTE_MODELS, **SCALED_ROPE_MODELS, **FAMILY_MODELS, **HYBRID_MODELS}
+    builders = {**TINY_MODELS, **ABSOLUTE_MODELS, **SCALED_ROPE_MODELS, **LENGTH_DEPENDENT_MODELS, **FAMILY_MODELS,
+                **HYBRID_MODELS}
     return builders[arch]().to(dtype).eval()
 
 

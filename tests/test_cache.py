@@ -256,14 +256,20 @@ class TestBadInput:
         with pytest.raises(ValueError, match="bloom.*not supported.*not verified"):
             AttnStoreCache(model, AttnStore(), "x", random_ids(8, 0))
 
-    def test_length_dependent_rope_is_refused(self):
-        from transformers import LlamaConfig, LlamaForCausalLM
+    def test_length_dependent_rope_per_layer_type_is_refused(self):
+        """Length-dependent RoPE is reused per frequency regime (tests/test_rope_regimes.py); mixed with a static
+        type per layer type (gemma3-style) it is refused."""
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                          num_attention_heads=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                                  "rope_theta": 10000.0})
-        with pytest.raises(ValueError, match="dynamic"):
-            RopeAdapter(LlamaForCausalLM(cfg))
+        from .conftest import _gqa
+
+        cfg = Gemma3TextConfig(**_gqa(head_dim=16, sliding_window=16,
+                                      layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                       "full_attention": {"rope_type": "dynamic", "factor": 2.0,
+                                                                          "rope_theta": 1e5}}))
+        with pytest.raises(ValueError, match="per layer type.*dynamic|dynamic.*per layer type"):
+            RopeAdapter(Gemma3ForCausalLM(cfg))
 
     def test_failed_forward_poisons_only_the_cache(self, tiny_llama):
         store = AttnStore()

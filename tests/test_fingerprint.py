@@ -72,6 +72,25 @@ def test_writes_through_data_need_forget_fingerprint():
     assert model_fingerprint(model) != before
 
 
+@pytest.mark.parametrize("arch", ["llama-longrope", "llama-dynamic"])
+def test_length_dependent_rope_frequencies_do_not_change_the_fingerprint(arch):
+    """Their rotary module rewrites its `inv_freq` buffers on every call; the config they follow is hashed."""
+    from .conftest import REGIME_LIMIT
+
+    model = make_tiny(arch)
+    before = model_fingerprint(model)
+    rotary, freqs = model.model.rotary_emb, model.model.rotary_emb.inv_freq.clone()
+    with torch.no_grad():
+        model(random_ids(REGIME_LIMIT + 8, 0))  # the long (longrope) or grown (dynamic) frequencies
+    assert not torch.equal(rotary.inv_freq, freqs)
+    assert model_fingerprint(model) == before
+    forget_fingerprint(model)
+    assert model_fingerprint(model) == before
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert model_fingerprint(model) != before  # the weights still count
+
+
 def test_namespace_separates_entries():
     model = make_tiny("llama")
     assert model_fingerprint(model, "tenant-a") != model_fingerprint(model, "tenant-b") != model_fingerprint(model)

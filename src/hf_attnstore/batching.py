@@ -186,7 +186,8 @@ def batchable(model) -> tuple[bool, str]:
     query's column with a key's column, and left padding shifts both by the same amount in a row, so the
     distance is the positions' (tested: sliding models give their solo tokens batched, where dropping the
     window changes most turns' tokens). Chunked attention (llama4) is not: its chunks start at multiples of
-    the chunk size, counted in columns, and left padding moves a row's positions off those boundaries."""
+    the chunk size, counted in columns, and left padding moves a row's positions off those boundaries; nor is
+    length-dependent RoPE, whose frequencies follow the batch's longest row."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     from .layers import LayerLayout
 
@@ -195,6 +196,11 @@ def batchable(model) -> tuple[bool, str]:
                        "attention KV only")
     if getattr(config, "attention_chunk_size", None):
         return False, "chunked attention's chunk boundaries count cache columns, which left padding shifts"
+    from .rope import RopeAdapter
+
+    if RopeAdapter(model).length_dependent:
+        return False, ("length-dependent RoPE (longrope, dynamic) picks one set of frequencies per forward from "
+                       "its longest row, so a batch would compute a short session with a long one's")
     return True, ""
 
 

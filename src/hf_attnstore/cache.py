@@ -13,8 +13,8 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
 from .config import TruncationConfig
-from .fingerprint import kv_geometry, model_fingerprint
-from .hooks import ReuseFailed, install_hooks
+from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint
+from .hooks import ReuseFailed, install_generation_hook, install_hooks
 from .layers import LayerLayout, TurnEnd, build_layers
 from .logs import OnceLogger
 from .rope import RopeAdapter
@@ -28,6 +28,13 @@ from .truncation import plan_reuse
 
 logger = logging.getLogger(__name__)
 _once = OnceLogger(logger)
+
+
+def _regime_keys(fingerprint: str, rope: RopeAdapter) -> list[str]:
+    """The keys of a model's KV per RoPE frequency regime, the one of longer contexts first (see
+    RopeAdapter.regime): `longrope` stores short and long contexts apart; every other model has one key."""
+    return [regime_fingerprint(fingerprint, regime) for regime in (["long", ""] if rope.scaling == "longrope"
+                                                                     else [""])]
 
 
 def _as_prompt_ids(input_ids) -> torch.Tensor:
@@ -136,11 +143,24 @@ class AttnStoreCache(DynamicCache):
                 f"{self._rope.model_type} has no rotary embeddings, so cached keys cannot be re-positioned: "
                 "truncation falls back to 'recompute'",
             )
-        self.fingerprint = store.fingerprint(model)
+        # Length-dependent RoPE (longrope, dynamic): KV is keyed by the frequency regime of the turn's first
+        # forward, whose length the truncation settings alone decide (rope.RopeAdapter.regime).
+        first = plan_reuse(prompt, None, self.truncation, has_rope=self._rope.has_rope).input_ids.shape[1]
+        self.regime = self._rope.regime(first)
+        self.fingerprint = regime_fingerprint(store.fingerprint(model), self.regime or "")
+        # What this turn's first stored forward deletes: the session's KV of this model in other regimes (the
+        # session has one history; their KV would lag behind it). All of it when this turn cannot save.
+        self._fingerprints = _regime_keys(store.fingerprint(model), self._rope)
+        self._superseded = [fp for fp in self._fingerprints if fp != self.fingerprint] if save else []
+        if self.regime is None:
+            _once.warning("dynamic-rope", f"`dynamic` RoPE past {self._rope.limit} tokens changes its frequencies "
+                          "with every length: such turns are recomputed and not stored")
+            self._superseded, save = (list(self._fingerprints) if save else []), False
         self._geometry = kv_geometry(model)
         self._layout = LayerLayout.of(model)
         self._windows = self._layout.slot_windows  # KV slot -> sliding window
-        snapshot = self._validated(store.lookup(session_id, self.fingerprint))
+        found = store.lookup(session_id, self.fingerprint) if self.regime is not None else None
+        snapshot = self._validated(found)
         state = None
         if self._layout.has_state:
             snapshot, state = self._with_state(snapshot)
@@ -185,6 +205,7 @@ class AttnStoreCache(DynamicCache):
         self.saved_tokens = 0
         self.save_seconds = 0.0  # time this turn spent un-rotating keys and handing KV to the store
         self._fwd_input_len = 0
+        self._fwd_end = 0  # the sequence length after the current forward (its RoPE regime, see _end_forward)
         # Cache.__init__ directly: DynamicCache's would set up lazily-created DynamicLayers instead of ours.
         self._device = model.device
         Cache.__init__(self, layers=build_layers(self, self._layout, self.reused_tokens,
@@ -194,11 +215,20 @@ class AttnStoreCache(DynamicCache):
         if self._layout.has_state and self._writer is not None:
             weakref.finalize(self, self._turn_end)
         install_hooks(model)
+        if self._rope.length_dependent:
+            install_generation_hook(model)
 
     @staticmethod
     def fingerprint_of(model: nn.Module, store: AttnStore | None = None) -> str:
-        """The fingerprint under which this model's sessions are stored (in `store`'s namespace, if given)."""
+        """The fingerprint under which this model's sessions are stored (in `store`'s namespace, if given);
+        see :meth:`fingerprints_of` for length-dependent RoPE."""
         return store.fingerprint(model) if store is not None else model_fingerprint(model)
+
+    @staticmethod
+    def fingerprints_of(model: nn.Module, store: AttnStore | None = None) -> list[str]:
+        """Every key under which this model's sessions may be stored, the one of longer contexts first: one
+        for most models; two for `longrope`, whose KV is keyed by its frequency regime (short, long)."""
+        return _regime_keys(AttnStoreCache.fingerprint_of(model, store), RopeAdapter(model))
 
     # -- what was reused -------------------------------------------------------------------------------
     def _validated(self, snapshot: SessionKV | None) -> SessionKV | None:
@@ -244,6 +274,8 @@ class AttnStoreCache(DynamicCache):
         need = int(kept.max()) + 1 if kept.numel() else 0
         if need == 0:
             return dataclasses.replace(snapshot, head=0)  # the head is not kept: nothing reads it
+        if self._rope.regime(need) != self.regime:
+            return None  # a shorter forward would compute the head with other frequencies (longrope's short ones)
         ids = snapshot.token_ids[:need]
         try:
             with torch.no_grad():
@@ -308,10 +340,11 @@ class AttnStoreCache(DynamicCache):
         if self._rope.layer_has_rope(idx):
             # cos/sin are computed once per turn and rotary group (layer type), shared by the group's layers.
             group = self._rope.group(idx)
-            rope_key = (start, length, device, dtype, group)
+            rope_key = (start, length, n, device, dtype, group)
             if rope_key not in self._load_rope:
                 positions = self.plan.key_positions[start:length].to(device)
-                cos, sin = self._rope.cos_sin(positions, dtype, group)
+                # Frequencies of this forward (length-dependent RoPE picks them by its length, not the keys').
+                cos, sin = self._rope.cos_sin(positions, dtype, group, length=length + n)
                 self._load_rope[rope_key] = cos, sin, RopeAdapter.halves_equal(cos, sin)
             cos, sin, halves_equal = self._load_rope[rope_key]
         pos = 0
@@ -393,6 +426,7 @@ class AttnStoreCache(DynamicCache):
             raise ValueError(f"AttnStoreCache supports batch size 1, got a forward with batch {batch}")
         past = self.get_seq_length()
         positions = torch.arange(past, past + length, device=x.device)
+        self._fwd_end = past + length
         if position_ids is not None and not torch.equal(position_ids.reshape(-1).to(x.device), positions):
             raise ValueError(
                 "AttnStoreCache needs contiguous positions that continue the cache (no padding, no custom "
@@ -457,6 +491,8 @@ class AttnStoreCache(DynamicCache):
         assert all(p is not None for p in pending), "every layer must update the cache in a forward"
         ids = self._fwd_ids
         self._fed_ids.append(ids)
+        if self._rope.regime(self._fwd_end) != self.regime:
+            self._leave_regime()  # decoding went past the length where the frequencies change
         if self._save and ids is not None:
             started = time.perf_counter()
             keys = torch.stack([p[0] for p in pending])
@@ -469,9 +505,29 @@ class AttnStoreCache(DynamicCache):
             self.save_seconds += time.perf_counter() - started
             if stored:
                 self.saved_tokens += int(ids.numel())
+        self._drop_superseded()  # after a complete forward: a turn that never runs changes nothing
         if self._layout.has_state:
             with self._turn_end.lock:
                 self._turn_end.tokens, self._turn_end.complete = self.get_seq_length(), True
+
+    def _leave_regime(self) -> None:
+        """The turn's sequence grows past the length where length-dependent RoPE changes its frequencies: what
+        comes next is KV of another regime than the session's. The session's stored KV, which would lag behind
+        its history, is dropped now and nothing more is saved: the next turn recomputes the session in the new
+        regime (as transformers' phi3 does when it crosses mid-generation)."""
+        if not self._save:
+            return
+        logger.info("session %r went past %d tokens, where the model's %s RoPE changes frequencies: its stored KV "
+                    "is dropped, and the next turn recomputes it", self.session_id, self._rope.limit,
+                    self._rope.scaling)
+        self._save = False
+        self._superseded = list(self._fingerprints)
+        self._drop_superseded()  # called between forwards, or after the last one this turn saves
+
+    def _drop_superseded(self) -> None:
+        for fingerprint in self._superseded:
+            self._store.delete(self.session_id, fingerprint)
+        self._superseded = []
 
     def append_computed(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor]) -> None:
@@ -489,6 +545,7 @@ class AttnStoreCache(DynamicCache):
         if self._layout.latent:  # the store's keys are the rotated tensor (layers.LayerLayout.latent)
             keys, values = values, keys
         self._fwd_ids = token_ids.reshape(-1)
+        self._fwd_end = int(positions.max()) + 1
         if self._rope.has_rope and self._save:
             self._fwd_rope = self._inverse_rope(positions.reshape(-1))
         self._pending = list(zip(keys, values))

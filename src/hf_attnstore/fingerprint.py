@@ -1,7 +1,8 @@
 """Model fingerprints: KV cached for one model (or dtype, or adapter) must never be served to another.
 
 The fingerprint hashes the architecture, the config, the KV geometry, every parameter and buffer (name,
-shape, dtype and *all* bytes), and the state of PEFT adapters (which are active, merged or disabled).
+shape, dtype and *all* bytes; but the frequency buffers that length-dependent RoPE rewrites on every call,
+which the config determines), and the state of PEFT adapters (which are active, merged or disabled).
 Hashing every byte is what makes it safe: a merged LoRA changes `k_proj`/`v_proj` by a low-rank update
 that a sample of a few tensors never sees (SmolLM2 reused 400 tokens across such a merge, with logits
 off by up to 1.08).
@@ -56,9 +57,10 @@ def _walk(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list]:
     """
     tensors, adapters = [], []
     for prefix, module in model.named_modules(remove_duplicate=False):
+        volatile = _rewrites_frequencies(module)
         for kind in (module._parameters, module._buffers):
             for name, t in kind.items():
-                if t is not None:
+                if t is not None and not (volatile and kind is module._buffers and name.endswith("inv_freq")):
                     tensors.append((f"{prefix}.{name}" if prefix else name, t))
         if "merged_adapters" in module.__dict__ and hasattr(module, "active_adapters"):
             active = module.active_adapters
@@ -67,6 +69,16 @@ def _walk(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list]:
                              repr(getattr(module, "scaling", None))])
     tensors.sort(key=lambda item: item[0])
     return tensors, adapters
+
+
+def _rewrites_frequencies(module: nn.Module) -> bool:
+    """Whether `module` is a rotary module with length-dependent RoPE (`dynamic`, `longrope`), which rewrites its
+    `inv_freq` buffers on every call (transformers' `dynamic_rope_update`). Those buffers are left out of the
+    fingerprint: they follow from the config, which is hashed, and hashing them would give the same model a
+    new fingerprint after every call that switched frequencies."""
+    rope_type = getattr(module, "rope_type", None)
+    kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    return any(kind in ("dynamic", "longrope") for kind in kinds if isinstance(kind, str))
 
 
 def _config(model: nn.Module) -> dict:
@@ -146,6 +158,18 @@ def model_fingerprint(model: nn.Module, namespace: str | None = None) -> str:
     if namespace is None:
         return memo[1]
     return hashlib.sha256(f"{memo[1]}\0{namespace}".encode("utf-8")).hexdigest()
+
+
+def regime_fingerprint(fingerprint: str, regime: str) -> str:
+    """The key of KV computed in RoPE frequency regime `regime` (see ``rope.RopeAdapter.regime``).
+
+    `fingerprint` itself for the base regime ``""``, which is every static-RoPE model's KV, so their keys never
+    change; a salted one otherwise (`longrope` past its original length), so KV of one regime is never served
+    to a forward of another: a miss, never KV computed with other frequencies.
+    """
+    if not regime:
+        return fingerprint
+    return hashlib.sha256(f"{fingerprint}\0rope-regime:{regime}".encode("utf-8")).hexdigest()
 
 
 def forget_fingerprint(model: nn.Module) -> None:

@@ -7,6 +7,11 @@ thing must be possible: if stored KV turns out to be unreadable in the middle of
 file found by its checksum after earlier layers already used their KV), the wrapper re-runs that forward
 over the whole prompt without the store, so the caller gets correct output and a miss, never an error.
 The wrapper is installed once per model and passes straight through for any other cache.
+
+phi3 also overrides `prepare_inputs_for_generation` to drop the cache and recompute everything when a sequence
+first grows past `original_max_position_embeddings` (where longrope switches to its long factors). With this
+cache, KV of the long regime is stored apart and reused exactly (rope.RopeAdapter.regime), so that override is
+bypassed while a turn stays in its regime, and left to run (after the cache stops saving) where it crosses.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import functools
 from torch import nn
 
 _HOOK_ATTR = "_hf_attnstore_original_forward"
+_PREPARE_ATTR = "_hf_attnstore_original_prepare"
+# Model types whose `prepare_inputs_for_generation` recomputes the whole sequence when longrope switches regime.
+_REGIME_SWITCHING = frozenset({"phi3"})
 
 
 class ReuseFailed(Exception):
@@ -55,3 +63,26 @@ def install_hooks(model: nn.Module) -> None:
 
     base.forward = forward
     setattr(base, _HOOK_ATTR, original)
+
+
+def install_generation_hook(model: nn.Module) -> None:
+    """Wraps the `prepare_inputs_for_generation` of models that switch RoPE regimes there (phi3), once."""
+    if model.config.model_type not in _REGIME_SWITCHING or getattr(model, _PREPARE_ATTR, None) is not None:
+        return
+    from transformers import GenerationMixin
+
+    own = model.prepare_inputs_for_generation
+    generic = functools.partial(GenerationMixin.prepare_inputs_for_generation, model)
+
+    @functools.wraps(own)
+    def prepare(input_ids, *args, **kwargs):
+        cache = _cache_of(kwargs)
+        if cache is None or not cache._rope.length_dependent:
+            return own(input_ids, *args, **kwargs)
+        if cache._rope.regime(input_ids.shape[1]) != cache.regime:
+            cache._leave_regime()  # the model's override recomputes the sequence without this cache
+            return own(input_ids, *args, **kwargs)
+        return generic(input_ids, *args, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare
+    setattr(model, _PREPARE_ATTR, own)

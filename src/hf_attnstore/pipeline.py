@@ -294,8 +294,12 @@ class ChatPipeline:
             ids = self._history[session_id]
         if self.store is None:
             return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": None}
-        fp = self.store.fingerprint(self.model)
-        return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": self.store.tier_of(session_id, fp)}
+        tiers = (self.store.tier_of(session_id, fp) for fp in self._fingerprints())
+        return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": next(filter(None, tiers), None)}
+
+    def _fingerprints(self) -> list[str]:
+        """The keys of this model's sessions in the store (two for longrope: AttnStoreCache.fingerprints_of)."""
+        return AttnStoreCache.fingerprints_of(self.model, self.store)
 
     def reset(self, session_id: str) -> None:
         """Forgets a session: its history and its stored KV."""
@@ -358,7 +362,7 @@ class ChatPipeline:
         self.store.set_schedule(list(self._running) + waiting[:eviction])
         ahead = list(dict.fromkeys(waiting[:prefetch]))
         if ahead:
-            self.store.prefetch(ahead, self.store.fingerprint(self.model))
+            self.store.prefetch(ahead, self._fingerprints())
 
     def _prepare(self, job: _Job) -> "Prepared":
         """A turn's prompt ids, its cache (the store's reuse plan) and its `generate` options."""
@@ -372,7 +376,8 @@ class ChatPipeline:
                 # A session this pipeline has not seen may be in the store (a previous process, same disk_dir).
                 # Its stored ids are the history but the last generated token (never fed to the model);
                 # `next_turn` re-adds the end-of-turn tokens, so a reply that ended on one resumes exactly.
-                stored = self.store.token_ids(job.session_id, self.store.fingerprint(self.model))
+                found = (self.store.token_ids(job.session_id, fp) for fp in self._fingerprints())
+                stored = next((ids for ids in found if ids is not None), None)
                 history = stored.view(1, -1) if stored is not None else None
             ids = (self.chat_tokens.first_turn(job.message) if history is None
                    else self.chat_tokens.next_turn(history, job.message))

@@ -68,11 +68,14 @@ _REFUSED = {
 }
 # Models with absolute (or no) position embeddings: KV is reused as-is and never re-rotated.
 SUPPORTED_ABSOLUTE_MODEL_TYPES = frozenset({"gpt2"})
-# RoPE variants whose frequencies depend on the sequence length of each call (`dynamic` NTK grows them past the
-# original length, and keeps the largest seen; `longrope` switches to long factors). Re-rotating stored
-# pre-RoPE keys with the frequencies of the current call fixes layer 0's keys only: every deeper layer's keys
-# and values were computed from hidden states that the old frequencies shaped, so reuse across a change of
-# frequencies cannot match a recomputation (`eval/rerotate_scaled_rope.py`: layer 1 off by up to 5e-3).
+# RoPE variants whose frequencies depend on the length of each call (`torch.max(position_ids) + 1`):
+# `longrope` uses its short factors up to `original_max_position_embeddings` and its long ones past it (two
+# fixed sets); `dynamic` NTK keeps the base frequencies below `max_position_embeddings` and grows them with the
+# length past it (and keeps the largest it has seen as module state). Re-rotating stored pre-RoPE keys with
+# the frequencies of the current call fixes layer 0's keys only: every deeper layer's KV was computed from
+# hidden states that the old frequencies shaped (`eval/rerotate_scaled_rope.py`: layer 1 off by up to 5e-3).
+# So KV is tagged with the *regime* of the frequencies it was computed with (see RopeAdapter.regime), and only
+# reused under the same one: exact within a regime, a miss across.
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
@@ -105,8 +108,8 @@ class RopeAdapter:
         model: A causal LM from transformers.
 
     Raises:
-        ValueError: If stored KV could not be reused exactly for the model (length-dependent RoPE scaling, a
-            family listed in `_REFUSED`), or its family is not verified here; the message says which.
+        ValueError: If stored KV could not be reused exactly for the model (a family listed in `_REFUSED`,
+            length-dependent RoPE per layer type), or its family is not verified here; the message says which.
     """
 
     def __init__(self, model: nn.Module):
@@ -121,13 +124,17 @@ class RopeAdapter:
             # Per-layer-type rotary (gemma3, olmo3): one module called with each layer's type, which picks
             # that type's frequencies (a local base for sliding layers, a global one for the others).
             per_type = isinstance(rope_type, dict)
-            for kind in (rope_type.values() if per_type else [rope_type]):
-                if kind in _LENGTH_DEPENDENT_ROPE:
-                    raise ValueError(
-                        f"RoPE type {kind!r} rescales frequencies with the sequence length of each call, and the KV "
-                        "of every layer past the first depends on the frequencies it was computed with, so stored "
-                        "KV cannot be reused exactly; use a model with a static RoPE type"
-                    )
+            if per_type and _LENGTH_DEPENDENT_ROPE & set(rope_type.values()):
+                raise ValueError(
+                    f"RoPE types {sorted(set(rope_type.values()))} per layer type, one of them rescaling its "
+                    "frequencies with each call's length, are not verified here; use a static RoPE type"
+                )
+            if not per_type and rope_type in _LENGTH_DEPENDENT_ROPE:
+                self.scaling = rope_type
+                params = rotary.config.rope_parameters
+                # Up to this length the frequencies are the short (longrope) or base (dynamic) ones.
+                self.limit = int(params["original_max_position_embeddings"] if rope_type == "longrope"
+                                 else getattr(rotary, "original_max_seq_len", config.max_position_embeddings))
             self.rotary = rotary
             if self.model_type in _INTERLEAVED:
                 self._turn = rotate_pairs
@@ -153,6 +160,8 @@ class RopeAdapter:
             )
 
     nope_layers: list[int] = []  # layers without RoPE in a RoPE model: their keys are never rotated
+    scaling: str | None = None  # "longrope" or "dynamic" where the frequencies depend on the call's length
+    limit: int = 0  # the length up to which length-dependent frequencies stay the short/base ones
     _turn = staticmethod(rotate_half)  # the 90-degree turn of RoPE's pairs: halves, or interleaved pairs
     groups: dict = {}
     _group_of: dict = {}
@@ -175,10 +184,43 @@ class RopeAdapter:
         """Whether keys carry rotary positions (and therefore can be decoupled)."""
         return self.rotary is not None
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the frequencies depend on each call's length (`longrope`, `dynamic`): see :meth:`regime`."""
+        return self.scaling is not None
+
+    def regime(self, length: int) -> str | None:
+        """The frequency regime of a forward whose sequence (past and new tokens) is `length` long.
+
+        KV computed in one regime is reused exactly by forwards of the same regime only. ``""`` for static
+        RoPE (and no RoPE) at any length, and for length-dependent RoPE up to :attr:`limit`; ``"long"`` for
+        `longrope` past it (its long factors are one fixed set); ``None`` for `dynamic` from `limit` on, where
+        the frequencies differ for every length (and depend on the largest length the module has seen), so
+        nothing there can be reused.
+        """
+        if self.scaling == "longrope":
+            return "" if length <= self.limit else "long"
+        if self.scaling == "dynamic":
+            # Below the limit the module resets to its base frequencies whatever it saw before (transformers'
+            # `dynamic_frequency_update`); at exactly the limit it keeps grown ones if it grew earlier.
+            return "" if length < self.limit else None
+        return ""
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype, group=None,
+                length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of shape ``[1, 1, seq, rot_dim]`` for 1-D ``positions``, computed by the model's module for
-        the layers of `group` (see :meth:`group`)."""
+        the layers of `group` (see :meth:`group`).
+
+        `length` is the sequence length of the forward they serve, where it exceeds the positions (reused
+        keys re-rotated for a longer forward): length-dependent RoPE picks its frequencies from it.
+        """
         assert self.rotary is not None, "cos_sin needs a RoPE model"
+        if self.length_dependent and length is not None and positions.numel() \
+                and length > int(positions.max()) + 1:
+            # The module picks its frequencies from the largest position it is given: add the forward's last.
+            last = torch.tensor([length - 1], dtype=positions.dtype, device=positions.device)
+            cos, sin = self.cos_sin(torch.cat((positions, last)), dtype, group)
+            return cos[:, :, :-1], sin[:, :, :-1]
         dummy = torch.empty(0, dtype=dtype, device=positions.device)
         args = () if group is None else (group,)
         if self.model_type in _COMPLEX:

@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import fields
 
 import torch
@@ -237,22 +238,27 @@ class AttnStore(LoadPlanning, SavePlanning):
         weakref.finalize(writer, self._ended_turns.append, (key, writer.turn, None, True))
         return writer
 
-    def prefetch(self, session_ids, fingerprint: str | None = None) -> int:
+    def prefetch(self, session_ids, fingerprint: str | Sequence[str] | None = None) -> int:
         """Starts loading these sessions from lower tiers into host memory. Returns how many loads started.
 
-        With `fingerprint` and a remote tier, sessions are also looked up there (one round trip each).
+        With `fingerprint` (or several: a model whose KV is keyed per RoPE regime, see
+        ``AttnStoreCache.fingerprints_of``) and a remote tier, sessions are also looked up there (one round
+        trip each and fingerprint). Without it, a session is prefetched under whichever model stored it.
         """
         wanted = [validate_session_id(s) for s in session_ids]
+        fingerprints = [fingerprint] if fingerprint is None or isinstance(fingerprint, str) else list(fingerprint)
+        keys = [(fp, sid) for sid in dict.fromkeys(wanted) for fp in fingerprints]
         found = {}
-        if fingerprint is not None and self._remote is not None:
-            for sid in dict.fromkeys(wanted):
-                found[sid] = self._remote_lookup((fingerprint, sid))  # network I/O: outside the lock
+        if self._remote is not None:
+            for key in keys:
+                if key[0] is not None:
+                    found[key] = self._remote_lookup(key)  # network I/O: outside the lock
         with self._lock:
             self._check_open()
-            for sid, hit in found.items():
-                self._adopt_remote((fingerprint, sid), hit)
+            for key, hit in found.items():
+                self._adopt_remote(key, hit)
             # Remembered, in order: sessions that do not fit yet are fetched when a write-out frees room.
-            self._wanted = [(fingerprint, sid) for sid in dict.fromkeys(wanted)]
+            self._wanted = keys
             return self._retry_prefetch()
 
     def _retry_prefetch(self) -> int:
@@ -283,11 +289,13 @@ class AttnStore(LoadPlanning, SavePlanning):
             for e in [e for k, e in self._entries.items() if k[1] == session_id and e.host is not None]:
                 self._evict_from_host(e)
 
-    def delete(self, session_id: str) -> bool:
-        """Removes the session's KV from every tier, for every model. Returns whether anything was removed."""
+    def delete(self, session_id: str, fingerprint: str | None = None) -> bool:
+        """Removes the session's KV from every tier, for every model (or only that stored under `fingerprint`).
+        Returns whether anything was removed."""
         validate_session_id(session_id)
         with self._lock:
-            victims = [e for k, e in self._entries.items() if k[1] == session_id]
+            victims = [e for k, e in self._entries.items()
+                       if k[1] == session_id and (fingerprint is None or k[0] == fingerprint)]
             for e in victims:
                 self._drop(e)
                 if self._remote is not None:
