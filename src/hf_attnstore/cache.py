@@ -147,10 +147,11 @@ class AttnStoreCache(DynamicCache):
         # forward, whose length the truncation settings alone decide (rope.RopeAdapter.regime).
         first = plan_reuse(prompt, None, self.truncation, has_rope=self._rope.has_rope).input_ids.shape[1]
         self.regime = self._rope.regime(first)
-        self.fingerprint = regime_fingerprint(store.fingerprint(model), self.regime or "")
+        base = store.fingerprint(model)  # memoized, but its change key walks every tensor: once per turn
+        self.fingerprint = regime_fingerprint(base, self.regime or "")
         # What this turn's first stored forward deletes: the session's KV of this model in other regimes (the
         # session has one history; their KV would lag behind it). All of it when this turn cannot save.
-        self._fingerprints = _regime_keys(store.fingerprint(model), self._rope)
+        self._fingerprints = _regime_keys(base, self._rope)
         self._superseded = [fp for fp in self._fingerprints if fp != self.fingerprint] if save else []
         if self.regime is None:
             _once.warning("dynamic-rope", f"`dynamic` RoPE past {self._rope.limit} tokens changes its frequencies "
