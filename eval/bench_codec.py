@@ -11,6 +11,9 @@ that codec. Then, interleaved per repetition (this machine drifts) and reported 
             recomputation (RE) and the session in host memory (AS-host).
   load      a prefetch alone (no model running): request to last layer in host memory, verified and
             dequantized.
+  host      AS-host with the store's host copy as it is after a save: the whole chunks kept encoded
+            (`kv_codec_host`, dequantized by the turn as each layer loads), and the bytes per token that
+            copy holds in host memory.
   save      one turn (prefill of history + new, `--decode` greedy tokens) with a disk tier of that codec:
             the saving work on the turn's own thread, and the save thread's time to encode and write the
             session (after the turn: write-behind), both as shares of the turn.
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
         cache.close()
         return seconds
 
-    rows = {k: [] for k in ["RE", "AS-host"] + [f"ttft {c}" for c in codecs] + [f"load {c}" for c in codecs]}
+    rows = {k: [] for k in ["RE", "AS-host"] + [f"{kind} {c}" for kind in ("ttft", "load", "host") for c in codecs]}
+    host_per_token = {}
     host = AttnStore(host_bytes="16GiB")
     for rep in range(R):
         t = time.perf_counter()
@@ -108,6 +112,14 @@ def main(argv=None) -> int:
                         store._cond.wait_for(lambda: store._loads_active == 0, 60)
                     rows[f"load {name}"].append(time.perf_counter() - t)
                 store.close(flush=False)
+            # The host copy a save leaves behind (encoded with a lossy codec): written, flushed, resumed.
+            with AttnStore(host_bytes="16GiB", disk_dir=str(root / f"host-{name}-{rep}"), kv_codec=codec_of(name),
+                           fsync=False) as store:
+                with store.open_turn(f"k{rep}", fp, None, torch.arange(0)) as w:
+                    w.append(*snapshot)
+                store.flush()
+                host_per_token[name] = store.stats().host_bytes_used / H
+                rows[f"host {name}"].append(turn(store, f"k{rep}"))
     host.close()
 
     saves = {name: ([], [], []) for name in codecs}  # turn s, turn-thread share, save-thread share
@@ -129,15 +141,16 @@ def main(argv=None) -> int:
 
     print(f"SmolLM2-135M fp32 on {model.device}, {torch.get_num_threads()} threads; history {H} + new {N}, "
           f"{R} reps (medians); disk tiers in {root}")
-    print("\n| codec | bytes/token on disk | vs lossless | AS-disk TTFT | load alone | turn: saving on its thread | "
-          "save thread (encode + write) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| codec | bytes/token on disk | vs lossless | AS-disk TTFT | load alone | bytes/token in host | AS-host TTFT "
+          "| turn: saving on its thread | save thread (encode + write) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     base = per_token.get("none")
     for name in codecs:
         ratio = f"{base / per_token[name]:.2f}x smaller" if base and name != "none" else "–"
         _, own, background = saves[name]
         print(f"| {name if name != 'none' else 'lossless'} | {per_token[name]:,.0f} | {ratio} | "
               f"{1000 * med(rows[f'ttft {name}']):.0f} ms | {1000 * med(rows[f'load {name}']):.0f} ms | "
+              f"{host_per_token[name]:,.0f} | {1000 * med(rows[f'host {name}']):.0f} ms | "
               f"{100 * med(own):.2f}% | {100 * med(background):.1f}% |")
     print(f"\nRE (recompute {H + N} tokens) {1000 * med(rows['RE']):.0f} ms; AS-host {1000 * med(rows['AS-host']):.0f} ms; "
           f"turn (prefill {H + N} + decode {args.decode}) {med(sum((s[0] for s in saves.values()), [])):.2f} s")

@@ -155,6 +155,7 @@ def main(argv=None):
                     for disk in disks:
                         r = simulate(trace, profile, dataclasses.replace(base, disk_bytes=disk, policy=policy,
                                                                          prefetch=prefetch, kv_codec=codec,
+                                                                         codec_tiers="disk",
                                                                          partial_eviction=partial))
                         cells.append(f"{100 * r.hit_rate:.1f}% / {100 * r.token_hit_rate:.1f}% / "
                                      f"{1000 * statistics.mean(r.service_ttft_s):.0f} ms")

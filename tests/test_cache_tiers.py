@@ -205,3 +205,43 @@ def test_a_partially_evicted_session_truncates_like_a_whole_one(tmp_path):
     ref = AttnStoreCache(model, whole, victim, hist[victim], context_window=window, save=False)
     assert ref.dropped_tokens == cache.dropped_tokens and ref.reused_tokens == cache.reused_tokens
     assert torch.equal(out, model.generate(ref.input_ids, past_key_values=ref, max_new_tokens=5, **GREEDY))
+
+
+def _resumed_logits(model, store, ids, reused, **kw):
+    with AttnStoreCache(model, store, "s", ids, save=False, **kw) as cache:
+        assert cache.reused_tokens > 0 and (cache.dropped_tokens > 0) == ("context_window" in kw)
+        return cache.kv_source, model(cache.input_ids[:, cache.reused_tokens:], past_key_values=cache).logits[0, -1]
+
+
+# Uniform RoPE; sliding layers (a part narrowed to the window); multi-head latent attention (roles swapped).
+@pytest.mark.parametrize("arch, window", [("llama", None), ("gemma2", None), ("deepseek_v3", None), ("llama", 40)],
+                         ids=["llama", "gemma2", "deepseek_v3", "llama-truncated"])
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_host_copies_kept_encoded_resume_exactly_as_their_disk_copy(tmp_path, codec, arch, window):
+    """The host copy of a session's written chunks is the codec's blobs (store/encoded.py), dequantized where
+    the layer loads: a turn resumed from host memory computes what the same turn resumed from disk does."""
+    model = make_tiny(arch)
+    ids = random_ids(50, 5)
+    with AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), kv_codec=codec, **FAST) as store, torch.no_grad():
+        with AttnStoreCache(model, store, "s", ids[:, :32]) as first:  # two whole chunks: nothing stays exact
+            model(first.input_ids, past_key_values=first)
+        store.flush()
+        assert store.stats().host_encoded_tokens == 32
+        kw = dict(context_window=window, truncation="decoupled") if window else {}
+        tier, from_host = _resumed_logits(model, store, ids, 32, **kw)
+        assert tier == "host"
+        store.evict("s")
+        tier, from_disk = _resumed_logits(model, store, ids, 32, **kw)
+        assert tier == "disk"
+    assert torch.equal(from_host, from_disk)
+    with AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path / "exact"), kv_codec=codec, kv_codec_host=False,
+                   **FAST) as store, torch.no_grad():
+        with AttnStoreCache(model, store, "s", ids[:, :32]) as first:
+            model(first.input_ids, past_key_values=first)
+        store.flush()
+        assert store.stats().host_encoded_tokens == 0
+        tier, exact = _resumed_logits(model, store, ids, 32, **kw)
+        assert tier == "host"
+    want = model(ids).logits[0, -1] if not window else exact
+    assert (exact - want).abs().max() < 1e-5  # kv_codec_host=False: host memory is exact
+    assert 0 < (from_host - exact).abs().max() < (0.01 if codec == "int8" else 0.1) * exact.abs().max()

@@ -276,3 +276,24 @@ def model_fp_of(model):
     from hf_attnstore import AttnStoreCache
 
     return AttnStoreCache.fingerprint_of(model)
+
+
+def test_a_lossy_store_keeps_chatting_sessions_encoded_between_turns(setup, tmp_path):
+    """With kv_codec, the save after each turn leaves the session's whole chunks encoded in host memory (the
+    disk copy's blobs); the next turn resumes from them and the replies match a store that keeps host memory
+    exact, turn after turn, within the codec's error (here: the same greedy tokens)."""
+    model, tok = setup
+    replies, encoded = {}, {}
+    for host in (True, False):
+        with AttnStore(host_bytes="64MiB", disk_dir=str(tmp_path / str(host)), fsync=False, chunk_tokens=8,
+                       kv_codec="int8", kv_codec_host=host) as store:
+            with ChatPipeline(model, tok, store, max_new_tokens=4, eos_token_id=None) as pipe:
+                replies[host] = []
+                for turn in range(4):
+                    reply = pipe.chat("a", words(turn, 12), timeout=60)
+                    replies[host].append(reply.text)
+                    assert reply.kv_source == ("miss" if turn == 0 else "host")
+                    store.flush()
+            encoded[host] = store.stats().host_encoded_tokens
+    assert encoded[False] == 0 and encoded[True] >= 3 * 8
+    assert replies[True] == replies[False]

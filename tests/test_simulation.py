@@ -58,6 +58,7 @@ def test_a_disk_too_small_drops_sessions_and_costs_hits():
 
 def test_a_codec_fits_more_sessions_on_a_small_disk():
     small = dataclasses.replace(BIG, host_bytes=50, disk_bytes=200, policy="lru", prefetch=False)
+    small = dataclasses.replace(small, codec_tiers="disk")  # host memory at full precision: the disk's effect alone
     runs = {codec: simulate(TRACE, PROFILE, dataclasses.replace(small, kv_codec=codec)) for codec in (None, "int8", "int4")}
     assert runs[None].hit_rate < runs["int8"].hit_rate <= runs["int4"].hit_rate
     assert runs["int4"].disk_drops < runs[None].disk_drops
@@ -66,7 +67,7 @@ def test_a_codec_fits_more_sessions_on_a_small_disk():
     assert ratio == (0.5 + 4 / 32) / 2
     wide = simulate(TRACE, PROFILE, dataclasses.replace(small, disk_bytes=200 / ratio))
     assert runs["int4"].hit_rate == pytest.approx(wide.hit_rate, abs=0.05)
-    # Encoding host copies too (a what-if) keeps more sessions in DRAM.
+    # Encoding host copies too (the store's default) keeps more sessions in DRAM.
     everywhere = simulate(TRACE, PROFILE, dataclasses.replace(small, kv_codec="int4", codec_tiers="all"))
     assert everywhere.hits_host > runs["int4"].hits_host
     with pytest.raises(ValueError, match="codec_tiers"):

@@ -21,6 +21,7 @@ from .rope import RopeAdapter
 from .store import AttnStore, LoadError, SessionKV
 from .store.buffer import Segment
 from .store.cuda import CudaLayerPrefetcher
+from .store.encoded import copy_into, dense
 from .store.entry import validate_session_id
 from .store.format import prefix_digest
 from .store.state import SessionState
@@ -351,13 +352,15 @@ class AttnStoreCache(DynamicCache):
         pos = 0
         for k, v in parts:
             m = k.shape[2]
-            k = k.to(device=device, dtype=dtype)
+            # A part kept encoded (store/encoded.py) is dequantized here, on the device, just before its keys
+            # are re-rotated: no full-precision copy of it exists in host memory or crosses to the device.
+            k = dense(k, device, dtype)
             if self._rope.layer_has_rope(idx):
                 self._rope.rotate_into(keys[:, :, pos : pos + m], k, cos[:, :, pos : pos + m],
                                        sin[:, :, pos : pos + m], halves_equal)
             else:
                 keys[:, :, pos : pos + m].copy_(k)
-            values[:, :, pos : pos + m].copy_(v)
+            copy_into(values[:, :, pos : pos + m], v)
             pos += m
         keys[:, :, kept:].copy_(new_keys)
         values[:, :, kept:].copy_(new_values)
@@ -383,7 +386,8 @@ class AttnStoreCache(DynamicCache):
         skip, out = self._load_start(idx, length), []
         for k, v in parts:
             if skip < k.shape[2]:
-                out.append((k[:, :, skip:], v[:, :, skip:]) if skip else (k, v))
+                m = k.shape[2] - skip
+                out.append((k.narrow(2, skip, m), v.narrow(2, skip, m)) if skip else (k, v))
             skip = max(skip - k.shape[2], 0)
         return out
 

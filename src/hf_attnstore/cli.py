@@ -174,8 +174,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _codec_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-codec", default="none", choices=("none", "int8", "int4"),
-                        help="how the disk and remote copies store KV: none (lossless, the default), or int8/int4 "
-                        "(lossy, several times smaller; fidelity in docs/evaluation.md)")
+                        help="how sessions between turns store KV (their disk and remote copies, and host copies of "
+                        "written chunks): none (lossless, the default), or int8/int4 (lossy, several times smaller; "
+                        "fidelity in docs/evaluation.md); needs --disk-dir or --remote")
 
 
 def _codec(name: str) -> str | None:

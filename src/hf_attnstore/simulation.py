@@ -69,9 +69,10 @@ class SimConfig:
         kv_codec: The store's lossy codec of cold copies (``None``, ``"int8"``, ``"int4"``): a session's disk
             copy takes :func:`codec_ratio` of its fp16 bytes, and is read in that many bytes.
         kv_codec_group: The codec's group size.
-        codec_tiers: ``"disk"``: only the disk copy is encoded, as the store does (a loaded session is
-            dequantized into host memory); ``"all"``: host copies of sessions between turns too (a what-if
-            the store does not implement yet).
+        codec_tiers: ``"all"`` (default): host copies of sessions between turns are encoded too, as the store
+            keeps them (``kv_codec_host=True``, its default; the store keeps a session's trailing partial
+            chunk exact, which the simulator does not model); ``"disk"``: only the disk copy is encoded
+            (the store's ``kv_codec_host=False``).
         partial_eviction: The disk tier drops cold sessions' leading chunks first (the store's
             ``partial_eviction``, with its victim choice); a resumed session recomputes its dropped head while
             the rest is read.
@@ -92,7 +93,7 @@ class SimConfig:
     seed: int = 0
     kv_codec: str | None = None
     kv_codec_group: int = 32
-    codec_tiers: str = "disk"
+    codec_tiers: str = "all"
     partial_eviction: bool = False
     chunk_tokens: int = 256
 

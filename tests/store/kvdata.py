@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_attnstore.store.encoded import dense
+
 FP = "f" * 64
 LAYERS, HEADS, DIM = 3, 2, 4
 BYTES_PER_TOKEN = 2 * LAYERS * HEADS * DIM * 4 + 8
@@ -36,4 +38,6 @@ def expect(snapshot, ids, seed=0.0):
 def layer_of(snapshot, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of one layer as single tensors (waits for a load, like a cache layer does)."""
     parts = snapshot.layer_parts(idx)
-    return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+    cpu, dtype = torch.device("cpu"), snapshot.source.dtype  # parts kept encoded are dequantized (encoded.py)
+    return (torch.cat([dense(k, cpu, dtype) for k, _ in parts], dim=2),
+            torch.cat([dense(v, cpu, dtype) for _, v in parts], dim=2))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .encoded import EncodedSegment, dense
 from .geometry import Geometry, bytes_per_token, make_geometry, shapes
 from .loader import LoadHandle
 from .state import SessionState
@@ -60,6 +61,10 @@ class Segment:
         seg.nbytes = n * (bytes_per_token(_geometry_of(seg), keys[0].element_size()) + 8)
         return seg
 
+    def layer(self, idx: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of layer `idx`'s keys and values, tokens ``[a, b)``."""
+        return self.keys[idx][:, :, a:b], self.values[idx][:, :, a:b]
+
 
 def _geometry_of(seg: Segment) -> Geometry:
     k, v = seg.keys[0], seg.values[0]
@@ -104,7 +109,8 @@ class SessionKV:
         return int(self.token_ids.numel())
 
     def layer_parts(self, idx: int, length: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Views ``(keys, values)`` of layer `idx` covering the first `length` tokens, one per part.
+        """Views ``(keys, values)`` of layer `idx` covering the first `length` tokens, one per part (a part
+        kept encoded gives :class:`~.encoded.EncodedSlice` pairs: read them with ``encoded.dense``).
 
         Waits for the layer if the session is still loading.
 
@@ -120,7 +126,7 @@ class SessionKV:
             if remaining <= 0:
                 break
             b = min(b, a + remaining)
-            out.append((seg.keys[idx][:, :, a:b], seg.values[idx][:, :, a:b]))
+            out.append(seg.layer(idx, a, b))
             remaining -= b - a
         return out
 
@@ -145,9 +151,14 @@ class SessionKV:
                 pieces.append((seg, a + x - pos, a + y - pos))
             pos += b - a
         ids = torch.cat([seg.token_ids[a:b] for seg, a, b in pieces])
-        layers = len(pieces[0][0].keys)
-        keys = [torch.cat([seg.keys[i][:, :, a:b] for seg, a, b in pieces], dim=2) for i in range(layers)]
-        values = [torch.cat([seg.values[i][:, :, a:b] for seg, a, b in pieces], dim=2) for i in range(layers)]
+        layers, cpu, dtype = len(pieces[0][0].keys), torch.device("cpu"), self.source.dtype
+        keys, values = [], []
+        for i in range(layers):
+            # Encoded parts (a truncated copy of a session kept encoded) are dequantized: written again, they
+            # are quantized again, in the new chunk's groups.
+            kv = [[dense(x, cpu, dtype) for x in seg.layer(i, a, b)] for seg, a, b in pieces]
+            keys.append(torch.cat([k for k, _ in kv], dim=2))
+            values.append(torch.cat([v for _, v in kv], dim=2))
         return ids, keys, values
 
     def select(self, keep: torch.Tensor) -> list[Part]:
@@ -198,12 +209,16 @@ class SessionBuffer:
         # A hybrid model's states after the first `state.tokens` tokens (state.py); they stay valid while
         # those tokens are kept, and count in the buffer's bytes.
         self.state: SessionState | None = None
+        # Encoded copies of some of its tokens, waiting for the session's turn to end (see `stash`).
+        self.pending: list[tuple[int, Part]] = []
 
     @property
     def nbytes(self) -> int:
         """Bytes of the segments this session uses (whole segments: that is what occupies memory), and of
         its state."""
-        kv = sum(seg.nbytes for seg in {id(seg): seg for seg, _, _ in self.parts}.values())
+        segments = {id(seg): seg for seg, _, _ in self.parts}
+        segments.update({id(seg): seg for _, (seg, _, _) in self.pending})
+        kv = sum(seg.nbytes for seg in segments.values())
         return kv + (self.state.nbytes if self.state is not None else 0)
 
     def new_segment(self, capacity: int) -> Segment:
@@ -293,17 +308,92 @@ class SessionBuffer:
             parts.append((seg, a, a + take))
             pos += take
         self.parts, self.length = parts, length
+        self.pending = [(x, (seg, a, b)) for x, (seg, a, b) in self.pending if x + b - a <= length]
         self.missing_head = min(self.missing_head, length)
         if self.state is not None and self.state.tokens > length:
             self.state = None  # it summarizes tokens that are gone
+
+    def stash(self, chunks: list[tuple[int, Part]]) -> None:
+        """Keeps encoded copies of some of the buffer's tokens for a later :meth:`compact` (a turn is running
+        on the session now). Each is ``(start, (seg, a, b))``: tokens ``[start, start + b - a)`` are
+        ``seg[a:b]`` of an :class:`~.encoded.EncodedSegment`. They count in :attr:`nbytes` meanwhile."""
+        self.pending.extend(chunks)
+
+    def compact(self, chunks: list[tuple[int, Part]] | None = None) -> int:
+        """Holds the buffer's tokens given by `chunks` (as for :meth:`stash`; default: the stashed ones) as
+        those encoded parts instead of at full precision, and forgets the stash.
+
+        A chunk is taken only where the buffer still holds its tokens at full precision (same ids, nothing
+        missing). The full-precision tokens left in a segment that gave up some (the trailing partial chunk,
+        typically) are copied into a segment of their own, so that the old segment is freed once no snapshot
+        or other session reads it. Returns the tokens now held encoded.
+        """
+        if chunks is None:
+            chunks, self.pending = self.pending, []
+        if self.missing_head or not chunks:
+            return 0
+        ids = self.snapshot().token_ids
+        spans, pos = [], 0  # (start, end, part) of every part
+        for seg, a, b in self.parts:
+            spans.append((pos, pos + b - a, (seg, a, b)))
+            pos += b - a
+        take = []
+        for start, (enc, a, b) in sorted(chunks, key=lambda c: c[0]):
+            end = start + b - a
+            over = [p for s, e, p in spans if s < end and e > start]
+            if end <= self.length and over and all(not isinstance(p[0], EncodedSegment) for p in over) \
+                    and (not take or take[-1][1] <= start) and torch.equal(ids[start:end], enc.token_ids[a:b]):
+                take.append((start, end, (enc, a, b)))
+        if not take:
+            return 0
+        pieces: list[tuple[int, Part]] = [(x, part) for x, _, part in take]
+        touched: set[int] = set()
+        for s, e, (seg, a, b) in spans:
+            pos = s
+            for x, y, _ in take:  # keep what lies outside the encoded chunks
+                if x < e and y > s:
+                    touched.add(id(seg))
+                    if x > pos:
+                        pieces.append((pos, (seg, a + pos - s, a + x - s)))
+                    pos = max(pos, y)
+            if pos < e:
+                pieces.append((pos, (seg, a + pos - s, b)))
+        pieces.sort(key=lambda p: p[0])
+        # Full-precision runs of the segments that gave up tokens are copied out, so their memory can go.
+        out: list[Part] = []
+        run: list[Part] = []
+        for _, part in pieces + [(self.length, None)]:
+            if part is not None and id(part[0]) in touched and not isinstance(part[0], EncodedSegment):
+                run.append(part)
+                continue
+            if run:
+                out.append(self._copied(run))
+                run = []
+            if part is not None:
+                out.append(part)
+        self.parts = out
+        return sum(y - x for x, y, _ in take)
+
+    def _copied(self, run: list[Part]) -> Part:
+        """Consecutive parts copied into one new segment (with room to append after them)."""
+        _sync(run)
+        n = sum(b - a for _, a, b in run)
+        copy, pos = self.new_segment(n), 0
+        for seg, a, b in run:
+            copy.token_ids[pos : pos + b - a].copy_(seg.token_ids[a:b])
+            for dst, src in ((copy.keys, seg.keys), (copy.values, seg.values)):
+                for d, t in zip(dst, src):
+                    d[:, :, pos : pos + b - a].copy_(t[:, :, a:b])
+            pos += b - a
+        copy.filled = n
+        return (copy, 0, n)
 
     @classmethod
     def selected(cls, base: SessionKV, keep: torch.Tensor, pin_memory: bool) -> "SessionBuffer":
         """A buffer of `base`'s tokens at sorted indices `keep`, sharing its segments (no copy)."""
         assert base.loader is None or base.loader.done, "select only fully loaded snapshots"
-        seg = base.parts[0][0]
         keep = keep.to(torch.long)
-        buf = cls(_geometry_of(seg), seg.keys[0].dtype, pin_memory, parts=base.select(keep))
+        buf = cls(base.source.geometry, base.source.dtype, pin_memory, parts=base.select(keep))
         if base.head:
             # Tokens without KV may only lead (a head is recomputed from position 0).
             missing = int((keep < base.head).sum())

@@ -136,7 +136,7 @@ class KVCodec:
         pad = (-length) % group
         if pad:
             q = torch.nn.functional.pad(q, (0, pad))
-        x = (q.view(rows, -1, group) * scale + zero).view(rows, -1)[:, :length]
+        x = q.view(rows, -1, group).mul_(scale).add_(zero).view(rows, -1)[:, :length]  # in place: q is a new tensor
         if keys:
             x = x.view(heads, dim, n)[:, :, start : start + m].transpose(1, 2)
         else:

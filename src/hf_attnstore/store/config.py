@@ -54,14 +54,21 @@ class StoreConfig:
         remote_ttl_s: Expiry of everything written to the remote tier; ``None`` = until Redis evicts it.
         remote_timeout_s: Socket timeout of each remote call. After a failure the remote tier is skipped
             (a miss) for a few seconds, so a dead server never slows every turn.
-        kv_codec: How the cold copies (disk and remote tiers) store keys and values: ``None`` (default,
+        kv_codec: How the copies of a session between turns store keys and values: ``None`` (default,
             lossless: reuse is exact or a miss), ``"int8"`` or ``"int4"`` (asymmetric integers; keys per channel
-            before RoPE, values per token; see :mod:`hf_attnstore.store.codec`). Host memory and the running
-            turn stay at the model's precision. Each chunk records its codec: a store serves stored KV only
-            when it is lossless or at least as accurate as its own codec (others are a miss), so a lossless
-            store never serves lossy KV. Measured fidelity: docs/evaluation.md.
+            before RoPE, values per token; see :mod:`hf_attnstore.store.codec`). The disk and remote copies are
+            encoded, and the host copy of every whole chunk written (see `kv_codec_host`); the running turn
+            and a session's trailing partial chunk stay at the model's precision. A lossy codec needs a disk
+            or remote tier (the save thread encodes). Each chunk records its codec: a store serves stored KV
+            only when it is lossless or at least as accurate as its own codec (others are a miss), so a
+            lossless store never serves lossy KV. Measured fidelity: docs/evaluation.md.
         kv_codec_group: Values per scale and zero point of a lossy codec (tokens per key group, channels per
             value group); even, at most 4096.
+        kv_codec_host: With a lossy `kv_codec`, whether host memory keeps a session's written chunks
+            encoded too (default ``True``: the blobs the save thread wrote replace the full-precision tokens
+            once the turn has ended, and are dequantized on the device that computes with them, see
+            :mod:`hf_attnstore.store.encoded`). ``False``: host copies stay at the model's precision, and a
+            session resumed from host memory is exact; only a load from disk or the remote tier is lossy.
         partial_eviction: When the disk tier is full, cold sessions lose their leading chunks first, the
             rest staying (Pensieve): chunks go in order of retention value, recompute cost ÷ time since the
             session's last use (:func:`~hf_attnstore.store.placement.choose_head_drops`), so an idle
@@ -89,6 +96,7 @@ class StoreConfig:
     namespace: str | None = None
     kv_codec: str | None = None
     kv_codec_group: int = 32
+    kv_codec_host: bool = True
     partial_eviction: bool = False
     remote: str | None = None
     remote_ttl_s: float | None = None
@@ -119,6 +127,11 @@ class StoreConfig:
         if not isinstance(self.partial_eviction, bool):
             raise TypeError(f"`partial_eviction` must be True or False, got {self.partial_eviction!r}")
         self.codec  # validates `kv_codec` and `kv_codec_group`
+        if not isinstance(self.kv_codec_host, bool):
+            raise TypeError(f"`kv_codec_host` must be True or False, got {self.kv_codec_host!r}")
+        if self.kv_codec is not None and self.disk_dir is None and self.remote is None:
+            raise ValueError(f"`kv_codec={self.kv_codec!r}` encodes the copies the store writes to a disk or remote "
+                             "tier, and this store has neither: set `disk_dir` or `remote`, or leave `kv_codec` None")
         if self.ttl_s is not None and not self.ttl_s > 0:
             raise ValueError(f"`ttl_s` must be positive or None, got {self.ttl_s!r}")
         if not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:

@@ -65,8 +65,8 @@ class DiskChunk(ChunkReader):
     def ids(self) -> torch.Tensor:
         return self.tier.read_ids(self.fd, self.meta)
 
-    def read_layer_into(self, layer, start, end, keys_out, values_out) -> int:
-        return self.tier.read_layer_into(self.fd, self.meta, layer, start, end, keys_out, values_out)
+    def read_layer_into(self, layer, start, end, keys_out, values_out, keep=None) -> int:
+        return self.tier.read_layer_into(self.fd, self.meta, layer, start, end, keys_out, values_out, keep)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
@@ -234,9 +234,9 @@ class DiskTier(Tier):
         return bytes_to_tensor(read_range(file_reader(fd), begin, end, "ids", meta), torch.int64, [meta.n_tokens])
 
     def read_layer_into(self, fd: int, meta: ChunkMeta, layer: int, start: int, end: int,
-                        keys_out: torch.Tensor, values_out: torch.Tensor) -> int:
+                        keys_out: torch.Tensor, values_out: torch.Tensor, keep: dict | None = None) -> int:
         """Reads tokens ``[start, end)`` of a layer into `keys_out`/`values_out` ``[1, heads, end-start, dim]``,
-        verifying the checksums. Returns the bytes read.
+        verifying the checksums. Returns the bytes read (`keep`: see :meth:`ChunkReader.read_layer_into`).
 
         A whole lossless chunk is read with one `preadv` straight into the destination (one buffer per head:
         each head's tokens are contiguous both in the file and in a host segment) and hashed in place: no
@@ -257,7 +257,7 @@ class DiskTier(Tier):
                 if digest.hexdigest() != meta.checksums[name]:
                     raise FormatError(f"checksum mismatch in {name}")
             else:
-                meta.decode_into(name, read_range(file_reader(fd), begin, stop, name, meta), out, start)
+                meta.decode_into(name, read_range(file_reader(fd), begin, stop, name, meta), out, start, keep)
             nbytes += stop - begin
         return nbytes
 

@@ -104,35 +104,48 @@ class ChunkMeta:
     digest: str = ""  # this chunk's digest (pinned in the manifest)
     codec: KVCodec | None = None  # how keys and values are encoded; None = lossless, in `dtype`
 
-    def decode_into(self, name: str, data: bytes, out: torch.Tensor, start: int) -> None:
+    def decode_into(self, name: str, data: bytes, out: torch.Tensor, start: int, keep: dict | None = None) -> None:
         """Writes tokens ``[start, start + out.shape[2])`` of tensor `name`, whose verified bytes are `data`,
-        into `out` ``[1, heads, m, dim]`` (dequantized when the chunk is lossy)."""
+        into `out` ``[1, heads, m, dim]`` (dequantized when the chunk is lossy; then `keep`, if given, gets
+        the blob under `name`)."""
         if self.codec is None:
             heads, dim = shape_of(self.geometry, name.endswith(".k"))
             out.copy_(bytes_to_tensor(data, self.dtype, [1, heads, self.n_tokens, dim])[:, :, start : start + out.shape[2]])
         else:
             blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             self.codec.decode_into(blob, self.n_tokens, out, name.endswith(".k"), start)
+            if keep is not None:
+                keep[name] = blob
+
+
+def encode_kv(keys: list[torch.Tensor], values: list[torch.Tensor], codec: KVCodec) -> tuple[list, list] | None:
+    """The `codec` blobs of every layer's keys and values, or None when the codec cannot represent them
+    (non-finite, out of fp16's range)."""
+    try:
+        return [codec.encode(k, keys=True) for k in keys], [codec.encode(v, keys=False) for v in values]
+    except CodecRangeError:
+        return None
 
 
 def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: list[torch.Tensor],
                  values: list[torch.Tensor], prefix: str, previous: str,
-                 codec: KVCodec | None = None) -> tuple[bytes, str]:
+                 codec: KVCodec | None = None, blobs: tuple[list, list] | None = None) -> tuple[bytes, str]:
     """Serializes one chunk to safetensors bytes; returns them and the chunk's digest.
 
-    With a `codec`, keys and values are quantized (codec.py); KV the codec cannot represent (non-finite, out
-    of fp16's range) is written lossless instead, and the chunk says which it is.
+    With a `codec`, keys and values are quantized (codec.py; `blobs`: their encoding by :func:`encode_kv`, when
+    the caller has it already); KV the codec cannot represent (non-finite, out of fp16's range) is written
+    lossless instead, and the chunk says which it is.
     """
     tensors = {"ids": ids.detach().to("cpu", torch.int64).contiguous()}
-    try:
-        for layer, (k, v) in enumerate(zip(keys, values)):
-            kn, vn = layer_names(layer)
-            if codec is None:
-                tensors[kn], tensors[vn] = k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
-            else:
-                tensors[kn], tensors[vn] = codec.encode(k, keys=True), codec.encode(v, keys=False)
-    except CodecRangeError:
-        return encode_chunk(fingerprint, session_id, ids, keys, values, prefix, previous, None)
+    if codec is not None and blobs is None:
+        blobs = encode_kv(keys, values, codec)
+        codec = codec if blobs is not None else None
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        kn, vn = layer_names(layer)
+        if codec is None:
+            tensors[kn], tensors[vn] = k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
+        else:
+            tensors[kn], tensors[vn] = blobs[0][layer], blobs[1][layer]
     n = keys[0].shape[2]
     geometry = make_geometry(len(keys), (keys[0].shape[1], keys[0].shape[3]), (values[0].shape[1], values[0].shape[3]))
     meta = {

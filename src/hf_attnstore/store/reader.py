@@ -27,7 +27,8 @@ import torch
 
 from .buffer import SessionBuffer
 from .codec import KVCodec, serves
-from .format import FormatError, Manifest, check_chain, prefix_digest
+from .encoded import EncodedSegment
+from .format import FormatError, Manifest, check_chain, layer_names, prefix_digest
 from .loader import LoadHandle
 from .state import SessionState
 from .tier import ChunkReader, Tier
@@ -51,6 +52,9 @@ class LoadJob:
     priority: int
     tier: Tier | None = None  # where the session is read from
     codec: KVCodec | None = None  # the store's codec: chunks it does not serve are refused (codec.serves)
+    keep_encoded: bool = False  # hand lossy chunks' blobs back as the host copy of them (encoded.py)
+    blobs: dict[str, dict] = field(default_factory=dict)  # lossy chunk -> tensor name -> blob, as read
+    encoded: list = field(default_factory=list)  # (start, part) built from `blobs` once every layer is read
     entry: object = None  # the store's index entry (opaque here)
     opened: dict[str, ChunkReader] = field(default_factory=dict)  # chunk name -> open chunk, verified
     verified: bool = False
@@ -140,13 +144,34 @@ class LoadThread:
             job.gated_since = None
             pos = manifest.head  # a partially evicted head is left for the turn to recompute
             for span in manifest.spans:
-                job.nbytes += job.opened[span.chunk].read_layer_into(
+                chunk = job.opened[span.chunk]
+                keep = job.blobs.setdefault(span.chunk, {}) if job.keep_encoded and chunk.meta.codec else None
+                job.nbytes += chunk.read_layer_into(
                     layer, span.start, span.end, seg.keys[layer][:, :, pos : pos + span.length],
-                    seg.values[layer][:, :, pos : pos + span.length])
+                    seg.values[layer][:, :, pos : pos + span.length], keep)
                 pos += span.length
             job.handle.layer_ready(layer)
             job.layer = layer + 1
+        if job.keep_encoded:
+            job.encoded = self._encoded_parts(job)
         return True
+
+    @staticmethod
+    def _encoded_parts(job: LoadJob) -> list:
+        """The lossy chunks just read, as encoded parts of the host copy (see `LoadJob.encoded`)."""
+        out, pos, buf, made = [], job.manifest.head, job.buf, {}
+        for span in job.manifest.spans:
+            blobs, chunk = job.blobs.get(span.chunk), job.opened[span.chunk]
+            if blobs is not None:
+                if span.chunk not in made:
+                    names = [layer_names(i) for i in range(buf.geometry[0])]
+                    seg = EncodedSegment(chunk.meta.codec, buf.geometry, chunk.ids(), [blobs[k] for k, _ in names],
+                                         [blobs[v] for _, v in names], buf.dtype)
+                    made[span.chunk] = seg.pinned() if buf.pin_memory else seg
+                out.append((pos, (made[span.chunk], span.start, span.end)))
+            pos += span.length
+        job.blobs.clear()
+        return out
 
     def _open_and_verify(self, job: LoadJob) -> None:
         """Opens every chunk once and checks ids, shapes and the chain before any KV is read."""
@@ -204,7 +229,7 @@ class LoadPlanning:
         self._set_host(e, buf)
         self._loads_active += 1
         e.load_job = LoadJob(e.key, e.loading, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e,
-                             codec=self.config.codec)
+                             codec=self.config.codec, keep_encoded=self.config.kv_codec_host)
         self._loader.submit(e.load_job)
         return True
 
@@ -225,6 +250,8 @@ class LoadPlanning:
                 e.loading, e.load_job = None, None
             if e.host is job.buf:
                 self._host.account(e)  # a state read with the KV counts now
+                if error is None:
+                    self._keep_encoded(e, job.encoded)  # applied now, or when the turn reading it ends
             if error is not None:
                 self._stats.load_errors += 1
                 self._stats.remote_errors += remote

@@ -100,7 +100,7 @@ class RemoteChunk(ChunkReader):
         return bytes_to_tensor(read_range(self._pread, begin, end, "ids", self.meta), torch.int64,
                                [self.meta.n_tokens])
 
-    def read_layer_into(self, layer, start, end, keys_out, values_out) -> int:
+    def read_layer_into(self, layer, start, end, keys_out, values_out, keep=None) -> int:
         names = layer_names(layer)
         pipe = self.tier.client.pipeline(transaction=False)
         for name in names:
@@ -109,7 +109,7 @@ class RemoteChunk(ChunkReader):
         datas = self.tier._call(pipe.execute)
         nbytes = 0
         for name, data, out in zip(names, datas, (keys_out, values_out)):
-            self.meta.decode_into(name, verified(data, name, self.meta), out, start)
+            self.meta.decode_into(name, verified(data, name, self.meta), out, start, keep)
             nbytes += len(data)
         return nbytes
 

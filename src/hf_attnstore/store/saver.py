@@ -23,7 +23,8 @@ import torch
 from .buffer import SessionKV
 from .disk import CHUNK_SUFFIX, MANIFEST
 from .entry import Entry, Write
-from .format import Manifest, Span, StateRef, encode_chunk, prefix_hasher, tensor_bytes
+from .encoded import EncodedSegment
+from .format import Manifest, Span, StateRef, encode_chunk, encode_kv, prefix_hasher, tensor_bytes
 from .tier import Key, Tier
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class SaveResult:
     mirrored: set[str] = field(default_factory=set)  # chunk digests now in the mirror tier
     mirror_bytes: int = 0
     mirror_error: BaseException | None = None
+    encoded: list = field(default_factory=list)  # (start, part) of the whole lossy chunks written (encoded.py)
 
 
 class SaveThread:
@@ -71,6 +73,8 @@ class SaveThread:
         self.store, self.tier, self.chunk_tokens, self.timeout_s = store, tier, chunk_tokens, timeout_s
         self.mirror = mirror  # the shared remote tier: a copy of what `tier` holds, written behind it
         self.codec = store.config.codec  # of every chunk it writes (None: lossless)
+        # Whole chunks it encodes are handed back as the session's host copy of them (encoded.py).
+        self.keep_encoded = self.codec is not None and store.config.kv_codec_host
         self.thread = threading.Thread(target=self._run, name="attnstore-save", daemon=True)
         self.thread.start()
 
@@ -92,6 +96,7 @@ class SaveThread:
         fp, sid = key = job.entry.key
         spans, pending = list(job.base.spans), []
         new_chunks, reserved, manifest, manifest_bytes, manifest_size, error = {}, 0, None, None, 0, None
+        encoded = []
         mirroring = self.mirror is not None and self.mirror.available()
         copies = []  # (digest, future) of chunks put in the mirror tier
         started = time.perf_counter()
@@ -105,7 +110,11 @@ class SaveThread:
                 b = min(a + self.chunk_tokens, job.end)
                 ids, keys, values = job.snap.tensors(a, b)
                 previous = (spans or job.base.dropped or [Span("", 0, 0)])[-1].digest
-                data, digest = encode_chunk(fp, sid, ids, keys, values, history.hexdigest(), previous, self.codec)
+                blobs = encode_kv(keys, values, self.codec) if self.codec is not None else None
+                data, digest = encode_chunk(fp, sid, ids, keys, values, history.hexdigest(), previous,
+                                            self.codec if blobs is not None else None, blobs)
+                if self.keep_encoded and blobs is not None and b - a == self.chunk_tokens:
+                    encoded.append((a, (self._host_copy(job, ids, blobs), 0, b - a)))
                 name = digest if self.tier.content_addressed else f"{next_chunk:08d}"
                 next_chunk += 1
                 reserved += self.store._reserve_disk(job.entry, len(data))
@@ -130,7 +139,8 @@ class SaveThread:
                 if size is not None:
                     new_chunks[name] = (size, tokens)
         seconds = time.perf_counter() - started
-        result = SaveResult(manifest, new_chunks, manifest_size, set(), reserved, seconds, error)
+        result = SaveResult(manifest, new_chunks, manifest_size, set(), reserved, seconds, error,
+                            encoded=encoded if manifest is not None else [])
         if mirroring:
             self._copy_to_mirror(job, manifest, manifest_bytes if manifest is not None else None, copies, result)
         # Collect garbage before reporting completion, so that a flush() covers it.
@@ -142,6 +152,11 @@ class SaveThread:
                                      sid, exc)
         result.keep = keep
         return result
+
+    def _host_copy(self, job: SaveJob, ids: torch.Tensor, blobs: tuple[list, list]) -> EncodedSegment:
+        source = job.snap.source
+        seg = EncodedSegment(self.codec, source.geometry, ids, *blobs, source.dtype)
+        return seg.pinned() if source.pin_memory else seg
 
     def _write_state(self, job: SaveJob, pending: list, copies: list | None) -> tuple[StateRef | None, int]:
         """The state the new manifest names (a hybrid model's, state.py), and the disk bytes reserved for it:
@@ -311,9 +326,10 @@ class SavePlanning:
                 self._stats.remote_errors += 1
                 self._once.warning("mirror", "remote tier: copying session %r failed (%s); it stays on disk and is "
                                    "copied again with its next save", e.key[1], result.mirror_error)
-        self._finish_persist(e, job.generation, result.manifest, result.new_chunks, result.seconds, result.error)
+        self._finish_persist(e, job.generation, result.manifest, result.new_chunks, result.seconds, result.error,
+                             result.encoded)
 
-    def _finish_persist(self, e, generation, manifest, new_chunks, seconds, error) -> None:
+    def _finish_persist(self, e, generation, manifest, new_chunks, seconds, error, encoded=()) -> None:
         with self._cond:
             e.pins -= 1
             current = self._entries.get(e.key) is e
@@ -364,11 +380,29 @@ class SavePlanning:
                         if demoting and e.pins == 0 and e.manifest is not None:
                             self._set_host(e, None)
                             self._stats.demotions += 1
+                    self._keep_encoded(e, encoded)
                 # else: the session was cut or truncated meanwhile (what we wrote is an older, consistent
                 # state; the next persist writes the new one), or removed (its folder is gone).
             self._make_host_room(0, exclude=None)
             self._retry_prefetch()
             self._cond.notify_all()
+
+    def _keep_encoded(self, e: Entry, encoded: list = ()) -> None:
+        """Makes encoded copies of a session's chunks (written by the save thread, or read by a load) its host
+        copy of them (encoded.py, `SessionBuffer.compact`).
+
+        Only between turns: while a turn runs on the session, or a load or another write is in flight, its
+        buffers must not change under them, so the copies wait with the buffer (`stash`) and are applied
+        when the last of those ends.
+        """
+        if e.host is None:
+            return
+        if encoded:
+            e.host.stash(list(encoded))
+        if e.host.pending and not (e.pins or e.writers or e.loading is not None):
+            tokens = e.host.compact()
+            self._stats.host_encoded_tokens += tokens
+        self._host.account(e)
 
     def _yield_for_save(self, e: Entry) -> None:
         """Between chunks: loads go first; a non-urgent save also waits for the model to be idle, unless an

@@ -21,6 +21,7 @@ class StoreStats:
     head_drops: int = 0  # leading chunks dropped from disk copies (partial_eviction)
     head_dropped_tokens: int = 0
     rejected_too_large: int = 0
+    host_encoded_tokens: int = 0  # tokens whose host copy became the codec's (kv_codec_host, encoded.py)
     states_kept: int = 0  # hybrid models' end-of-turn states kept with their sessions
     states_refused: int = 0  # ... and those not kept (the turn lost its session, or did not store all its KV)
     stale_writes: int = 0

@@ -524,6 +524,7 @@ class AttnStore(LoadPlanning, SavePlanning):
                 live = e.live() if e.live is not None else None
                 if live is None or live.turn == turn:
                     e.live = None
+                self._keep_encoded(e)  # encoded copies that waited for the turn to end (encoded.py)
 
     def _publish_states(self, keys) -> None:
         """Asks the open turns of these sessions for their hybrid models' states, where the session's stored

@@ -48,9 +48,10 @@ class ChunkReader(abc.ABC):
 
     @abc.abstractmethod
     def read_layer_into(self, layer: int, start: int, end: int, keys_out: torch.Tensor,
-                        values_out: torch.Tensor) -> int:
+                        values_out: torch.Tensor, keep: dict | None = None) -> int:
         """Reads tokens ``[start, end)`` of one layer into ``[1, heads, end-start, dim]`` tensors, verifying the
-        checksums. Returns the bytes read.
+        checksums. Returns the bytes read. A lossy chunk's verified blobs also go into `keep` (by tensor
+        name), when given: the host copy may keep them encoded (encoded.py).
 
         Raises:
             FormatError: The bytes are damaged or truncated.
