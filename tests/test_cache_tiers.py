@@ -245,3 +245,21 @@ def test_host_copies_kept_encoded_resume_exactly_as_their_disk_copy(tmp_path, co
     want = model(ids).logits[0, -1] if not window else exact
     assert (exact - want).abs().max() < 1e-5  # kv_codec_host=False: host memory is exact
     assert 0 < (from_host - exact).abs().max() < (0.01 if codec == "int8" else 0.1) * exact.abs().max()
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_resumes_encoded_host_copies_dequantized_on_the_device(tmp_path):
+    model = make_tiny("llama").to("cuda")
+    ids = random_ids(50, 5).cuda()
+    with AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), kv_codec="int8", **FAST) as store, torch.no_grad():
+        assert store.config.pin_memory
+        with AttnStoreCache(model, store, "s", ids[:, :32]) as first:
+            model(first.input_ids, past_key_values=first)
+        store.flush()
+        assert store.stats().host_encoded_tokens == 32
+        tier, from_host = _resumed_logits(model, store, ids, 32)  # blobs copied, dequantized on the GPU
+        store.evict("s")
+        disk_tier, from_disk = _resumed_logits(model, store, ids, 32)  # dequantized on the load thread
+    assert (tier, disk_tier) == ("host", "disk")
+    assert torch.allclose(from_host, from_disk, atol=1e-4)
