@@ -328,9 +328,11 @@ class SessionBuffer:
         typically) are copied into a segment of their own, so that the old segment is freed once no snapshot
         or other session reads it. Returns the tokens now held encoded.
         """
+        if self.missing_head:
+            return 0  # a head still to recompute (partial eviction): the stash waits for the turn that fills it
         if chunks is None:
             chunks, self.pending = self.pending, []
-        if self.missing_head or not chunks:
+        if not chunks:
             return 0
         ids = self.snapshot().token_ids
         spans, pos = [], 0  # (start, end, part) of every part
