@@ -53,6 +53,8 @@ class EncodedSlice:
 
     def to(self, device, non_blocking: bool = False) -> "EncodedSlice":
         """The same slice with its blob on `device` (the codec's bytes are what is copied)."""
+        if self.blob.device == torch.device(device):
+            return self  # the per-layer load path calls this for every part: no new object when nothing moves
         return dataclasses.replace(self, blob=self.blob.to(device, non_blocking=non_blocking))
 
     def record_stream(self, stream) -> None:
