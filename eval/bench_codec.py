@@ -38,6 +38,7 @@ from hf_attnstore.store.format import session_dirname
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import drop_page_cache, history_snapshot  # noqa: E402
+from hf_attnstore.upstream import cache_kwargs
 
 
 def med(xs):
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         cache = AttnStoreCache(model, store, session, ids)
         assert cache.reused_tokens == H, cache.reused_tokens
-        model(cache.input_ids[:, H:], past_key_values=cache)
+        model(cache.input_ids[:, H:], **cache_kwargs(cache))
         seconds = time.perf_counter() - t
         assert cache.kv_source in ("disk", "host"), cache.kv_source
         cache.close()
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
     host = AttnStore(host_bytes="16GiB")
     for rep in range(R):
         t = time.perf_counter()
-        model(ids, past_key_values=DynamicCache())
+        model(ids, **cache_kwargs(DynamicCache()))
         rows["RE"].append(time.perf_counter() - t)
         with host.open_turn(f"h{rep}", fp, None, torch.arange(0)) as w:
             w.append(*snapshot)
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
             store = AttnStore(host_bytes="16GiB", disk_dir=str(root / f"save-{name}-{rep}"), kv_codec=codec_of(name))
             t = time.perf_counter()
             cache = AttnStoreCache(model, store, "t", ids)
-            model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=args.decode, do_sample=False,
+            model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=args.decode, do_sample=False,
                            min_new_tokens=args.decode, pad_token_id=0)
             turn_s = time.perf_counter() - t
             cache.close()

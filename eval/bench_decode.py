@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
+from hf_attnstore.upstream import cache_kwargs
 
 
 def main(argv=None) -> None:
@@ -43,10 +44,10 @@ def main(argv=None) -> None:
             torch.cuda.synchronize()
         t = time.perf_counter()
         if variant == "DynamicCache":
-            model.generate(ids, past_key_values=DynamicCache(), **gen)
+            model.generate(ids, **cache_kwargs(DynamicCache()), **gen)
         else:
             with AttnStoreCache(model, store, f"s{rep}", ids) as cache:
-                model.generate(cache.input_ids, past_key_values=cache, **gen)
+                model.generate(cache.input_ids, **cache_kwargs(cache), **gen)
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t
@@ -125,7 +126,7 @@ def resume(model, args, spent) -> None:
             writer.append(*snapshot)
         t = time.perf_counter()
         with AttnStoreCache(model, store, f"h{rep}", ids) as cache:
-            model(cache.input_ids[:, H:], past_key_values=cache)
+            model(cache.input_ids[:, H:], **cache_kwargs(cache))
         return time.perf_counter() - t
 
     ideal(0), host(-1)

@@ -43,6 +43,7 @@ from hf_attnstore.store.format import session_dirname
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import drop_page_cache  # noqa: E402
+from hf_attnstore.upstream import cache_kwargs
 
 _SCALE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
               max_position_embeddings=8192, tie_word_embeddings=True)
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     root = Path(tempfile.mkdtemp(prefix="attnstore-families-"))
     store = AttnStore(host_bytes="16GiB", disk_dir=str(root))
     prefill = AttnStoreCache(model, store, "s", ids[:, :H])
-    model(prefill.input_ids, past_key_values=prefill)
+    model(prefill.input_ids, **cache_kwargs(prefill))
     prefill.close()
     store.flush()
     snap = store.lookup("s", prefill.fingerprint)
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     def resumed(source: AttnStore, tier: str) -> tuple[float, torch.Tensor]:
         t = time.perf_counter()
         cache = AttnStoreCache(model, source, "s", ids, save=False)
-        logits = model(cache.input_ids[:, H:], past_key_values=cache).logits[0, -1]
+        logits = model(cache.input_ids[:, H:], **cache_kwargs(cache)).logits[0, -1]
         seconds = time.perf_counter() - t
         assert cache.reused_tokens == H and cache.kv_source == tier, (cache.reused_tokens, cache.kv_source)
         cache.close()
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
     error = 0.0
     for _ in range(args.reps):
         t = time.perf_counter()
-        ref = model(ids, past_key_values=DynamicCache(config=model.config)).logits[0, -1]
+        ref = model(ids, **cache_kwargs(DynamicCache(config=model.config))).logits[0, -1]
         rows["RE"].append(time.perf_counter() - t)
         seconds, logits = resumed(store, "host")
         rows["AS-host"].append(seconds)

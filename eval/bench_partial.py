@@ -31,6 +31,7 @@ from hf_attnstore.store.format import session_dirname
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import drop_page_cache, history_snapshot  # noqa: E402
+from hf_attnstore.upstream import cache_kwargs
 
 
 def main(argv=None) -> int:
@@ -72,14 +73,14 @@ def main(argv=None) -> int:
     rows = {k: [] for k in ["RE"] + heads}
     for rep in range(R):
         t = time.perf_counter()
-        model(ids, past_key_values=DynamicCache())
+        model(ids, **cache_kwargs(DynamicCache()))
         rows["RE"].append(time.perf_counter() - t)
         for head in random.Random(rep).sample(heads, len(heads)):
             store = AttnStore(disk_dir=str(root / str(head)), partial_eviction=True, **opts)
             drop_page_cache(root / str(head) / "sessions" / session_dirname(fp, f"s{rep}"))
             t = time.perf_counter()
             cache = AttnStoreCache(model, store, f"s{rep}", ids)
-            model(cache.input_ids[:, H:], past_key_values=cache)
+            model(cache.input_ids[:, H:], **cache_kwargs(cache))
             rows[head].append(time.perf_counter() - t)
             assert cache.reused_tokens == H and cache.recomputed_head == head and cache.kv_source == "disk"
             cache.close()

@@ -31,6 +31,7 @@ from transformers import DynamicCache
 from bench_tiers import interleaved
 from hf_attnstore import load_default_model
 from hf_attnstore.data import load_sharegpt
+from hf_attnstore.upstream import cache_kwargs
 
 
 def sharegpt_ids(tokenizer, n: int) -> torch.Tensor:
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     past = []  # each session's history KV, computed once
     for i in range(b):
         cache = DynamicCache()
-        model(ids[i][:, : hist[i]], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ids[i][:, : hist[i]], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
         past.append([(layer.keys, layer.values) for layer in cache.layers])
 
     def session_cache(kv, rows=None):
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
             cache, x = session_cache(past[i]), ids[i][:, hist[i]:]
             step = chunk or x.shape[1]
             for s in range(0, x.shape[1], step):
-                model(x[:, s : s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(x[:, s : s + step], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
 
     def padded():
         width, n = max(hist), max(new)
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
             mask[i, width - hist[i] : width] = 1
             mask[i, width + n - new[i]:] = 1
             positions[i, n - new[i]:] = torch.arange(hist[i], hist[i] + new[i], device=device)
-        model(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
+        model(tokens, attention_mask=mask, position_ids=positions, **cache_kwargs(cache), use_cache=True,
               logits_to_keep=1)
 
     def equal_lengths():
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
             cache.update(torch.cat([past[i][layer][0][:, :, -h:] for i in range(b)]),
                          torch.cat([past[i][layer][1][:, :, -h:] for i in range(b)]), layer)
         tokens = torch.cat([ids[i][:, hist[i] : hist[i] + n] for i in range(b)])
-        model(tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(tokens, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
 
     variants = {"one at a time": lambda rep: timed(one_at_a_time)}
     for c in (int(c) for c in args.chunks.split(",") if c):

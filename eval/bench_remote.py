@@ -26,6 +26,7 @@ from hf_attnstore.store.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import history_snapshot, ideal_prefill, interleaved  # noqa: E402
+from hf_attnstore.upstream import cache_kwargs
 
 
 def main(argv=None) -> None:
@@ -57,7 +58,7 @@ def main(argv=None) -> None:
         def resume(store, sid):
             t = time.perf_counter()
             with AttnStoreCache(model, store, sid, ids) as cache:
-                model(cache.input_ids[:, H:], past_key_values=cache)
+                model(cache.input_ids[:, H:], **cache_kwargs(cache))
             assert cache.reused_tokens == H, cache.reused_tokens
             return time.perf_counter() - t, cache.kv_source
 

@@ -26,6 +26,7 @@ import transformers
 from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache
+from hf_attnstore.upstream import cache_kwargs
 
 _TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 5
 
@@ -47,7 +48,7 @@ def decode(model, cache, first: torch.Tensor, steps: int) -> float:
     token = first
     t = time.perf_counter()
     for _ in range(steps):
-        token = model(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = model(token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
     return (time.perf_counter() - t) / steps
 
 
@@ -66,20 +67,20 @@ def main(argv=None) -> int:
     ids = torch.randint(100, model.config.vocab_size, (1, H + N), generator=torch.Generator().manual_seed(0))
     store = AttnStore(host_bytes="16GiB")
     prefill = AttnStoreCache(model, store, "s", ids[:, :H])
-    model(prefill.input_ids, past_key_values=prefill)
+    model(prefill.input_ids, **cache_kwargs(prefill))
     prefill.close()
     model(ids[:, :8])  # warm-up
     rows = {"RE": {"ttft": [], "decode": [], "kv": 0}, "AS": {"ttft": [], "decode": [], "kv": 0}}
     for _ in range(args.reps):
         t = time.perf_counter()
         ref = DynamicCache(config=model.config)
-        logits = model(ids, past_key_values=ref).logits[:, -1:]
+        logits = model(ids, **cache_kwargs(ref)).logits[:, -1:]
         rows["RE"]["ttft"].append(time.perf_counter() - t)
         rows["RE"]["decode"].append(decode(model, ref, logits.argmax(-1), args.decode))
         rows["RE"]["kv"] = kv_bytes(ref)
         t = time.perf_counter()
         cache = AttnStoreCache(model, store, "s", ids, save=False)
-        logits = model(cache.input_ids[:, H:], past_key_values=cache).logits[:, -1:]
+        logits = model(cache.input_ids[:, H:], **cache_kwargs(cache)).logits[:, -1:]
         rows["AS"]["ttft"].append(time.perf_counter() - t)
         assert cache.reused_tokens == H, cache.reused_tokens
         rows["AS"]["decode"].append(decode(model, cache, logits.argmax(-1), args.decode))

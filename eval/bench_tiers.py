@@ -32,6 +32,7 @@ from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
 from hf_attnstore.store.format import session_dirname
+from hf_attnstore.upstream import cache_kwargs
 
 
 def drop_page_cache(folder: Path) -> None:
@@ -62,10 +63,10 @@ def history_snapshot(model, ids: torch.Tensor, H: int):
         to be written under other session ids with ``open_turn(...).append(*snapshot)``.
     """
     resident = DynamicCache()
-    model(ids[:, :H], past_key_values=resident)
+    model(ids[:, :H], **cache_kwargs(resident))
     store = AttnStore(host_bytes="16GiB")
     seed = AttnStoreCache(model, store, "seed", ids[:, :H])
-    model(seed.input_ids, past_key_values=seed)
+    model(seed.input_ids, **cache_kwargs(seed))
     snap = store.lookup("seed", seed.fingerprint)
     snapshot = snap.tensors(0, snap.length)
     store.close()
@@ -78,7 +79,7 @@ def ideal_prefill(model, resident: DynamicCache, ids: torch.Tensor, H: int) -> f
     for i, layer in enumerate(resident.layers):
         cache.update(layer.keys.clone(), layer.values.clone(), i)
     t = time.perf_counter()
-    model(ids[:, H:], past_key_values=cache)
+    model(ids[:, H:], **cache_kwargs(cache))
     return time.perf_counter() - t
 
 
@@ -133,7 +134,7 @@ def main(argv=None):
         t = time.perf_counter()
         cache = AttnStoreCache(model, store, session, ids)
         assert cache.reused_tokens == H, cache.reused_tokens
-        model(cache.input_ids[:, H:], past_key_values=cache)
+        model(cache.input_ids[:, H:], **cache_kwargs(cache))
         return time.perf_counter() - t, cache.kv_source
 
     rows: dict[str, list[float]] = {k: [] for k in ["RE", "ideal", "AS-host", "AS-disk"] + variants}
@@ -141,7 +142,7 @@ def main(argv=None):
     next_session = iter(range(n_sessions))
     for rep in range(R if "ttft" in sections or "disk" in sections else 0):
         t = time.perf_counter()
-        model(ids, past_key_values=DynamicCache())
+        model(ids, **cache_kwargs(DynamicCache()))
         rows["RE"].append(time.perf_counter() - t)
 
         rows["ideal"].append(ideal_prefill(model, resident, ids, H))
@@ -189,7 +190,7 @@ def main(argv=None):
             store = AttnStore(host_bytes="16GiB", disk_dir=disk)
             t = time.perf_counter()
             cache = AttnStoreCache(model, store, "t", ids)
-            model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=args.decode, do_sample=False,
+            model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=args.decode, do_sample=False,
                            min_new_tokens=args.decode, pad_token_id=0)
             turn_s = time.perf_counter() - t
             if name == "disk async":

@@ -35,6 +35,7 @@ from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
 from hf_attnstore.store.format import session_dirname
+from hf_attnstore.upstream import cache_kwargs
 
 VARIANTS = ("RE", "ideal", "AS-host", "AS-disk")
 GRID = ((500, 500), (600, 400), (700, 300), (800, 200), (900, 100))
@@ -57,19 +58,19 @@ def measure_history(model, ids: torch.Tensor, H: int, news: list[int], reps: int
             def resume(store, session):
                 cache = AttnStoreCache(model, store, session, prompt)
                 assert cache.reused_tokens == H, (cache.reused_tokens, H)
-                model(cache.input_ids[:, H:], past_key_values=cache)
+                model(cache.input_ids[:, H:], **cache_kwargs(cache))
                 return cache.kv_source
 
             def run(variant):
                 if variant == "RE":
                     t = time.perf_counter()
-                    model(prompt, past_key_values=DynamicCache())
+                    model(prompt, **cache_kwargs(DynamicCache()))
                 elif variant == "ideal":
                     cache = DynamicCache()
                     for i, layer in enumerate(resident.layers):
                         cache.update(layer.keys.clone(), layer.values.clone(), i)
                     t = time.perf_counter()
-                    model(prompt[:, H:], past_key_values=cache)
+                    model(prompt[:, H:], **cache_kwargs(cache))
                 elif variant == "AS-host":
                     session = f"h{n}-{rep}"
                     host.open_turn(session, fp, None, torch.arange(0)).append(*snapshot)

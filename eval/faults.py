@@ -35,6 +35,7 @@ from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.store import StoreIOError
 from hf_attnstore.store import disk as disk_module
 from hf_attnstore.store.disk import DiskLockedError
+from hf_attnstore.upstream import cache_kwargs
 
 VOCAB, TOL = 128, 1e-3
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=20, chunk_tokens=8)
@@ -56,15 +57,15 @@ def sequence(session: int, n: int = 1024) -> torch.Tensor:
 @torch.no_grad()
 def turn(model, store, sid: str, ids: torch.Tensor) -> None:
     with AttnStoreCache(model, store, sid, ids) as cache:
-        model(cache.input_ids[:, cache.reused_tokens:], past_key_values=cache, use_cache=True)
+        model(cache.input_ids[:, cache.reused_tokens:], **cache_kwargs(cache), use_cache=True)
 
 
 @torch.no_grad()
 def resume_is_wrong(model, store, sid: str, ids: torch.Tensor) -> tuple[int, bool]:
     """(reused tokens, whether the resumed logits differ from recomputation) for prompt `ids`."""
     cache = AttnStoreCache(model, store, sid, ids, save=False)
-    got = model(cache.input_ids[:, cache.reused_tokens:], past_key_values=cache).logits[0, -1]
-    want = model(ids, past_key_values=DynamicCache()).logits[0, -1]
+    got = model(cache.input_ids[:, cache.reused_tokens:], **cache_kwargs(cache)).logits[0, -1]
+    want = model(ids, **cache_kwargs(DynamicCache())).logits[0, -1]
     return cache.reused_tokens, bool((got - want).abs().max() > TOL)
 
 

@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from hf_attnstore import load_default_model
 from hf_attnstore.evaluation.corpora import load_texts
 from hf_attnstore.rope import RopeAdapter
+from hf_attnstore.upstream import cache_kwargs
 
 
 def fake_quant(x: torch.Tensor, bits: int, group: int, dim: int) -> torch.Tensor:
@@ -98,10 +99,10 @@ def main(argv=None) -> int:
             ids = ids.view(1, -1).to(model.device)
             history, scored = ids[:, : args.context], ids[:, args.context :]
             cache = DynamicCache()
-            last = model(history, past_key_values=cache).logits[:, -1:]
+            last = model(history, **cache_kwargs(cache)).logits[:, -1:]
 
             def score(kv: DynamicCache) -> float:
-                logits = model(scored[:, :-1], past_key_values=kv).logits
+                logits = model(scored[:, :-1], **cache_kwargs(kv)).logits
                 logits = torch.cat([last, logits], dim=1).float()
                 return float(torch.nn.functional.cross_entropy(logits[0], scored[0], reduction="sum"))
 

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_attnstore.rope import rotate_half
+from hf_attnstore.upstream import cache_kwargs
 
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, pad_token_id=0)
@@ -42,10 +43,10 @@ def main() -> int:
         rotary = model.model.rotary_emb
         ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(6))
         stored = DynamicCache()
-        model(ids[:, :28], past_key_values=stored)
+        model(ids[:, :28], **cache_kwargs(stored))
         old = [t.unsqueeze(1) for t in rotary(torch.empty(0), torch.arange(28).view(1, -1))]
         recomputed = DynamicCache()
-        model(ids, past_key_values=recomputed)
+        model(ids, **cache_kwargs(recomputed))
         new = [t[:, :28].unsqueeze(1) for t in rotary(torch.empty(0), torch.arange(40).view(1, -1))]
         errors = []
         for layer, ref in zip(stored.layers, recomputed.layers):

@@ -11,7 +11,7 @@ reply's re-tokenization may differ from the ids generated: the cache then reuses
 import torch
 from transformers import DynamicCache
 
-from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
+from hf_attnstore import AttnStore, AttnStoreCache, cache_kwargs, load_default_model
 
 model, tokenizer = load_default_model()
 store = AttnStore(host_bytes="1GiB")
@@ -21,8 +21,9 @@ for turn, follow_up in enumerate(["And three animals?", None]):
     ids = ids["input_ids"]
     cache = AttnStoreCache(model, store, "alice", ids)  # looks the session up, plans the reuse
     with torch.no_grad():
-        out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=20, do_sample=False)
-        plain = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=20, do_sample=False)
+        # `cache=cache` on transformers >= 5.24, `past_key_values=cache` before: cache_kwargs picks the installed name.
+        out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=20, do_sample=False)
+        plain = model.generate(ids, **cache_kwargs(DynamicCache()), max_new_tokens=20, do_sample=False)
     cache.close()  # the turn is over: the store may move the session to a lower tier
     reply = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     print(f"turn {turn}: reused {cache.reused_tokens}/{ids.shape[1]} prompt tokens ({cache.kv_source}); "

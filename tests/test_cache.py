@@ -11,6 +11,7 @@ from hf_attnstore.rope import RopeAdapter
 from hf_attnstore.store.geometry import shapes
 
 from .conftest import ABSOLUTE_MODELS, SCALED_ROPE_MODELS, TINY_MODELS, make_tiny, random_ids
+from hf_attnstore.upstream import cache_kwargs
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -19,23 +20,23 @@ def prefill(model, store, session, ids):
     """Runs `ids` through an AttnStoreCache so that the session holds their KV; returns the cache."""
     with torch.no_grad():
         cache = AttnStoreCache(model, store, session, ids)
-        model(cache.input_ids, past_key_values=cache)
+        model(cache.input_ids, **cache_kwargs(cache))
     return cache
 
 
-def run_turns(model, store, session, turns, new_tokens=6, **cache_kwargs):
+def run_turns(model, store, session, turns, new_tokens=6, **cache_options):
     """Runs a multi-turn chat twice, with AttnStoreCache and with DynamicCache recomputation."""
     hist = ref_hist = None
     records = []
     for user in turns:
         hist = user if hist is None else torch.cat([hist, user], dim=1)
         ref_hist = user if ref_hist is None else torch.cat([ref_hist, user], dim=1)
-        cache = AttnStoreCache(model, store, session, hist, **cache_kwargs)
+        cache = AttnStoreCache(model, store, session, hist, **cache_options)
         # Explicit masks: without one, `generate` masks every id equal to the pad id (a generated 0 here).
-        out = model.generate(cache.input_ids, attention_mask=torch.ones_like(cache.input_ids), past_key_values=cache,
+        out = model.generate(cache.input_ids, attention_mask=torch.ones_like(cache.input_ids), **cache_kwargs(cache),
                              max_new_tokens=new_tokens, **GREEDY)
         ref = model.generate(ref_hist, attention_mask=torch.ones_like(ref_hist),
-                             past_key_values=DynamicCache(config=model.config), max_new_tokens=new_tokens, **GREEDY)
+                             **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=new_tokens, **GREEDY)
         records.append((cache, out, ref))
         hist, ref_hist = out, ref
     return records
@@ -67,7 +68,7 @@ def test_plain_forward_logits_equal_recompute(arch):
         second = AttnStoreCache(model, store, "f", ids)
         assert second.reused_tokens == 18
         rest = second.input_ids[:, second.get_seq_length():]
-        logits = model(rest, past_key_values=second).logits
+        logits = model(rest, **cache_kwargs(second)).logits
         full = model(ids).logits[:, 18:]
     torch.testing.assert_close(logits, full, atol=1e-5, rtol=1e-5)
 
@@ -81,7 +82,7 @@ def test_rerotated_keys_equal_model_post_rope_keys(arch):
     with torch.no_grad():
         prefill(model, store, "k", ids)
         ref = DynamicCache()
-        model(ids, past_key_values=ref)
+        model(ids, **cache_kwargs(ref))
     resumed = AttnStoreCache(model, store, "k", torch.cat([ids, random_ids(1, 7)], dim=1))
     assert resumed.reused_tokens == 40
     for layer in range(len(resumed.layers)):
@@ -116,7 +117,7 @@ def test_prefix_mismatch_reuses_exactly_the_common_prefix(tiny_llama):
     edited = torch.cat([edited, random_ids(4, 9)], dim=1)
     cache = AttnStoreCache(tiny_llama, store, "p", edited)
     assert cache.reused_tokens == 17
-    out = tiny_llama.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
+    out = tiny_llama.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=5, **GREEDY)
     ref = tiny_llama.generate(edited, max_new_tokens=5, **GREEDY)
     assert torch.equal(out, ref)
     # The session now holds the edited history: the next turn reuses all of it.
@@ -129,7 +130,7 @@ def test_identical_prompt_leaves_one_token_to_compute(tiny_llama):
     prefill(tiny_llama, store, "i", ids)
     again = AttnStoreCache(tiny_llama, store, "i", ids)
     assert again.reused_tokens == 11
-    out = tiny_llama.generate(again.input_ids, past_key_values=again, max_new_tokens=4, **GREEDY)
+    out = tiny_llama.generate(again.input_ids, **cache_kwargs(again), max_new_tokens=4, **GREEDY)
     assert torch.equal(out, tiny_llama.generate(ids, max_new_tokens=4, **GREEDY))
 
 
@@ -156,7 +157,7 @@ def test_inputs_embeds_forward_is_not_saved(tiny_llama):
     ids = random_ids(10, 13)
     cache = AttnStoreCache(tiny_llama, store, "e", ids)
     with torch.no_grad():
-        tiny_llama(inputs_embeds=tiny_llama.get_input_embeddings()(ids), past_key_values=cache)
+        tiny_llama(inputs_embeds=tiny_llama.get_input_embeddings()(ids), **cache_kwargs(cache))
     assert cache.saved_tokens == 0
     assert store.lookup("e", cache.fingerprint) is None
 
@@ -171,8 +172,8 @@ def test_read_only_cache_reuses_and_leaves_the_store_unchanged(tiny_llama):
             prompt = torch.cat([ids[:, :24], tail], dim=1)
             cache = AttnStoreCache(tiny_llama, store, "r", prompt, save=False)
             assert cache.reused_tokens == 24
-            out = tiny_llama.generate(cache.input_ids, past_key_values=cache, max_new_tokens=4, **GREEDY)
-            ref = tiny_llama.generate(prompt, past_key_values=DynamicCache(), max_new_tokens=4, **GREEDY)
+            out = tiny_llama.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, **GREEDY)
+            ref = tiny_llama.generate(prompt, **cache_kwargs(DynamicCache()), max_new_tokens=4, **GREEDY)
             assert torch.equal(out, ref)
             assert cache.saved_tokens == 0
             assert torch.equal(store.token_ids("r", first.fingerprint), before)
@@ -180,7 +181,7 @@ def test_read_only_cache_reuses_and_leaves_the_store_unchanged(tiny_llama):
     cache = AttnStoreCache(tiny_llama, store, "r", ids, save=False, context_window=30, keep_first=2)
     assert cache.dropped_tokens > 0 and cache.reused_tokens > 2
     with torch.no_grad():
-        tiny_llama(cache.input_ids[:, cache.reused_tokens :], past_key_values=cache)
+        tiny_llama(cache.input_ids[:, cache.reused_tokens :], **cache_kwargs(cache))
     assert torch.equal(store.token_ids("r", first.fingerprint), before)
 
 
@@ -191,7 +192,7 @@ def test_bf16_reuse_stays_close():
     with torch.no_grad():
         prefill(model, store, "b", ids[:, :30])
         second = AttnStoreCache(model, store, "b", ids)
-        logits = model(second.input_ids[:, 30:], past_key_values=second).logits
+        logits = model(second.input_ids[:, 30:], **cache_kwargs(second)).logits
         full = model(ids).logits[:, 30:]
     assert (logits.float() - full.float()).abs().max() < 0.1
 
@@ -236,10 +237,10 @@ class TestBadInput:
         ids = random_ids(12, 0)
         with torch.no_grad():
             cache = AttnStoreCache(tiny_llama, store, "x", ids)
-            tiny_llama(cache.input_ids, past_key_values=cache)
+            tiny_llama(cache.input_ids, **cache_kwargs(cache))
         cache = AttnStoreCache(tiny_llama, store, "x", torch.cat([ids, random_ids(3, 1)], dim=1))
         with pytest.raises(ValueError, match="cache.input_ids"):
-            tiny_llama.generate(random_ids(15, 2), past_key_values=cache, max_new_tokens=2, **GREEDY)
+            tiny_llama.generate(random_ids(15, 2), **cache_kwargs(cache), max_new_tokens=2, **GREEDY)
         # Nothing was saved by the refused call.
         assert store.lookup("x", cache.fingerprint).length == 12
 
@@ -247,7 +248,7 @@ class TestBadInput:
         ids = random_ids(8, 0)
         cache = AttnStoreCache(tiny_llama, AttnStore(), "x", ids)
         with pytest.raises(ValueError, match="num_beams|batch size 1"):
-            tiny_llama.generate(cache.input_ids, past_key_values=cache, max_new_tokens=2, num_beams=2, **GREEDY)
+            tiny_llama.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=2, num_beams=2, **GREEDY)
 
     def test_unsupported_architecture(self):
         from transformers import BloomConfig, BloomForCausalLM
@@ -284,14 +285,14 @@ class TestBadInput:
         layer.forward = boom
         try:
             with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
-                tiny_llama(cache.input_ids, past_key_values=cache)
+                tiny_llama(cache.input_ids, **cache_kwargs(cache))
         finally:
             layer.forward = original
         with pytest.raises(RuntimeError, match="did not complete"), torch.no_grad():
-            tiny_llama(cache.input_ids, past_key_values=cache)
+            tiny_llama(cache.input_ids, **cache_kwargs(cache))
         assert store.lookup("x", cache.fingerprint) is None  # nothing half-written
         fresh = AttnStoreCache(tiny_llama, store, "x", ids)
-        out = tiny_llama.generate(fresh.input_ids, past_key_values=fresh, max_new_tokens=3, **GREEDY)
+        out = tiny_llama.generate(fresh.input_ids, **cache_kwargs(fresh), max_new_tokens=3, **GREEDY)
         assert torch.equal(out, tiny_llama.generate(ids, max_new_tokens=3, **GREEDY))
 
 
@@ -303,7 +304,7 @@ def test_a_forward_with_gradients_on_stores_plain_tensors_and_accounts_what_it_h
     store = AttnStore(host_bytes="64MiB")
     with torch.enable_grad():
         cache = AttnStoreCache(model, store, "g", random_ids(70, 1))
-        model(cache.input_ids, past_key_values=cache, use_cache=True)
+        model(cache.input_ids, **cache_kwargs(cache), use_cache=True)
     snap = store.lookup("g", cache.fingerprint)
     storages = {}
     for seg, _, _ in snap.parts:
@@ -320,20 +321,20 @@ def test_crop_cuts_the_cache_and_the_stored_session_alike(tiny_llama):
     ids, draft, tail = random_ids(30, 11), random_ids(6, 12), random_ids(5, 13)
     with torch.no_grad():
         cache = AttnStoreCache(model, store, "c", ids)
-        model(cache.input_ids, past_key_values=cache, use_cache=True)
-        model(draft, past_key_values=cache, use_cache=True)  # six draft tokens verified at once
+        model(cache.input_ids, **cache_kwargs(cache), use_cache=True)
+        model(draft, **cache_kwargs(cache), use_cache=True)  # six draft tokens verified at once
         cache.crop(-4)  # four rejected (transformers 5: a negative count removes tokens)
         kept = torch.cat([ids, draft[:, :2]], dim=1)
         assert cache.get_seq_length() == 32 and torch.equal(cache.token_ids, kept[0])
         assert torch.equal(store.token_ids("c", cache.fingerprint), kept[0])
-        model(tail, past_key_values=cache, use_cache=True)  # decoding goes on after the cut
+        model(tail, **cache_kwargs(cache), use_cache=True)  # decoding goes on after the cut
     history = torch.cat([kept, tail], dim=1)
     assert torch.equal(store.token_ids("c", cache.fingerprint), history[0])
     prompt = torch.cat([history, random_ids(3, 14)], dim=1)
     resumed = AttnStoreCache(model, store, "c", prompt)
     assert resumed.reused_tokens == history.shape[1]
-    out = model.generate(resumed.input_ids, past_key_values=resumed, max_new_tokens=4, **GREEDY)
-    assert torch.equal(out, model.generate(prompt, past_key_values=DynamicCache(), max_new_tokens=4, **GREEDY))
+    out = model.generate(resumed.input_ids, **cache_kwargs(resumed), max_new_tokens=4, **GREEDY)
+    assert torch.equal(out, model.generate(prompt, **cache_kwargs(DynamicCache()), max_new_tokens=4, **GREEDY))
 
 
 def test_a_dropped_cache_ends_its_turn_without_waiting_for_the_garbage_collector(tiny_llama):
@@ -344,7 +345,7 @@ def test_a_dropped_cache_ends_its_turn_without_waiting_for_the_garbage_collector
     gc.disable()
     try:
         cache = AttnStoreCache(tiny_llama, store, "d", random_ids(20, 1))
-        tiny_llama.generate(cache.input_ids, past_key_values=cache, max_new_tokens=3, **GREEDY)
+        tiny_llama.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=3, **GREEDY)
         fp = cache.fingerprint
         assert store._entries[(fp, "d")].writers  # the turn is open
         del cache

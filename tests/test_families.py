@@ -22,6 +22,7 @@ from hf_attnstore.store.geometry import bytes_per_token
 
 from . import test_batching, test_cache, test_cache_tiers
 from .conftest import FAMILY_MODELS, make_tiny, random_ids
+from hf_attnstore.upstream import cache_kwargs
 
 FAMILIES = sorted(FAMILY_MODELS)
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -55,13 +56,13 @@ def test_decoupled_truncation_puts_keys_at_their_new_positions(arch):
     assert cache.dropped_tokens == 14 and cache.reused_tokens == 36 - 14
     ref = DynamicCache()
     with torch.no_grad():
-        model(cache.input_ids, past_key_values=ref)
+        model(cache.input_ids, **cache_kwargs(ref))
     loaded = test_cache.loaded_kv(cache, 0, cache.reused_tokens)
     start = cache._load_start(0, cache.reused_tokens)  # a sliding layer: its window's tail
     for mine, theirs in zip(loaded, (ref.layers[0].keys, ref.layers[0].values)):
         torch.testing.assert_close(mine, theirs[:, :, start : cache.reused_tokens], atol=1e-5, rtol=0)
     # And the truncated turn runs: it generates from the kept KV, and the session goes on from it.
-    out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=4, **GREEDY)
+    out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, **GREEDY)
     nxt = torch.cat([out, random_ids(3, 2)], dim=1)
     assert AttnStoreCache(model, store, "t", nxt, context_window=64).reused_tokens == out.shape[1] - 1
 
@@ -75,7 +76,7 @@ def test_recompute_truncation_generates_what_the_truncated_ids_generate(arch):
     hist = torch.cat([hist, random_ids(16, 6)], dim=1)
     cache = AttnStoreCache(model, store, "r", hist, context_window=48, keep_first=4, truncation="recompute")
     assert cache.reused_tokens == 4
-    out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
+    out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=5, **GREEDY)
     assert torch.equal(out, model.generate(cache.input_ids, max_new_tokens=5, **GREEDY))
 
 

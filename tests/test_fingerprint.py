@@ -11,6 +11,7 @@ from hf_attnstore import AttnStore, AttnStoreCache, fingerprint as fp_module
 from hf_attnstore.fingerprint import forget_fingerprint, model_fingerprint
 
 from .conftest import make_tiny, random_ids
+from hf_attnstore.upstream import cache_kwargs
 
 
 def merge_low_rank(model, rank: int = 4, scale: float = 0.05) -> None:
@@ -30,7 +31,7 @@ def test_merged_low_rank_update_is_a_miss_not_reuse():
     store = AttnStore(host_bytes="64MiB")
     ids = random_ids(40, 0)
     cache = AttnStoreCache(model, store, "s", ids)
-    model(cache.input_ids, past_key_values=cache, use_cache=True)
+    model(cache.input_ids, **cache_kwargs(cache), use_cache=True)
     merge_low_rank(model)
     again = AttnStoreCache(model, store, "s", torch.cat([ids, random_ids(5, 1)], 1))
     assert again.reused_tokens == 0 and again.kv_source == "miss"
@@ -97,7 +98,7 @@ def test_namespace_separates_entries():
     shared = AttnStore(host_bytes="64MiB", namespace="a")
     ids = random_ids(30, 3)
     cache = AttnStoreCache(model, shared, "s", ids)
-    model(cache.input_ids, past_key_values=cache, use_cache=True)
+    model(cache.input_ids, **cache_kwargs(cache), use_cache=True)
     assert AttnStoreCache(model, shared, "s", torch.cat([ids, ids], 1)).reused_tokens == 30
     other = AttnStore(host_bytes="64MiB", namespace="b")
     other._entries = shared._entries  # the same entries, seen from another namespace: never served

@@ -11,6 +11,7 @@ from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.chat import ChatTokens
 from hf_attnstore.data import load_sharegpt
 from hf_attnstore.evaluation import load_texts, sliding_perplexity
+from hf_attnstore.upstream import cache_kwargs
 
 pytestmark = pytest.mark.integration
 MAX_USER_TOKENS = 96  # long ShareGPT prompts are clipped so the test stays fast on two cores
@@ -49,8 +50,8 @@ def test_sharegpt_turns_equal_recompute(smollm2, conversations):
             message = clip(tokenizer, message)
             ids = chat.first_turn(message) if ids is None else chat.next_turn(ids, message)
             cache = AttnStoreCache(model, store, conv.id, ids)
-            out = model.generate(cache.input_ids, past_key_values=cache, **greedy)
-            ref = model.generate(ids, past_key_values=DynamicCache(), **greedy)
+            out = model.generate(cache.input_ids, **cache_kwargs(cache), **greedy)
+            ref = model.generate(ids, **cache_kwargs(DynamicCache()), **greedy)
             assert torch.equal(out, ref), f"{conv.id} turn {turn}"
             if turn:
                 assert cache.reused_tokens > 0.5 * ids.shape[1]

@@ -23,6 +23,7 @@ from hf_attnstore.rope import HYBRID_MODEL_TYPES
 from . import test_cache
 from .conftest import HYBRID_MODELS, make_tiny, random_ids
 from .test_cache_tiers import FAST, chat
+from hf_attnstore.upstream import cache_kwargs
 
 HYBRIDS = sorted(HYBRID_MODELS)
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -31,13 +32,13 @@ GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 def turn(model, store, session, ids, new_tokens=5, **kw):
     """One turn through an AttnStoreCache; returns the cache (open) and the output ids."""
     cache = AttnStoreCache(model, store, session, ids, **kw)
-    out = model.generate(cache.input_ids, attention_mask=torch.ones_like(cache.input_ids), past_key_values=cache,
+    out = model.generate(cache.input_ids, attention_mask=torch.ones_like(cache.input_ids), **cache_kwargs(cache),
                          max_new_tokens=new_tokens, **GREEDY)
     return cache, out
 
 
 def recompute(model, ids, new_tokens=5):
-    return model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=DynamicCache(config=model.config),
+    return model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(DynamicCache(config=model.config)),
                           max_new_tokens=new_tokens, **GREEDY)
 
 
@@ -90,14 +91,14 @@ def test_a_turn_still_running_offers_its_states_between_forwards_only():
     ids = random_ids(24, 3)
     cache = AttnStoreCache(model, store, "s", ids)
     with torch.no_grad():
-        model(cache.input_ids, past_key_values=cache)
+        model(cache.input_ids, **cache_kwargs(cache))
     cache._turn_end.complete = False  # as while a forward runs: the layers' states are half updated
     nxt = torch.cat([ids, random_ids(4, 4)], dim=1)
     assert AttnStoreCache(model, store, "s", nxt, save=False).reused_tokens == 0
     cache._turn_end.complete = True
     reader = AttnStoreCache(model, store, "s", nxt, save=False)
     assert reader.reused_tokens == 24
-    out = model.generate(reader.input_ids, past_key_values=reader, max_new_tokens=4, **GREEDY)
+    out = model.generate(reader.input_ids, **cache_kwargs(reader), max_new_tokens=4, **GREEDY)
     assert torch.equal(out, recompute(model, nxt, 4))
 
 

@@ -13,6 +13,7 @@ from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.pipeline import ChatPipeline
 
 from .conftest import VOCAB, make_tiny
+from hf_attnstore.upstream import cache_kwargs
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -49,7 +50,7 @@ def test_turns_equal_recomputation(setup):
         for turn in range(3):
             reply = pipe.chat("a", words(turn), timeout=60)
             ids = pipe.chat_tokens.first_turn(words(turn)) if ids is None else pipe.chat_tokens.next_turn(ids, words(turn))
-            ref = model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=6, do_sample=False,
+            ref = model.generate(ids, **cache_kwargs(DynamicCache()), max_new_tokens=6, do_sample=False,
                                  pad_token_id=0, eos_token_id=None)
             assert reply.text == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
             assert reply.generated_tokens == 6 and reply.history_tokens == ids.shape[1]

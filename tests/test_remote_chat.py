@@ -18,6 +18,7 @@ from hf_attnstore.pipeline import ChatPipeline
 from hf_attnstore.store.redis_server import RedisServer
 
 from .conftest import char_tokenizer, make_tiny, random_ids
+from hf_attnstore.upstream import cache_kwargs
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=16)
@@ -33,8 +34,8 @@ def test_a_conversation_alternating_between_two_stores_reuses_from_remote(tmp_pa
         for turn in range(4):
             store = stores[turn % 2]
             cache = AttnStoreCache(model, store, "chat", hist)
-            out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
-            expected = model.generate(hist, past_key_values=DynamicCache(), max_new_tokens=5, **GREEDY)
+            out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=5, **GREEDY)
+            expected = model.generate(hist, **cache_kwargs(DynamicCache()), max_new_tokens=5, **GREEDY)
             assert torch.equal(out, expected), turn
             if turn:
                 # Everything but the 6 new tokens and the last generated one came from the other store.

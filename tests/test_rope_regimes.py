@@ -18,6 +18,7 @@ from hf_attnstore.batching import batchable
 from hf_attnstore.rope import RopeAdapter
 
 from .conftest import LENGTH_DEPENDENT_MODELS, REGIME_LIMIT, make_tiny, random_ids
+from hf_attnstore.upstream import cache_kwargs
 
 ARCHS = sorted(LENGTH_DEPENDENT_MODELS)
 LONGROPE = [a for a in ARCHS if "longrope" in a]
@@ -28,9 +29,9 @@ FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=16)
 def turn(model, store, sid, ids, new=4, **kw):
     """One turn through the store and the same ids recomputed; asserts equal tokens, returns (cache, out)."""
     cache = AttnStoreCache(model, store, sid, ids, **kw)
-    out = model.generate(cache.input_ids, attention_mask=torch.ones_like(cache.input_ids), past_key_values=cache,
+    out = model.generate(cache.input_ids, attention_mask=torch.ones_like(cache.input_ids), **cache_kwargs(cache),
                          max_new_tokens=new, **GREEDY)
-    ref = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=DynamicCache(config=model.config),
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(DynamicCache(config=model.config)),
                          max_new_tokens=new, **GREEDY)
     assert torch.equal(out, ref)
     cache.close()
@@ -98,7 +99,7 @@ def test_longrope_long_regime_is_stored_apart_and_reused(arch):
     cache = AttnStoreCache(model, store, "s", branch, save=False)
     assert cache.regime == "long" and cache.reused_tokens == 30
     with torch.no_grad():
-        logits = model(cache.input_ids[:, 30:], past_key_values=cache).logits[:, -1]
+        logits = model(cache.input_ids[:, 30:], **cache_kwargs(cache)).logits[:, -1]
         expected = model(branch).logits[:, -1]
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
 
@@ -123,7 +124,7 @@ def test_dynamic_past_its_limit_neither_reuses_nor_stores():
     ids = torch.cat([out, random_ids(20, 1)], dim=1)  # 54 tokens, past the limit
     peek = AttnStoreCache(model, store, "s", ids, save=False)  # read-only: changes nothing
     with torch.no_grad():
-        model(peek.input_ids, past_key_values=peek)
+        model(peek.input_ids, **cache_kwargs(peek))
     assert peek.regime is None and peek.reused_tokens == 0 and stored_length(model, store, "s") == [33]
     cache, _ = turn(model, store, "s", ids)
     assert cache.regime is None and cache.reused_tokens == 0 and cache.saved_tokens == 0
@@ -196,7 +197,7 @@ def test_chat_pipeline_serves_a_conversation_across_the_limit(tmp_path):
                 ids = (pipe.chat_tokens.first_turn(words(t)) if ids is None
                        else pipe.chat_tokens.next_turn(ids, words(t)))
                 ref = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                     past_key_values=DynamicCache(config=model.config), max_new_tokens=4, **GREEDY)
+                                     **cache_kwargs(DynamicCache(config=model.config)), max_new_tokens=4, **GREEDY)
                 assert reply.text == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True), t
                 sources.append((reply.kv_source, ids.shape[1]))
                 ids = ref
@@ -227,7 +228,7 @@ def test_decoupled_truncation_within_the_long_regime(arch):
     assert (cache.regime, cache.dropped_tokens, cache.reused_tokens) == ("long", 48, 32)
     ref = DynamicCache()
     with torch.no_grad():
-        model(cache.input_ids, past_key_values=ref)
+        model(cache.input_ids, **cache_kwargs(ref))
     _, (kh, kd), (vh, vd) = shapes(cache._geometry)
     new = cache.input_ids.shape[1] - 32
     keys, _ = cache._load_layer(0, 32, torch.zeros(1, kh, new, kd), torch.zeros(1, vh, new, vd))

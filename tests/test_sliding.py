@@ -17,6 +17,7 @@ from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.layers import AttnStoreSlidingLayer, LayerLayout
 
 from .conftest import make_tiny, random_ids
+from hf_attnstore.upstream import cache_kwargs
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 WINDOW = 24  # conftest's sliding models
@@ -26,9 +27,9 @@ def _both(model, ids, store, session):
     """One turn of `ids` + 6 generated tokens through an AttnStoreCache and through DynamicCache(config)."""
     mask = torch.ones_like(ids)
     cache = AttnStoreCache(model, store, session, ids)
-    out = model.generate(cache.input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, **GREEDY)
+    out = model.generate(cache.input_ids, attention_mask=mask, **cache_kwargs(cache), max_new_tokens=6, **GREEDY)
     ref_cache = DynamicCache(config=model.config)
-    ref = model.generate(ids, attention_mask=mask, past_key_values=ref_cache, max_new_tokens=6, **GREEDY)
+    ref = model.generate(ids, attention_mask=mask, **cache_kwargs(ref_cache), max_new_tokens=6, **GREEDY)
     return cache, out, ref_cache, ref
 
 
@@ -79,11 +80,11 @@ def test_assisted_decoding_crop_protocol_matches_transformers():
     mine, theirs = AttnStoreCache(model, store, "c", ids), DynamicCache(config=model.config)
     with torch.no_grad():
         for cache in (mine, theirs):
-            model(ids, past_key_values=cache, use_cache=True)
+            model(ids, **cache_kwargs(cache), use_cache=True)
             cache.activate_past_recording()
-            model(draft, past_key_values=cache, use_cache=True)
+            model(draft, **cache_kwargs(cache), use_cache=True)
             cache.crop(-4)
-            logits = model(tail, past_key_values=cache, use_cache=True).logits
+            logits = model(tail, **cache_kwargs(cache), use_cache=True).logits
             cache.logits = logits
     torch.testing.assert_close(mine.logits, theirs.logits, atol=1e-5, rtol=0)
     for a, b in zip(mine.layers, theirs.layers):
@@ -93,6 +94,6 @@ def test_assisted_decoding_crop_protocol_matches_transformers():
     # Without past recording, cropping a full window is refused, as transformers refuses it.
     other = AttnStoreCache(model, store, "d", ids)
     with torch.no_grad():
-        model(ids, past_key_values=other, use_cache=True)
+        model(ids, **cache_kwargs(other), use_cache=True)
     with pytest.raises(RuntimeError, match="activate_past_recording"):
         other.crop(-2)

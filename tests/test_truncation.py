@@ -10,6 +10,7 @@ from hf_attnstore import AttnStore, AttnStoreCache, TruncationConfig
 from hf_attnstore.truncation import common_prefix_length, plan_reuse, tokens_to_drop
 
 from .conftest import make_tiny, random_ids
+from hf_attnstore.upstream import cache_kwargs
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -88,7 +89,7 @@ def test_truncated_keys_sit_at_their_new_positions(mode):
     ids = random_ids(40, 1)
     with torch.no_grad():
         first = AttnStoreCache(model, store, "t", ids[:, :36])
-        model(first.input_ids, past_key_values=first)
+        model(first.input_ids, **cache_kwargs(first))
     cache = AttnStoreCache(model, store, "t", ids, context_window=32, keep_first=4, truncation=mode)
     assert cache.dropped_tokens == 14  # ceil(0.5 * (32 - 4))
     assert cache.input_ids.shape[1] == 26
@@ -99,7 +100,7 @@ def test_truncated_keys_sit_at_their_new_positions(mode):
     keys = cache._load_layer(0, cache.reused_tokens, empty, empty)[0]
     ref = DynamicCache()
     with torch.no_grad():
-        model(cache.input_ids, past_key_values=ref)
+        model(cache.input_ids, **cache_kwargs(ref))
     ref_keys = ref.layers[0].keys[:, :, : cache.reused_tokens]
     if mode == "decoupled":
         torch.testing.assert_close(keys, ref_keys, atol=1e-5, rtol=0)
@@ -114,12 +115,12 @@ def test_truncated_session_continues_consistently():
     hist = random_ids(30, 2)
     kwargs = dict(context_window=48, keep_first=4, truncation="decoupled")
     cache = AttnStoreCache(model, store, "c", hist, **kwargs)
-    out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=8, **GREEDY)
+    out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=8, **GREEDY)
     hist = torch.cat([out, random_ids(20, 3)], dim=1)  # 58 tokens > 48: truncate
     cache = AttnStoreCache(model, store, "c", hist, **kwargs)
     assert cache.dropped_tokens == 22 and cache.input_ids.shape[1] == 36
     assert cache.reused_tokens == 37 - 22
-    out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
+    out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=5, **GREEDY)
     assert out.shape[1] == 41
     # The session's stored ids are now the truncated sequence: the next turn reuses all of it.
     nxt = torch.cat([out, random_ids(3, 4)], dim=1)
@@ -131,8 +132,8 @@ def test_truncated_session_continues_consistently():
     live = DynamicCache()
     for i, layer in enumerate(previous.layers):
         live.update(layer.keys.clone(), layer.values.clone(), i)
-    out2 = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=4, **GREEDY)
-    assert torch.equal(out2, model.generate(nxt, past_key_values=live, max_new_tokens=4, **GREEDY))
+    out2 = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, **GREEDY)
+    assert torch.equal(out2, model.generate(nxt, **cache_kwargs(live), max_new_tokens=4, **GREEDY))
 
 
 def test_recompute_truncation_equals_generating_from_the_truncated_ids():
@@ -141,9 +142,9 @@ def test_recompute_truncation_equals_generating_from_the_truncated_ids():
     hist = random_ids(40, 5)
     with torch.no_grad():
         first = AttnStoreCache(model, store, "r", hist)
-        model(first.input_ids, past_key_values=first)
+        model(first.input_ids, **cache_kwargs(first))
     hist = torch.cat([hist, random_ids(16, 6)], dim=1)
     cache = AttnStoreCache(model, store, "r", hist, context_window=48, keep_first=4, truncation="recompute")
     assert cache.reused_tokens == 4
-    out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=5, **GREEDY)
+    out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=5, **GREEDY)
     assert torch.equal(out, model.generate(cache.input_ids, max_new_tokens=5, **GREEDY))

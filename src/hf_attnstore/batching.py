@@ -31,11 +31,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from .cache import AttnStoreCache
 from .pipeline import Prepared, _Tee
+from .upstream import DynamicCache, DynamicLayer, cache_kwargs
 
 if TYPE_CHECKING:
     from .pipeline import ChatPipeline, _Job
@@ -345,7 +344,7 @@ class BatchRunner:
             n = left if budget is None else min(left, budget)
             try:
                 with torch.no_grad():
-                    logits = self.model(prep.prompt[:, start : start + n], past_key_values=prep.cache,
+                    logits = self.model(prep.prompt[:, start : start + n], **cache_kwargs(prep.cache),
                                         use_cache=True, logits_to_keep=1).logits[:, -1]
                 self.prefill_chunks += 1
                 m.prefilled += n
@@ -376,7 +375,7 @@ class BatchRunner:
         for b in range(len(members)):
             mask[b, : self.cache.pad(b)] = 0
         with torch.no_grad():
-            logits = self.model(tokens, attention_mask=mask, position_ids=positions, past_key_values=self.cache,
+            logits = self.model(tokens, attention_mask=mask, position_ids=positions, **cache_kwargs(self.cache),
                                 use_cache=True, logits_to_keep=1).logits[:, -1]
         for b, m in enumerate(members):
             m.fed += 1

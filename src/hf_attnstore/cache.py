@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicCache
 
 from .config import TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint
@@ -26,6 +25,7 @@ from .store.entry import validate_session_id
 from .store.format import prefix_digest
 from .store.state import SessionState
 from .truncation import plan_reuse
+from .upstream import Cache, DynamicCache, cache_kwargs
 
 logger = logging.getLogger(__name__)
 _once = OnceLogger(logger)
@@ -98,7 +98,7 @@ class AttnStoreCache(DynamicCache):
     Example:
         >>> store = AttnStore(host_bytes="1GiB")
         >>> cache = AttnStoreCache(model, store, session_id="alice", input_ids=ids)  # doctest: +SKIP
-        >>> out = model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=64)  # doctest: +SKIP
+        >>> out = model.generate(cache.input_ids, cache=cache, max_new_tokens=64)  # doctest: +SKIP
         >>> cache2 = AttnStoreCache(model, store, "alice", input_ids=next_turn_ids)  # doctest: +SKIP
         >>> cache2.reused_tokens  # doctest: +SKIP
         97
@@ -282,7 +282,7 @@ class AttnStoreCache(DynamicCache):
         try:
             with torch.no_grad():
                 computed = DynamicCache()  # without the config: sliding layers would keep only their window
-                model.base_model(input_ids=ids.view(1, -1).to(model.device), past_key_values=computed, use_cache=True)
+                model.base_model(input_ids=ids.view(1, -1).to(model.device), **cache_kwargs(computed), use_cache=True)
                 # In the store's roles (an MLA model's values are the rotated key part, see LayerLayout.latent).
                 keys, values = (("values", "keys") if self._layout.latent else ("keys", "values"))
                 values = [getattr(layer, values) for layer in computed.layers]
@@ -338,7 +338,9 @@ class AttnStoreCache(DynamicCache):
         kept = length - start
         _, heads, n, dim = new_keys.shape
         keys = torch.empty(1, heads, kept + n, dim, dtype=dtype, device=device)
-        values = torch.empty(1, heads, kept + new_values.shape[2], new_values.shape[3], dtype=dtype, device=device)
+        # Keys and values may differ in dtype (transformers' layers keep one dtype each since 5.24).
+        values = torch.empty(1, heads, kept + new_values.shape[2], new_values.shape[3], dtype=new_values.dtype,
+                             device=device)
         if self._rope.layer_has_rope(idx):
             # cos/sin are computed once per turn and rotary group (layer type), shared by the group's layers.
             group = self._rope.group(idx)

@@ -14,6 +14,7 @@ from .data import load_sharegpt
 from .models import load_default_model
 from .store import AttnStore
 from .timing import FirstTokenTimer
+from .upstream import cache_kwargs
 
 
 @dataclass
@@ -51,10 +52,10 @@ def run_demo(conversations: int = 3, turns: int = 4, max_new_tokens: int = 32, m
             ids = chat.first_turn(message) if ids is None else chat.next_turn(ids, message)
             timer = FirstTokenTimer().start()
             cache = AttnStoreCache(model, store, conv.id, ids)
-            out = model.generate(cache.input_ids, past_key_values=cache, streamer=timer, **gen)
+            out = model.generate(cache.input_ids, **cache_kwargs(cache), streamer=timer, **gen)
             ttft_store = timer.ttft
             timer.start()
-            ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), streamer=timer, **gen)
+            ref = model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), streamer=timer, **gen)
             r = TurnResult(conv.id, turn, ids.shape[1], cache.reused_tokens, ttft_store, timer.ttft,
                            torch.equal(out, ref))
             results.append(r)

@@ -76,7 +76,9 @@ def _rewrites_frequencies(module: nn.Module) -> bool:
     `inv_freq` buffers on every call (transformers' `dynamic_rope_update`). Those buffers are left out of the
     fingerprint: they follow from the config, which is hashed, and hashing them would give the same model a
     new fingerprint after every call that switched frequencies."""
-    rope_type = getattr(module, "rope_type", None)
+    from .upstream import rope_type as rope_type_of  # imports transformers: only when a model is measured
+
+    rope_type = rope_type_of(module)
     kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
     return any(kind in ("dynamic", "longrope") for kind in kinds if isinstance(kind, str))
 

@@ -1,7 +1,7 @@
 """The forward wrapper that lets an :class:`AttnStoreCache` see where each forward pass begins and ends.
 
 In transformers 5.x `Cache.update()` receives no positions, so the cache learns them from the base model's
-inputs (`input_ids`, `position_ids`, `past_key_values`) before the forward, and commits the forward's KV
+inputs (`input_ids`, `position_ids`, the cache) before the forward, and commits the forward's KV
 to the store after it. We wrap `model.base_model.forward` rather than registering hooks because one more
 thing must be possible: if stored KV turns out to be unreadable in the middle of a forward (a damaged
 file found by its checksum after earlier layers already used their KV), the wrapper re-runs that forward
@@ -20,6 +20,8 @@ import functools
 
 from torch import nn
 
+from . import upstream
+
 _HOOK_ATTR = "_hf_attnstore_original_forward"
 _PREPARE_ATTR = "_hf_attnstore_original_prepare"
 # Model types whose `prepare_inputs_for_generation` recomputes the whole sequence when longrope switches regime.
@@ -31,14 +33,15 @@ class ReuseFailed(Exception):
 
 
 def _cache_of(kwargs: dict):
-    """The forward's cache if it asks to be bracketed (AttnStoreCache sets `_brackets_forwards`)."""
-    cache = kwargs.get("past_key_values")
+    """The forward's cache if it asks to be bracketed (AttnStoreCache sets `_brackets_forwards`), under the
+    argument name of the installed transformers (`cache` from 5.24) or the deprecated one (upstream.py)."""
+    cache = upstream.cache_from(kwargs)
     return cache if getattr(type(cache), "_brackets_forwards", False) else None
 
 
 def install_hooks(model: nn.Module) -> None:
     """Wraps ``model.base_model.forward`` unless it is wrapped already."""
-    base = model.base_model
+    base = upstream.base_model(model)
     if getattr(base, _HOOK_ATTR, None) is not None:
         return
     original = base.forward
@@ -69,10 +72,8 @@ def install_generation_hook(model: nn.Module) -> None:
     """Wraps the `prepare_inputs_for_generation` of models that switch RoPE regimes there (phi3), once."""
     if model.config.model_type not in _REGIME_SWITCHING or getattr(model, _PREPARE_ATTR, None) is not None:
         return
-    from transformers import GenerationMixin
-
     own = model.prepare_inputs_for_generation
-    generic = functools.partial(GenerationMixin.prepare_inputs_for_generation, model)
+    generic = upstream.generic_prepare_inputs(model)
 
     @functools.wraps(own)
     def prepare(input_ids, *args, **kwargs):

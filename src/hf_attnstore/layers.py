@@ -26,16 +26,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import (
+
+from .store.state import SessionState
+from .upstream import (
     DummyLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
-    get_layer_types_and_kwargs,
+    layer_types,
 )
-
-from .store.state import SessionState
 
 if TYPE_CHECKING:
     from .cache import AttnStoreCache
@@ -74,7 +74,7 @@ class LayerLayout:
         if getattr(config, "layer_types", None) is None and not getattr(config, "sliding_window", None):
             return cls((KV,) * config.num_hidden_layers, (0,) * config.num_hidden_layers,
                        config.model_type in LATENT_MODEL_TYPES, (None,) * config.num_hidden_layers)
-        types, kwargs = get_layer_types_and_kwargs(config)
+        types, kwargs = layer_types(config)
         windows = tuple(kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, kwargs))
         unknown = sorted({t for t in types if t not in _KINDS})
         if unknown:

@@ -27,6 +27,7 @@ from .store.placement import lookahead_windows
 from .store.entry import validate_session_id
 from .timing import FirstTokenTimer
 from .truncation import tokens_to_drop
+from .upstream import cache_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -407,7 +408,7 @@ class ChatPipeline:
             if job.reply is None:
                 # An explicit mask: without one, `generate` masks every id equal to the pad id, and a pad token
                 # inside a message or reply would break the positions of the whole session.
-                out = self.model.generate(p.prompt, attention_mask=torch.ones_like(p.prompt), past_key_values=p.cache,
+                out = self.model.generate(p.prompt, attention_mask=torch.ones_like(p.prompt), **cache_kwargs(p.cache),
                                           streamer=_Tee(p.timer, job.streamer), **options)
                 ttft = p.timer.ttft
                 generated = out[:, p.prompt.shape[1]:]
@@ -417,7 +418,7 @@ class ChatPipeline:
                     # cut by `max_new_tokens` has its last token fed now (one decode step); one that ended on
                     # the end-of-turn token needs nothing: `next_turn` re-adds that token anyway.
                     with torch.no_grad():
-                        self.model(generated[:, -1:], past_key_values=p.cache, use_cache=True)
+                        self.model(generated[:, -1:], **cache_kwargs(p.cache), use_cache=True)
                 text = self.chat_tokens.reply_text(generated)
                 greedy = [] if options.get("do_sample") else generated.view(-1).tolist()
             else:
@@ -458,8 +459,8 @@ class ChatPipeline:
         device = self.model.device
         reply_ids = self.chat_tokens.reply_ids(reply).to(device)
         prompt = prompt.to(device)
-        logits = self.model(prompt[:, reused:], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = self.model(prompt[:, reused:], **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits
         first = logits[:, -1].argmax(-1).cpu()  # the copy to the host waits for the device, like a real TTFT
         ttft = time.perf_counter() - t0
-        rest = self.model(reply_ids, past_key_values=cache, use_cache=True).logits[0, :-1].argmax(-1).cpu()
+        rest = self.model(reply_ids, **cache_kwargs(cache), use_cache=True).logits[0, :-1].argmax(-1).cpu()
         return torch.cat([prompt, reply_ids], dim=1), torch.cat([first, rest]).tolist(), ttft

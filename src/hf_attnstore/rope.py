@@ -13,6 +13,7 @@ import logging
 import torch
 from torch import nn
 
+from . import upstream
 from .layers import LATENT_MODEL_TYPES, LayerLayout
 
 logger = logging.getLogger(__name__)
@@ -91,16 +92,6 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
-def _find_rotary(model: nn.Module) -> nn.Module | None:
-    """The decoder's rotary module: on the base model, or on its language model (multimodal wrappers such as
-    Gemma3ForConditionalGeneration), or on `model.model` where the base-model prefix does not match (llama4)."""
-    for holder in (model.base_model, getattr(model.base_model, "language_model", None), getattr(model, "model", None)):
-        rotary = getattr(holder, "rotary_emb", None)
-        if isinstance(rotary, nn.Module):
-            return rotary
-    return None
-
-
 class RopeAdapter:
     """Wraps a model's rotary module to rotate and un-rotate cached keys.
 
@@ -115,12 +106,12 @@ class RopeAdapter:
     def __init__(self, model: nn.Module):
         config = model.config.get_text_config(decoder=True)
         self.model_type = config.model_type
-        rotary = _find_rotary(model)
+        rotary = upstream.find_rotary(model)
         hybrid = self.model_type in HYBRID_MODEL_TYPES
         if self.model_type in SUPPORTED_ABSOLUTE_MODEL_TYPES or (hybrid and rotary is None):
             self.rotary = None  # absolute positions, or none (NoPE hybrids: jamba, nemotron_h, ...)
         elif (self.model_type in SUPPORTED_ROPE_MODEL_TYPES or hybrid) and isinstance(rotary, nn.Module):
-            rope_type = getattr(rotary, "rope_type", "default")
+            rope_type = upstream.rope_type(rotary)
             # Per-layer-type rotary (gemma3, olmo3): one module called with each layer's type, which picks
             # that type's frequencies (a local base for sliding layers, a global one for the others).
             per_type = isinstance(rope_type, dict)
@@ -131,10 +122,8 @@ class RopeAdapter:
                 )
             if not per_type and rope_type in _LENGTH_DEPENDENT_ROPE:
                 self.scaling = rope_type
-                params = rotary.config.rope_parameters
                 # Up to this length the frequencies are the short (longrope) or base (dynamic) ones.
-                self.limit = int(params["original_max_position_embeddings"] if rope_type == "longrope"
-                                 else getattr(rotary, "original_max_seq_len", config.max_position_embeddings))
+                self.limit = upstream.rope_limit(rotary, config)
             self.rotary = rotary
             if self.model_type in _INTERLEAVED:
                 self._turn = rotate_pairs

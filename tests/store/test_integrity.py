@@ -10,6 +10,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.store.disk import DiskLockedError
+from hf_attnstore.upstream import cache_kwargs
 
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=4)
 
@@ -30,7 +31,7 @@ def ids(seed: int, n: int = 4) -> torch.Tensor:
 @torch.no_grad()
 def turn(model, store, prompt, session="s"):
     cache = AttnStoreCache(model, store, session, prompt)
-    model(cache.input_ids[:, cache.reused_tokens:], past_key_values=cache, use_cache=True)
+    model(cache.input_ids[:, cache.reused_tokens:], **cache_kwargs(cache), use_cache=True)
     store.flush()
 
 
@@ -38,8 +39,8 @@ def turn(model, store, prompt, session="s"):
 def max_logit_error(model, store, prompt, session="s") -> tuple[int, float]:
     """(reused tokens, max |logit difference| against recomputation) of one forward resuming `prompt`."""
     cache = AttnStoreCache(model, store, session, prompt, save=False)
-    got = model(cache.input_ids[:, cache.reused_tokens:], past_key_values=cache).logits[0, -1]
-    want = model(prompt, past_key_values=DynamicCache()).logits[0, -1]
+    got = model(cache.input_ids[:, cache.reused_tokens:], **cache_kwargs(cache)).logits[0, -1]
+    want = model(prompt, **cache_kwargs(DynamicCache())).logits[0, -1]
     return cache.reused_tokens, float((got - want).abs().max())
 
 

@@ -17,6 +17,7 @@ from ..cache import AttnStoreCache
 from ..chat import ChatTokens, clip_text
 from ..data import load_sharegpt
 from ..store import AttnStore
+from ..upstream import cache_kwargs
 
 
 @dataclass
@@ -46,7 +47,7 @@ class FidelityResult:
 
 
 def _generate(model, ids, cache, max_new_tokens: int, pad: int):
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
+    out = model.generate(ids, **cache_kwargs(cache), max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
     return out.sequences, torch.stack(out.logits, dim=1)[0].float()  # [steps, vocab]
 

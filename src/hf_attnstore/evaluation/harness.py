@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from ..cache import AttnStoreCache
 from ..store import AttnStore
+from ..upstream import cache_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class AttnStoreLM(TemplateLM):
         self._truncated_requests = 0
         with torch.no_grad():
             first = AttnStoreCache(self.model, self._store, "filler", self._filler)
-            self.model(first.input_ids, past_key_values=first)
+            self.model(first.input_ids, **cache_kwargs(first))
             first.close()
         if self._tmp is not None:
             self._store.flush()
@@ -167,7 +168,7 @@ class AttnStoreLM(TemplateLM):
         cache = self._cache(context + continuation)
         rest = cache.input_ids[:, cache.reused_tokens :]
         assert rest.shape[1] > len(continuation), "the request is always computed"
-        logits = self.model(rest, past_key_values=cache).logits[0, -len(continuation) - 1 : -1]
+        logits = self.model(rest, **cache_kwargs(cache)).logits[0, -len(continuation) - 1 : -1]
         return F.log_softmax(logits.float(), dim=-1)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
@@ -208,7 +209,7 @@ class AttnStoreLM(TemplateLM):
             until = [until] if isinstance(until, str) else list(until)
             max_new = int(gen_kwargs.get("max_gen_toks", 256))
             cache = self._cache(self._fit(self.tok_encode(context), [0] * max_new))
-            out = self.model.generate(cache.input_ids, past_key_values=cache, max_new_tokens=max_new,
+            out = self.model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=max_new,
                                       do_sample=False, pad_token_id=self.eot_token_id)
             text = self.tok_decode(out[0, cache.input_ids.shape[1] :].tolist())
             for stop in until:

@@ -22,6 +22,7 @@ from ..cache import AttnStoreCache
 from ..config import TruncationConfig
 from ..store import AttnStore
 from ..truncation import tokens_to_drop
+from ..upstream import cache_kwargs
 
 #: Truncation modes the evaluator understands: ``full`` never truncates (the upper bound, needs a model
 #: whose position range covers the whole text); ``recompute``, ``decoupled`` and ``naive`` are
@@ -155,7 +156,7 @@ def _store_turns(model, config: TruncationConfig, mode: str, kv_codec: str | Non
                                truncation=cache_mode, keep_first=config.keep_first,
                                truncation_ratio=config.truncation_ratio)
         assert cache.input_ids.shape[1] - cache.reused_tokens >= chunk.numel(), "the chunk is always computed"
-        logits = model(cache.input_ids[:, cache.reused_tokens :], past_key_values=cache).logits[0].float()
+        logits = model(cache.input_ids[:, cache.reused_tokens :], **cache_kwargs(cache)).logits[0].float()
         history = cache.input_ids[0].cpu()
         if tmp is not None:  # the next turn resumes from the cold copy
             cache.close()
@@ -184,7 +185,7 @@ def _rotated_turns(model, config: TruncationConfig):
                 layer.keys = torch.cat([layer.keys[:, :, :k], layer.keys[:, :, k + drop :]], dim=2)
                 layer.values = torch.cat([layer.values[:, :, :k], layer.values[:, :, k + drop :]], dim=2)
         # Positions continue from the (shorter) cache length, below the kept keys' original positions.
-        logits = model(chunk.view(1, -1).to(model.device), past_key_values=cache).logits[0].float()
+        logits = model(chunk.view(1, -1).to(model.device), **cache_kwargs(cache)).logits[0].float()
         return logits, drop
 
     return turn
