@@ -505,7 +505,7 @@ def scenario_soak(model, turns: int) -> Row:
     return row
 
 
-SCENARIOS = ["kill", "corruption", "openers", "ids", "full", "capacity", "threads", "soak"]
+SCENARIOS = ["kill", "corruption", "openers", "ids", "full", "capacity", "threads", "soak", "codec"]
 
 
 def run(only: list[str], quick: bool, seed: int = 0) -> list[dict]:
@@ -529,6 +529,10 @@ def run(only: list[str], quick: bool, seed: int = 0) -> list[dict]:
             rows.append(scenario_threads(15 if quick else 60))
         elif name == "soak":
             rows.append(scenario_soak(model, 120 if quick else 600))
+        elif name == "codec":  # found by adversarial runs (issue 29): eval/faults_found.py
+            from faults_found import scenario_codec_labels
+
+            rows.append(scenario_codec_labels(4 if quick else 20, rng))
         print(f"[{name}] {time.monotonic() - started:.1f} s", file=sys.stderr)
     return [r.as_dict() for r in rows]
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .codec import KVCodec, least_accurate
 from .encoded import EncodedSegment, dense
 from .geometry import Geometry, bytes_per_token, make_geometry, shapes
 from .loader import LoadHandle
@@ -29,6 +30,11 @@ def _round(n: int) -> int:
 
 class Segment:
     """Host memory for `capacity` tokens of every layer (pinned when asked: async GPU copies)."""
+
+    # Tokens [0, lossy_upto) hold KV dequantized from the codec `lossy` (loaded from lossy chunks): written
+    # again, they must be labelled lossy (format.encode_chunk's `derived`). Appended tokens are exact.
+    lossy: KVCodec | None = None
+    lossy_upto: int = 0
 
     def __init__(self, geometry: Geometry, dtype: torch.dtype, capacity: int, pin_memory: bool):
         layers, (kh, kd), (vh, vd) = shapes(geometry)
@@ -64,6 +70,16 @@ class Segment:
     def layer(self, idx: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of layer `idx`'s keys and values, tokens ``[a, b)``."""
         return self.keys[idx][:, :, a:b], self.values[idx][:, :, a:b]
+
+    def mark_lossy(self, codec: KVCodec | None, upto: int) -> None:
+        """Records that tokens ``[0, upto)`` hold KV dequantized from `codec` (None: nothing to record)."""
+        if codec is not None and upto > 0:
+            self.lossy = least_accurate(self.lossy, codec)
+            self.lossy_upto = max(self.lossy_upto, upto)
+
+    def lossy_between(self, a: int, b: int) -> KVCodec | None:
+        """The codec some of tokens ``[a, b)`` were dequantized from, or None if all of them are exact."""
+        return self.lossy if a < self.lossy_upto and a < b else None
 
 
 def _geometry_of(seg: Segment) -> Geometry:
@@ -160,6 +176,21 @@ class SessionKV:
             keys.append(torch.cat([k for k, _ in kv], dim=2))
             values.append(torch.cat([v for _, v in kv], dim=2))
         return ids, keys, values
+
+    def lossy_in(self, start: int, end: int) -> KVCodec | None:
+        """The least accurate codec any of tokens ``[start, end)`` was dequantized from (None: all exact).
+
+        Example:
+            >>> snap.lossy_in(0, 256) is None  # doctest: +SKIP
+            True
+        """
+        worst, pos = None, 0
+        for seg, a, b in self.parts:
+            x, y = max(start, pos), min(end, pos + b - a)
+            if x < y:
+                worst = least_accurate(worst, seg.lossy_between(a + x - pos, a + y - pos))
+            pos += b - a
+        return worst
 
     def select(self, keep: torch.Tensor) -> list[Part]:
         """The parts holding tokens `keep` (sorted indices), in order; no data is copied."""
@@ -382,6 +413,7 @@ class SessionBuffer:
         n = sum(b - a for _, a, b in run)
         copy, pos = self.new_segment(n), 0
         for seg, a, b in run:
+            copy.mark_lossy(seg.lossy_between(a, b), pos + b - a)  # the copy is as exact as what it copies
             copy.token_ids[pos : pos + b - a].copy_(seg.token_ids[a:b])
             for dst, src in ((copy.keys, seg.keys), (copy.values, seg.values)):
                 for d, t in zip(dst, src):

@@ -158,5 +158,17 @@ def serves(codec: KVCodec | None, stored: KVCodec | None) -> bool:
     return stored.bits > codec.bits or (stored.bits == codec.bits and stored.group <= codec.group)
 
 
+def least_accurate(a: KVCodec | None, b: KVCodec | None) -> KVCodec | None:
+    """The less accurate of two codecs (None: exact): the label of KV that mixes both.
+
+    Example:
+        >>> least_accurate(None, KVCodec("int8")).name
+        'int8'
+    """
+    if a is None or b is None:
+        return a if b is None else b
+    return a if serves(a, b) else b
+
+
 def _even(n: int) -> int:
     return n + n % 2

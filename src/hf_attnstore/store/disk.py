@@ -307,7 +307,7 @@ class DiskTier(Tier):
             try:
                 metas.append(meta)
                 layouts.add((meta.geometry, meta.dtype))
-                codecs.add(meta.codec)
+                codecs.add(meta.accuracy)  # a derived chunk counts as lossy
                 if span.end > meta.n_tokens:
                     raise FormatError("span beyond the chunk's tokens")
                 ids = self.read_ids(fd, meta)[span.start : span.end]

@@ -118,6 +118,10 @@ class EncodedSegment:
         return (EncodedSlice(self.codec, self.keys[idx], n, a, b - a, *self._key_shape, True),
                 EncodedSlice(self.codec, self.values[idx], n, a, b - a, *self._value_shape, False))
 
+    def lossy_between(self, a: int, b: int) -> KVCodec:
+        """Every token of an encoded segment is lossy (see buffer.Segment.lossy_between)."""
+        return self.codec
+
     def pinned(self) -> "EncodedSegment":
         """This segment with its blobs in page-locked memory (for asynchronous copies to CUDA)."""
         seg = EncodedSegment.__new__(EncodedSegment)

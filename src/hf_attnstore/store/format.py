@@ -103,6 +103,14 @@ class ChunkMeta:
     previous: str = ""  # digest of the chunk before it ("" for the first)
     digest: str = ""  # this chunk's digest (pinned in the manifest)
     codec: KVCodec | None = None  # how keys and values are encoded; None = lossless, in `dtype`
+    # Stored lossless (in `dtype`), but holding KV dequantized from this codec: as accurate as it, no more
+    # (a lossy store's chunk its codec could not encode, rewritten over tokens it had loaded lossy).
+    derived: KVCodec | None = None
+
+    @property
+    def accuracy(self) -> KVCodec | None:
+        """The codec whose accuracy the chunk's KV has (None: exact): what `codec.serves` is asked about."""
+        return self.codec if self.codec is not None else self.derived
 
     def decode_into(self, name: str, data: bytes, out: torch.Tensor, start: int, keep: dict | None = None) -> None:
         """Writes tokens ``[start, start + out.shape[2])`` of tensor `name`, whose verified bytes are `data`,
@@ -129,12 +137,15 @@ def encode_kv(keys: list[torch.Tensor], values: list[torch.Tensor], codec: KVCod
 
 def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: list[torch.Tensor],
                  values: list[torch.Tensor], prefix: str, previous: str,
-                 codec: KVCodec | None = None, blobs: tuple[list, list] | None = None) -> tuple[bytes, str]:
+                 codec: KVCodec | None = None, blobs: tuple[list, list] | None = None,
+                 derived: KVCodec | None = None) -> tuple[bytes, str]:
     """Serializes one chunk to safetensors bytes; returns them and the chunk's digest.
 
     With a `codec`, keys and values are quantized (codec.py; `blobs`: their encoding by :func:`encode_kv`, when
     the caller has it already); KV the codec cannot represent (non-finite, out of fp16's range) is written
-    lossless instead, and the chunk says which it is.
+    lossless instead, and the chunk says which it is. `derived`: some of the KV was dequantized from that
+    codec (loaded from a lossy copy): a chunk then written lossless says so, so that no store that asks for
+    exact KV ever serves it (a label must be true of every token it covers).
     """
     tensors = {"ids": ids.detach().to("cpu", torch.int64).contiguous()}
     if codec is not None and blobs is None:
@@ -161,6 +172,8 @@ def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: lis
     }
     if codec is not None:
         meta["codec"] = codec.describe()
+    elif derived is not None:
+        meta["derived"] = derived.describe()
     return safetensors_save(tensors, metadata=meta), metadata_digest(meta)
 
 
@@ -202,6 +215,7 @@ def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerpr
         if dtype not in KV_DTYPES:
             raise FormatError(f"keys and values of dtype {meta['dtype']!r}")
         codec = KVCodec.parse(meta["codec"]) if "codec" in meta else None
+        derived = KVCodec.parse(meta["derived"]) if "derived" in meta else None
         sums = json.loads(meta["checksums"])
         prefix, previous = str(meta["prefix"]), str(meta["previous"])
         digest = metadata_digest(meta)
@@ -215,7 +229,8 @@ def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerpr
         raise
     except Exception as exc:  # a damaged field of any type
         raise FormatError(f"unreadable header: {exc}") from exc
-    return ChunkMeta(fingerprint, session_id, n, geometry, dtype, offsets, sums, prefix, previous, digest, codec)
+    return ChunkMeta(fingerprint, session_id, n, geometry, dtype, offsets, sums, prefix, previous, digest, codec,
+                     derived)
 
 
 def _validate_layout(header: dict, sums: dict, n: int, geometry: tuple, dtype: torch.dtype, codec: KVCodec | None,

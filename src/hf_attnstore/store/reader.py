@@ -182,14 +182,16 @@ class LoadThread:
             chunk = job.opened[span.chunk]
             if (chunk.meta.geometry, chunk.meta.dtype) != (buf.geometry, buf.dtype):
                 raise FormatError("chunk shapes changed since the session was indexed")
-            if not serves(job.codec, chunk.meta.codec):
-                raise FormatError(f"chunk {span.chunk} is stored with codec {chunk.meta.codec.name}/"
-                                  f"{chunk.meta.codec.group}, less accurate than this store's "
+            if not serves(job.codec, chunk.meta.accuracy):
+                raise FormatError(f"chunk {span.chunk} is stored with codec {chunk.meta.accuracy.name}/"
+                                  f"{chunk.meta.accuracy.group}, less accurate than this store's "
                                   f"{job.codec.name + '/' + str(job.codec.group) if job.codec else 'lossless'}")
             ids = chunk.ids()[span.start : span.end]
             if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
                 raise FormatError("chunk ids disagree with the manifest")
             pos += span.length
+            # The load dequantizes lossy chunks into the buffer: a later write of these tokens is labelled so.
+            buf.parts[0][0].mark_lossy(chunk.meta.accuracy, pos)
         check_chain(manifest, [job.opened[span.chunk].meta for span in manifest.spans])
         if manifest.state is not None:
             # Read whole and verified before any KV: a turn of a hybrid model needs it to reuse anything.

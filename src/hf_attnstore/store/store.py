@@ -35,8 +35,8 @@ from .host import HostTier
 from .config import StoreConfig
 from .codec import serves
 from .disk import MANIFEST, DiskTier
-from .format import FormatError, Manifest, prefix_digest
-from .entry import Entry, Key, Write, blocks, validate_session_id
+from .format import FormatError, Manifest, check_chain, prefix_digest
+from .entry import Entry, Key, Write, blocks, remote_signature, validate_session_id
 from .placement import HEAD_SEARCH, choose_head_drops, choose_victims
 from .reader import LoadPlanning, LoadThread
 from .remote import RemoteTier, RemoteUnavailableError
@@ -112,7 +112,12 @@ class AttnStore(LoadPlanning, SavePlanning):
             if self._disk is not None:
                 self._reopen()
             if self.config.remote is not None:
-                self._remote = RemoteTier(self.config.remote, self.config.remote_ttl_s, self.config.remote_timeout_s)
+                # Unreachable at start: the tier starts down (misses, reconnected in the background), unless
+                # `remote_required`. Refused credentials and malformed URLs always raise.
+                self._remote = RemoteTier(self.config.remote, self.config.remote_ttl_s, self.config.remote_timeout_s,
+                                          required=self.config.remote_required)
+                if not self._remote.connected:
+                    self._stats.remote_errors += 1
         except BaseException:
             if self._disk is not None:
                 self._disk.close()
@@ -121,7 +126,7 @@ class AttnStore(LoadPlanning, SavePlanning):
         # remote tier holds a copy of what is durable on disk (the save thread's mirror).
         self._lower = self._disk if self._disk is not None else self._remote
         if self._lower is not None:
-            self._loader = LoadThread(self._finish_load, self.config.io_timeout_s)
+            self._loader = LoadThread(self._load_done, self.config.io_timeout_s)
             self._saver = SaveThread(self, self._lower, self.config.chunk_tokens, self.config.io_timeout_s,
                                      mirror=self._remote if self._lower is self._disk else None)
             self._threads += [self._loader.thread, self._saver.thread]
@@ -161,7 +166,15 @@ class AttnStore(LoadPlanning, SavePlanning):
                     self._loader.promote(e.load_job)  # a prefetch this turn now waits for
                 return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation)
             tier = self._lower.name if e.manifest is not None else "remote"
-            if not self._start_load(e):
+            started = self._start_load(e)
+            if not started and self._restore_local(e):
+                # The remote copy cannot be loaded now (the tier just failed, or it does not fit host memory):
+                # the local copy it was to replace is served instead.
+                e = self._entries[key]
+                self._touch(e)
+                tier = self._lower.name
+                started = self._start_load(e)
+            if not started:
                 self._stats.misses += 1
                 return None
             if tier == "disk":
@@ -170,58 +183,149 @@ class AttnStore(LoadPlanning, SavePlanning):
                 self._stats.hits_remote += 1
             return e.host.snapshot(loader=e.loading, tier=tier, generation=e.generation)
 
-    def _remote_lookup(self, key: Key) -> tuple[Manifest, tuple] | None:
-        """The remote tier's manifest of the session and its layout, or None (absent, or the tier failed:
-        counted, a miss). Called without the lock."""
+    def _remote_lookup(self, key: Key) -> tuple[Manifest, tuple, bool] | None:
+        """The remote tier's manifest of the session, its layout and whether it may replace a local copy, or
+        None: absent, not longer than the local copy, or not servable here (a remote miss; a failure of the
+        tier or of its data is counted). Called without the lock.
+
+        With no local copy, only the first chunk's header is read (for the layout and codec): the load checks
+        the rest, and a failure is only a miss. With a local copy, which the remote one would replace, every
+        chunk's header is checked first (this session's, this model's, the local layout, a codec this store
+        serves, chained as the manifest pins): a copy refused here, or whose load fails later, is remembered
+        (`Entry.refused`) and not tried again until the remote copy changes."""
         remote = self._remote
         if remote is None or self._closed or not remote.available():
             return None
+        local = None
         try:
             manifest = remote.manifest(key)
             if manifest is None:
                 return None
             with self._lock:  # the common case, a local copy at least as long, needs no more round trips
-                e = self._entries.get(key)
-                if e is not None and e.length >= manifest.length:
+                local = self._entries.get(key)
+                if local is not None and (local.length >= manifest.length
+                                          or local.refused == remote_signature(manifest)):
                     return None
-                layout = e.layout if e is not None else None
-            if layout is None:
-                if not manifest.spans:
-                    return None  # nothing stored but a dropped head: nothing to reuse
+            if not manifest.spans:
+                return None  # nothing stored but a dropped head: nothing to reuse
+            if local is None:
                 with remote.get(key, manifest.spans[0].chunk) as chunk:
-                    layout = (chunk.meta.geometry, chunk.meta.dtype)
                     if not serves(self.config.codec, chunk.meta.codec):
                         return None  # written by a store with a less accurate codec: a miss (the load checks all)
-            return manifest, layout
+                    return manifest, (chunk.meta.geometry, chunk.meta.dtype), False
+            if not self._verify_remote(remote, key, manifest, local.layout):
+                self._refuse_remote(local, manifest)
+                return None
+            return manifest, local.layout, True
         except (RemoteUnavailableError, FormatError) as exc:
+            if isinstance(exc, FormatError) and local is not None:
+                self._refuse_remote(local, manifest)  # damaged or foreign data: a miss until it changes
             with self._lock:
                 self._stats.remote_errors += 1
             self._once.warning("remote_lookup", "remote tier: a lookup failed (%s); served as a miss", exc)
             return None
 
-    def _adopt_remote(self, key: Key, found: tuple[Manifest, tuple] | None) -> Entry | None:
-        """The entry a lookup uses (lock held): the local one, unless the remote copy is longer and the local
-        one can be replaced (nothing reads or writes it). Last writer wins, as for the remote tier itself."""
+    def _verify_remote(self, remote: RemoteTier, key: Key, manifest: Manifest, layout: tuple) -> bool:
+        """Whether a remote copy may replace the local one: False when it holds chunks of a codec this store does
+        not serve. Reads every chunk's header (no KV); the load verifies the ids and checksums again.
+
+        Raises:
+            FormatError: A chunk is missing, damaged, of another model or session, of another layout, or not the
+                one the manifest pinned (the chain).
+            RemoteUnavailableError: The tier failed.
+        """
+        metas, seen = [], {}
+        for span in manifest.spans:
+            meta = seen.get(span.chunk)
+            if meta is None:
+                with remote.get(key, span.chunk) as chunk:  # checks the header against `key`
+                    meta = seen[span.chunk] = chunk.meta
+            if not serves(self.config.codec, meta.codec):
+                return False
+            if (meta.geometry, meta.dtype) != layout:
+                raise FormatError("the remote copy's shapes or dtype differ from the local copy's")
+            if span.end > meta.n_tokens:
+                raise FormatError("span beyond the chunk's tokens")
+            metas.append(meta)
+        check_chain(manifest, metas)
+        return True
+
+    def _refuse_remote(self, local: Entry, manifest: Manifest) -> None:
+        with self._lock:
+            if self._entries.get(local.key) is local:
+                local.refused = remote_signature(manifest)
+
+    def _adopt_remote(self, key: Key, found: tuple[Manifest, tuple, bool] | None) -> Entry | None:
+        """The entry a lookup uses (lock held): the local one, unless the remote copy is longer, was verified
+        to replace it (`_remote_lookup`), and the local one is idle (nothing reads or writes it). Last writer
+        wins, as for the remote tier itself.
+
+        A local durable copy is never deleted here: the remote entry takes over its files (the session's
+        folder, whose manifest stays valid until the remote copy, once loaded, is written over it) and keeps
+        it as its `fallback`, put back in the index if the remote copy fails to load (`_restore_local`)."""
         e = self._entries.get(key)
         if found is None:
             return e
-        manifest, layout = found
+        manifest, layout, verified = found
         self._apply_ended_turns()
-        if e is not None and (e.length >= manifest.length or e.pins or e.writers or e.loading is not None):
+        if e is not None and (e.length >= manifest.length or e.pins or e.writers or e.loading is not None
+                              or not verified or e.refused == remote_signature(manifest)):
             return e
+        n = Entry(key=key, layout=layout)
         if e is not None:
-            self._drop(e)  # a stale local copy (another server extended the session)
-        e = Entry(key=key, layout=layout)
+            self._stats.remote_replacements += 1
+            if self._disk is None:
+                self._drop(e)  # nothing of it is local but a host copy (its durable copy is in the remote tier)
+            else:
+                del self._entries[key]
+                self._set_host(e, None)  # the host copy goes (as the session's dirty tail, if any, with it)
+                if e.manifest is not None:
+                    self._disk_policy.remove(key)  # out of the index, its files with `n`: not evicted meanwhile
+                    n.fallback = e
+                else:
+                    n.fallback = e.fallback  # a remote copy not loaded yet: the local copy it stood for
+                e.fallback = None
+                n.files, n.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
         if self._lower is self._remote:
             # No disk tier: the remote copy is the session's durable copy, as a disk copy would be. Its chunks
             # are named by digest; their token counts are the spans' (a later save may rewrite the last one).
-            self._set_manifest(e, manifest, {s.chunk: (0, s.end) for s in manifest.spans})
+            self._set_manifest(n, manifest, {s.chunk: (0, s.end) for s in manifest.spans})
         else:
-            e.remote = manifest
-            e.mirrored = {span.digest for span in manifest.spans}
-        e.last_access = time.monotonic()
-        self._entries[key] = e
-        return e
+            n.remote = manifest
+            n.mirrored = {span.digest for span in manifest.spans}
+        n.last_access = time.monotonic()
+        self._entries[key] = n
+        return n
+
+    def _restore_local(self, e: Entry, refuse: Manifest | None = None) -> bool:
+        """Puts back the local copy that the remote entry `e` was to replace (lock held), if it has one and is
+        still indexed: its load failed or cannot start. Returns whether it did. With `refuse`, that remote copy
+        is not tried again until it changes."""
+        old = e.fallback
+        if old is None or self._entries.get(e.key) is not e:
+            return False
+        e.fallback = None
+        self._set_host(e, None)  # a failed load's buffer (the snapshot handed out keeps its own reference)
+        old.files, old.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
+        self._entries[e.key] = old
+        self._disk_policy.insert(e.key)
+        if refuse is not None:
+            old.refused = remote_signature(refuse)
+        self._stats.remote_restores += 1
+        return True
+
+    def _load_done(self, job, error: BaseException | None) -> None:
+        """The load thread's report: first the store's own part for a remote copy that was to replace a local
+        one (put the local copy back if the load failed; forget it once the remote copy has loaded), then the
+        bookkeeping of every load (reader.py, `_finish_load`), which no longer finds the failed entry indexed."""
+        e = job.entry
+        with self._cond:
+            if error is None:
+                e.fallback = None  # verified and loaded: it replaces the local copy (written over it behind the turn)
+            elif self._restore_local(e, refuse=None if isinstance(error, RemoteUnavailableError) else job.manifest):
+                self._once.warning("remote_restore", "remote tier: session %r could not be loaded from it (%s); "
+                                   "the local copy is kept and served", e.key[1], error)
+        self._finish_load(job, error)
 
     def open_turn(self, session_id: str, fingerprint: str, base: SessionKV | None, keep: torch.Tensor) -> "TurnWriter":
         """Starts a turn: its writes make the session ``base[keep]`` followed by what it appends.
@@ -347,6 +451,7 @@ class AttnStore(LoadPlanning, SavePlanning):
             s.disk_sessions = sum(e.manifest is not None for e in self._entries.values()) if self._disk else 0
             s.host_bytes_used, s.disk_bytes_used = self._host.used, self._disk_used
             s.loads_in_flight, s.saves_pending = self._loads_active, len(self._dirty)
+            s.remote_up = None if self._remote is None else self._remote.available()
             return s
 
     def token_ids(self, session_id: str, fingerprint: str) -> torch.Tensor | None:
