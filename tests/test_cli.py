@@ -22,6 +22,9 @@ def test_parser_knows_the_commands():
     assert parser.parse_args(["serve"]).max_batch_tokens is None  # whole prompts by default
     assert parser.parse_args(["serve"]).kv_codec == "none"  # lossless by default
     assert parser.parse_args(["chat", "--kv-codec", "int4"]).kv_codec == "int4"
+    # A server starts with its remote tier down (a cache), unless told to fail fast.
+    assert parser.parse_args(["serve"]).remote_required is False
+    assert parser.parse_args(["serve", "--remote-required"]).remote_required is True
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--kv-codec", "int3"])
     with pytest.raises(SystemExit):

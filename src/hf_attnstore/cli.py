@@ -24,7 +24,7 @@ def _chat(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_default_model(args.model)
     store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, remote=args.remote,
-                      kv_codec=_codec(args.kv_codec))
+                      remote_required=args.remote_required, kv_codec=_codec(args.kv_codec))
     pipe = ChatPipeline(model, tokenizer, store, context_window=args.context_window,
                         max_new_tokens=args.max_new_tokens, system_prompt=args.system)
     print(f"session {args.session!r}; /stats, /reset, /quit", file=sys.stderr)
@@ -154,7 +154,8 @@ def _serve(args: argparse.Namespace) -> int:
     model, tokenizer = load_default_model(args.model, dtype=args.dtype)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
-                      remote=args.remote, policy=args.policy, kv_codec=_codec(args.kv_codec))
+                      remote=args.remote, remote_required=args.remote_required, policy=args.policy,
+                      kv_codec=_codec(args.kv_codec))
     # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
     window = args.context_window or getattr(model.config, "max_position_embeddings", None)
     pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
@@ -179,6 +180,12 @@ def _codec_option(parser: argparse.ArgumentParser) -> None:
                         "fidelity in docs/evaluation.md); needs --disk-dir or --remote")
 
 
+def _remote_required_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--remote-required", action="store_true",
+                        help="fail at start when --remote cannot be reached (default: start with the remote tier "
+                        "down, its lookups misses, and reconnect in the background)")
+
+
 def _codec(name: str) -> str | None:
     return None if name == "none" else name
 
@@ -201,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--disk-dir", default=None, help="keep sessions on disk here (resumable across runs)")
     chat.add_argument("--remote", default=None, help="shared remote tier: redis://[:password@]host:port/db, "
                       "rediss://... or unix:///path.sock (sessions resumable from other servers)")
+    _remote_required_option(chat)
     chat.add_argument("--host-bytes", default="2GiB")
     _codec_option(chat)
     chat.add_argument("--context-window", type=int, default=None)
@@ -221,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--disk-bytes", default="100GiB")
     sv.add_argument("--remote", default=None, help="shared remote tier: redis://[:password@]host:port/db, "
                     "rediss://... or unix:///path.sock")
+    _remote_required_option(sv)
     sv.add_argument("--policy", default="lookahead", choices=("lookahead", "lru", "fifo"))
     _codec_option(sv)
     sv.add_argument("--context-window", type=int, default=None,

@@ -268,3 +268,38 @@ def test_a_session_that_outgrows_the_host_tier_keeps_its_durable_prefix(tmp_path
     store.close()
     with make(tmp_path / "kv") as reopened:
         expect(reopened.lookup("s", FP), list(range(16)))
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.EMFILE])
+def test_a_disk_read_error_is_a_miss_that_keeps_the_disk_copy(tmp_path, monkeypatch, err):
+    """An I/O error while loading (the device's, not the data's) never deletes the session: the turn misses,
+    the next one loads it. Damaged data is still removed (tests/store/test_integrity.py)."""
+    from hf_attnstore.store.loader import LoadError
+
+    from .kvdata import LAYERS, layer_of
+
+    kvdir = tmp_path / "kv"
+    with make(kvdir) as store:
+        write_turn(store, "s", list(range(10)))
+    real, calls = disk_module.DiskTier.read_layer_into, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second layer read of the first load
+            raise OSError(err, os.strerror(err))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(disk_module.DiskTier, "read_layer_into", failing)
+    store = make(kvdir)
+    snap = store.lookup("s", FP)
+    assert snap.tier == "disk"
+    with pytest.raises(LoadError):
+        for layer in range(LAYERS):
+            layer_of(snap, layer)
+    assert store.stats().load_errors == 1
+    snap = store.lookup("s", FP)  # still indexed: loaded again, whole
+    assert snap.tier == "disk"
+    expect(snap, list(range(10)))
+    store.close()
+    with make(kvdir) as reopened:
+        expect(reopened.lookup("s", FP), list(range(10)))

@@ -64,6 +64,12 @@ class StoreCollector:
         for kind, value in (("write", s.write_errors), ("load", s.load_errors), ("remote", s.remote_errors)):
             errors.add_metric([kind], value)
         yield errors
+        if self.store.config.remote is not None:
+            yield GaugeMetricFamily("attnstore_store_remote_up", "1 while the shared remote tier is reachable; 0 while "
+                                    "it is down (its lookups are misses; reconnected in the background)",
+                                    value=1 - s.remote_down)
+        yield CounterMetricFamily("attnstore_store_remote_restores", "Local copies kept after the longer remote copy "
+                                  "meant to replace them failed to load", value=s.remote_restores)
 
 
 class ServerMetrics:

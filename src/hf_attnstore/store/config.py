@@ -51,6 +51,12 @@ class StoreConfig:
             (write-behind), or saved there directly when there is no `disk_dir`, and a session missing here, or
             longer there (another server extended it), is loaded from it layer by layer. ``None`` = no
             remote tier.
+        remote_required: Whether the store fails to open when the remote tier cannot be reached
+            (``RemoteUnavailableError``: fail fast). ``False`` (default): it opens with the tier marked down
+            (`stats().remote_down` 1, every remote lookup a miss, nothing copied there; without `disk_dir`,
+            `flush` raises `StoreIOError`) and connects in the background, every few seconds, until it is up.
+            A cache is an accelerator: a server starts while its cache is down. Refused credentials and a
+            malformed URL raise either way (a configuration error, not an outage).
         remote_ttl_s: Expiry of everything written to the remote tier; ``None`` = until Redis evicts it.
         remote_timeout_s: Socket timeout of each remote call. After a failure the remote tier is skipped
             (a miss) for a few seconds, so a dead server never slows every turn.
@@ -101,6 +107,7 @@ class StoreConfig:
     remote: str | None = None
     remote_ttl_s: float | None = None
     remote_timeout_s: float = 2.0
+    remote_required: bool = False
 
     def __post_init__(self):
         if self.disk_dir is not None:
@@ -116,6 +123,8 @@ class StoreConfig:
             if not isinstance(self.remote, str) or not self.remote.startswith(("redis://", "rediss://", "unix://")):
                 raise ValueError("`remote` must be a redis://, rediss:// or unix:// URL (see StoreConfig), got "
                                  f"{type(self.remote).__name__}")
+        if not isinstance(self.remote_required, bool):
+            raise TypeError(f"`remote_required` must be True or False, got {self.remote_required!r}")
         for name in ("ttl_s", "idle_flush_s", "io_timeout_s", "remote_ttl_s", "remote_timeout_s"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))

@@ -40,6 +40,12 @@ def validate_session_id(session_id: object) -> str:
     return session_id
 
 
+def remote_signature(manifest: Manifest) -> tuple:
+    """What identifies a remote copy of a session: its length and last chunk's digest (digests chain over the
+    whole history, so a copy written or extended by anyone since has another signature)."""
+    return manifest.length, manifest.spans[-1].digest if manifest.spans else None
+
+
 BLOCK = 4096
 
 
@@ -68,6 +74,10 @@ class Entry:
     files: dict[str, int] = field(default_factory=dict)  # every chunk file on disk (referenced or not) -> bytes
     manifest_size: int = 0
     remote: Manifest | None = None  # found in the shared remote tier, to be loaded (not local yet)
+    # The local durable copy this remote copy is to replace, once loaded (its files, moved to this entry, stay
+    # on disk meanwhile): put back in the index if the remote copy fails to load (`AttnStore._restore_local`).
+    fallback: "Entry | None" = None
+    refused: tuple | None = None  # a remote copy that failed to verify or load (`remote_signature`): not retried
     mirrored: set = field(default_factory=set)  # digests of chunks this store put in the remote tier
     layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads
     owner: int = 0

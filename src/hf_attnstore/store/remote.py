@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from urllib.parse import urlsplit, urlunsplit
@@ -52,11 +53,32 @@ from .tier import ChunkReader, Key, SerialWriter, Tier
 logger = logging.getLogger(__name__)
 PREFIX = "attnstore:" + FORMAT.rsplit("/", 1)[-1] + ":"
 MAX_VALUE_BYTES = 512 * 1024 * 1024  # Redis's limit on one string value
-BACKOFF_S = 5.0  # after a failure, the tier is skipped this long
+BACKOFF_S = 5.0  # after a failure, the tier is skipped this long (and, down since the start, reconnected this often)
 
 
 class RemoteUnavailableError(RuntimeError):
-    """The remote tier cannot be reached or refused us (wrong password, wrong database)."""
+    """The remote tier cannot be reached or refused us (wrong password, wrong database).
+
+    `transient`: the server could not be reached (down, restarting, a network fault), as opposed to a refusal
+    that retrying cannot fix (credentials, database index, a malformed URL)."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+class _Disconnected:
+    """The client of a tier that has not connected yet: every use is a RemoteUnavailableError (a miss, a failed
+    copy), raised before any call is made."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)  # (copy, pickle and hasattr probes)
+        raise RemoteUnavailableError(f"the remote tier {self.url} is not connected yet (it was down when the store "
+                                     "started; reconnecting in the background)", transient=True)
 
 
 def _cluster_enabled(client) -> bool:
@@ -124,49 +146,110 @@ class RemoteTier(Tier):
         url: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS) or ``unix:///path?db=0``.
         ttl_s: Expiry of every value written (``None``: kept until Redis evicts it).
         timeout_s: Socket timeout of each call, and how long :meth:`close` waits for writes.
+        required: Whether a server that cannot be reached now is an error. ``False``: the tier starts down
+            (:attr:`connected` False, :meth:`available` False: every use a miss or a failed copy) and a
+            background thread connects every `BACKOFF_S` seconds until it is up.
 
     Raises:
-        RemoteUnavailableError: The server cannot be reached, or refuses the credentials (the message names
-            the URL without its password).
+        RemoteUnavailableError: The server cannot be reached (unless not `required`), or refuses the
+            credentials (the message names the URL without its password).
     """
 
     name = "remote"
     content_addressed = True
 
-    def __init__(self, url: str, ttl_s: float | None = None, timeout_s: float = 5.0):
+    def __init__(self, url: str, ttl_s: float | None = None, timeout_s: float = 5.0, required: bool = True):
         import redis  # the `redis` client is only needed with a remote tier
 
-        from redis.cluster import RedisCluster
         from redis.exceptions import RedisClusterException
 
         self.url, self.ttl_s, self.timeout_s = redacted(url), ttl_s, timeout_s
         self._errors = (redis.RedisError, RedisClusterException, OSError)
-        options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=30)
-        self.cluster = False
+        self._secret_url = url  # to reconnect: never logged or raised (`self.url` is)
+        self._options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=30)
+        self.cluster, self.connected = False, False
+        self.client = _Disconnected(self.url)
+        self._down_until = 0.0
+        self._closed = False
+        self._state = threading.Lock()  # connecting (the background thread) vs closing
+        self._stop = threading.Event()
+        self._reconnector: threading.Thread | None = None
         try:
-            self.client = redis.Redis.from_url(url, **options)
-            self.client.ping()
-            if _cluster_enabled(self.client):
+            self.client, self.cluster = self._connect()
+            self.connected = True
+        except RemoteUnavailableError as exc:
+            if required or not exc.transient:
+                raise
+            logger.warning("%s: the store starts with the remote tier down (every remote lookup a miss) and "
+                           "reconnects every %s s in the background (`remote_required=True` fails instead)", exc,
+                           BACKOFF_S)
+            self._reconnector = threading.Thread(target=self._reconnect, name="attnstore-remote-connect", daemon=True)
+            self._reconnector.start()
+        self._writer = SerialWriter("attnstore-remote-write")
+
+    def _connect(self):
+        """A client of the server (the cluster client for a Redis Cluster node), and whether it is a cluster.
+
+        Raises:
+            RemoteUnavailableError: `transient` when the server cannot be reached; not when it refuses us.
+        """
+        import redis  # the `redis` client is only needed with a remote tier
+
+        from redis.cluster import RedisCluster
+        from redis.exceptions import AuthorizationError, ClusterError, RedisClusterException, TryAgainError
+
+        client = None
+        try:
+            client = redis.Redis.from_url(self._secret_url, **self._options)
+            client.ping()
+            if _cluster_enabled(client):
                 # A Redis Cluster node: the cluster client learns the slot map from it and sends each key
                 # (and each part of a pipeline) to the node that owns it. One retry: a dead node is a miss
                 # soon, not after the client's default ten attempts.
-                self.client.close()
-                self.client = RedisCluster.from_url(url, cluster_error_retry_attempts=1, **options)
-                self.client.ping()
-                self.cluster = True
-        except redis.AuthenticationError as exc:
+                client.close()
+                client = RedisCluster.from_url(self._secret_url, cluster_error_retry_attempts=1, **self._options)
+                client.ping()
+                return client, True
+            return client, False
+        except (redis.AuthenticationError, AuthorizationError) as exc:
+            _close_quietly(client)
             raise RemoteUnavailableError(f"the remote tier {self.url} refused the credentials ({exc}): check the "
                                          "user and password in the URL") from None
-        except (*self._errors, ValueError) as exc:
-            raise RemoteUnavailableError(f"the remote tier {self.url} cannot be reached ({exc})") from None
-        self._writer = SerialWriter("attnstore-remote-write")
-        self._closed = False
-        self._down_until = 0.0
+        except (redis.ConnectionError, redis.TimeoutError, OSError, ClusterError, TryAgainError,
+                RedisClusterException) as exc:
+            _close_quietly(client)
+            raise RemoteUnavailableError(f"the remote tier {self.url} cannot be reached ({exc})",
+                                         transient=True) from None
+        except (redis.RedisError, ValueError) as exc:
+            _close_quietly(client)
+            raise RemoteUnavailableError(f"the remote tier {self.url} cannot be used ({exc})") from None
+
+    def _reconnect(self) -> None:
+        """The background thread of a tier that was down when the store started: tries every `BACKOFF_S`
+        until it connects (or the tier is closed)."""
+        refused = False
+        while not self._stop.wait(BACKOFF_S):
+            try:
+                client, cluster = self._connect()
+            except RemoteUnavailableError as exc:
+                if not exc.transient and not refused:
+                    refused = True  # the server is up but refuses us: said once, retried (it may be fixed there)
+                    logger.warning("%s", exc)
+                continue
+            with self._state:
+                if self._stop.is_set():
+                    _close_quietly(client)
+                    return
+                self.client, self.cluster = client, cluster
+                self.connected = True
+            logger.warning("remote tier: %s is up: connected", self.url)
+            return
 
     def available(self) -> bool:
-        """False for `BACKOFF_S` after a failed call: callers skip the tier (a miss) rather than wait on a
-        dead server at every turn (a circuit breaker)."""
-        return time.monotonic() >= self._down_until
+        """False while the tier has not connected yet (down when the store started), and for `BACKOFF_S` after
+        a failed call: callers skip the tier (a miss) rather than wait on a dead server at every turn (a
+        circuit breaker)."""
+        return self.connected and time.monotonic() >= self._down_until
 
     def _call(self, fn, *args):
         """One Redis call; any failure of the server or the connection is a RemoteUnavailableError."""
@@ -174,7 +257,7 @@ class RemoteTier(Tier):
             return fn(*args)
         except self._errors as exc:
             self._down_until = time.monotonic() + BACKOFF_S
-            raise RemoteUnavailableError(f"the remote tier {self.url} failed: {exc}") from exc
+            raise RemoteUnavailableError(f"the remote tier {self.url} failed: {exc}", transient=True) from exc
 
     @staticmethod
     def key_of(key: Key, suffix: str) -> str:
@@ -259,7 +342,19 @@ class RemoteTier(Tier):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            with self._state:
+                self._stop.set()  # a reconnection in flight closes the client it makes
+                connected = self.connected
             if not self._writer.close(self.timeout_s):
                 logger.warning("remote tier: a write to %s did not finish within %s s at close", self.url,
                                self.timeout_s)
-            self.client.close()
+            if connected:
+                self.client.close()
+
+
+def _close_quietly(client) -> None:
+    if client is not None:
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - a client that failed to connect: nothing to release that matters
+            pass

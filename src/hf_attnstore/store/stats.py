@@ -38,6 +38,11 @@ class StoreStats:
     remote_read_seconds: float = 0.0
     remote_bytes_written: int = 0
     remote_errors: int = 0  # failed remote calls (lookups, loads, copies): each one a miss or a skipped copy
+    remote_restores: int = 0  # local copies put back after the longer remote copy meant to replace them failed
+    # 1 while the remote tier is down: not reachable since the store started (reconnected in the background), or
+    # a call failed in the last few seconds (the circuit breaker); its lookups are misses meanwhile. 0 when it is
+    # up or there is none (added up over replicas: how many have theirs down).
+    remote_down: int = 0
     sessions: int = 0
     host_sessions: int = 0
     disk_sessions: int = 0

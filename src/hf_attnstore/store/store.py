@@ -52,6 +52,13 @@ class StoreIOError(RuntimeError):
     """Writing to the disk tier failed; the failed entries never became visible."""
 
 
+def _io_error(error: BaseException) -> bool:
+    """Whether a failed read is the device's (keep the data) rather than the data's: damaged (FormatError) or
+    gone (a file or folder missing or replaced), which is deleted."""
+    return isinstance(error, OSError) and not isinstance(
+        error, (FileNotFoundError, NotADirectoryError, IsADirectoryError))
+
+
 class AttnStore(LoadPlanning, SavePlanning):
     """A bounded, hierarchical store of pre-RoPE KV caches, one per (model, session).
 
@@ -91,7 +98,9 @@ class AttnStore(LoadPlanning, SavePlanning):
         self._next_chunk: dict[Key, int] = {}  # per session, only ever grows
         # Deletions for the save thread, in order: (key, bytes freed, None) deletes a session's folder;
         # (key, bytes freed, (manifest, chunk)) writes the manifest of a partially evicted session, then
-        # deletes `chunk` (if not None). Their bytes stay counted in `_disk_used` until done (`_deleting`).
+        # deletes `chunk` (if not None); (key, bytes freed, (None, names)) deletes the manifest, then the files
+        # `names`, of an older copy handed over to a new entry (`_hand_over`). Their bytes stay counted in
+        # `_disk_used` until done (`_deleting`).
         self._deletes: list[tuple[Key, int, tuple | None]] = []
         self._deleting = 0
         # Closed writers and hybrid models' states: (key, turn, state or None, whether the turn ended), applied
@@ -145,7 +154,10 @@ class AttnStore(LoadPlanning, SavePlanning):
         A session found only below host memory starts loading into it at once; the snapshot's
         :meth:`~SessionKV.layer_parts` waits for each layer as needed. With a remote tier, the session is
         also looked up there (one round trip): when it is missing here, or longer there (another server
-        extended it), the remote copy is loaded.
+        extended it), the remote copy is loaded. A remote copy replaces a local one only once its chunk headers
+        are verified and it has loaded: any failure is a remote miss, and the local copy is served (now, or
+        at the next lookup when the failure shows during the load: this snapshot's layers then raise
+        ``LoadError``, and the turn recomputes).
         """
         key = (fingerprint, validate_session_id(session_id))
         self._publish_states([key])  # the previous turn's cache may still be open (and hold the states)
@@ -167,9 +179,10 @@ class AttnStore(LoadPlanning, SavePlanning):
                 return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation)
             tier = self._lower.name if e.manifest is not None else "remote"
             started = self._start_load(e)
-            if not started and self._restore_local(e):
-                # The remote copy cannot be loaded now (the tier just failed, or it does not fit host memory):
-                # the local copy it was to replace is served instead.
+            if not started and e.fallback is not None and self._restore_local(
+                    e, refuse=e.remote if self._remote.available() else None):
+                # The remote copy cannot be loaded now (the tier just failed) or ever (it does not fit host
+                # memory: refused until it changes): the local copy it was to replace is served instead.
                 e = self._entries[key]
                 self._touch(e)
                 tier = self._lower.name
@@ -202,15 +215,16 @@ class AttnStore(LoadPlanning, SavePlanning):
             if manifest is None:
                 return None
             with self._lock:  # the common case, a local copy at least as long, needs no more round trips
+                self._apply_ended_turns()
                 local = self._entries.get(key)
-                if local is not None and (local.length >= manifest.length
-                                          or local.refused == remote_signature(manifest)):
-                    return None
+                if local is not None and (local.length >= manifest.length or local.refused == remote_signature(manifest)
+                                          or local.pins or local.writers or local.loading is not None):
+                    return None  # (a local copy in use is not replaced: see `_adopt_remote`)
             if not manifest.spans:
                 return None  # nothing stored but a dropped head: nothing to reuse
             if local is None:
                 with remote.get(key, manifest.spans[0].chunk) as chunk:
-                    if not serves(self.config.codec, chunk.meta.codec):
+                    if not serves(self.config.codec, chunk.meta.accuracy):
                         return None  # written by a store with a less accurate codec: a miss (the load checks all)
                     return manifest, (chunk.meta.geometry, chunk.meta.dtype), False
             if not self._verify_remote(remote, key, manifest, local.layout):
@@ -240,7 +254,7 @@ class AttnStore(LoadPlanning, SavePlanning):
             if meta is None:
                 with remote.get(key, span.chunk) as chunk:  # checks the header against `key`
                     meta = seen[span.chunk] = chunk.meta
-            if not serves(self.config.codec, meta.codec):
+            if not serves(self.config.codec, meta.accuracy):  # a derived chunk counts as lossy
                 return False
             if (meta.geometry, meta.dtype) != layout:
                 raise FormatError("the remote copy's shapes or dtype differ from the local copy's")
@@ -273,19 +287,13 @@ class AttnStore(LoadPlanning, SavePlanning):
             return e
         n = Entry(key=key, layout=layout)
         if e is not None:
-            self._stats.remote_replacements += 1
             if self._disk is None:
                 self._drop(e)  # nothing of it is local but a host copy (its durable copy is in the remote tier)
             else:
-                del self._entries[key]
-                self._set_host(e, None)  # the host copy goes (as the session's dirty tail, if any, with it)
-                if e.manifest is not None:
-                    self._disk_policy.remove(key)  # out of the index, its files with `n`: not evicted meanwhile
-                    n.fallback = e
-                else:
-                    n.fallback = e.fallback  # a remote copy not loaded yet: the local copy it stood for
-                e.fallback = None
-                n.files, n.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
+                self._unindex(e)  # its host copy goes (and the session's dirty tail, if any, with it)
+                # A remote copy not loaded yet stands for the local copy it was to replace: that is the fallback.
+                n.fallback, e.fallback = (e if e.manifest is not None else e.fallback), None
+                self._hand_over(e, n)
         if self._lower is self._remote:
             # No disk tier: the remote copy is the session's durable copy, as a disk copy would be. Its chunks
             # are named by digest; their token counts are the spans' (a later save may rewrite the last one).
@@ -307,6 +315,8 @@ class AttnStore(LoadPlanning, SavePlanning):
         e.fallback = None
         self._set_host(e, None)  # a failed load's buffer (the snapshot handed out keeps its own reference)
         old.files, old.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
+        e.chunks = {}
+        old.generation = max(old.generation, e.generation) + 1  # no snapshot of the failed load is of its lineage
         self._entries[e.key] = old
         self._disk_policy.insert(e.key)
         if refuse is not None:
@@ -325,7 +335,22 @@ class AttnStore(LoadPlanning, SavePlanning):
             elif self._restore_local(e, refuse=None if isinstance(error, RemoteUnavailableError) else job.manifest):
                 self._once.warning("remote_restore", "remote tier: session %r could not be loaded from it (%s); "
                                    "the local copy is kept and served", e.key[1], error)
+            elif job.tier is self._disk and _io_error(error) and self._entries.get(e.key) is e and not e.writers:
+                # The disk failed to read the copy (EIO, EMFILE, ...), which is not damaged or missing data: a
+                # miss now, but the copy stays (indexed afresh), as it may well be readable at the next turn.
+                self._reindex(e)
+                self._once.warning("disk_read", "disk tier: reading session %r failed (%s); a miss now, its disk "
+                                   "copy is kept", e.key[1], error)
         self._finish_load(job, error)
+
+    def _reindex(self, e: Entry) -> None:
+        """Replaces an entry whose load failed by a fresh one holding the same durable copy (lock held)."""
+        c = Entry(key=e.key, layout=e.layout, generation=e.generation + 1, last_access=e.last_access,
+                  mirrored=set(e.mirrored), refused=e.refused)
+        self._unindex(e)
+        self._entries[c.key] = c
+        self._set_manifest(c, e.manifest, e.chunks)
+        c.files, c.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
 
     def open_turn(self, session_id: str, fingerprint: str, base: SessionKV | None, keep: torch.Tensor) -> "TurnWriter":
         """Starts a turn: its writes make the session ``base[keep]`` followed by what it appends.
@@ -451,7 +476,7 @@ class AttnStore(LoadPlanning, SavePlanning):
             s.disk_sessions = sum(e.manifest is not None for e in self._entries.values()) if self._disk else 0
             s.host_bytes_used, s.disk_bytes_used = self._host.used, self._disk_used
             s.loads_in_flight, s.saves_pending = self._loads_active, len(self._dirty)
-            s.remote_up = None if self._remote is None else self._remote.available()
+            s.remote_down = int(self._remote is not None and not self._remote.available())
             return s
 
     def token_ids(self, session_id: str, fingerprint: str) -> torch.Tensor | None:
@@ -595,6 +620,27 @@ class AttnStore(LoadPlanning, SavePlanning):
         self._set_manifest(e, None, {})
         if self._disk is not None:
             self._delete_folder(e)
+
+    def _unindex(self, e: Entry) -> None:
+        """Takes an entry out of the index, host memory and the disk policy, leaving its files (lock held)."""
+        if self._entries.get(e.key) is e:
+            del self._entries[e.key]
+        self._set_host(e, None)
+        if e.manifest is not None:
+            self._disk_policy.remove(e.key)
+
+    def _hand_over(self, e: Entry, n: Entry) -> None:
+        """Gives the session's new entry `n` the disk files of its old entry `e` (out of the index), deleting
+        none (lock held). The folder's manifest stays `e`'s, a valid older copy of the session (what a crash
+        leaves), until `n`'s first save writes its own over it and collects `e`'s files; a failed save of `n`
+        keeps them (`n.chunks` names them, see saver.py `_files_to_keep`). Only when the disk tier has no other
+        room for `n`'s save do they go first (`_reserve_disk`)."""
+        if e.manifest is not None:
+            names = {s.chunk for s in e.manifest.spans} | ({e.manifest.state.name} if e.manifest.state else set())
+            n.chunks = {name: e.chunks.get(name, (e.files.get(name, 0), 0)) for name in names}
+        else:
+            n.chunks = dict(e.chunks)  # an entry that was handed an older copy itself, and never saved
+        n.files, n.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
 
     def _expire(self) -> None:
         ttl = self.config.ttl_s
@@ -787,6 +833,10 @@ class AttnStore(LoadPlanning, SavePlanning):
         with self._cond:
             self._disk_used += size
             fits = self._enforce_disk(e)
+            if not fits and e.manifest is None and e.files and self._entries.get(e.key) is e:
+                # The older copy this first save replaces (`_hand_over`) goes now, as the last room there is.
+                self._drop_handed_over(e)
+                fits = self._enforce_disk(e)
             if not fits:
                 self._disk_used -= size
             deletes, self._deletes = self._deletes, []
@@ -795,6 +845,14 @@ class AttnStore(LoadPlanning, SavePlanning):
             raise NoDiskRoom(f"session {e.key[1]!r} is larger than the disk tier")
         return size
 
+    def _drop_handed_over(self, e: Entry) -> None:
+        """Queues the deletion of the older copy's files an entry was handed (`_hand_over`): its manifest first,
+        then its chunk and state files, leaving the files the entry's own save is writing (lock held)."""
+        nbytes, names = e.disk_bytes, tuple(e.files)
+        self._set_files(e, {}, 0)
+        e.chunks = {}
+        self._queue_delete(e.key, nbytes, (None, names))
+
     def _run_deletes(self, deletes: list[tuple[Key, int, tuple | None]]) -> None:
         """Runs queued deletions (save thread, without the lock; see `_deletes`)."""
         for key, nbytes, head in deletes:
@@ -802,6 +860,11 @@ class AttnStore(LoadPlanning, SavePlanning):
                 self._disk.delete_session(*key)
                 continue
             manifest, chunk = head
+            if manifest is None:  # an older copy's files (`_drop_handed_over`): the manifest first
+                (self._disk.session_dir(*key) / MANIFEST).unlink(missing_ok=True)
+                for name in chunk:
+                    self._disk.delete_chunk(*key, name)
+                continue
             try:
                 size = self._disk.write_file(*key, MANIFEST, manifest.encode())
             except OSError as exc:
@@ -943,14 +1006,26 @@ class AttnStore(LoadPlanning, SavePlanning):
                 durable = keep[keep < e.persisted]
                 self._set_manifest(e, e.manifest.select(ranges(durable)), e.chunks)
         else:
-            if e is not None:
-                self._drop(e)
+            old = e
+            if old is not None:
+                # (Pinned only by a load, which leaves files alone when it finds its entry gone; a save in flight
+                # pins it too, and deletes the whole folder when it finds its entry gone: saver.py.)
+                if self._disk is not None and old.pins == (old.loading is not None):
+                    # Another history replaces the session (a recomputed turn, an edited conversation): its disk
+                    # copy stays until the new one is durable (`_hand_over`), so a crash in between, or a failed
+                    # write, still leaves the older copy rather than nothing.
+                    self._unindex(old)
+                else:
+                    self._drop(old)
+                    old = None
             if base is not None and n:
                 buf = self._host.selected(base, keep)
             else:
                 buf = self._host.new_buffer(writer.geometry, writer.dtype)
             e = Entry(key=writer.key, layout=(buf.geometry, buf.dtype))
             e.last_access = time.monotonic()
+            if old is not None:
+                self._hand_over(old, e)
             self._entries[writer.key] = e
             self._set_host(e, buf)
         e.owner = writer.turn
