@@ -20,6 +20,11 @@ SGLang's token budget). Without it a joining turn is prefilled in one forward, w
 chunks, and several sessions' prompts padded into one forward, both cost more there (`eval/bench_prefill.py`).
 
 Two turns of one session never run together: a queued turn waits until its session's running turn leaves.
+
+No turn can stop the loop: an exception from one member (its prefill, its token choice, its streamer, its
+place in the batch cache, storing its KV) fails that member's future and the others go on; a failed
+batched forward fails the members of that step only; a failure of the loop itself fails the turns in flight
+and the loop goes on serving the queue.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from .cache import AttnStoreCache
-from .pipeline import Prepared, _Tee
+from .pipeline import Prepared, _quietly, _Tee
 from .upstream import DynamicCache, DynamicLayer, cache_kwargs
 
 if TYPE_CHECKING:
@@ -150,6 +156,20 @@ class BatchKV(DynamicCache):
                 layer._views()
             self.first.append(self.layers[0].end - length)
 
+    @property
+    def rows(self) -> int:
+        return self.layers[0].n if self.layers else 0
+
+    def keep_rows(self, rows: int) -> None:
+        """Drops every row from `rows` on: undoes an `admit` that failed after writing some of its rows. The
+        columns it made live on the left stay live, in every layer alike, as zeroed (masked) padding."""
+        start = min((layer.start for layer in self.layers), default=0)
+        for layer in self.layers:
+            layer.n = min(layer.n, rows)
+            layer.extend_left(start)
+            layer._views()
+        del self.first[rows:]
+
     def remove(self, row: int) -> None:
         """Drops a row; the last row takes its place."""
         last = self.layers[0].n - 1
@@ -217,6 +237,7 @@ class _Member:
     kv: list | None = None  # per layer (keys, values) [1, h, L, d], until the member joins the batch cache
     done: bool = False
     drain: bool = False  # done, but its last token is fed in one more step so that the store gets it
+    failed: bool = False  # its future holds an exception: it leaves without storing anything
 
     @property
     def length(self) -> int:
@@ -243,36 +264,50 @@ class BatchRunner:
 
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self) -> None:
-        pipe = self.pipe
         while True:
-            jobs = self._take()
-            if jobs is None:
-                return
+            try:
+                if not self._iteration():
+                    return
+            except BaseException as exc:  # a failure of the loop itself: fail the turns in flight, go on serving
+                logger.exception("the batch loop failed; its running turns fail: %s", exc)
+                for m in (*self.members, *self.prefilling):
+                    self._fail(m, exc)
+                self.members, self.prefilling, self.cache = [], deque(), None
+                with self.pipe._cond:
+                    self.pipe._running = []
+                time.sleep(0.1)  # should the failure repeat, do not spin
+
+    def _iteration(self) -> bool:
+        """One pass of the loop: take queued turns, prefill, settle the batch, one decoding step. False once
+        the pipeline is closed and everything is done."""
+        pipe = self.pipe
+        jobs = self._take()
+        if jobs is None:
+            return False
+        started = time.perf_counter()
+        for job in jobs:
+            try:
+                self._start(job)
+            except BaseException as exc:  # the caller sees it through the future; the worker goes on
+                job.fail(exc)
+        joined = self._prefill()
+        self.seconds["prefill"] += time.perf_counter() - started
+        if joined or any(m.done and not m.drain for m in self.members):
+            self._settle()
+        if self.members:
             started = time.perf_counter()
-            for job in jobs:
-                try:
-                    self._start(job)
-                except BaseException as exc:  # the caller sees it through the future; the worker goes on
-                    job.future.set_exception(exc)
-                    if job.streamer is not None:
-                        job.streamer.end()
-            joined = self._prefill()
-            self.seconds["prefill"] += time.perf_counter() - started
-            if joined or any(m.done and not m.drain for m in self.members):
-                self._settle()
-            if self.members:
-                started = time.perf_counter()
-                try:
-                    self._step()
-                    self.steps += 1
-                except BaseException as exc:  # a failed step fails its members, never the worker
-                    logger.exception("a batched decoding step failed: %s", exc)
-                    for m in self.members:
-                        self._fail(m, exc)
-                    self.members, self.cache = [], None
-                self.seconds["step"] += time.perf_counter() - started
-            with pipe._cond:
-                pipe._running = self._sessions()
+            try:
+                self._step()
+                self.steps += 1
+            except BaseException as exc:  # a failed batched forward fails its members, never the worker
+                logger.exception("a batched decoding step failed: %s", exc)
+                for m in self.members:
+                    self._fail(m, exc)
+                self.members, self.cache = [], None
+            self.seconds["step"] += time.perf_counter() - started
+        with pipe._cond:
+            pipe._running = self._sessions()
+        return True
 
     def _sessions(self) -> list[str]:
         """The sessions of the running turns: decoding, then joining."""
@@ -382,7 +417,12 @@ class BatchRunner:
             if m.drain:
                 m.drain = False  # its last token is fed: it leaves now
             elif not m.done:
-                self._accept(m, logits[b : b + 1])
+                try:
+                    self._accept(m, logits[b : b + 1])
+                except BaseException as exc:  # its logits processor, stop strings or streamer: it alone fails
+                    logger.warning("a batched turn of %r failed: %s: %s", m.prep.job.session_id,
+                                   type(exc).__name__, exc)
+                    self._fail(m, exc)
 
     def _accept(self, m: _Member, logits: torch.Tensor) -> None:
         """Chooses the member's next token from its logits ``[1, vocab]``, streams it, and decides whether the
@@ -417,30 +457,61 @@ class BatchRunner:
         for b in range(len(in_cache) - 1, -1, -1):  # from the last row: a removed row is filled by the last
             m = in_cache[b]
             if m.done and not m.drain:
-                self._leave_safely(m, b)
+                if not m.failed:  # a failed turn stores nothing (its future holds the exception)
+                    self._leave_safely(m, b)
                 self.cache.remove(b)
                 in_cache[b] = in_cache[-1]
                 in_cache.pop()
         for m in joining:
-            if m.done and not m.drain:  # done at its first token: nothing decoded to store
+            if m.done and not m.drain and not m.failed:  # done at its first token: nothing decoded to store
                 self._leave_safely(m, None)
         joining = [m for m in joining if not (m.done and not m.drain)]
         self.seconds["leave"] += time.perf_counter() - started
         started = time.perf_counter()
+        if joining:
+            joining = self._admit(in_cache, joining)
         self.members = in_cache + joining
         if not self.members:
             self.cache = None  # free the slab: the store holds the sessions
-        elif joining:
-            # Room for every token the members may still feed (their remaining replies, and a drained last one).
-            room = max(m.max_new - len(m.generated) + 1 for m in self.members)
-            self.cache = self.cache or BatchKV()
-            self.cache.admit([m.kv for m in joining], self.max, room)
-            for m in joining:
-                m.kv = None
-                if m.prep.cache is not None and hasattr(m.prep.cache, "layers"):
-                    for layer in m.prep.cache.layers:  # the batch cache holds them now: free the copy
-                        layer.keys = layer.values = None
         self.seconds["rebuild"] += time.perf_counter() - started
+
+    @staticmethod
+    def _room(members: list[_Member]) -> int:
+        """Columns the batch cache needs right of its end: every token the members may still feed (their
+        remaining replies, and a drained last one). Bounded: a reply is cut where the model's positions end."""
+        return max(m.max_new - len(m.generated) + 1 for m in members)
+
+    def _admit(self, in_cache: list[_Member], joining: list[_Member]) -> list[_Member]:
+        """Puts the joining members' KV into the batch cache; returns those admitted. If the cache cannot take
+        them all at once (no memory for a reallocation), each is tried alone and one that still does not fit
+        fails alone. A failed admission leaves the cache's rows as they were (it allocates before it writes, and
+        rows it wrote before failing are dropped)."""
+        self.cache = self.cache or BatchKV()
+        rows = self.cache.rows
+        try:
+            self.cache.admit([m.kv for m in joining], self.max, self._room(in_cache + joining))
+            admitted = joining
+        except BaseException as exc:
+            logger.warning("%d turns could not join the batch cache together (%s: %s); trying each alone",
+                           len(joining), type(exc).__name__, exc)
+            self.cache.keep_rows(rows)
+            admitted = []
+            for m in joining:
+                try:
+                    self.cache.admit([m.kv], self.max, self._room(in_cache + admitted + [m]))
+                except BaseException as alone:
+                    self.cache.keep_rows(rows + len(admitted))
+                    logger.warning("a turn of %r could not join the batch cache: %s: %s", m.prep.job.session_id,
+                                   type(alone).__name__, alone)
+                    self._fail(m, alone)
+                    continue
+                admitted.append(m)
+        for m in admitted:
+            m.kv = None
+            if m.prep.cache is not None and hasattr(m.prep.cache, "layers"):
+                for layer in m.prep.cache.layers:  # the batch cache holds them now: free the copy
+                    layer.keys = layer.values = None
+        return admitted
 
     def _leave_safely(self, m: _Member, b: int | None) -> None:
         try:
@@ -471,12 +542,21 @@ class BatchRunner:
         prep.job.future.set_result(reply)
 
     def _fail(self, m: _Member, exc: BaseException) -> None:
+        """Fails one member's turn: its future gets `exc`, its stream ends, it leaves at the next settle
+        without storing. Never raises (a client's streamer may: the loop must go on)."""
+        ended = m.done
+        m.done, m.drain, m.failed = True, False, True
+        m.kv = None
         if isinstance(m.prep.cache, AttnStoreCache):
-            m.prep.cache.close()
-        if not m.done:
-            m.tee.end()
-        if not m.prep.job.future.done():
-            m.prep.job.future.set_exception(exc)
+            _quietly(m.prep.cache.close, "closing a failed turn's cache")
+        if not ended:
+            _quietly(m.tee.end, "ending the stream of a failed turn")
+        future = m.prep.job.future
+        if not future.done():
+            try:
+                future.set_exception(exc)
+            except InvalidStateError:
+                pass
 
 
 def _id_set(ids) -> set:
@@ -484,10 +564,14 @@ def _id_set(ids) -> set:
     return set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
 
 
+MIN_TEMPERATURE = 1e-5  # a lower temperature divides logits into infinities; the serving layer clamps to it too
+
+
 def _sample(scores: torch.Tensor, temperature: float, top_p: float) -> int:
-    probs = torch.softmax(scores / max(temperature, 1e-5), dim=-1)[0]
+    probs = torch.softmax(scores / max(temperature, MIN_TEMPERATURE), dim=-1)[0]
     if top_p < 1.0:
         ordered, index = probs.sort(descending=True)
         keep = ordered.cumsum(0) - ordered < top_p  # the smallest set whose mass reaches top_p
+        keep[0] = True  # at least the likeliest token (a top_p below float32's smallest number keeps none)
         probs = torch.zeros_like(probs).scatter(0, index[keep], ordered[keep])
     return int(torch.multinomial(probs / probs.sum(), 1))

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, MutableMapping
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,22 @@ from .truncation import tokens_to_drop
 from .upstream import cache_kwargs
 
 logger = logging.getLogger(__name__)
+
+
+class PipelineClosed(ValueError):
+    """The pipeline is closed and takes no new turns (a server answers 503: it is shutting down).
+
+    A `ValueError`: what it was before it had its own class, and what Python raises for an operation on a closed
+    file."""
+
+
+def _quietly(call, what: str) -> None:
+    """Runs a clean-up step that must not stop the worker (a client's streamer, a cache's close): a failure is
+    logged and the worker goes on."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the turn is failing or over already; the worker must not
+        logger.warning("%s failed: %s: %s", what, type(exc).__name__, exc)
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,9 @@ class Reply:
     generated_ids: tuple[int, ...] = ()  # the reply's ids as generated (or read), sampled or not
     prompt_ids: tuple[int, ...] = ()  # the ids the model saw this turn (after truncation)
     cancelled: bool = False  # stopped early by `cancel` (submit_prompt)
+    # The most tokens this turn could generate: its `max_new_tokens`, or less where the model's positions end
+    # (ChatPipeline.position_limit); a reply that reached it was cut ("length"), not ended.
+    max_new_tokens: int = 0
 
 
 @dataclass
@@ -98,8 +117,18 @@ class _Job:
         if self.future.set_running_or_notify_cancel():
             return True
         if self.streamer is not None:  # nothing runs: the reader must not hang
-            self.streamer.end()
+            _quietly(self.streamer.end, "ending the stream of a cancelled turn")
         return False
+
+    def fail(self, exc: BaseException) -> None:
+        """Fails the turn with `exc` and releases its reader; never raises, so the worker goes on."""
+        if not self.future.done():
+            try:
+                self.future.set_exception(exc)
+            except InvalidStateError:  # resolved meanwhile (cancelled while queued)
+                pass
+        if self.streamer is not None:
+            _quietly(self.streamer.end, "ending the stream of a failed turn")
 
 
 class _Tee:
@@ -141,7 +170,9 @@ class ChatPipeline:
             the host capacity over the mean session KV size, measured as the store fills: an upper bound,
             since the store fetches in queue order only what fits).
         eviction_window: Waiting jobs told to the eviction policy; default ``(C_host + C_disk) / S_kv``.
-        max_new_tokens: Reply length limit; other `generate` keyword arguments are passed through.
+        max_new_tokens: Reply length limit; other `generate` keyword arguments are passed through. A turn's
+            reply is also cut where the model's positions end (see :attr:`position_limit`): a prompt of ``P``
+            tokens gets at most ``position_limit - P`` (at least one), whatever it asked.
         max_batch_size: Turns of different sessions decoded together (continuous batching: a turn joins or
             leaves between decoding steps; see `batching.py`). 1 runs one turn at a time with `generate`.
         max_batch_tokens: With batching, the most tokens one iteration of the batch computes: the running
@@ -252,9 +283,18 @@ class ChatPipeline:
             cancel: Set it to stop the turn after its current decoding step (or before it starts). The KV
                 computed so far stays stored, a valid prefix of the session.
             generate_options: `generate` options for this turn (``max_new_tokens``, ``do_sample``,
-                ``temperature``, ``top_p``, ``stop_strings`` ...), over the pipeline's.
+                ``temperature``, ``top_p``, ``stop_strings`` ...), over the pipeline's. ``max_new_tokens`` must
+                be a positive integer; the reply is cut where the model's positions end (:attr:`position_limit`).
+
+        Raises:
+            ValueError: An invalid session id, an empty prompt or a `max_new_tokens` that is not a positive
+                integer; `PipelineClosed` (a ValueError) once the pipeline is closed.
         """
         validate_session_id(session_id)
+        if "max_new_tokens" in generate_options:
+            n = generate_options["max_new_tokens"]
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"`max_new_tokens` must be a positive integer, got {n!r}")
         ids = torch.as_tensor(prompt_ids, dtype=torch.long).view(1, -1)
         if ids.shape[1] == 0:
             raise ValueError("`prompt_ids` is empty")
@@ -264,12 +304,39 @@ class ChatPipeline:
     def _enqueue(self, job: "_Job") -> Future:
         with self._cond:
             if self._closed:
-                raise ValueError("this ChatPipeline is closed")
+                raise PipelineClosed("this ChatPipeline is closed: it takes no new turns")
             self._queue.append(job)
             self._cond.notify_all()
             waiting = [j.session_id for j in self._queue]
-        self._give_hints(waiting)  # the queue changed: fetch ahead now, not only when the next job starts
+        try:
+            self._give_hints(waiting)  # the queue changed: fetch ahead now, not only when the next job starts
+        except Exception as exc:  # hints only speed things up; the turn is queued and will run
+            logger.warning("look-ahead hints failed (%s); the turn runs without them", exc)
         return job.future
+
+    @property
+    def position_limit(self) -> int | None:
+        """Positions a turn may use, its prompt and its reply together: the model's ``max_position_embeddings``
+        (a context window set larger wins). A reply is cut there (vLLM's ``max_model_len``): past it an
+        absolute-position model cannot run at all, and a RoPE model runs on positions it was not trained for.
+        None when neither is known (no cut)."""
+        known = [n for n in (self._model_positions(), self.truncation.context_window) if n is not None]
+        return max(known) if known else None
+
+    @property
+    def max_reply_tokens(self) -> int | None:
+        """The longest reply a turn can be asked for: the context window (without one, the model's
+        ``max_position_embeddings``) less the ``keep_first`` tokens truncation always keeps and one prompt
+        token. The bound a server gives clients (`serving.protocol.RequestLimits`); None when neither is known."""
+        window = self.truncation.context_window or self._model_positions()
+        return None if window is None else max(1, window - self.truncation.keep_first - 1)
+
+    def _model_positions(self) -> int | None:
+        """The model's ``max_position_embeddings`` (of its text config), or None where it declares none."""
+        config = self.model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n = getattr(config, "max_position_embeddings", None)
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
     def queue_length(self) -> int:
         """Turns waiting to run (the running one not included)."""
@@ -341,9 +408,7 @@ class ChatPipeline:
             try:
                 result = self._turn(job)
             except BaseException as exc:  # the caller sees it through the future; the worker goes on
-                job.future.set_exception(exc)
-                if job.streamer is not None:
-                    job.streamer.end()
+                job.fail(exc)
             else:
                 job.future.set_result(result)
 
@@ -395,6 +460,12 @@ class ChatPipeline:
             cache = AttnStoreCache(self.model, self.store, job.session_id, ids, truncation=self.truncation)
             prompt, reused, dropped = cache.input_ids, cache.reused_tokens, cache.dropped_tokens
             source = "truncated" if dropped else cache.kv_source
+        limit = self.position_limit
+        if limit is not None and job.reply is None:
+            # The reply ends where the model's positions do (the last generated token is fed too: see `_turn`).
+            room = max(1, limit - int(prompt.shape[1]))
+            if int(options.get("max_new_tokens") or room) > room:
+                options["max_new_tokens"] = room
         return Prepared(job, started, timer, cache, prompt.to(self.model.device), reused, dropped, source, options)
 
     def _turn(self, job: _Job) -> Reply:
@@ -447,7 +518,8 @@ class ChatPipeline:
                      tier=None if self.store is None else p.cache.kv_source,
                      greedy_ids=tuple(greedy), generated_ids=tuple(generated.view(-1).tolist()),
                      prompt_ids=tuple(p.prompt.view(-1).tolist()),
-                     cancelled=job.cancel is not None and job.cancel.is_set())
+                     cancelled=job.cancel is not None and job.cancel.is_set(),
+                     max_new_tokens=int(p.options.get("max_new_tokens") or 0))
 
     @torch.no_grad()
     def _read_reply(self, prompt: torch.Tensor, cache, reused: int, reply: str, t0: float):

@@ -248,4 +248,33 @@ def test_metrics_count_the_remote_tier(tmp_path):
         written = next(float(line.split()[-1]) for line in text.splitlines()
                        if line.startswith('attnstore_store_bytes_total{direction="write",tier="remote"}'))
         assert written > 0 and 'attnstore_store_errors_total{kind="remote"} 0.0' in text
+        assert "attnstore_store_remote_up 1.0" in text and client.get("/health").json()["remote"] == "up"
+        close(pipe, store)
+
+
+def test_a_server_starts_while_redis_is_down_serves_and_says_so(tmp_path, monkeypatch):
+    """A cache is an accelerator: with Redis down the server starts, answers (misses), and /health and
+    /metrics say the remote tier is down until it is reconnected in the background."""
+    import time
+
+    from hf_attnstore.store import remote as remote_module
+    from hf_attnstore.store.redis_server import RedisServer
+
+    monkeypatch.setattr(remote_module, "BACKOFF_S", 0.1)
+    server = RedisServer(tmp_path / "redis")  # not started
+    model, tok = make_tiny("llama"), char_tokenizer()
+    store = AttnStore("16MiB", tmp_path / "kv", remote=server.url, fsync=False)
+    pipe = ChatPipeline(model, tok, store, max_new_tokens=8)
+    client = TestClient(create_app(ChatEngine(pipe), "tiny"))
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["remote"] == "down"
+    assert chat(client, [{"role": "user", "content": "remember me"}])["choices"][0]["message"]["content"]
+    text = client.get("/metrics").text
+    assert "attnstore_store_remote_up 0.0" in text and 'attnstore_store_errors_total{kind="remote"} 1.0' in text
+    with server:
+        deadline = time.monotonic() + 20
+        while client.get("/health").json()["remote"] != "up" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.get("/health").json()["remote"] == "up"
+        assert "attnstore_store_remote_up 1.0" in client.get("/metrics").text
         close(pipe, store)

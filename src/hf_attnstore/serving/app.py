@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API of `attnstore serve`: an app factory, so tests build the app in-process.
 
 Routes: ``POST /v1/chat/completions`` (streaming over SSE, or not), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text). Errors are OpenAI-style error objects: 400 for a malformed request or
-one the server cannot serve (with what to change), 404 for an unknown model, 429 when the engine is full
-(with ``Retry-After``), 500 for a failure of the server itself, 503 once it is shutting down.
+``GET /metrics`` (Prometheus text). Errors are OpenAI-style error objects, the field at fault in ``param``:
+400 for a malformed request or one the server cannot serve (with what to change; every size a client gives is
+bounded by `RequestLimits`), 404 for an unknown model or route, 413 for a body over the limit, 429 when the
+engine is full (with ``Retry-After``), 500 for a failure of the server itself, 503 only once it is shutting
+down. Nothing a client sends can stop the server: the pipeline's worker survives any one turn's failure.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..batching import MIN_TEMPERATURE
+from ..pipeline import PipelineClosed
 
 from .engine import ChatEngine, Overloaded, Turn
 from .metrics import ServerMetrics
@@ -33,6 +39,7 @@ from .protocol import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    RequestLimits,
     ResponseMessage,
     Usage,
     error_body,
@@ -49,24 +56,71 @@ class APIError(Exception):
         self.status, self.kind, self.code, self.param, self.headers = status, kind, code, param, headers
 
 
+class _BodyTooLarge(StarletteHTTPException):
+    """A request body over `RequestLimits.body_bytes` (raised while it is read: FastAPI passes it on)."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than {limit} bytes: send fewer or shorter messages")
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body longer than `limit` bytes is refused (413) as soon as it is known to be:
+    from its Content-Length, or while it is read (a chunked body), never held whole in memory."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            if declared.isdigit() and int(declared) > self.limit:
+                raise _BodyTooLarge(self.limit)
+            message = await receive()
+            if message.get("type") == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge(self.limit)
+            return message
+
+        return await self.app(scope, limited, send)
+
+
 def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int = 256,
-               request_timeout_s: float = 600.0) -> FastAPI:
+               request_timeout_s: float = 600.0, limits: RequestLimits | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under the model id `model_name`.
 
     Args:
         engine: The engine (pipeline, store, sessions).
         model_name: The id clients pass as ``model`` (``GET /v1/models`` lists it).
         default_max_tokens: Reply length when the request sets neither ``max_tokens`` nor
-            ``max_completion_tokens``.
+            ``max_completion_tokens``; at most `limits.max_tokens`.
         request_timeout_s: Longest a request waits for its turn to finish.
+        limits: The most a request may ask for; default `RequestLimits.for_pipeline(engine.pipeline)` (from
+            the context window).
+
+    Raises:
+        ValueError: A `default_max_tokens` that is not a positive integer or does not fit the context window.
 
     Example:
         >>> app = create_app(ChatEngine(ChatPipeline(model, tok, AttnStore("2GiB"))), "smollm2")  # doctest: +SKIP
         >>> uvicorn.run(app, port=8000)  # doctest: +SKIP
     """
+    limits = limits if limits is not None else RequestLimits.for_pipeline(engine.pipeline)
+    if not isinstance(default_max_tokens, int) or isinstance(default_max_tokens, bool) or default_max_tokens < 1:
+        raise ValueError(f"`default_max_tokens` must be a positive integer, got {default_max_tokens!r}")
+    if limits.max_tokens is not None and default_max_tokens > limits.max_tokens:
+        raise ValueError(f"`default_max_tokens` ({default_max_tokens}) is longer than the longest reply the context "
+                         f"window allows ({limits.max_tokens}): lower it (--max-tokens) or widen the window "
+                         "(--context-window)")
     app = FastAPI(title="attnstore serve")
+    app.add_middleware(_BodyLimit, limit=limits.body_bytes)
     metrics = ServerMetrics(engine.pipeline.store, engine.pending)
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
 
     def error(exc: APIError) -> JSONResponse:
         metrics.errors.labels(str(exc.status)).inc()
@@ -77,6 +131,35 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
     async def _api_error(request: Request, exc: APIError):
         return error(exc)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # Starlette's and FastAPI's own errors (unknown route, wrong method, an unreadable body) as OpenAI errors.
+        status, param, code = exc.status_code, None, None
+        cause = exc.__cause__
+        if isinstance(exc, _BodyTooLarge):
+            message, param, code = str(exc.detail), "messages", "request_too_large"
+        elif status == 400 and isinstance(cause, UnicodeDecodeError):
+            message = (f"the request body is not valid UTF-8 (byte {cause.start}: {cause.reason}): send JSON "
+                       "encoded as UTF-8")
+        elif status == 400 and cause is not None:
+            message = f"the request body could not be parsed ({type(cause).__name__}): send a JSON object"
+        elif status == 404:
+            message = f"Invalid URL ({request.method} {request.url.path}): this server serves POST " \
+                      "/v1/chat/completions, GET /v1/models, /health and /metrics"
+            code = "not_found"
+        elif status == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+            code = "method_not_allowed"
+        else:
+            message = str(exc.detail)
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return error(APIError(status, message, kind=kind, code=code, param=param, headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # A failure of the server itself, as an OpenAI error too (Starlette logs it and re-raises it after this).
+        return error(APIError(500, f"the server failed: {type(exc).__name__}", kind="server_error"))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -85,12 +168,18 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
         if tuple(first.get("loc", ())) == ("body",):
             return error(APIError(400, "the request body must be a JSON object (Content-Type: application/json)"))
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        what = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        message = f"{where}: {what}" if where else what
         return error(APIError(400, f"invalid request: {message}", param=where or None))
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "pending": engine.pending(), "max_pending": engine.max_pending}
+        body = {"status": "ok", "pending": engine.pending(), "max_pending": engine.max_pending}
+        store = engine.pipeline.store
+        if store is not None and store.config.remote is not None:
+            # A cache, not a dependency: the server is healthy with it down (its lookups are misses meanwhile).
+            body["remote"] = "down" if store.stats().remote_down else "up"
+        return body
 
     @app.get("/v1/models")
     async def models():
@@ -103,13 +192,22 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         if body.model != model_name:
-            raise APIError(404, f"model {body.model!r} is not served here; this server serves {model_name!r} "
+            raise APIError(404, f"model {body.model[:200]!r} is not served here; this server serves {model_name!r} "
                            "(GET /v1/models)", code="model_not_found", param="model")
         missing = body.unsupported()
         if missing:
             field, what = missing
             raise APIError(400, f"{what} is not supported by this server", param=field)
-        session = request.headers.get("x-session-id") or body.user
+        over = limits.check(body)
+        if over:
+            field, what = over
+            raise APIError(400, what, param=field)
+        header = request.headers.get("x-session-id")
+        if header:
+            problem = limits.session_id_problem(header, "X-Session-ID")
+            if problem is not None:
+                raise APIError(400, problem, param="X-Session-ID")
+        session = header or body.user or None  # an empty id names no session
         try:
             engine.admit()
         except Overloaded as exc:
@@ -117,7 +215,10 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
         released = False
         try:
             try:
-                turn = engine.prepare([m.as_template_message() for m in body.messages], session)
+                # Off the event loop: rendering and tokenizing a long conversation takes a while, and other
+                # requests (and streams) must not wait for it.
+                turn = await asyncio.to_thread(engine.prepare, [m.as_template_message() for m in body.messages],
+                                               session)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages")
             max_new = body.max_new_tokens(default_max_tokens)
@@ -132,8 +233,11 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
                                                      skip_special_tokens=True, timeout=request_timeout_s)
             try:
                 future = engine.submit(turn, streamer, cancel, **options)
-            except ValueError as exc:
-                raise APIError(503, str(exc), kind="server_error", code="shutting_down")
+            except PipelineClosed:
+                raise APIError(503, "the server is shutting down: retry on another one", kind="server_error",
+                               code="shutting_down")
+            except ValueError as exc:  # validated above: a bug here, but the client's request all the same
+                raise APIError(400, str(exc))
             # The request holds its room in the engine until its turn ends, whoever stops waiting for it.
             future.add_done_callback(lambda _: engine.release())
             released = True
@@ -165,12 +269,12 @@ def _generate_options(body: ChatCompletionRequest, max_new: int) -> dict:
     if body.temperature is not None:  # else the model's generation config decides, as in transformers serve
         if body.temperature == 0:
             options["do_sample"] = False
-        else:
-            options.update(do_sample=True, temperature=body.temperature)
+        else:  # clamped as the batch runner does: a tinier one overflows the logits into NaN (a 500)
+            options.update(do_sample=True, temperature=max(body.temperature, MIN_TEMPERATURE))
     if body.top_p is not None and options.get("do_sample"):
         options["top_p"] = body.top_p
     if body.stop:
-        options["stop_strings"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+        options["stop_strings"] = body.stops()
     return options
 
 

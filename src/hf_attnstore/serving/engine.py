@@ -111,4 +111,7 @@ class ChatEngine:
 
     @staticmethod
     def finish_reason(reply: Reply, max_new_tokens: int) -> str:
-        return "length" if reply.generated_tokens >= max_new_tokens else "stop"
+        """"length" for a reply cut at `max_new_tokens`, or earlier where the model's positions end (the
+        pipeline's cut: `Reply.max_new_tokens`); "stop" for one that ended."""
+        limit = min(max_new_tokens, reply.max_new_tokens) if reply.max_new_tokens else max_new_tokens
+        return "length" if reply.generated_tokens >= limit else "stop"

@@ -2,17 +2,24 @@
 
 Requests accept OpenAI's fields; fields this server does not implement are refused with a 400 naming them
 when they would change the answer (``n > 1``, ``tools``, ``logprobs``), and ignored otherwise (OpenAI
-clients send many optional fields). Responses carry OpenAI's fields, ``usage.prompt_tokens_details
-.cached_tokens`` included (the prompt tokens whose KV was reused), plus an ``attnstore`` object with where
-the KV came from.
+clients send many optional fields). Every size a client gives is bounded by :class:`RequestLimits` (from the
+context window and the server's configuration): over one, a 400 naming the field. Responses carry OpenAI's
+fields, ``usage.prompt_tokens_details.cached_tokens`` included (the prompt tokens whose KV was reused), plus
+an ``attnstore`` object with where the KV came from.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..store.entry import MAX_SESSION_ID_BYTES
+
+if TYPE_CHECKING:
+    from ..pipeline import ChatPipeline
 
 
 class TextPart(BaseModel):
@@ -75,6 +82,148 @@ class ChatCompletionRequest(BaseModel):
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
+
+    def stops(self) -> list[str]:
+        """The stop strings, as a list (OpenAI takes one string or a list)."""
+        if not self.stop:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+# Default request limits that do not come from the context window.
+MAX_MESSAGES = 256  # rendering is per message (conversation.MessageTokens): 256 messages of 1 kB take ~0.7 s
+MAX_STOP = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256  # transformers' stop-string tables cost ~0.4 s per 256 characters on a 49k vocabulary
+CHARS_PER_WINDOW_TOKEN = 32  # the messages' text may be this many characters per token of the context window
+BODY_BYTES_PER_CHAR = 12  # JSON's worst escape of one character (a surrogate pair "\ud83d\ude00")
+BODY_OVERHEAD_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The most one request may ask for: every size a client gives, in one place, checked before its turn is
+    queued. Over one: a 400 naming the field (a body over :attr:`body_bytes`: a 413, before it is parsed).
+
+    Attributes:
+        max_tokens: The longest reply (``max_tokens`` / ``max_completion_tokens``): the pipeline's
+            `max_reply_tokens`, i.e. the context window (without one, the model's ``max_position_embeddings``)
+            less the ``keep_first`` tokens truncation keeps and one prompt token. ``None``: not bounded (a model
+            that declares no position limit, served without a window).
+        max_messages: Messages in one request.
+        max_request_chars: Characters of all the messages' text together (default: 32 per token of the context
+            window; conversations longer than the window are truncated, so clients may send more than it).
+        max_stop: Stop strings (OpenAI's limit: 4).
+        max_stop_chars: Characters of one stop string.
+        max_session_id_bytes: Length of ``user`` / ``X-Session-ID`` (the store's limit for session ids).
+        max_body_bytes: Bytes of the request body; default: 12 per character allowed (JSON's worst escape)
+            plus 1 MiB.
+    """
+
+    max_tokens: int | None
+    max_messages: int = MAX_MESSAGES
+    max_request_chars: int = 262_144
+    max_stop: int = MAX_STOP
+    max_stop_chars: int = MAX_STOP_CHARS
+    max_session_id_bytes: int = MAX_SESSION_ID_BYTES
+    max_body_bytes: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_messages", "max_request_chars", "max_stop", "max_stop_chars", "max_session_id_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        for name in ("max_tokens", "max_body_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"`{name}` must be a positive integer or None, got {value!r}")
+
+    @classmethod
+    def for_pipeline(cls, pipeline: "ChatPipeline", **overrides) -> "RequestLimits":
+        """The limits of a server over `pipeline`: from its context window (or the model's positions), with
+        `overrides` (any attribute) on top."""
+        window = pipeline.truncation.context_window or pipeline.position_limit
+        derived = {"max_tokens": pipeline.max_reply_tokens}
+        if window:
+            derived["max_request_chars"] = CHARS_PER_WINDOW_TOKEN * window
+        return cls(**{**derived, **overrides})
+
+    @property
+    def body_bytes(self) -> int:
+        """The largest request body accepted."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return BODY_BYTES_PER_CHAR * self.max_request_chars + BODY_OVERHEAD_BYTES
+
+    def check(self, body: ChatCompletionRequest) -> tuple[str, str] | None:
+        """The first size of `body` over a limit, as (field, what to do), or None."""
+        asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        n = body.max_completion_tokens or body.max_tokens
+        if n is not None and self.max_tokens is not None and n > self.max_tokens:
+            return asked, (f"`{asked}` is {n}, but a reply must fit the context window beside the prompt: "
+                           f"use at most {self.max_tokens}")
+        if len(body.messages) > self.max_messages:
+            return "messages", (f"the request has {len(body.messages)} messages; at most {self.max_messages} are "
+                                "accepted: send fewer (older turns are truncated away by the server anyway)")
+        chars = 0
+        for i, message in enumerate(body.messages):
+            text = message.text()
+            bad = _surrogate(text)
+            if bad is not None:
+                return "messages", (f"`messages[{i}].content` has a lone surrogate at {bad}: send valid Unicode "
+                                    "text")
+            chars += len(text)
+        if chars > self.max_request_chars:
+            return "messages", (f"the messages have {chars} characters together; at most {self.max_request_chars} "
+                                "are accepted: shorten them or send fewer")
+        stops = body.stops()
+        if len(stops) > self.max_stop:
+            return "stop", f"`stop` has {len(stops)} strings; at most {self.max_stop} are accepted"
+        for stop in stops:
+            if not stop:
+                return "stop", "`stop` strings must not be empty (an empty one would end every reply at once)"
+            if len(stop) > self.max_stop_chars:
+                return "stop", (f"a `stop` string has {len(stop)} characters; at most {self.max_stop_chars} "
+                                "characters are accepted")
+            if _surrogate(stop) is not None:
+                return "stop", "`stop` strings must be valid Unicode text: one has a lone surrogate"
+        if body.user:
+            problem = self.session_id_problem(body.user, "user")
+            if problem is not None:
+                return "user", problem
+        return None
+
+    def session_id_problem(self, value: str, name: str) -> str | None:
+        """Why `value`, a client's session id given as `name` (``user`` or ``X-Session-ID``), is refused, or None.
+
+        A session id is echoed in the ``X-Session-ID`` response header, so it must be something a header
+        carries back unchanged: printable ASCII (space to ``~``), not starting or ending with a space, at most
+        `max_session_id_bytes` long. Longer or other ids: send a hash of them."""
+        for i, ch in enumerate(value):
+            if " " <= ch <= "~":
+                continue
+            if "\ud800" <= ch <= "\udfff":
+                what = f"a lone surrogate (U+{ord(ch):04X})"
+            elif ch < " " or ch == "\x7f":
+                what = f"the control character U+{ord(ch):04X}"
+            else:
+                what = f"the non-ASCII character U+{ord(ch):04X}"
+            return (f"`{name}` must be printable ASCII (it names the session and is echoed in the X-Session-ID "
+                    f"header), but it has {what} at {i}: send a hash of the id")
+        if len(value) > self.max_session_id_bytes:
+            return (f"`{name}` is {len(value)} characters long; at most {self.max_session_id_bytes} are accepted: "
+                    "send a shorter id (e.g. a hash of it)")
+        if value != value.strip(" "):
+            return f"`{name}` must not start or end with a space (HTTP strips them from the X-Session-ID header)"
+        return None
+
+
+def _surrogate(text: str) -> int | None:
+    """Where `text` has a lone surrogate (it cannot be encoded as UTF-8), or None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
 
 
 class PromptTokensDetails(BaseModel):
