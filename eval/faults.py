@@ -505,7 +505,7 @@ def scenario_soak(model, turns: int) -> Row:
     return row
 
 
-SCENARIOS = ["kill", "corruption", "openers", "ids", "full", "capacity", "threads", "soak", "codec"]
+SCENARIOS = ["kill", "corruption", "openers", "ids", "full", "capacity", "threads", "soak", "codec", "sizes", "badids", "remote"]
 
 
 def run(only: list[str], quick: bool, seed: int = 0) -> list[dict]:
@@ -533,6 +533,18 @@ def run(only: list[str], quick: bool, seed: int = 0) -> list[dict]:
             from faults_found import scenario_codec_labels
 
             rows.append(scenario_codec_labels(4 if quick else 20, rng))
+        elif name == "sizes":
+            from faults_found import scenario_huge_sizes
+
+            rows.append(scenario_huge_sizes(2 if quick else 8))
+        elif name == "badids":
+            from faults_found import scenario_bad_session_ids
+
+            rows.append(scenario_bad_session_ids())
+        elif name == "remote":
+            from faults_found import scenario_remote_local_copy
+
+            rows.append(scenario_remote_local_copy(4 if quick else 20))
         print(f"[{name}] {time.monotonic() - started:.1f} s", file=sys.stderr)
     return [r.as_dict() for r in rows]
 

@@ -6,9 +6,11 @@ crashes, data lost.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -55,6 +57,189 @@ def scenario_codec_labels(runs: int, rng: random.Random) -> Row:
                 row.runs += 1
                 reused, wrong = resume_is_wrong(model, store, "s", ids[:, : first - first % 8 + 9])
                 row.wrong += wrong or reused > 0  # a lossless store serves no dequantized token at all
+        except Exception as exc:
+            row.crash(exc)
+        shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+# -- the server: client-given sizes and session ids (faults 2 and 4) ------------------------------------
+def _server(max_batch_size: int = 8):
+    """An in-process OpenAI-compatible server over the scorecard's tiny Llama and the tests' character
+    tokenizer (tests/conftest.py), with a short request timeout: a request that hangs shows in seconds."""
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.conftest import char_tokenizer
+
+    from hf_attnstore.pipeline import ChatPipeline
+    from hf_attnstore.serving import ChatEngine, create_app
+
+    store = AttnStore("64MiB")
+    pipe = ChatPipeline(tiny_model(), char_tokenizer(), store, max_new_tokens=8, max_batch_size=max_batch_size)
+    app = create_app(ChatEngine(pipe), "tiny", default_max_tokens=8, request_timeout_s=30)
+    return TestClient(app), pipe, store
+
+
+def _post(client, headers=None, content=None, **fields):
+    if content is not None:
+        return client.post("/v1/chat/completions", content=content, headers={"Content-Type": "application/json"})
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 4,
+            **fields}
+    # json.dumps escapes what httpx's encoder refuses (a lone surrogate becomes the escape "\\ud800")
+    return client.post("/v1/chat/completions", content=json.dumps(body).encode(),
+                       headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def _client_error(row: Row, r, param: str | None, what: str) -> None:
+    """Counts a crash unless `r` is a 400 OpenAI error object naming `param`."""
+    row.runs += 1
+    try:
+        error = r.json()["error"]
+        ok = (r.status_code == 400 and set(error) == {"message", "type", "param", "code"}
+              and error["type"] == "invalid_request_error" and error["param"] == param)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        row.crashes += 1
+        row.notes.append(f"{what}: {r.status_code} {r.text[:80]}")
+
+
+def _still_serves(row: Row, client, concurrent: int = 4) -> None:
+    """Counts a crash unless `concurrent` normal requests, batched together, are all answered 200."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(concurrent) as pool:
+        codes = list(pool.map(lambda i: _post(client, user=f"after-{i}").status_code, range(concurrent)))
+    row.runs += 1
+    if codes != [200] * concurrent:
+        row.crashes += 1
+        row.notes.append(f"later requests answered {codes}")
+
+
+def scenario_huge_sizes(runs: int) -> Row:
+    """Huge `max_tokens` at batch 8 used to kill the batch runner: every later request timed out."""
+    row = Row("huge max_tokens / n / stop / messages at batch 8, then normal requests")
+    client, pipe, store = _server()
+    try:
+        for i in range(runs):
+            value = (10**12, 2**63, 2**63 - 1, 10**6)[i % 4]
+            for field in ("max_tokens", "max_completion_tokens"):
+                _client_error(row, _post(client, **{field: value}), field, f"{field}={value}")
+            _client_error(row, _post(client, stop=["x"] * 1000), "stop", "1000 stop strings")
+            _client_error(row, _post(client, messages=[{"role": "user", "content": "a"}] * 10_000), "messages",
+                          "10,000 messages")
+            _still_serves(row, client)
+    except Exception as exc:
+        row.crash(exc)
+    finally:
+        pipe.close(timeout=60)
+        store.close()
+    return row
+
+
+def scenario_bad_session_ids() -> Row:
+    """Bad `user` / X-Session-ID used to get 503 "shutting_down" (clients retry forever), a NUL no answer, and
+    an invalid UTF-8 body FastAPI's own error shape. Then a real shutdown must still be a 503."""
+    row = Row("bad session ids and bodies over HTTP (400 naming the field; 503 only when shutting down)")
+    client, pipe, store = _server()
+    try:
+        for bad in ["x" * 5000, "a\x00b", "\ud800", "line\nbreak", " padded", "日本"]:
+            _client_error(row, _post(client, user=bad), "user", f"user={bad[:12]!r}")
+        for bad in [b"x" * 5000, b"a\x00b", b"\xff\xfe", "日本".encode()]:
+            r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user",
+                            "content": "hi"}], "max_tokens": 2}, headers={"X-Session-ID": bad})
+            _client_error(row, r, "X-Session-ID", f"X-Session-ID={bad[:12]!r}")
+        _client_error(row, _post(client, content=b'{"model": "tiny", "messages": [\xff]}'), None, "invalid UTF-8")
+        _still_serves(row, client)
+        pipe.close(timeout=60)
+        r = _post(client)
+        row.runs += 1
+        if r.status_code != 503 or r.json()["error"]["code"] != "shutting_down":
+            row.crashes += 1
+            row.notes.append(f"after close: {r.status_code} {r.text[:80]}")
+    except Exception as exc:
+        row.crash(exc)
+    finally:
+        pipe.close(timeout=60)
+        store.close()
+    return row
+
+
+# -- the shared remote tier: a remote fault never costs a store its durable local copy (fault 3) ---------
+REMOTE_VARIANTS = ["lossier codec", "Redis killed mid-verify", "Redis killed mid-load", "damaged bytes"]
+
+
+def _remote_variant(model, variant: str, run: int, root: Path) -> tuple[int, bool, int]:
+    """Store A (lossless, its own disk) flushes 30 tokens; store B extends the session in Redis to 60; then
+    `variant` strikes while A resumes. Returns (tokens A reused, whether its logits were wrong, tokens A's
+    folder serves once reopened without Redis)."""
+    from unittest import mock
+
+    from hf_attnstore.store.redis_server import RedisServer
+    from hf_attnstore.store.remote import RemoteChunk, RemoteTier
+
+    fast = {**FAST, "remote_timeout_s": 2}
+    ids = sequence(run, 64)
+    with RedisServer(root / "redis") as server:
+        with AttnStore(host_bytes="64MiB", disk_dir=str(root / "a"), remote=server.url, **fast) as a:
+            turn(model, a, "s", ids[:, :30])
+            a.flush()
+            a.evict("s")
+            codec = {"kv_codec": "int4"} if variant == "lossier codec" else {}
+            with AttnStore(host_bytes="64MiB", disk_dir=str(root / "b"), remote=server.url, **fast, **codec) as b:
+                turn(model, b, "s", ids[:, :60])
+                b.flush()
+            if variant == "damaged bytes":
+                remote = a._remote  # the scorecard damages the shared tier's bytes where they lie
+                manifest = remote.manifest((a.fingerprint(model), "s"))
+                target = remote.key_of((a.fingerprint(model), "s"), "c:" + manifest.spans[-1].chunk)
+                value = bytearray(remote.client.get(target))
+                value[-3] ^= 0x10
+                remote.client.set(target, bytes(value))
+            strike = {"Redis killed mid-verify": (RemoteTier, "get"),
+                      "Redis killed mid-load": (RemoteChunk, "read_layer_into")}.get(variant)
+            if strike is not None:
+                original, fired = getattr(*strike), []
+
+                def kill_first(*args, _original=original, **kwargs):
+                    if not fired:
+                        fired.append(server.stop())
+                    return _original(*args, **kwargs)
+
+                with mock.patch.object(*strike, kill_first):
+                    reused, wrong = resume_is_wrong(model, a, "s", ids[:, :61])
+            else:
+                reused, wrong = resume_is_wrong(model, a, "s", ids[:, :61])
+            for _ in range(2):  # the next turns: the local copy (or the verified remote one) is reused exactly
+                again, wrong_again = resume_is_wrong(model, a, "s", ids[:, :61])
+                wrong = wrong or wrong_again
+    with AttnStore(host_bytes="64MiB", disk_dir=str(root / "a"), **FAST) as reopened:
+        stored = reopened.token_ids("s", reopened.fingerprint(model))
+        kept = 0 if stored is None else int(stored.numel())
+        _, wrong_reopened = resume_is_wrong(model, reopened, "s", ids[:, : max(kept, 1) + 1])
+    return max(reused, again), wrong or wrong_reopened, kept
+
+
+def scenario_remote_local_copy(runs: int) -> Row:
+    """A lossless store's flushed session used to be deleted when a longer remote copy it could not serve
+    (another codec) or could not load (Redis killed) was found: data lost to a remote fault."""
+    row = Row("remote copy refused or failing mid-load (codec, kill, damage): local durable copy kept")
+    model = tiny_model()
+    for run in range(runs):
+        variant = REMOTE_VARIANTS[run % len(REMOTE_VARIANTS)]
+        root = Path(tempfile.mkdtemp(prefix="faults-remote-"))
+        try:
+            row.runs += 1
+            reused, wrong, kept = _remote_variant(model, variant, run, root)
+            row.wrong += wrong
+            if kept < 30:
+                row.lost += 1
+                row.notes.append(f"{variant}: {kept} of 30 durable tokens after a reopen")
+            if reused < 30:  # the local copy (30) or the verified remote one (60) is reused, at once or next turn
+                row.notes.append(f"{variant}: reused {reused}")
         except Exception as exc:
             row.crash(exc)
         shutil.rmtree(root, ignore_errors=True)
