@@ -17,8 +17,8 @@ import sys
 import torch
 
 from hf_attnstore import AttnStore, ChatPipeline, load_default_model
-from hf_attnstore.chat import clip_text
-from hf_attnstore.data import load_sharegpt
+from hf_attnstore.cache.chat import clip_text
+from hf_attnstore.lab.data import load_sharegpt
 
 
 def run(model, tokenizer, conversations, batch: int, max_new: int, max_batch_tokens: int | None = None) -> dict:

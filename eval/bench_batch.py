@@ -23,7 +23,7 @@ import time
 import torch
 
 from hf_attnstore import AttnStore, ChatPipeline, load_default_model
-from hf_attnstore.data import load_sharegpt
+from hf_attnstore.lab.data import load_sharegpt
 
 
 class Clock:

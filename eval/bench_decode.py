@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.cache.upstream import cache_kwargs
 
 
 def main(argv=None) -> None:
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
 
     from transformers.cache_utils import DynamicLayer
 
-    from hf_attnstore.layers import AttnStoreLayer
+    from hf_attnstore.cache.layers import AttnStoreLayer
 
     for name in ("__init__", "_begin_forward", "_end_forward", "_record", "_load_layer"):
         setattr(AttnStoreCache, name, timed(getattr(AttnStoreCache, name)))

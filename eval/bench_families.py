@@ -43,7 +43,7 @@ from hf_attnstore.store.format import session_dirname
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import drop_page_cache  # noqa: E402
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.cache.upstream import cache_kwargs
 
 _SCALE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
               max_position_embeddings=8192, tie_word_embeddings=True)

@@ -14,7 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_attnstore import load_default_model
-from hf_attnstore.fingerprint import forget_fingerprint, model_fingerprint
+from hf_attnstore.cache.fingerprint import forget_fingerprint, model_fingerprint
 
 
 def measure(model, label: str, reps: int) -> None:

@@ -31,7 +31,7 @@ from hf_attnstore.store.format import session_dirname
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import drop_page_cache, history_snapshot  # noqa: E402
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.cache.upstream import cache_kwargs
 
 
 def main(argv=None) -> int:

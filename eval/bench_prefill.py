@@ -30,8 +30,8 @@ from transformers import DynamicCache
 
 from bench_tiers import interleaved
 from hf_attnstore import load_default_model
-from hf_attnstore.data import load_sharegpt
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.lab.data import load_sharegpt
+from hf_attnstore.cache.upstream import cache_kwargs
 
 
 def sharegpt_ids(tokenizer, n: int) -> torch.Tensor:

@@ -26,7 +26,7 @@ from hf_attnstore.store.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import history_snapshot, ideal_prefill, interleaved  # noqa: E402
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.cache.upstream import cache_kwargs
 
 
 def main(argv=None) -> None:

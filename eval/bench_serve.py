@@ -58,7 +58,7 @@ SYSTEMS = {
 
 
 def conversations(n: int, turns: int, chars: int) -> list[list[str]]:
-    from hf_attnstore.data import load_sharegpt
+    from hf_attnstore.lab.data import load_sharegpt
 
     out = []
     for conv in load_sharegpt(limit=4 * n, min_user_turns=1):

@@ -26,7 +26,7 @@ import transformers
 from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.cache.upstream import cache_kwargs
 
 _TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 5
 

@@ -32,7 +32,7 @@ from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
 from hf_attnstore.store.format import session_dirname
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.cache.upstream import cache_kwargs
 
 
 def drop_page_cache(folder: Path) -> None:

@@ -35,7 +35,7 @@ from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
 from hf_attnstore.store.format import session_dirname
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.cache.upstream import cache_kwargs
 
 VARIANTS = ("RE", "ideal", "AS-host", "AS-disk")
 GRID = ((500, 500), (600, 400), (700, 300), (800, 200), (900, 100))

@@ -26,10 +26,10 @@ import time
 import torch
 
 from hf_attnstore import load_default_model
-from hf_attnstore.evaluation.corpora import load_texts
-from hf_attnstore.evaluation.fidelity import codec_fidelity
-from hf_attnstore.evaluation.mmlu import agreement, mean_kl, scores_from_samples
-from hf_attnstore.evaluation.ppl import PerplexityResult, sliding_perplexity
+from hf_attnstore.lab.evaluation.corpora import load_texts
+from hf_attnstore.lab.evaluation.fidelity import codec_fidelity
+from hf_attnstore.lab.evaluation.mmlu import agreement, mean_kl, scores_from_samples
+from hf_attnstore.lab.evaluation.ppl import PerplexityResult, sliding_perplexity
 
 
 def ppl_table(model, tokenizer, codecs, texts: int, length: int, window: int) -> None:
@@ -54,7 +54,7 @@ def mmlu_table(model, tokenizer, codecs, limit: int, window: int) -> None:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from hf_attnstore.evaluation.harness import TASKS_DIR, AttnStoreLM
+    from hf_attnstore.lab.evaluation.harness import TASKS_DIR, AttnStoreLM
 
     manager = TaskManager(include_path=str(TASKS_DIR))
     scores = {}

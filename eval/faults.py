@@ -35,7 +35,7 @@ from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.store import StoreIOError
 from hf_attnstore.store import disk as disk_module
 from hf_attnstore.store.disk import DiskLockedError
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.cache.upstream import cache_kwargs
 
 VOCAB, TOL = 128, 1e-3
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=20, chunk_tokens=8)
@@ -85,7 +85,7 @@ class Row:
 def check_sessions(model, store, expected: dict[str, torch.Tensor], row: Row, durable: dict[str, int] | None = None):
     """Resumes every expected session one token past what it should hold; counts wrong KV and lost data."""
     for sid, ids in expected.items():
-        stored = store.token_ids(sid, store.fingerprint(model))
+        stored = store.token_ids(sid, AttnStoreCache.fingerprint_of(model, store))
         n = 0 if stored is None else stored.numel()
         if durable is not None and n < durable.get(sid, 0):
             row.lost += 1
@@ -100,7 +100,7 @@ CHILD = r"""
 import sys, torch
 sys.path.insert(0, {eval_dir!r})
 from faults import tiny_model, sequence, turn, FAST
-from hf_attnstore import AttnStore
+from hf_attnstore import AttnStore, AttnStoreCache
 model, store = tiny_model(), AttnStore(host_bytes={host}, disk_dir={root!r}, **{{**FAST, "fsync": True}})
 lengths = {{}}
 for step in range(10_000):
@@ -109,7 +109,7 @@ for step in range(10_000):
     turn(model, store, f"s{{k}}", sequence(k)[:, : lengths[k]])
     if step % 3 == 2:
         store.flush()  # acknowledged: what the store holds now is durable (a turn may have been refused)
-        fp = store.fingerprint(model)
+        fp = AttnStoreCache.fingerprint_of(model, store)
         held = {{k: store.token_ids(f"s{{k}}", fp) for k in lengths}}
         print("durable", " ".join(f"s{{k}}={{t.numel()}}" for k, t in held.items() if t is not None), flush=True)
 """
@@ -332,7 +332,7 @@ def scenario_full_disk(model, turns: int) -> Row:
             if mounted:
                 subprocess.run(["mount", "-o", "remount,size=16m", str(root)], capture_output=True)
             store.flush()  # room again: every pending write is retried and succeeds
-            durable = {sid: store.token_ids(sid, store.fingerprint(model)).numel() for sid in store.sessions()}
+            durable = {sid: store.token_ids(sid, AttnStoreCache.fingerprint_of(model, store)).numel() for sid in store.sessions()}
         with AttnStore(host_bytes="64MiB", disk_dir=str(root), **FAST) as store:
             check_sessions(model, store, expected, row, durable)
     except Exception as exc:

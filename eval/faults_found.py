@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from faults import FAST, Row, resume_is_wrong, sequence, tiny_model, turn
-from hf_attnstore import AttnStore
+from hf_attnstore import AttnStore, AttnStoreCache
 
 HUGE = 5  # a token whose layer-0 values no fp16 scale can hold (|v| > 65504)
 
@@ -74,7 +74,7 @@ def _server(max_batch_size: int = 8):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.conftest import char_tokenizer
 
-    from hf_attnstore.pipeline import ChatPipeline
+    from hf_attnstore.serving.pipeline import ChatPipeline
     from hf_attnstore.serving import ChatEngine, create_app
 
     store = AttnStore("64MiB")
@@ -194,8 +194,8 @@ def _remote_variant(model, variant: str, run: int, root: Path) -> tuple[int, boo
                 b.flush()
             if variant == "damaged bytes":
                 remote = a._remote  # the scorecard damages the shared tier's bytes where they lie
-                manifest = remote.manifest((a.fingerprint(model), "s"))
-                target = remote.key_of((a.fingerprint(model), "s"), "c:" + manifest.spans[-1].chunk)
+                manifest = remote.manifest((AttnStoreCache.fingerprint_of(model, a), "s"))
+                target = remote.key_of((AttnStoreCache.fingerprint_of(model, a), "s"), "c:" + manifest.spans[-1].chunk)
                 value = bytearray(remote.client.get(target))
                 value[-3] ^= 0x10
                 remote.client.set(target, bytes(value))
@@ -217,7 +217,7 @@ def _remote_variant(model, variant: str, run: int, root: Path) -> tuple[int, boo
                 again, wrong_again = resume_is_wrong(model, a, "s", ids[:, :61])
                 wrong = wrong or wrong_again
     with AttnStore(host_bytes="64MiB", disk_dir=str(root / "a"), **FAST) as reopened:
-        stored = reopened.token_ids("s", reopened.fingerprint(model))
+        stored = reopened.token_ids("s", AttnStoreCache.fingerprint_of(model, reopened))
         kept = 0 if stored is None else int(stored.numel())
         _, wrong_reopened = resume_is_wrong(model, reopened, "s", ids[:, : max(kept, 1) + 1])
     return max(reused, again), wrong or wrong_reopened, kept

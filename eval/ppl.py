@@ -2,7 +2,7 @@
 
     python eval/ppl.py --limit 3 --length 3072 --window 1024 --chunk 128
 
-Same as `attnstore eval ppl`; see `hf_attnstore.evaluation.ppl` for the protocol and docs/evaluation.md
+Same as `attnstore eval ppl`; see `hf_attnstore.lab.evaluation.ppl` for the protocol and docs/evaluation.md
 for the results.
 """
 

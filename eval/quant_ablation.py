@@ -24,9 +24,9 @@ import torch
 from transformers import DynamicCache
 
 from hf_attnstore import load_default_model
-from hf_attnstore.evaluation.corpora import load_texts
-from hf_attnstore.rope import RopeAdapter
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.lab.evaluation.corpora import load_texts
+from hf_attnstore.cache.rope import RopeAdapter
+from hf_attnstore.cache.upstream import cache_kwargs
 
 
 def fake_quant(x: torch.Tensor, bits: int, group: int, dim: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
     python eval/replay.py --conversations 40 --plot docs/img/replay.png
 
-Same as `attnstore replay`; see `hf_attnstore.replay` for the protocol (virtual time, recorded replies read
+Same as `attnstore replay`; see `hf_attnstore.lab.replay` for the protocol (virtual time, recorded replies read
 by teacher forcing) and docs/benchmarks.md for the results.
 """
 

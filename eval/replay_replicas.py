@@ -4,7 +4,7 @@
 
 The ShareGPT trace of `attnstore replay` (Poisson arrivals, think time, recorded replies read by teacher
 forcing), served by `--replicas` ChatPipelines, each over its own store (host tier as in the replay, disk for
-all), on one trace and one model. Runs (see `hf_attnstore.replicas` for the protocol):
+all), on one trace and one model. Runs (see `hf_attnstore.lab.replicas` for the protocol):
 
 * sticky balancer, no shared tier: every turn of a session on one replica (the affinity bound);
 * random balancer, no shared tier: a turn on another replica finds at best an older copy of its session;
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from hf_attnstore import load_default_model
-from hf_attnstore.replay import ReplayConfig, build_trace, host_capacity, same_outputs
-from hf_attnstore.replicas import run_replicas
+from hf_attnstore.lab.replay import ReplayConfig, build_trace, host_capacity, same_outputs
+from hf_attnstore.lab.replicas import run_replicas
 from hf_attnstore.store.redis_server import RedisServer
 
 

@@ -18,8 +18,8 @@ import sys
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from hf_attnstore.rope import rotate_half
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.cache.rope import rotate_half
+from hf_attnstore.cache.upstream import cache_kwargs
 
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, pad_token_id=0)

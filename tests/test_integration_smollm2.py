@@ -8,10 +8,10 @@ import torch
 from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache
-from hf_attnstore.chat import ChatTokens
-from hf_attnstore.data import load_sharegpt
-from hf_attnstore.evaluation import load_texts, sliding_perplexity
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.cache.chat import ChatTokens
+from hf_attnstore.lab.data import load_sharegpt
+from hf_attnstore.lab.evaluation import load_texts, sliding_perplexity
+from hf_attnstore.cache.upstream import cache_kwargs
 
 pytestmark = pytest.mark.integration
 MAX_USER_TOKENS = 96  # long ShareGPT prompts are clipped so the test stays fast on two cores
@@ -71,7 +71,7 @@ def test_converted_checkpoint_loads_with_plain_transformers(smollm2):
     """The de-quantized copy is a regular checkpoint: AutoConfig knows its class, pipeline() loads it."""
     from transformers import AutoConfig, pipeline
 
-    from hf_attnstore.models import DEFAULT_GGUF, _converted_gguf, default_model_dir
+    from hf_attnstore.lab.models import DEFAULT_GGUF, _converted_gguf, default_model_dir
 
     folder = _converted_gguf(default_model_dir(), DEFAULT_GGUF)
     assert AutoConfig.from_pretrained(folder).architectures == ["LlamaForCausalLM"]

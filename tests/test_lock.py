@@ -8,7 +8,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from hf_attnstore import upstream
+from hf_attnstore.cache import upstream
 
 ROOT = Path(__file__).resolve().parents[1]
 

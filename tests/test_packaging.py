@@ -38,8 +38,8 @@ def module_level_imports(path: Path) -> set[str]:
 
 
 def test_every_import_of_the_runtime_modules_is_declared():
-    script = ("import json, sys, hf_attnstore, hf_attnstore.pipeline, hf_attnstore.cli, hf_attnstore.chat, "
-              "hf_attnstore.serving, hf_attnstore.serving.metrics, hf_attnstore.replicas; "
+    script = ("import json, sys, hf_attnstore, hf_attnstore.serving.pipeline, hf_attnstore.cli, hf_attnstore.cache.chat, "
+              "hf_attnstore.serving, hf_attnstore.serving.metrics, hf_attnstore.lab.replicas; "
               "print(json.dumps(sorted(m.__file__ for n, m in sys.modules.items() "
               "if n.split('.')[0] == 'hf_attnstore' and getattr(m, '__file__', None))))")
     files = json.loads(subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True,

@@ -10,7 +10,7 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the id `attnstore 
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .lab.demo import run_demo
 
     results = run_demo(conversations=args.conversations, turns=args.turns, max_new_tokens=args.max_new_tokens,
                        max_user_tokens=args.max_user_tokens)
@@ -18,8 +18,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from .models import load_default_model
-    from .pipeline import ChatPipeline
+    from .lab.models import load_default_model
+    from .serving.pipeline import ChatPipeline
     from .store import AttnStore
 
     model, tokenizer = load_default_model(args.model)
@@ -68,8 +68,8 @@ def _chat(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     import torch
 
-    from .models import load_default_model
-    from .replay import ReplayConfig, report
+    from .lab.models import load_default_model
+    from .lab.replay import ReplayConfig, report
 
     cfg = ReplayConfig(conversations=args.conversations, arrival_rate=args.rate, think_time_s=args.think,
                        max_turns=args.max_turns, max_user_tokens=args.max_user_tokens,
@@ -89,8 +89,8 @@ def _eval_ppl(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .evaluation import VARIANTS, perplexity_report
-    from .models import load_default_model
+    from .lab.evaluation import VARIANTS, perplexity_report
+    from .lab.models import load_default_model
 
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model(args.model, dtype=args.dtype)
@@ -108,8 +108,8 @@ def _eval_mmlu(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .evaluation.mmlu import run_mmlu
-    from .models import load_default_model
+    from .lab.evaluation.mmlu import run_mmlu
+    from .lab.models import load_default_model
 
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model(args.model, dtype=args.dtype)
@@ -124,8 +124,8 @@ def _eval_mmlu(args: argparse.Namespace) -> int:
 def _eval_fidelity(args: argparse.Namespace) -> int:
     import torch
 
-    from .evaluation.fidelity import reuse_fidelity
-    from .models import load_default_model
+    from .lab.evaluation.fidelity import reuse_fidelity
+    from .lab.models import load_default_model
 
     torch.set_grad_enabled(False)
     print("| dtype | resumed turns | identical greedy tokens | max abs logit diff | reused / prompt tokens | time |")
@@ -146,8 +146,8 @@ def _eval_fidelity(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .models import load_default_model
-    from .pipeline import ChatPipeline
+    from .lab.models import load_default_model
+    from .serving.pipeline import ChatPipeline
     from .serving import ChatEngine, create_app
     from .store import AttnStore
 

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_attnstore import AttnStore
-from hf_attnstore.pipeline import ChatPipeline
+from hf_attnstore.serving.pipeline import ChatPipeline
 from hf_attnstore.serving import ChatEngine, create_app
 
 from ..conftest import char_tokenizer, make_tiny

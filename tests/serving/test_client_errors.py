@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hf_attnstore import AttnStore
-from hf_attnstore.pipeline import ChatPipeline
+from hf_attnstore.serving.pipeline import ChatPipeline
 from hf_attnstore.serving import ChatEngine, create_app
 
 from ..conftest import char_tokenizer, make_tiny

@@ -13,7 +13,7 @@ import uvicorn
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from hf_attnstore import AttnStore
-from hf_attnstore.pipeline import ChatPipeline
+from hf_attnstore.serving.pipeline import ChatPipeline
 from hf_attnstore.serving import ChatEngine, create_app
 from hf_attnstore.store.redis_server import free_port
 

@@ -17,7 +17,7 @@ import torch
 
 from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.store.codec import KVCodec, least_accurate
-from hf_attnstore.upstream import cache_kwargs
+from hf_attnstore.cache.upstream import cache_kwargs
 
 from ..conftest import make_tiny, random_ids
 

@@ -179,7 +179,7 @@ def test_an_append_waiting_for_room_does_not_wait_on_a_write_that_yields_to_comp
     write_turn(store, "x", list(range(16)))
     write_turn(store, "y", list(range(100, 116)), seed=1.0)
     assert reached.wait(WAIT)  # the save thread is writing the first chunk of one of them (non-urgent)
-    store._forward_started()  # a model forward runs: non-urgent writes now yield to it
+    store.forward_started()  # a model forward runs: non-urgent writes now yield to it
     done = threading.Event()
 
     def append():
@@ -191,7 +191,7 @@ def test_an_append_waiting_for_room_does_not_wait_on_a_write_that_yields_to_comp
     go.set()
     assert done.wait(WAIT), "the append and the write waited for each other"
     t.join(WAIT)
-    store._forward_finished()
+    store.forward_finished()
     expect(store.lookup("x", FP), list(range(16)))
     expect(store.lookup("y", FP), list(range(100, 116)), seed=1.0)
     expect(store.lookup("b", FP), list(range(200, 216)), seed=2.0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hf_attnstore.policy import make_policy
+from hf_attnstore.store.policy import make_policy
 from hf_attnstore.store import AttnStore
 
 from .kvdata import BYTES_PER_TOKEN, FP, write_turn

@@ -14,7 +14,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from hf_attnstore.store import AttnStore
 from hf_attnstore.store import remote as remote_module

@@ -23,8 +23,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..batching import MIN_TEMPERATURE
-from ..pipeline import PipelineClosed
+from .batching import MIN_TEMPERATURE
+from .pipeline import PipelineClosed
 
 from .engine import ChatEngine, Overloaded, Turn
 from .metrics import ServerMetrics

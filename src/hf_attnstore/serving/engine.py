@@ -19,7 +19,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from ..pipeline import ChatPipeline, Reply
+from .pipeline import ChatPipeline, Reply
 from .conversation import MessageTokens, ReplyMemo, SessionIndex
 
 

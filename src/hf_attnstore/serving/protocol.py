@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ..store.entry import MAX_SESSION_ID_BYTES
 
 if TYPE_CHECKING:
-    from ..pipeline import ChatPipeline
+    from .pipeline import ChatPipeline
 
 
 class TextPart(BaseModel):

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import parse_bytes
-from ..policy import make_policy
+from .sizes import parse_bytes
+from .policy import make_policy
 from .codec import KVCodec
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..policy import make_policy
+from .policy import make_policy
 from .buffer import SessionBuffer, SessionKV
 from .entry import Entry
 

@@ -27,9 +27,8 @@ from dataclasses import fields
 
 import torch
 
-from ..fingerprint import model_fingerprint
-from ..logs import OnceLogger
-from ..policy import make_policy
+from .logs import OnceLogger
+from .policy import make_policy
 from .buffer import SessionBuffer, SessionKV, ranges
 from .host import HostTier
 from .config import StoreConfig
@@ -141,13 +140,6 @@ class AttnStore(LoadPlanning, SavePlanning):
             self._threads += [self._loader.thread, self._saver.thread]
 
     # -- public API -----------------------------------------------------------------------------------
-    def fingerprint(self, model) -> str:
-        """The key under which this store keeps `model`'s sessions: its fingerprint salted with `namespace`.
-
-        Memoized on the model (see :func:`~hf_attnstore.fingerprint.model_fingerprint`).
-        """
-        return model_fingerprint(model, self.config.namespace)
-
     def lookup(self, session_id: str, fingerprint: str) -> SessionKV | None:
         """A snapshot of the session's KV for this model, or ``None`` (a miss).
 
@@ -408,8 +400,7 @@ class AttnStore(LoadPlanning, SavePlanning):
         """
         with self._lock:
             for policy in (self._host.policy, self._disk_policy):
-                if hasattr(policy, "set_queue"):
-                    policy.set_queue(list(session_ids))
+                policy.set_queue(list(session_ids))
 
     def evict(self, session_id: str) -> None:
         """Moves the session out of host memory: to the tier below (after its pending writes), or drops it."""
@@ -901,11 +892,14 @@ class AttnStore(LoadPlanning, SavePlanning):
         self._delete_folder(e)
 
     # -- compute and turns ------------------------------------------------------------------------------
-    def _forward_started(self) -> None:
+    def forward_started(self) -> None:
+        """A model forward that uses this store begins: the save thread yields to it (saves wait for a quiet
+        moment rather than competing with compute; see `SaveThread`). Called by the cache's forward wrapper."""
         with self._lock:
             self._forwards_active += 1
 
-    def _forward_finished(self) -> None:
+    def forward_finished(self) -> None:
+        """The forward of :meth:`forward_started` ended."""
         with self._cond:
             self._forwards_active -= 1
             self._last_forward = time.monotonic()

@@ -1,0 +1,192 @@
+"""AttnStoreCache: a `transformers` cache that resumes a chat session from stored pre-RoPE KV.
+
+As transformers' own caches, it is a thin `Cache` over per-layer objects (layers.py); the turn's work (the
+reuse plan, loading and re-rotating reused KV, saving what the model computes) is its `Turn` (turn.py).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from ..store import AttnStore
+from ..store.entry import validate_session_id
+from .config import TruncationConfig
+from .fingerprint import model_fingerprint
+from .hooks import install_generation_hook, install_hooks
+from .rope import RopeAdapter
+from .turn import Turn, regime_keys
+from .upstream import Cache, DynamicCache
+
+
+def _as_prompt_ids(input_ids) -> torch.Tensor:
+    """Normalizes a prompt to a 1-D int64 CPU tensor; refuses batches and padding."""
+    mask = None
+    if isinstance(input_ids, Mapping):
+        mask = input_ids.get("attention_mask")
+        input_ids = input_ids["input_ids"]
+    if isinstance(input_ids, torch.Tensor):
+        ids = input_ids.detach()
+    elif isinstance(input_ids, Sequence) and not isinstance(input_ids, (str, bytes)):
+        try:
+            ids = torch.tensor(list(input_ids))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"`input_ids` must be a tensor or a list of token ids: {exc}") from None
+    else:
+        raise TypeError(f"`input_ids` must be a tensor or a list of token ids, got {type(input_ids).__name__}")
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise ValueError(
+                f"AttnStoreCache holds one session, so `input_ids` must have batch size 1, got {ids.shape[0]}; "
+                "create one cache per session"
+            )
+        ids = ids[0]
+    if ids.dtype == torch.bool or ids.is_complex():
+        raise TypeError(f"`input_ids` must hold integer token ids, got dtype {ids.dtype}")
+    if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
+        raise ValueError(f"`input_ids` must be a non-empty [1, seq] or [seq] tensor of ids, got {tuple(ids.shape)}")
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        raise ValueError("padded prompts are not supported: pass the ids of one session without padding")
+    return ids.to("cpu", torch.long)
+
+
+def _from_turn(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.turn, name), doc=doc)
+
+
+class AttnStoreCache(DynamicCache):
+    """A cache that reuses a chat session's stored KV and saves everything the model computes through it.
+
+    Keys are stored before RoPE. On load, each layer's keys are rotated for their (possibly new) positions
+    with the model's own rotary module, so a context that overflowed can be truncated without recomputing.
+    Only the longest common prefix of `input_ids` and the stored token ids is reused, and at least one token
+    is always left to compute: a history that does not match costs recomputation, never wrong output.
+
+    Args:
+        model: The causal LM the cache is used with (its fingerprint keys the stored entries).
+        store: Where sessions' KV lives between turns.
+        session_id: Any non-empty string naming the conversation.
+        input_ids: The full prompt of this turn (history + new message), ``[1, seq]`` or a list of ids.
+        context_window: Maximum tokens the model may see; ``None`` disables truncation.
+        truncation: ``"decoupled"`` (default), ``"recompute"`` or ``"naive"`` (evaluation baseline only), or a
+            whole :class:`TruncationConfig` (then leave the three options below at their defaults).
+        truncation_ratio: Fraction of the window dropped at an overflow.
+        keep_first: Leading tokens always kept as attention sinks.
+        save: If ``False`` the cache only reads: the turn reuses the stored KV but the store is left exactly
+            as it was (for scoring, evaluation, or branching several continuations off one history).
+
+    Attributes:
+        input_ids: The ids to pass to ``generate``/``forward`` (truncated if the context overflowed).
+        reused_tokens: How many of them come from the store; the rest is prefilled.
+        dropped_tokens: How many tokens truncation removed.
+
+    Example:
+        >>> store = AttnStore(host_bytes="1GiB")
+        >>> cache = AttnStoreCache(model, store, session_id="alice", input_ids=ids)  # doctest: +SKIP
+        >>> out = model.generate(cache.input_ids, cache=cache, max_new_tokens=64)  # doctest: +SKIP
+        >>> cache2 = AttnStoreCache(model, store, "alice", input_ids=next_turn_ids)  # doctest: +SKIP
+        >>> cache2.reused_tokens  # doctest: +SKIP
+        97
+    """
+
+    _brackets_forwards = True  # tells hooks.py to bracket forwards through this cache (no import cycle)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        store: AttnStore,
+        session_id: str,
+        input_ids,
+        *,
+        context_window: int | None = None,
+        truncation: str | TruncationConfig = "decoupled",
+        truncation_ratio: float = 0.5,
+        keep_first: int = 4,
+        save: bool = True,
+    ):
+        if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+            raise TypeError(f"`model` must be a transformers model, got {type(model).__name__}")
+        if not isinstance(store, AttnStore):
+            raise TypeError(f"`store` must be an AttnStore, got {type(store).__name__}")
+        if isinstance(truncation, TruncationConfig):  # a caller's validated settings, taken as they are
+            if (context_window, truncation_ratio, keep_first) != (None, 0.5, 4):
+                raise TypeError("pass either a `TruncationConfig` as `truncation` or the separate options")
+            self.truncation = truncation
+        else:
+            self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
+        self.session_id = validate_session_id(session_id)
+        prompt = _as_prompt_ids(input_ids)
+        self.turn = Turn(self, model, store, self.session_id, prompt, self.truncation, save)
+        # Cache.__init__ directly: DynamicCache's would set up lazily-created DynamicLayers instead of ours.
+        Cache.__init__(self, layers=self.turn.layers)
+        if self.turn.turn_end.has_state and self.turn.turn_end.writer is not None:
+            weakref.finalize(self, self.turn.turn_end)  # a hybrid's states are kept also when the cache is dropped
+        install_hooks(model)
+        if self.turn.length_dependent:
+            install_generation_hook(model)
+
+    # What the turn planned and did (read-only here; see Turn).
+    input_ids = _from_turn("input_ids", "The ids to pass to `generate`/`forward` (truncated if the context overflowed).")
+    reused_tokens = _from_turn("reused_tokens", "How many of `input_ids` come from the store.")
+    dropped_tokens = _from_turn("dropped_tokens", "How many tokens truncation removed.")
+    kv_source = _from_turn("kv_source", "Where the reused KV came from: host, disk, remote, or miss.")
+    recomputed = _from_turn("recomputed", "Whether stored KV proved unreadable mid-forward and was recomputed.")
+    recomputed_head = _from_turn("recomputed_head", "Leading tokens of a partially evicted session recomputed.")
+    plan = _from_turn("plan", "The reuse plan (truncation.ReusePlan).")
+    regime = _from_turn("regime", "The RoPE frequency regime of the turn (\"\" for static RoPE).")
+    fingerprint = _from_turn("fingerprint", "The key of this model's KV in the store (regime included).")
+    saved_tokens = _from_turn("saved_tokens", "Tokens this turn handed to the store.")
+    save_seconds = _from_turn("save_seconds", "Seconds this turn spent un-rotating keys and handing KV to the store.")
+    token_ids = _from_turn("token_ids", "The ids the cache's KV covers so far.")
+
+    @staticmethod
+    def fingerprint_of(model: nn.Module, store: AttnStore | None = None) -> str:
+        """The fingerprint under which this model's sessions are stored (in `store`'s namespace, if given);
+        see :meth:`fingerprints_of` for length-dependent RoPE.
+
+        Example:
+            >>> fp = AttnStoreCache.fingerprint_of(model, store)  # doctest: +SKIP
+        """
+        return model_fingerprint(model, store.config.namespace if store is not None else None)
+
+    @staticmethod
+    def fingerprints_of(model: nn.Module, store: AttnStore | None = None) -> list[str]:
+        """Every key under which this model's sessions may be stored, the one of longer contexts first: one
+        for most models; two for `longrope`, whose KV is keyed by its frequency regime (short, long)."""
+        return regime_keys(AttnStoreCache.fingerprint_of(model, store), RopeAdapter(model))
+
+    def append_computed(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+                        values: list[torch.Tensor]) -> None:
+        """Stores KV the model computed for this session outside this cache (a batched decoding step over
+        several sessions), exactly as a forward through the cache would store it: see `Turn.append_computed`."""
+        self.turn.append_computed(token_ids, positions, keys, values)
+
+    def close(self) -> None:
+        """Ends the turn: the store may demote the session again. Later forwards through this cache are not
+        saved. Called when the cache is garbage-collected; call it (or use ``with``) when keeping caches."""
+        self.turn.close()
+
+    def __enter__(self) -> "AttnStoreCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- operations a single-session cache does not support -------------------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.turn.cropped(self.get_seq_length())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise ValueError("AttnStoreCache holds one session: use num_beams=1 and num_return_sequences=1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if indices.numel() != 1:
+            raise ValueError("AttnStoreCache holds one session and cannot select several batch rows")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("AttnStoreCache does not support beam search: use num_beams=1")

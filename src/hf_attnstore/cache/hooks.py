@@ -1,0 +1,89 @@
+"""The forward wrapper that lets an :class:`AttnStoreCache` see where each forward pass begins and ends.
+
+In transformers 5.x `Cache.update()` receives no positions, so the cache learns them from the base model's
+inputs (`input_ids`, `position_ids`, the cache) before the forward, and commits the forward's KV
+to the store after it. We wrap `model.base_model.forward` rather than registering hooks because one more
+thing must be possible: if stored KV turns out to be unreadable in the middle of a forward (a damaged
+file found by its checksum after earlier layers already used their KV), the wrapper re-runs that forward
+over the whole prompt without the store, so the caller gets correct output and a miss, never an error.
+The wrapper is installed once per model and passes straight through for any other cache.
+
+phi3 also overrides `prepare_inputs_for_generation` to drop the cache and recompute everything when a sequence
+first grows past `original_max_position_embeddings` (where longrope switches to its long factors). With this
+cache, KV of the long regime is stored apart and reused exactly (rope.RopeAdapter.regime), so that override is
+bypassed while a turn stays in its regime, and left to run (after the cache stops saving) where it crosses.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from . import upstream
+
+_HOOK_ATTR = "_hf_attnstore_original_forward"
+_PREPARE_ATTR = "_hf_attnstore_original_prepare"
+# Model types whose `prepare_inputs_for_generation` recomputes the whole sequence when longrope switches regime.
+_REGIME_SWITCHING = frozenset({"phi3"})
+
+
+class ReuseFailed(Exception):
+    """Raised inside a forward when the reused KV could not be loaded; caught by the wrapper."""
+
+
+def _cache_of(kwargs: dict):
+    """The forward's cache if it asks to be bracketed (AttnStoreCache sets `_brackets_forwards`), under the
+    argument name of the installed transformers (`cache` from 5.24) or the deprecated one (upstream.py)."""
+    cache = upstream.cache_from(kwargs)
+    return cache if getattr(type(cache), "_brackets_forwards", False) else None
+
+
+def install_hooks(model: nn.Module) -> None:
+    """Wraps ``model.base_model.forward`` unless it is wrapped already."""
+    base = upstream.base_model(model)
+    if getattr(base, _HOOK_ATTR, None) is not None:
+        return
+    original = base.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        cache = _cache_of(kwargs)
+        if cache is None:
+            return original(*args, **kwargs)
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        cache.turn.forward_started()  # the store's writer yields to compute (store.py)
+        try:
+            cache.turn.begin_forward(input_ids, kwargs.get("inputs_embeds"), kwargs.get("position_ids"))
+            try:
+                output = original(*args, **kwargs)
+            except ReuseFailed:
+                return cache.turn.recompute_forward(original, args, kwargs)
+            cache.turn.end_forward()
+            return output
+        finally:
+            cache.turn.forward_finished()
+
+    base.forward = forward
+    setattr(base, _HOOK_ATTR, original)
+
+
+def install_generation_hook(model: nn.Module) -> None:
+    """Wraps the `prepare_inputs_for_generation` of models that switch RoPE regimes there (phi3), once."""
+    if model.config.model_type not in _REGIME_SWITCHING or getattr(model, _PREPARE_ATTR, None) is not None:
+        return
+    own = model.prepare_inputs_for_generation
+    generic = upstream.generic_prepare_inputs(model)
+
+    @functools.wraps(own)
+    def prepare(input_ids, *args, **kwargs):
+        cache = _cache_of(kwargs)
+        if cache is None or not cache.turn.length_dependent:
+            return own(input_ids, *args, **kwargs)
+        if cache.turn.regime_of(input_ids.shape[1]) != cache.regime:
+            cache.turn.leave_regime()  # the model's override recomputes the sequence without this cache
+            return own(input_ids, *args, **kwargs)
+        return generic(input_ids, *args, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare
+    setattr(model, _PREPARE_ATTR, own)

@@ -1,0 +1,338 @@
+"""The per-layer objects of an :class:`~hf_attnstore.cache.AttnStoreCache`, and which layer gets which.
+
+Most models keep KV in every layer: each one is an :class:`AttnStoreLayer`. Hybrid models mix attention
+layers with linear-attention or state-space layers (transformers' layer types ``linear_attention`` and
+``conv``), layers that have both (``hybrid``: falcon_h1, zamba2) and layers with no cache (``dummy``:
+nemotron_h's MLP layers). :class:`LayerLayout` reads the types from the model's config, as
+`DynamicCache(config=...)` does, and numbers the KV-carrying layers: the store keeps one KV *slot* per
+such layer, so its geometry counts slots, not model layers.
+
+Multi-head latent attention (deepseek_v2/v3 and the families built on them, `LATENT_MODEL_TYPES`) caches two
+single-head tensors per layer: as "keys" the compressed latent ``[1, 1, n, kv_lora_rank]``, which carries no
+position, and as "values" the rotary part of the key ``[1, 1, n, qk_rope_head_dim]``, rotated. The store keeps
+them the other way round, so that its keys are always the rotated tensor (un-rotated on save, re-rotated on
+load, quantized per channel by a codec): the layers swap them at the boundary (`LayerLayout.latent`).
+
+States are restored into transformers' own `LinearAttentionLayer` (the models call its
+`update_conv_state` / `update_recurrent_state`), and captured from it at the end of a turn (state.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..store.state import SessionState
+from .upstream import (
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+    layer_types,
+)
+
+if TYPE_CHECKING:
+    from .turn import Turn
+
+logger = logging.getLogger(__name__)
+KV, STATE, BOTH, NONE = "kv", "state", "both", "none"
+# Multi-head latent attention whose cache holds the latent as keys and the rotated key part as values.
+LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu", "axk1",
+                                "kimi_linear", "bailing_hybrid"})  # (these two: hybrids, see rope.py)
+_KINDS = {"full_attention": KV, "sliding_attention": KV, "chunked_attention": KV, "linear_attention": STATE,
+          "conv": STATE, "hybrid": BOTH, "hybrid_sliding": BOTH, "dummy": NONE}
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """What each of a model's layers caches: ``kinds[i]`` is ``"kv"``, ``"state"``, ``"both"`` or ``"none"``;
+    ``states[i]`` how many conv/recurrent state pairs it has (linear-attention layers only); `latent`: the
+    model caches a latent and the key's rotary part (multi-head latent attention), which the store keeps with
+    their roles swapped (see the module docstring)."""
+
+    kinds: tuple[str, ...]
+    states: tuple[int, ...]
+    latent: bool = False
+    # Per model layer, the sliding window of a sliding-attention KV layer (None elsewhere): such a layer keeps
+    # on the device only the `window - 1` tokens its next query can attend to (the store keeps them all).
+    windows: tuple[int | None, ...] = ()
+
+    @classmethod
+    def of(cls, model) -> "LayerLayout":
+        """The layout of `model`'s decoder (every layer keeps KV unless its config's layer types say otherwise).
+
+        Raises:
+            ValueError: A layer type whose cache the store cannot keep (e.g. a compressed or indexed one).
+        """
+        config = model.config.get_text_config(decoder=True)
+        if getattr(config, "layer_types", None) is None and not getattr(config, "sliding_window", None):
+            return cls((KV,) * config.num_hidden_layers, (0,) * config.num_hidden_layers,
+                       config.model_type in LATENT_MODEL_TYPES, (None,) * config.num_hidden_layers)
+        types, kwargs = layer_types(config)
+        windows = tuple(kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, kwargs))
+        unknown = sorted({t for t in types if t not in _KINDS})
+        if unknown:
+            raise ValueError(f"layer type(s) {', '.join(map(repr, unknown))} of model type {config.model_type!r} keep "
+                             "a cache AttnStoreCache cannot store; use DynamicCache for this model")
+        kinds = tuple(_KINDS[t] for t in types)
+        return cls(kinds, tuple(kw.get("number_of_states", 1) if k in (STATE, BOTH) else 0
+                                for k, kw in zip(kinds, kwargs)), config.model_type in LATENT_MODEL_TYPES, windows)
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The model layers that keep KV, in order: layer ``kv_layers[s]`` has the store's slot ``s``."""
+        return [i for i, kind in enumerate(self.kinds) if kind in (KV, BOTH)]
+
+    @property
+    def slot_windows(self) -> dict[int, int]:
+        """KV slot -> sliding window, for the sliding-attention slots."""
+        return {slot: self.windows[i] for slot, i in enumerate(self.kv_layers) if self.windows and self.windows[i]}
+
+    @property
+    def has_state(self) -> bool:
+        """Whether some layer keeps recurrent or convolution states (a hybrid model)."""
+        return any(kind in (STATE, BOTH) for kind in self.kinds)
+
+
+class AttnStoreLayer(DynamicLayer):
+    """One KV layer of an :class:`AttnStoreCache` (store slot `slot`).
+
+    Until the layer's first `update()`, its reused KV stays in the store and only its length is known
+    (`generate` needs the length before any forward). The first update loads this layer alone and
+    re-applies RoPE for the new positions, so loading proceeds layer by layer with the forward pass.
+    """
+
+    def __init__(self, owner: "Turn", slot: int, reused: int, swap: bool = False):
+        DynamicLayer.__init__(self)
+        # A weak reference: no cycle between the cache and its layers, so a cache dropped by its user is freed
+        # (and its turn closed, see AttnStoreCache.close) at once rather than at the next garbage collection.
+        self._owner = weakref.proxy(owner)
+        self._layer_idx = slot
+        self._pending_reuse = reused
+        self._swap = swap  # multi-head latent attention: the store's keys are the model's values (module doc)
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return self._pending_reuse
+        return super().get_seq_length()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise ValueError(
+                f"AttnStoreCache supports batch size 1 (got {key_states.shape[0]}): no beam search, "
+                "num_return_sequences=1, one session per cache"
+            )
+        # In the store's roles: `rotated` is what RoPE turned (the model's keys, or an MLA model's values).
+        rotated, other = (value_states, key_states) if self._swap else (key_states, value_states)
+        if not self.is_initialized:
+            # First forward of the turn: this layer's reused KV (re-rotated) and the new KV, written into one
+            # tensor each (DynamicLayer's own concatenation would copy as much).
+            self.dtype, self.device = key_states.dtype, key_states.device
+            all_rotated, all_other = self._owner.load_layer(self._layer_idx, self._pending_reuse, rotated, other)
+            self.keys, self.values = (all_other, all_rotated) if self._swap else (all_rotated, all_other)
+            self._owner.record(self._layer_idx, rotated, other)
+            self.is_initialized = True
+            return self.keys, self.values
+        self._owner.record(self._layer_idx, rotated, other)
+        return DynamicLayer.update(self, key_states, value_states)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if not self.is_initialized:
+            self._pending_reuse = max(0, self._pending_reuse + min(0, tokens_to_remove))
+            return
+        DynamicLayer.crop(self, tokens_to_remove)
+
+
+class AttnStoreSlidingLayer(AttnStoreLayer, DynamicSlidingWindowLayer):
+    """A sliding-window KV layer (store slot `slot`): like transformers' `DynamicSlidingWindowLayer`, it keeps
+    only the last ``sliding_window - 1`` tokens, all its next query can attend to, and it loads only those of
+    the reused ones. The store keeps every token (a later turn may diverge or truncate earlier)."""
+
+    is_sliding = True
+
+    def __init__(self, owner: "Turn", slot: int, reused: int, swap: bool, sliding_window: int):
+        AttnStoreLayer.__init__(self, owner, slot, reused, swap)
+        # DynamicSlidingWindowLayer's state (its mask sizes, past recording and crop are used as they are).
+        self.sliding_window = sliding_window
+        self._sliding_window_tensor = torch.tensor(sliding_window, dtype=torch.long)
+        self.cumulative_length = reused  # tokens seen, including those no longer kept
+        self.record_past = False  # set by assisted decoding, which crops what it rejects
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            return AttnStoreLayer.update(self, key_states, value_states)  # raises the batch-size error
+        rotated, other = (value_states, key_states) if self._swap else (key_states, value_states)
+        if not self.is_initialized:
+            # The reused tokens the window still sees (the cache loads only those), then the new ones.
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
+            all_rotated, all_other = self._owner.load_layer(self._layer_idx, self._pending_reuse, rotated, other)
+            full_keys, full_values = (all_other, all_rotated) if self._swap else (all_rotated, all_other)
+            self.is_initialized = True
+        else:
+            full_keys = torch.cat([self.keys, key_states], dim=-2)
+            full_values = torch.cat([self.values, value_states], dim=-2)
+        self._owner.record(self._layer_idx, rotated, other)
+        self.cumulative_length += key_states.shape[-2]
+        if self.record_past:  # kept whole until `crop` (as DynamicSlidingWindowLayer)
+            self.keys, self.values = full_keys, full_values
+            visible = self.sliding_window - 1 + key_states.shape[-2]
+            return full_keys[:, :, -visible:], full_values[:, :, -visible:]
+        self.keys = full_keys[:, :, -self.sliding_window + 1 :]
+        self.values = full_values[:, :, -self.sliding_window + 1 :]
+        return full_keys, full_values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if not self.is_initialized:
+            AttnStoreLayer.crop(self, tokens_to_remove)
+            self.cumulative_length = self._pending_reuse
+            return
+        DynamicSlidingWindowLayer.crop(self, tokens_to_remove)
+
+
+class AttnStoreHybridLayer(LinearAttentionLayer, AttnStoreLayer):
+    """A layer with both KV (an :class:`AttnStoreLayer`) and linear-attention states (falcon_h1, zamba2)."""
+
+    is_compileable = False  # its KV grows
+
+    def __init__(self, owner: "Turn", slot: int, reused: int, number_of_states: int):
+        AttnStoreLayer.__init__(self, owner, slot, reused)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # As transformers' LinearAttentionAndFullAttentionLayer: the KV path passes two positional tensors,
+        # the state path keyword arguments.
+        if len(args) == 2 and not kwargs:
+            DynamicLayer.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return AttnStoreLayer.update(self, key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        return AttnStoreLayer.get_seq_length(self)
+
+    def get_max_length(self) -> int:
+        return DynamicLayer.get_max_length(self)
+
+    def get_mask_sizes(self, *args, **kwargs):
+        return DynamicLayer.get_mask_sizes(self, *args, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        DynamicLayer.reset(self)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+        AttnStoreLayer.crop(self, tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        DynamicLayer.reorder_cache(self, beam_idx)
+
+
+def build_layers(owner: "Turn", layout: LayerLayout, reused: int, state: SessionState | None,
+                 device: torch.device) -> list:
+    """The cache's layers for a turn that reuses `reused` tokens (and, for a hybrid model, `state`: the states
+    after exactly those tokens)."""
+    layers, slot = [], 0
+    for idx, (kind, n_states) in enumerate(zip(layout.kinds, layout.states)):
+        if kind == KV and layout.windows and layout.windows[idx]:
+            layers.append(AttnStoreSlidingLayer(owner, slot, reused, layout.latent, layout.windows[idx]))
+        elif kind == KV:
+            layers.append(AttnStoreLayer(owner, slot, reused, layout.latent))
+        elif kind == BOTH:
+            layers.append(AttnStoreHybridLayer(owner, slot, reused, n_states))
+        elif kind == STATE:
+            layers.append(LinearAttentionLayer(number_of_states=n_states))
+        else:
+            layers.append(DummyLayer())
+        slot += kind in (KV, BOTH)
+        if state is not None and kind in (STATE, BOTH):
+            _restore(layers[-1], idx, state, device)
+    return layers
+
+
+def _restore(layer: LinearAttentionCacheLayerMixin, idx: int, state: SessionState, device: torch.device) -> None:
+    """Puts layer `idx`'s stored states into `layer`, as if it had computed them (`has_previous_state`)."""
+    for i in range(layer.number_of_states):
+        conv, rec = state.tensors.get(f"L{idx:04d}.c{i}"), state.tensors.get(f"L{idx:04d}.r{i}")
+        if conv is not None:
+            conv = conv.to(device)
+            layer.lazy_initialization(conv_states=conv, state_idx=i, conv_kernel_size=conv.shape[-1])
+            layer.conv_states[i].copy_(conv)
+        if rec is not None:
+            rec = rec.to(device)
+            layer.lazy_initialization(recurrent_states=rec, state_idx=i)
+            layer.recurrent_states[i].copy_(rec)
+        layer.has_previous_state[i] = conv is not None or rec is not None
+
+
+def state_tensors(layers: list) -> dict[str, torch.Tensor] | None:
+    """The conv and recurrent states of every linear-attention layer (views: copy before the model runs
+    again), or None if some layer has none yet."""
+    out = {}
+    for idx, layer in enumerate(layers):
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            continue
+        for i in range(layer.number_of_states):
+            if not layer.has_previous_state[i]:
+                return None
+            if layer.is_conv_states_initialized[i]:
+                out[f"L{idx:04d}.c{i}"] = layer.conv_states[i]
+            if layer.is_recurrent_states_initialized[i]:
+                out[f"L{idx:04d}.r{i}"] = layer.recurrent_states[i]
+    return out
+
+
+class TurnEnd:
+    """Hands a hybrid model's states to the store: at the end of the turn (`AttnStoreCache.close`, or when
+    the cache is garbage-collected: this object holds the writer and the layers, never the cache), and
+    whenever the store asks for the states of a turn still open (a next turn's lookup while the previous
+    cache is still referenced, a flush: :meth:`publish`).
+
+    `tokens` and `complete` are set by the cache around each forward, under `lock`: states are copied only
+    between forwards (a forward in progress, or one that failed, leaves layers that disagree).
+    """
+
+    def __init__(self, writer, layers: list, has_state: bool):
+        self.writer, self.layers, self.has_state = writer, layers, has_state
+        self.tokens, self.complete, self.done = 0, False, False
+        # Re-entrant: the cache's finalizer may run (garbage collection) inside a publish on the same thread.
+        self.lock = threading.RLock()
+        if writer is not None and has_state:
+            writer.state_source = weakref.ref(self)
+
+    def publish(self, end: bool = False) -> None:
+        """Copies the states after the last completed forward to the store (and closes the writer if `end`)."""
+        with self.lock:
+            if self.done:
+                return
+            self.done = end
+            state = None
+            if self.has_state and self.complete and self.tokens:
+                tensors = state_tensors(self.layers)
+                try:
+                    state = SessionState.capture(self.tokens, tensors) if tensors else None
+                except (TypeError, RuntimeError) as exc:  # e.g. out of memory: the next turn recomputes
+                    logger.warning("the states of a hybrid model's turn could not be kept (%s): its next turn "
+                                   "recomputes", exc)
+            if self.writer is None:
+                return
+            if end:
+                self.writer.close(state)
+            elif state is not None:
+                self.writer.offer_state(state)
+
+    def __call__(self) -> None:
+        self.publish(end=True)

@@ -1,0 +1,169 @@
+"""The one seam to transformers: every use of something outside its documented public API goes through here.
+
+transformers moves fast and its internals move with it (5.24 renamed the forward argument `past_key_values`
+to `cache` on every model). Each internal this package relies on is named once below, with why we need it;
+`tests/cache/test_upstream.py` checks each one against the installed release and fails with a message naming it,
+so the next upstream change costs one file and one clear test failure. docs/design.md ("The transformers
+seam") keeps the table of what we rely on and the versions checked.
+
+Public API we also use, and need not route through here: `AutoModelForCausalLM`, `AutoTokenizer`,
+`DynamicCache(config=...)`, `model.generate`, `GenerationConfig`, stopping criteria and the streamers.
+
+Example:
+    >>> from hf_attnstore import upstream
+    >>> upstream.CACHE_ARG in ("cache", "past_key_values")
+    True
+    >>> upstream.cache_kwargs(None) == {upstream.CACHE_ARG: None}
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+import transformers
+from packaging.version import Version
+from torch import nn
+from transformers import GenerationMixin
+
+# cache_utils: the layer classes our cache subclasses or fills, and the reading of a config's layer types.
+# Cache and DynamicCache are public; the layer objects are how `DynamicCache` is built since 5.0, and our
+# layers subclass them so that transformers' masks, crop and assisted decoding treat them as its own.
+from transformers.cache_utils import (  # noqa: F401  (re-exported: the rest of the package imports them here)
+    Cache,
+    DummyLayer,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+    get_layer_types_and_kwargs,
+)
+
+__all__ = ["Cache", "DummyLayer", "DynamicCache", "DynamicLayer", "DynamicSlidingWindowLayer",
+           "LinearAttentionCacheLayerMixin", "LinearAttentionLayer", "CACHE_ARG", "CACHE_ARGS", "cache_kwargs",
+           "cache_from", "output_cache", "base_model", "generic_prepare_inputs", "find_rotary", "rope_type",
+           "rope_limit", "layer_types", "tested_range_warning", "warn_if_untested"]
+
+# The releases this package was tested with, oldest and newest (make test runs the lock's, CI also the newest
+# on the registry and the oldest here; setup.cfg's lower bound is the oldest).
+TESTED_OLDEST = "5.23.0"
+TESTED_NEWEST = "5.24.0"
+VERSION = transformers.__version__
+
+
+def _cache_arg() -> str:
+    """The name under which models take and return their cache: ``cache`` from 5.24, ``past_key_values`` before.
+
+    Read from the signature of the generic `prepare_inputs_for_generation` (which every decoder-only model
+    inherits) rather than from the version number, so a backport or a rename back is followed too.
+    """
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+CACHE_ARG = _cache_arg()
+# Every name a model forward, `generate` or `prepare_inputs_for_generation` may receive a cache under: the
+# current one first; the old one stays accepted (deprecated from 5.24 until 5.40/6.0).
+CACHE_ARGS = (CACHE_ARG, "past_key_values") if CACHE_ARG != "past_key_values" else (CACHE_ARG,)
+
+
+def cache_kwargs(cache) -> dict:
+    """Keyword arguments that pass `cache` to a model's forward or `generate` under this release's name.
+
+    Example:
+        >>> logits = model(ids, **cache_kwargs(cache)).logits  # doctest: +SKIP
+    """
+    return {CACHE_ARG: cache}
+
+
+def cache_from(kwargs: dict):
+    """The cache among a forward's or `prepare_inputs_for_generation`'s keyword arguments, under either name."""
+    for name in CACHE_ARGS:
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+def output_cache(output):
+    """The cache a model's output returns (``output.cache`` from 5.24, ``output.past_key_values`` before)."""
+    for name in CACHE_ARGS:
+        value = getattr(output, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder a causal LM delegates to (`model.base_model`): the forward our cache brackets (hooks.py).
+
+    transformers' causal LMs call ``self.model(...)`` (the `base_model_prefix` attribute) with the cache; we
+    wrap that module's `forward` to learn where each forward starts and ends.
+    """
+    return model.base_model
+
+
+def generic_prepare_inputs(model: nn.Module):
+    """`GenerationMixin.prepare_inputs_for_generation` bound to `model`: the generic version, for models that
+    override it (phi3 recomputes everything where longrope switches regime; see hooks.py)."""
+    return functools.partial(GenerationMixin.prepare_inputs_for_generation, model)
+
+
+def find_rotary(model: nn.Module) -> nn.Module | None:
+    """The decoder's rotary module (`rotary_emb`): on the base model, on its language model (multimodal wrappers
+    such as Gemma3ForConditionalGeneration), or on `model.model` where the base-model prefix does not match
+    (llama4). Called as ``rotary(x, position_ids[, layer_type])`` and returning cos/sin ``[1, seq, rot_dim]``
+    (complex frequencies for llama4 and deepseek_v2); we never re-implement its frequencies (rope.py)."""
+    for holder in (model.base_model, getattr(model.base_model, "language_model", None), getattr(model, "model", None)):
+        rotary = getattr(holder, "rotary_emb", None)
+        if isinstance(rotary, nn.Module):
+            return rotary
+    return None
+
+
+def rope_type(rotary: nn.Module):
+    """The rotary module's `rope_type`: a string, or a dict per layer type (gemma3, olmo3)."""
+    return getattr(rotary, "rope_type", "default")
+
+
+def rope_limit(rotary: nn.Module, config) -> int:
+    """The length up to which length-dependent RoPE keeps its short (`longrope`) or base (`dynamic`) frequencies:
+    `rope_parameters["original_max_position_embeddings"]` for longrope, the module's `original_max_seq_len`
+    (set by `dynamic_rope_update`'s module) or the config's `max_position_embeddings` for dynamic."""
+    if rope_type(rotary) == "longrope":
+        return int(rotary.config.rope_parameters["original_max_position_embeddings"])
+    return int(getattr(rotary, "original_max_seq_len", config.max_position_embeddings))
+
+
+def layer_types(config) -> tuple[list[str], list[dict]]:
+    """Per decoder layer, its cache type (``full_attention``, ``sliding_attention``, ``linear_attention``, ...)
+    and the keyword arguments `DynamicCache(config=...)` would build its layer with (`sliding_window`,
+    `number_of_states`): transformers' `get_layer_types_and_kwargs`."""
+    return get_layer_types_and_kwargs(config)
+
+
+def tested_range_warning(version: str = VERSION) -> str | None:
+    """The warning for a transformers release outside the tested range, or None inside it.
+
+    Example:
+        >>> tested_range_warning(TESTED_NEWEST) is None
+        True
+        >>> "tested" in tested_range_warning("4.57.0")
+        True
+    """
+    installed = Version(version)
+    if Version(TESTED_OLDEST) <= installed and installed.release[:2] <= Version(TESTED_NEWEST).release[:2]:
+        return None
+    return (f"hf_attnstore was tested with transformers {TESTED_OLDEST} to {TESTED_NEWEST}, and transformers "
+            f"{version} is installed: it may work, but the internals it relies on (hf_attnstore/cache/upstream.py) are "
+            "not checked for it; run `pytest tests/cache/test_upstream.py` to check them, or install a tested release")
+
+
+def warn_if_untested() -> None:
+    """Warns once, at import, when the installed transformers lies outside the tested range (not an error:
+    users may know better)."""
+    message = tested_range_warning()
+    if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=3)

@@ -1,0 +1,560 @@
+"""Continuous batching of a ChatPipeline's turns: sessions decode together, joining and leaving between steps.
+
+Each turn starts alone: its prompt is prefilled through its own :class:`AttnStoreCache` (reusing the stored
+KV exactly as a solo turn does), which gives its first token. It then joins the running batch, whose
+decoding steps feed one token of every member at once. Members have different history lengths: the batch
+cache holds each member's KV left-padded to the longest, with an attention mask over the padding and each
+member's own positions (its keys were rotated for them already, so padding shifts nothing). A member leaves
+as soon as it is done (end of turn, `max_new_tokens`, a stop string, a cancelled request), and a queued turn
+joins at the next step into a free row of the batch cache (see `BatchKV`).
+
+A member's decoded KV is handed to its session's cache when it leaves (`AttnStoreCache.append_computed`),
+so the store gets what a solo turn would have stored: the prompt, then every generated token that was fed
+back. A reply cut by `max_new_tokens` stays one more step, so its last token is fed and stored too (the
+solo path feeds it separately).
+
+With ``max_batch_tokens`` a joining turn's new tokens are prefilled in chunks: each iteration of the loop
+computes at most ``max_batch_tokens`` tokens (the running members' decoding step counts one each), so a long
+prompt no longer stalls the running members' replies for its whole prefill (chunked prefill, as vLLM's and
+SGLang's token budget). Without it a joining turn is prefilled in one forward, which on a CPU is the fastest:
+chunks, and several sessions' prompts padded into one forward, both cost more there (`eval/bench_prefill.py`).
+
+Two turns of one session never run together: a queued turn waits until its session's running turn leaves.
+
+No turn can stop the loop: an exception from one member (its prefill, its token choice, its streamer, its
+place in the batch cache, storing its KV) fails that member's future and the others go on; a failed
+batched forward fails the members of that step only; a failure of the loop itself fails the turns in flight
+and the loop goes on serving the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import InvalidStateError
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..cache.cache import AttnStoreCache
+from .jobs import Prepared, Tee, quietly
+from ..cache.upstream import DynamicCache, DynamicLayer, cache_kwargs
+
+if TYPE_CHECKING:
+    from .jobs import Job
+    from .pipeline import ChatPipeline
+
+logger = logging.getLogger(__name__)
+
+
+class _SlabLayer(DynamicLayer):
+    """One layer of the batch cache: a preallocated slab ``[rows, kv_heads, columns, head_dim]`` whose rows
+    ``[:n]`` (the members) and columns ``[start:end]`` are live; `keys` / `values` are views of that region.
+
+    A decoding step writes one column in place (where `DynamicLayer` concatenates, copying the whole batch's
+    KV at every step); a joining member is written into a free row, right-aligned at `end`; a leaving one is
+    replaced by the last row. The masked padding left of a member's first column must hold finite numbers
+    (0 * NaN would still be NaN): it is zeroed when it becomes live, not the whole slab up front (that would
+    touch every page of a large allocation twice)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: int, columns: int, start: int):
+        super().__init__()
+        self._k = keys.new_empty(rows, keys.shape[1], columns, keys.shape[3])
+        self._v = values.new_empty(rows, values.shape[1], columns, values.shape[3])
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.n, self.start, self.end = 0, start, start
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self._k[: self.n, :, self.start : self.end]
+        self.values = self._v[: self.n, :, self.start : self.end]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[2]
+        if self.end + n > self._k.shape[2]:
+            raise RuntimeError("the batch cache has no room left (the runner plans it): this is a bug")
+        self._k[: self.n, :, self.end : self.end + n] = key_states
+        self._v[: self.n, :, self.end : self.end + n] = value_states
+        self.end += n
+        self._views()
+        return self.keys, self.values
+
+    def extend_left(self, start: int) -> None:
+        """Makes columns from `start` live: the existing rows' new columns are padding (zeroed)."""
+        if start < self.start:
+            self._k[: self.n, :, start : self.start] = 0
+            self._v[: self.n, :, start : self.start] = 0
+            self.start = start
+
+    def put(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes a member's KV ``[1, h, L, d]`` into `row`, ending at `end`; its padding is zeroed."""
+        first = self.end - keys.shape[2]
+        self._k[row, :, first : self.end] = keys[0]
+        self._v[row, :, first : self.end] = values[0]
+        self._k[row, :, self.start : first] = 0
+        self._v[row, :, self.start : first] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        self._k[dst, :, self.start : self.end] = self._k[src, :, self.start : self.end]
+        self._v[dst, :, self.start : self.end] = self._v[src, :, self.start : self.end]
+
+    def copy_from(self, old: "_SlabLayer") -> None:
+        """Takes over the live region of a smaller slab, keeping its `end` aligned with ours."""
+        width = old.end - old.start
+        self._k[: old.n, :, self.end - width : self.end] = old.keys
+        self._v[: old.n, :, self.end - width : self.end] = old.values
+
+
+class BatchKV(DynamicCache):
+    """The batch cache: each member's KV in one row, left-padded so that all rows end at the same column.
+
+    Members join and leave without rebuilding it: a joiner takes the next free row (the columns left of its
+    first one are masked), a leaver's row is filled by the last row, and the slab is reallocated (one copy of
+    the live KV) only when a joiner is longer than the free columns on the left, or the members' remaining
+    tokens would not fit on the right.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.layers: list[_SlabLayer] = []
+        self.first: list[int] = []  # each row's first live column (the padding is left of it)
+
+    @property
+    def width(self) -> int:
+        return self.layers[0].end - self.layers[0].start if self.layers else 0
+
+    def pad(self, row: int) -> int:
+        return self.first[row] - self.layers[0].start
+
+    def admit(self, kvs: list[list[tuple[torch.Tensor, torch.Tensor]]], rows: int, room: int) -> None:
+        """Adds members' KV (each per layer ``[1, h, L, d]``) as the last rows; `rows` is the most rows the batch
+        may have, `room` the columns its members may still add."""
+        length = max(kv[0][0].shape[2] for kv in kvs)
+        old = self.layers[0] if self.layers else None
+        if old is None or old.n + len(kvs) > rows or old.end < length or old._k.shape[2] - old.end < room:
+            # Reallocate once for all joiners, with headroom on both sides: on the left a session's next turn
+            # is longer; on the right every decoding step takes a column, and a later joiner needs `room` more.
+            width = max(length, self.width)
+            end = width // 2 + width
+            layers = []
+            for i, (k, v) in enumerate(kvs[0]):
+                layer = _SlabLayer(k, v, rows, end + room + width // 2, end)
+                if old is not None:
+                    layer.copy_from(self.layers[i])
+                    layer.n, layer.start = old.n, end - self.width
+                layers.append(layer)
+            if old is not None:
+                self.first = [f + end - old.end for f in self.first]
+            self.layers = layers
+        for kv in kvs:
+            length, row = kv[0][0].shape[2], self.layers[0].n
+            for layer, (k, v) in zip(self.layers, kv):
+                layer.extend_left(layer.end - length)
+                layer.put(row, k, v)
+                layer.n = row + 1
+                layer._views()
+            self.first.append(self.layers[0].end - length)
+
+    @property
+    def rows(self) -> int:
+        return self.layers[0].n if self.layers else 0
+
+    def keep_rows(self, rows: int) -> None:
+        """Drops every row from `rows` on: undoes an `admit` that failed after writing some of its rows. The
+        columns it made live on the left stay live, in every layer alike, as zeroed (masked) padding."""
+        start = min((layer.start for layer in self.layers), default=0)
+        for layer in self.layers:
+            layer.n = min(layer.n, rows)
+            layer.extend_left(start)
+            layer._views()
+        del self.first[rows:]
+
+    def remove(self, row: int) -> None:
+        """Drops a row; the last row takes its place."""
+        last = self.layers[0].n - 1
+        for layer in self.layers:
+            if row != last:
+                layer.move(last, row)
+            layer.n = last
+        self.first[row] = self.first[last]
+        self.first.pop()
+        # The columns no member uses any more are left of the earliest first column.
+        start = min(self.first, default=self.layers[0].end)
+        for layer in self.layers:
+            layer.start = start
+            layer._views()
+
+
+def _whole(layer, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A solo cache layer's KV over all `length` tokens: a sliding-window layer keeps only its window's tail,
+    so its past is filled with zeros, which the batch's sliding mask never lets a query see (and zeros, not
+    garbage: a masked NaN would still poison the softmax)."""
+    keys, values = layer.keys, layer.values
+    missing = length - keys.shape[2]
+    if missing <= 0:
+        return keys, values
+    return (torch.cat([keys.new_zeros(*keys.shape[:2], missing, keys.shape[3]), keys], dim=2),
+            torch.cat([values.new_zeros(*values.shape[:2], missing, values.shape[3]), values], dim=2))
+
+
+def batchable(model) -> tuple[bool, str]:
+    """Whether the model's turns can be batched here, and why not.
+
+    Every model that AttnStoreCache supports is, sliding-window layers included: a sliding mask compares a
+    query's column with a key's column, and left padding shifts both by the same amount in a row, so the
+    distance is the positions' (tested: sliding models give their solo tokens batched, where dropping the
+    window changes most turns' tokens). Chunked attention (llama4) is not: its chunks start at multiples of
+    the chunk size, counted in columns, and left padding moves a row's positions off those boundaries; nor is
+    length-dependent RoPE, whose frequencies follow the batch's longest row."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    from ..cache.layers import LayerLayout
+
+    if LayerLayout.of(model).has_state:
+        return False, ("a hybrid model's linear-attention states are per session, and the batch cache holds "
+                       "attention KV only")
+    if getattr(config, "attention_chunk_size", None):
+        return False, "chunked attention's chunk boundaries count cache columns, which left padding shifts"
+    from ..cache.rope import RopeAdapter
+
+    if RopeAdapter(model).length_dependent:
+        return False, ("length-dependent RoPE (longrope, dynamic) picks one set of frequencies per forward from "
+                       "its longest row, so a batch would compute a short session with a long one's")
+    return True, ""
+
+
+@dataclass(eq=False)
+class _Member:
+    prep: Prepared
+    tee: Tee
+    max_new: int
+    eos: set
+    stops: list[str]
+    sample: dict | None  # temperature / top_p, or None for greedy
+    generated: list[int] = field(default_factory=list)
+    prefilled: int = 0  # new prompt tokens (after the reused ones) computed so far
+    fed: int = 0  # generated tokens fed back through the model (their KV is in the batch cache)
+    kv: list | None = None  # per layer (keys, values) [1, h, L, d], until the member joins the batch cache
+    done: bool = False
+    drain: bool = False  # done, but its last token is fed in one more step so that the store gets it
+    failed: bool = False  # its future holds an exception: it leaves without storing anything
+
+    @property
+    def length(self) -> int:
+        """Tokens whose KV exists: the prompt and the fed generated tokens."""
+        return int(self.prep.prompt.shape[1]) + self.fed
+
+
+class BatchRunner:
+    """The worker of a ChatPipeline with ``max_batch_size > 1`` (see the module docstring)."""
+
+    def __init__(self, pipe: "ChatPipeline", max_batch_size: int, max_batch_tokens: int | None = None):
+        self.pipe, self.max, self.max_tokens = pipe, max_batch_size, max_batch_tokens
+        self.model = pipe.model
+        self.members: list[_Member] = []  # decoding, in the batch cache
+        self.prefilling: deque[_Member] = deque()  # joining: their prompts are being prefilled, in order
+        # Where the worker's time goes: prefills, decoding steps, members leaving (their KV handed to the store)
+        # and putting joiners into the batch cache ("rebuild": writing their rows, reallocating if needed).
+        self.seconds = {"prefill": 0.0, "step": 0.0, "leave": 0.0, "rebuild": 0.0}
+        self.steps = 0
+        self.prefill_chunks = 0  # forwards that prefilled (part of) a joining turn
+        self._hinted: list[str] | None = None  # the queue the last look-ahead hints were given for
+        self.cache: BatchKV | None = None  # the decoding members' KV, row b for self.members[b]
+        self.default_eos = _id_set(self.model.generation_config.eos_token_id)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            try:
+                if not self._iteration():
+                    return
+            except BaseException as exc:  # a failure of the loop itself: fail the turns in flight, go on serving
+                logger.exception("the batch loop failed; its running turns fail: %s", exc)
+                for m in (*self.members, *self.prefilling):
+                    self._fail(m, exc)
+                self.members, self.prefilling, self.cache = [], deque(), None
+                self.pipe.set_running([])
+                time.sleep(0.1)  # should the failure repeat, do not spin
+
+    def _iteration(self) -> bool:
+        """One pass of the loop: take queued turns, prefill, settle the batch, one decoding step. False once
+        the pipeline is closed and everything is done."""
+        pipe = self.pipe
+        jobs = self._take()
+        if jobs is None:
+            return False
+        started = time.perf_counter()
+        for job in jobs:
+            try:
+                self._start(job)
+            except BaseException as exc:  # the caller sees it through the future; the worker goes on
+                job.fail(exc)
+        joined = self._prefill()
+        self.seconds["prefill"] += time.perf_counter() - started
+        if joined or any(m.done and not m.drain for m in self.members):
+            self._settle()
+        if self.members:
+            started = time.perf_counter()
+            try:
+                self._step()
+                self.steps += 1
+            except BaseException as exc:  # a failed batched forward fails its members, never the worker
+                logger.exception("a batched decoding step failed: %s", exc)
+                for m in self.members:
+                    self._fail(m, exc)
+                self.members, self.cache = [], None
+            self.seconds["step"] += time.perf_counter() - started
+        pipe.set_running(self._sessions())
+        return True
+
+    def _sessions(self) -> list[str]:
+        """The sessions of the running turns: decoding, then joining."""
+        return [m.prep.job.session_id for m in (*self.members, *self.prefilling)]
+
+    def _take(self) -> list | None:
+        """Queued turns that may join now (room in the batch, their session not running), in queue order.
+        Waits while there is nothing to do; None once the pipeline is closed and everything is done."""
+        running = self._sessions()
+        found = self.pipe.take_jobs(running, self.max - len(self.members) - len(self.prefilling),
+                                    busy=bool(self.members or self.prefilling))
+        if found is None:
+            return None
+        taken, waiting = found
+        if taken or waiting != self._hinted:
+            # Only when the queue changed: this runs between decoding steps, and a prefetch with a remote tier
+            # costs a round trip per waiting session.
+            self._hinted = waiting
+            try:
+                self.pipe.give_hints(waiting)
+            except Exception as exc:  # hints only speed things up
+                logger.warning("look-ahead hints failed (%s); the turn runs without them", exc)
+        return taken
+
+    # -- joining ----------------------------------------------------------------------------------------
+    def _start(self, job: "Job") -> None:
+        """Looks the turn up in the store and queues it for prefilling (a given reply is read at once)."""
+        if not job.claim():
+            return
+        if job.reply is not None:  # reading a given reply is one forward: no decoding to batch
+            job.future.set_result(self.pipe.run_turn(job))
+            return
+        prep = self.pipe.prepare(job)
+        options = prep.options
+        eos = self.default_eos if "eos_token_id" not in options else _id_set(options["eos_token_id"])
+        stops = options.get("stop_strings") or []
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        sample = ({"temperature": float(options.get("temperature") or 1.0), "top_p": float(options.get("top_p") or 1.0)}
+                  if options.get("do_sample") else None)
+        self.prefilling.append(_Member(prep, Tee(prep.timer, job.streamer), int(options.get("max_new_tokens", 20)),
+                                       eos, stops, sample))
+
+    def _prefill(self) -> bool:
+        """Prefills joining turns in order, within this iteration's token budget; returns whether one finished
+        (it then joins the batch with its first token chosen)."""
+        budget = None if self.max_tokens is None else self.max_tokens - len(self.members)
+        joined = False
+        while self.prefilling and (budget is None or budget > 0):
+            m = self.prefilling[0]
+            prep = m.prep
+            start = prep.reused + m.prefilled
+            left = int(prep.prompt.shape[1]) - start
+            n = left if budget is None else min(left, budget)
+            try:
+                with torch.no_grad():
+                    logits = self.model(prep.prompt[:, start : start + n], **cache_kwargs(prep.cache),
+                                        use_cache=True, logits_to_keep=1).logits[:, -1]
+                self.prefill_chunks += 1
+                m.prefilled += n
+                if n == left:
+                    m.tee.put(prep.prompt.cpu())  # streamers expect the prompt first (skip_prompt)
+                    self._accept(m, logits)
+                    m.kv = [_whole(layer, int(prep.prompt.shape[1])) for layer in prep.cache.layers]
+            except BaseException as exc:  # this turn fails; the others go on
+                self.prefilling.popleft()
+                self._fail(m, exc)
+                continue
+            if budget is not None:
+                budget -= n
+            if n == left:
+                self.prefilling.popleft()
+                self.members.append(m)
+                joined = True
+        return joined
+
+    # -- a decoding step ---------------------------------------------------------------------------------
+    def _step(self) -> None:
+        members = self.members
+        device = self.model.device
+        width = self.cache.width
+        tokens = torch.tensor([[m.generated[-1]] for m in members], device=device)
+        positions = torch.tensor([[m.length] for m in members], device=device)
+        mask = torch.ones(len(members), width + 1, dtype=torch.long, device=device)
+        for b in range(len(members)):
+            mask[b, : self.cache.pad(b)] = 0
+        with torch.no_grad():
+            logits = self.model(tokens, attention_mask=mask, position_ids=positions, **cache_kwargs(self.cache),
+                                use_cache=True, logits_to_keep=1).logits[:, -1]
+        for b, m in enumerate(members):
+            m.fed += 1
+            if m.drain:
+                m.drain = False  # its last token is fed: it leaves now
+            elif not m.done:
+                try:
+                    self._accept(m, logits[b : b + 1])
+                except BaseException as exc:  # its logits processor, stop strings or streamer: it alone fails
+                    logger.warning("a batched turn of %r failed: %s: %s", m.prep.job.session_id,
+                                   type(exc).__name__, exc)
+                    self._fail(m, exc)
+
+    def _accept(self, m: _Member, logits: torch.Tensor) -> None:
+        """Chooses the member's next token from its logits ``[1, vocab]``, streams it, and decides whether the
+        member is done."""
+        options = m.prep.options
+        scores = logits.float()
+        processors = options.get("logits_processor")
+        if processors:
+            seq = torch.tensor([m.prep.prompt[0].tolist() + m.generated], device=logits.device)
+            scores = processors(seq, scores)
+        if m.sample is None:
+            token = int(scores.argmax(-1))
+        else:
+            token = _sample(scores, **m.sample)
+        m.generated.append(token)
+        m.tee.put(torch.tensor([token]))
+        job = m.prep.job
+        text = self.pipe.chat_tokens.reply_text(torch.tensor(m.generated)) if m.stops else ""
+        if token in m.eos or len(m.generated) >= m.max_new or any(s in text for s in m.stops) or (
+                job.cancel is not None and job.cancel.is_set()):
+            m.done = True
+            m.tee.end()
+            # A reply that did not end on the end-of-turn token has its last token fed one more step (stored).
+            m.drain = self.pipe.needs_last_token(torch.tensor([m.generated]))
+
+    # -- membership --------------------------------------------------------------------------------------
+    def _settle(self) -> None:
+        """Finishes the members that are done and puts the joining ones into the batch cache."""
+        started = time.perf_counter()
+        in_cache = [m for m in self.members if m.kv is None]  # row b of the batch cache is in_cache[b]
+        joining = [m for m in self.members if m.kv is not None]
+        for b in range(len(in_cache) - 1, -1, -1):  # from the last row: a removed row is filled by the last
+            m = in_cache[b]
+            if m.done and not m.drain:
+                if not m.failed:  # a failed turn stores nothing (its future holds the exception)
+                    self._leave_safely(m, b)
+                self.cache.remove(b)
+                in_cache[b] = in_cache[-1]
+                in_cache.pop()
+        for m in joining:
+            if m.done and not m.drain and not m.failed:  # done at its first token: nothing decoded to store
+                self._leave_safely(m, None)
+        joining = [m for m in joining if not (m.done and not m.drain)]
+        self.seconds["leave"] += time.perf_counter() - started
+        started = time.perf_counter()
+        if joining:
+            joining = self._admit(in_cache, joining)
+        self.members = in_cache + joining
+        if not self.members:
+            self.cache = None  # free the slab: the store holds the sessions
+        self.seconds["rebuild"] += time.perf_counter() - started
+
+    @staticmethod
+    def _room(members: list[_Member]) -> int:
+        """Columns the batch cache needs right of its end: every token the members may still feed (their
+        remaining replies, and a drained last one). Bounded: a reply is cut where the model's positions end."""
+        return max(m.max_new - len(m.generated) + 1 for m in members)
+
+    def _admit(self, in_cache: list[_Member], joining: list[_Member]) -> list[_Member]:
+        """Puts the joining members' KV into the batch cache; returns those admitted. If the cache cannot take
+        them all at once (no memory for a reallocation), each is tried alone and one that still does not fit
+        fails alone. A failed admission leaves the cache's rows as they were (it allocates before it writes, and
+        rows it wrote before failing are dropped)."""
+        self.cache = self.cache or BatchKV()
+        rows = self.cache.rows
+        try:
+            self.cache.admit([m.kv for m in joining], self.max, self._room(in_cache + joining))
+            admitted = joining
+        except BaseException as exc:
+            logger.warning("%d turns could not join the batch cache together (%s: %s); trying each alone",
+                           len(joining), type(exc).__name__, exc)
+            self.cache.keep_rows(rows)
+            admitted = []
+            for m in joining:
+                try:
+                    self.cache.admit([m.kv], self.max, self._room(in_cache + admitted + [m]))
+                except BaseException as alone:
+                    self.cache.keep_rows(rows + len(admitted))
+                    logger.warning("a turn of %r could not join the batch cache: %s: %s", m.prep.job.session_id,
+                                   type(alone).__name__, alone)
+                    self._fail(m, alone)
+                    continue
+                admitted.append(m)
+        for m in admitted:
+            m.kv = None
+            if m.prep.cache is not None and hasattr(m.prep.cache, "layers"):
+                for layer in m.prep.cache.layers:  # the batch cache holds them now: free the copy
+                    layer.keys = layer.values = None
+        return admitted
+
+    def _leave_safely(self, m: _Member, b: int | None) -> None:
+        try:
+            self._leave(m, b)
+        except BaseException as exc:
+            self._fail(m, exc)
+
+    def _leave(self, m: _Member, b: int | None) -> None:
+        """Stores the member's decoded KV (row `b` of the batch cache) in its session and resolves its future."""
+        prep = m.prep
+        try:
+            if isinstance(prep.cache, AttnStoreCache) and m.fed and b is not None:
+                prompt_len = int(prep.prompt.shape[1])
+                keys = [layer.keys[b : b + 1, :, -m.fed:] for layer in self.cache.layers]
+                # Copies: the store may adopt long value tensors as they are, and a view would keep the whole
+                # batch cache alive with them.
+                values = [layer.values[b : b + 1, :, -m.fed:].clone() for layer in self.cache.layers]
+                positions = torch.arange(prompt_len, prompt_len + m.fed, device=keys[0].device)
+                prep.cache.append_computed(torch.tensor(m.generated[: m.fed]), positions, keys, values)
+        finally:
+            if isinstance(prep.cache, AttnStoreCache):
+                prep.cache.close()
+        generated = torch.tensor([m.generated], dtype=torch.long)
+        out = torch.cat([prep.prompt.cpu(), generated], dim=1)
+        text = self.pipe.chat_tokens.reply_text(generated)
+        greedy = [] if m.sample is not None else list(m.generated)
+        reply = self.pipe.finish(prep, out, generated, text, greedy, prep.timer.ttft)
+        prep.job.future.set_result(reply)
+
+    def _fail(self, m: _Member, exc: BaseException) -> None:
+        """Fails one member's turn: its future gets `exc`, its stream ends, it leaves at the next settle
+        without storing. Never raises (a client's streamer may: the loop must go on)."""
+        ended = m.done
+        m.done, m.drain, m.failed = True, False, True
+        m.kv = None
+        if isinstance(m.prep.cache, AttnStoreCache):
+            quietly(m.prep.cache.close, "closing a failed turn's cache")
+        if not ended:
+            quietly(m.tee.end, "ending the stream of a failed turn")
+        future = m.prep.job.future
+        if not future.done():
+            try:
+                future.set_exception(exc)
+            except InvalidStateError:
+                pass
+
+
+def _id_set(ids) -> set:
+    """`eos_token_id` as generate takes it (an id, a list of ids, or None) as a set."""
+    return set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+
+
+MIN_TEMPERATURE = 1e-5  # a lower temperature divides logits into infinities; the serving layer clamps to it too
+
+
+def _sample(scores: torch.Tensor, temperature: float, top_p: float) -> int:
+    probs = torch.softmax(scores / max(temperature, MIN_TEMPERATURE), dim=-1)[0]
+    if top_p < 1.0:
+        ordered, index = probs.sort(descending=True)
+        keep = ordered.cumsum(0) - ordered < top_p  # the smallest set whose mass reaches top_p
+        keep[0] = True  # at least the likeliest token (a top_p below float32's smallest number keeps none)
+        probs = torch.zeros_like(probs).scatter(0, index[keep], ordered[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1))

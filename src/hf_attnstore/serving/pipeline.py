@@ -1,0 +1,449 @@
+"""ChatPipeline: session-aware chat over `generate()`, whose request queue drives the store.
+
+One worker thread runs the queued turns in submission order (so the turns of a session are serialized).
+Before each turn it gives the store its look-ahead hints (AttentionStore §3.3-3.4): the sessions of the
+next `prefetch_window` jobs are fetched from disk to host memory while the current job runs, and the
+sessions of the next `eviction_window` jobs are told to a scheduler-aware policy (`policy="lookahead"`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, MutableMapping
+from concurrent.futures import Future
+
+import torch
+from transformers import DynamicCache, StoppingCriteriaList
+
+from ..cache.cache import AttnStoreCache
+from ..cache.chat import ChatTokens
+from ..cache.config import TruncationConfig
+from ..store import AttnStore
+from ..store.placement import lookahead_windows
+from ..store.entry import validate_session_id
+from .jobs import Cancelled, Job, PipelineClosed, Prepared, Reply, Tee  # noqa: F401 (Reply, PipelineClosed: re-exported)
+from .timing import FirstTokenTimer
+from ..cache.truncation import tokens_to_drop
+from ..cache.upstream import cache_kwargs
+
+logger = logging.getLogger(__name__)
+
+
+class ChatPipeline:
+    """Multi-turn chat with KV reuse across turns.
+
+    Args:
+        model, tokenizer: A causal LM and its tokenizer (with a chat template).
+        store: The :class:`AttnStore` holding sessions between turns, or ``None`` to recompute the whole
+            history every turn (the RE baseline: token truncation on overflow, no reuse).
+        context_window: Maximum tokens the model sees; overflowing sessions are truncated (decoupled).
+        truncation, truncation_ratio, keep_first: See :class:`AttnStoreCache`.
+        system_prompt: A system message placed first in every session.
+        prefetch_window: Waiting jobs whose sessions are fetched ahead; default ``2 C_host / S_kv`` (twice
+            the host capacity over the mean session KV size, measured as the store fills: an upper bound,
+            since the store fetches in queue order only what fits).
+        eviction_window: Waiting jobs told to the eviction policy; default ``(C_host + C_disk) / S_kv``.
+        max_new_tokens: Reply length limit; other `generate` keyword arguments are passed through. A turn's
+            reply is also cut where the model's positions end (see :attr:`position_limit`): a prompt of ``P``
+            tokens gets at most ``position_limit - P`` (at least one), whatever it asked.
+        max_batch_size: Turns of different sessions decoded together (continuous batching: a turn joins or
+            leaves between decoding steps; see `batching.py`). 1 runs one turn at a time with `generate`.
+        max_batch_tokens: With batching, the most tokens one iteration of the batch computes: the running
+            members' decoding step (one token each) and chunks of joining turns' prompts. A long prompt is then
+            prefilled in chunks between decoding steps, so running replies keep streaming (chunked prefill).
+            ``None`` (default) prefills each joining prompt in one forward: the fastest on a CPU. Must exceed
+            ``max_batch_size``.
+        histories: Where each session's token ids are kept between turns (the conversation itself, not its
+            KV): a fresh dict by default. Replicas behind a load balancer share one mapping (standing in for
+            the conversation database, or for clients that send the whole conversation), so a turn that
+            lands on another replica continues the same conversation; the KV then comes from the shared
+            remote tier, or is recomputed. Replicas must share it: a pipeline that served a conversation
+            before continues its own copy of it, even after another replica extended it. (A pipeline that
+            never saw a conversation takes its ids from the store, the remote tier included.)
+
+    Example:
+        >>> pipe = ChatPipeline(model, tokenizer, AttnStore("2GiB"), max_new_tokens=64)  # doctest: +SKIP
+        >>> pipe.chat("alice", "Hello!").text  # doctest: +SKIP
+    """
+
+    def __init__(self, model, tokenizer, store: AttnStore | None, *, context_window: int | None = None,
+                 truncation: str = "decoupled", truncation_ratio: float = 0.5, keep_first: int = 4,
+                 system_prompt: str | None = None, prefetch_window: int | None = None,
+                 eviction_window: int | None = None, max_new_tokens: int = 256,
+                 histories: MutableMapping[str, torch.Tensor] | None = None, max_batch_size: int = 1,
+                 max_batch_tokens: int | None = None, **generate_kwargs):
+        self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
+        for name, value in (("prefetch_window", prefetch_window), ("eviction_window", eviction_window)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"`{name}` must be a non-negative integer or None, got {value!r}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
+        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+            raise ValueError(f"`max_batch_size` must be a positive integer, got {max_batch_size!r}")
+        if max_batch_tokens is not None and (not isinstance(max_batch_tokens, int) or isinstance(max_batch_tokens, bool)
+                                             or max_batch_tokens <= max_batch_size):
+            raise ValueError(f"`max_batch_tokens` must be None or an integer above `max_batch_size` "
+                             f"({max_batch_size}): each iteration decodes one token per member and needs room "
+                             f"to prefill; got {max_batch_tokens!r}")
+        self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.chat_tokens = ChatTokens(tokenizer, system_prompt)
+        self.prefetch_window, self.eviction_window = prefetch_window, eviction_window
+        self.generate_kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id, **generate_kwargs,
+                                "max_new_tokens": max_new_tokens}
+        # Each session's source of truth: its token ids (a turn of a session runs on one pipeline at a time).
+        self._history: MutableMapping[str, torch.Tensor] = {} if histories is None else histories
+        self._queue: deque[Job] = deque()
+        self._running: list[str] = []  # sessions whose turns run now (several when batching)
+        self._cond = threading.Condition()
+        self._closed = False
+        run = self._run
+        if max_batch_size > 1:
+            from .batching import BatchRunner, batchable
+
+            ok, why = batchable(model)
+            if ok:
+                self.batch_runner = BatchRunner(self, max_batch_size, max_batch_tokens)
+                run = self.batch_runner.run
+            else:
+                logger.warning("turns of %s run one at a time: %s", type(model).__name__, why)
+        self.max_batch_size = max_batch_size if run != self._run else 1
+        self._worker = threading.Thread(target=run, name="attnstore-pipeline", daemon=True)
+        self._worker.start()
+
+    # -- public API ---------------------------------------------------------------------------------
+    def submit(self, session_id: str, message: str, streamer=None, reply: str | None = None) -> Future:
+        """Queues a user message; the future resolves to a :class:`Reply`. Turns run in submission order.
+
+        Args:
+            session_id: The conversation.
+            message: The user's message.
+            streamer: Optional `generate` streamer for the reply's text.
+            reply: Take this text as the assistant's answer instead of generating one (replaying a recorded
+                conversation, or importing one into the store). The model reads the prompt, then the reply
+                in one forward (teacher forcing), so the session ends up exactly as if it had generated
+                this reply; :attr:`Reply.greedy_ids` holds the token it would have chosen at each position.
+
+        Raises:
+            ValueError: An empty message, or one that alone does not fit the context window.
+        """
+        validate_session_id(session_id)
+        if not isinstance(message, str) or not message.strip():
+            raise ValueError("`message` must be a non-empty string")
+        if reply is not None and not isinstance(reply, str):
+            raise ValueError(f"`reply` must be a string or None, got {type(reply).__name__}")
+        if reply is not None and streamer is not None:
+            raise ValueError("a turn with a given `reply` generates nothing to stream: pass one or the other")
+        window = self.truncation.context_window
+        if window is not None:
+            n = len(self.chat_tokens.message_ids(message))
+            room = window - self.truncation.keep_first - 1
+            if n > room:
+                raise ValueError(f"the message has {n} tokens but at most {room} fit the context window "
+                                 f"({window} minus {self.truncation.keep_first} kept tokens): shorten it")
+        return self._enqueue(Job(session_id, message, Future(), streamer, time.perf_counter(), reply))
+
+    def submit_prompt(self, session_id: str, prompt_ids, streamer=None, *, cancel: threading.Event | None = None,
+                      **generate_options) -> Future:
+        """Queues a turn whose whole prompt is given as token ids (a server that receives the conversation as
+        a message list builds them: see `serving.conversation`). The session's stored KV is reused for the
+        prompt's longest common prefix with it, whatever this pipeline remembers of the session; afterwards
+        the session's history is the prompt and the reply.
+
+        Args:
+            session_id: The stored session to reuse (and to update).
+            prompt_ids: ``[seq]`` or ``[1, seq]`` token ids, or a list of ints.
+            streamer: Optional `generate` streamer for the reply.
+            cancel: Set it to stop the turn after its current decoding step (or before it starts). The KV
+                computed so far stays stored, a valid prefix of the session.
+            generate_options: `generate` options for this turn (``max_new_tokens``, ``do_sample``,
+                ``temperature``, ``top_p``, ``stop_strings`` ...), over the pipeline's. ``max_new_tokens`` must
+                be a positive integer; the reply is cut where the model's positions end (:attr:`position_limit`).
+
+        Raises:
+            ValueError: An invalid session id, an empty prompt or a `max_new_tokens` that is not a positive
+                integer; `PipelineClosed` (a ValueError) once the pipeline is closed.
+        """
+        validate_session_id(session_id)
+        if "max_new_tokens" in generate_options:
+            n = generate_options["max_new_tokens"]
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"`max_new_tokens` must be a positive integer, got {n!r}")
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long).view(1, -1)
+        if ids.shape[1] == 0:
+            raise ValueError("`prompt_ids` is empty")
+        return self._enqueue(Job(session_id, "", Future(), streamer, time.perf_counter(), prompt_ids=ids,
+                                  cancel=cancel, options=generate_options))
+
+    def _enqueue(self, job: "Job") -> Future:
+        with self._cond:
+            if self._closed:
+                raise PipelineClosed("this ChatPipeline is closed: it takes no new turns")
+            self._queue.append(job)
+            self._cond.notify_all()
+            waiting = [j.session_id for j in self._queue]
+        try:
+            self.give_hints(waiting)  # the queue changed: fetch ahead now, not only when the next job starts
+        except Exception as exc:  # hints only speed things up; the turn is queued and will run
+            logger.warning("look-ahead hints failed (%s); the turn runs without them", exc)
+        return job.future
+
+    @property
+    def position_limit(self) -> int | None:
+        """Positions a turn may use, its prompt and its reply together: the model's ``max_position_embeddings``
+        (a context window set larger wins). A reply is cut there (vLLM's ``max_model_len``): past it an
+        absolute-position model cannot run at all, and a RoPE model runs on positions it was not trained for.
+        None when neither is known (no cut)."""
+        known = [n for n in (self._model_positions(), self.truncation.context_window) if n is not None]
+        return max(known) if known else None
+
+    @property
+    def max_reply_tokens(self) -> int | None:
+        """The longest reply a turn can be asked for: the context window (without one, the model's
+        ``max_position_embeddings``) less the ``keep_first`` tokens truncation always keeps and one prompt
+        token. The bound a server gives clients (`serving.protocol.RequestLimits`); None when neither is known."""
+        window = self.truncation.context_window or self._model_positions()
+        return None if window is None else max(1, window - self.truncation.keep_first - 1)
+
+    def _model_positions(self) -> int | None:
+        """The model's ``max_position_embeddings`` (of its text config), or None where it declares none."""
+        config = self.model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n = getattr(config, "max_position_embeddings", None)
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+    def queue_length(self) -> int:
+        """Turns waiting to run (the running one not included)."""
+        with self._cond:
+            return len(self._queue)
+
+    def chat(self, session_id: str, message: str, timeout: float | None = None) -> Reply:
+        """Sends a message and waits for the reply."""
+        return self.submit(session_id, message).result(timeout)
+
+    def stream(self, session_id: str, message: str, timeout: float = 600.0) -> tuple[Iterator[str], Future]:
+        """Sends a message; returns an iterator over the reply's text as it is generated, and the future."""
+        from transformers import TextIteratorStreamer
+
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=timeout)
+        return iter(streamer), self.submit(session_id, message, streamer=streamer)
+
+    def session_stats(self, session_id: str) -> dict:
+        """Token count and tier of a known session. Raises KeyError for an unknown one."""
+        with self._cond:
+            if session_id not in self._history:
+                raise KeyError(f"unknown session {session_id!r}")
+            ids = self._history[session_id]
+        if self.store is None:
+            return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": None}
+        tiers = (self.store.tier_of(session_id, fp) for fp in self._fingerprints())
+        return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": next(filter(None, tiers), None)}
+
+    def _fingerprints(self) -> list[str]:
+        """The keys of this model's sessions in the store (two for longrope: AttnStoreCache.fingerprints_of)."""
+        return AttnStoreCache.fingerprints_of(self.model, self.store)
+
+    def reset(self, session_id: str) -> None:
+        """Forgets a session: its history and its stored KV."""
+        with self._cond:
+            self._history.pop(session_id, None)
+        if self.store is not None:
+            self.store.delete(session_id)
+
+    def close(self, timeout: float | None = 600.0) -> None:
+        """Finishes the queued turns and stops the worker."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._worker.join(timeout)
+
+    def __enter__(self) -> "ChatPipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the worker -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                self._running = [job.session_id]
+                waiting = [j.session_id for j in self._queue]
+            if not job.claim():
+                continue
+            try:
+                self.give_hints(waiting)
+            except Exception as exc:  # hints only speed things up: a failure must not stop the worker
+                logger.warning("look-ahead hints failed (%s); the turn runs without them", exc)
+            try:
+                result = self.run_turn(job)
+            except BaseException as exc:  # the caller sees it through the future; the worker goes on
+                job.fail(exc)
+            else:
+                job.future.set_result(result)
+
+    def _windows(self) -> tuple[int, int]:
+        """The look-ahead windows for prefetching and eviction (see `placement.lookahead_windows`)."""
+        s = self.store.stats()
+        disk = s.disk_bytes_limit if self.store.config.disk_dir else 0
+        return lookahead_windows(s.host_bytes_limit, disk, s.host_bytes_used, s.host_sessions, s.disk_bytes_used,
+                                 s.disk_sessions, self.prefetch_window, self.eviction_window)
+
+    def set_running(self, sessions: list[str]) -> None:
+        """Records the sessions whose turns run now (first in the look-ahead schedule)."""
+        with self._cond:
+            self._running = list(sessions)
+
+    def take_jobs(self, running: list[str], room: int, busy: bool,
+                  timeout_s: float = 1.0) -> tuple[list[Job], list[str]] | None:
+        """Queued turns that may join a batch now, in queue order: at most `room`, none of a session in
+        `running` (the batch's sessions), each taking its session. Waits (in `timeout_s` slices) while there is
+        nothing to take and the batch is idle (`busy` False).
+
+        Returns:
+            The turns taken and the sessions still waiting (for look-ahead hints), or None once the pipeline is
+            closed and nothing is queued or running.
+        """
+        with self._cond:
+            while True:
+                seen, taken = set(running), []
+                for job in list(self._queue):
+                    if len(taken) >= room:
+                        break
+                    if job.session_id in seen:
+                        continue
+                    self._queue.remove(job)
+                    seen.add(job.session_id)
+                    taken.append(job)
+                if taken or busy:
+                    # Every member's session, the joining ones included, goes first in the schedule.
+                    self._running = list(running) + [j.session_id for j in taken]
+                    return taken, [j.session_id for j in self._queue]
+                if self._closed and not self._queue:
+                    return None
+                self._cond.wait(timeout=timeout_s)
+
+    # -- scheduling: the worker's steps, public for the batch runner (batching.py) ----------------------
+    def give_hints(self, waiting: list[str]) -> None:
+        if self.store is None:
+            return
+        prefetch, eviction = self._windows()
+        # The running turns' sessions come first: the store holds their write buffers (the paper keeps them on
+        # the device), so they must be the last to be evicted.
+        self.store.set_schedule(list(self._running) + waiting[:eviction])
+        ahead = list(dict.fromkeys(waiting[:prefetch]))
+        if ahead:
+            self.store.prefetch(ahead, self._fingerprints())
+
+    def prepare(self, job: Job) -> "Prepared":
+        """A turn's prompt ids, its cache (the store's reuse plan) and its `generate` options."""
+        started = time.perf_counter()
+        with self._cond:
+            history = self._history.get(job.session_id)
+        if job.prompt_ids is not None:
+            ids = job.prompt_ids
+        else:
+            if history is None and self.store is not None:
+                # A session this pipeline has not seen may be in the store (a previous process, same disk_dir).
+                # Its stored ids are the history but the last generated token (never fed to the model);
+                # `next_turn` re-adds the end-of-turn tokens, so a reply that ended on one resumes exactly.
+                found = (self.store.token_ids(job.session_id, fp) for fp in self._fingerprints())
+                stored = next((ids for ids in found if ids is not None), None)
+                history = stored.view(1, -1) if stored is not None else None
+            ids = (self.chat_tokens.first_turn(job.message) if history is None
+                   else self.chat_tokens.next_turn(history, job.message))
+        options = {**self.generate_kwargs, **(job.options or {})}
+        timer = FirstTokenTimer().start()
+        if self.store is None:
+            # With the config: a hybrid model's own cache has its linear-attention layers.
+            cache, reused = DynamicCache(config=self.model.config), 0
+            dropped = tokens_to_drop(ids.shape[1], self.truncation)
+            k = self.truncation.keep_first
+            prompt = torch.cat([ids[:, :k], ids[:, k + dropped :]], dim=1) if dropped else ids
+            source = "truncated" if dropped else "recompute"
+        else:
+            cache = AttnStoreCache(self.model, self.store, job.session_id, ids, truncation=self.truncation)
+            prompt, reused, dropped = cache.input_ids, cache.reused_tokens, cache.dropped_tokens
+            source = "truncated" if dropped else cache.kv_source
+        limit = self.position_limit
+        if limit is not None and job.reply is None:
+            # The reply ends where the model's positions do (the last generated token is fed too: see `run_turn`).
+            room = max(1, limit - int(prompt.shape[1]))
+            if int(options.get("max_new_tokens") or room) > room:
+                options["max_new_tokens"] = room
+        return Prepared(job, started, timer, cache, prompt.to(self.model.device), reused, dropped, source, options)
+
+    def run_turn(self, job: Job) -> Reply:
+        p = self.prepare(job)
+        options = dict(p.options)
+        if job.cancel is not None:
+            options["stopping_criteria"] = StoppingCriteriaList([Cancelled(job.cancel)])
+        if "stop_strings" in options:
+            options["tokenizer"] = self.tokenizer  # `generate` matches stop strings with it
+        try:
+            if job.reply is None:
+                # An explicit mask: without one, `generate` masks every id equal to the pad id, and a pad token
+                # inside a message or reply would break the positions of the whole session.
+                out = self.model.generate(p.prompt, attention_mask=torch.ones_like(p.prompt), **cache_kwargs(p.cache),
+                                          streamer=Tee(p.timer, job.streamer), **options)
+                ttft = p.timer.ttft
+                generated = out[:, p.prompt.shape[1]:]
+                if self.needs_last_token(generated):
+                    # `generate` never feeds its last token, so the store would not know it, and a pipeline that
+                    # resumes this session from the store (another replica, a restart) would lose it. A reply
+                    # cut by `max_new_tokens` has its last token fed now (one decode step); one that ended on
+                    # the end-of-turn token needs nothing: `next_turn` re-adds that token anyway.
+                    with torch.no_grad():
+                        self.model(generated[:, -1:], **cache_kwargs(p.cache), use_cache=True)
+                text = self.chat_tokens.reply_text(generated)
+                greedy = [] if options.get("do_sample") else generated.view(-1).tolist()
+            else:
+                out, greedy, ttft = self._read_reply(p.prompt, p.cache, p.reused, job.reply, p.timer.t0)
+                generated, text = out[:, p.prompt.shape[1]:], job.reply
+        finally:
+            if isinstance(p.cache, AttnStoreCache):
+                p.cache.close()  # the turn is over: its session may be demoted again
+        return self.finish(p, out, generated, text, greedy, ttft)
+
+    def needs_last_token(self, generated: torch.Tensor) -> bool:
+        """Whether a reply's last token must still be fed to store it (see `run_turn`)."""
+        return self.store is not None and generated.shape[1] > 0 and int(generated[0, -1]) != self.chat_tokens.eot_ids[0]
+
+    def finish(self, p: "Prepared", out: torch.Tensor, generated: torch.Tensor, text: str, greedy, ttft: float) -> Reply:
+        """The turn's Reply; the session's history becomes `out` (only a completed turn changes it)."""
+        total = time.perf_counter() - p.timer.t0
+        job = p.job
+        with self._cond:
+            self._history[job.session_id] = out.cpu()
+        return Reply(session_id=job.session_id, text=text,
+                     history_tokens=int(p.prompt.shape[1]), reused_tokens=p.reused,
+                     prefilled_tokens=int(p.prompt.shape[1]) - p.reused, generated_tokens=int(generated.shape[1]),
+                     dropped_tokens=p.dropped, ttft_s=ttft, total_s=total, kv_source=p.source,
+                     queued_s=p.started - job.submitted,
+                     tier=None if self.store is None else p.cache.kv_source,
+                     greedy_ids=tuple(greedy), generated_ids=tuple(generated.view(-1).tolist()),
+                     prompt_ids=tuple(p.prompt.view(-1).tolist()),
+                     cancelled=job.cancel is not None and job.cancel.is_set(),
+                     max_new_tokens=int(p.options.get("max_new_tokens") or 0))
+
+    @torch.no_grad()
+    def _read_reply(self, prompt: torch.Tensor, cache, reused: int, reply: str, t0: float):
+        """A turn whose answer is given: prefill the prompt, then read the reply's tokens in one forward.
+
+        Returns the turn's ids (prompt + reply + end of turn), the greedy choice at each reply position, and
+        the TTFT (until the first token's logits are on the host, as `generate` would have them).
+        """
+        device = self.model.device
+        reply_ids = self.chat_tokens.reply_ids(reply).to(device)
+        prompt = prompt.to(device)
+        logits = self.model(prompt[:, reused:], **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits
+        first = logits[:, -1].argmax(-1).cpu()  # the copy to the host waits for the device, like a real TTFT
+        ttft = time.perf_counter() - t0
+        rest = self.model(reply_ids, **cache_kwargs(cache), use_cache=True).logits[0, :-1].argmax(-1).cpu()
+        return torch.cat([prompt, reply_ids], dim=1), torch.cat([first, rest]).tolist(), ttft

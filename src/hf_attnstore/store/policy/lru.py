@@ -1,0 +1,15 @@
+"""Least recently used: every access moves a session to the back of the queue."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from .base import EvictionPolicy
+
+
+class LRUPolicy(EvictionPolicy):
+    """Evicts the session whose last read or write is oldest."""
+
+    def touch(self, key: Hashable) -> None:
+        if key in self.order:
+            self.order.move_to_end(key)

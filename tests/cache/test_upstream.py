@@ -1,0 +1,181 @@
+"""One test per transformers internal that hf_attnstore relies on (hf_attnstore/cache/upstream.py).
+
+Each failure names the internal that moved, so an upstream release that breaks us says where to look: fix the
+seam (upstream.py) and the row of docs/design.md's table, never pin the release away.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+import transformers
+
+from hf_attnstore import AttnStore, AttnStoreCache
+from hf_attnstore.cache import upstream
+
+from ..conftest import REGIME_LIMIT, make_tiny, random_ids
+
+
+def require(ok: bool, internal: str, detail: str) -> None:
+    if not ok:
+        pytest.fail(f"transformers {transformers.__version__} changed the internal `{internal}` that "
+                    f"hf_attnstore/cache/upstream.py relies on: {detail}")
+
+
+def test_cache_argument_name_is_the_one_models_take():
+    model = make_tiny("llama")
+    for name, fn in [("LlamaForCausalLM.forward", type(model).forward),
+                     ("LlamaModel.forward", type(model.model).forward),
+                     ("GenerationMixin.prepare_inputs_for_generation",
+                      transformers.GenerationMixin.prepare_inputs_for_generation)]:
+        params = inspect.signature(inspect.unwrap(fn)).parameters
+        require(upstream.CACHE_ARG in params, f"{name}({upstream.CACHE_ARG}=...)",
+                f"the cache argument is no longer called {upstream.CACHE_ARG!r} (parameters: {list(params)})")
+
+
+def test_model_output_returns_the_cache():
+    model = make_tiny("llama")
+    cache = upstream.DynamicCache(config=model.config)
+    out = model(random_ids(5, 0).view(1, -1), **upstream.cache_kwargs(cache), use_cache=True)
+    require(upstream.output_cache(out) is cache, "CausalLMOutputWithPast.cache",
+            "the output no longer returns the cache it was given under `cache` or `past_key_values`")
+
+
+def test_generate_passes_the_cache_to_the_base_model_forward():
+    """hooks.py wraps `model.base_model.forward` and finds the cache among its keyword arguments."""
+    model = make_tiny("llama")
+    seen = []
+    base = upstream.base_model(model)
+    original = base.forward
+
+    def spy(*args, **kwargs):
+        seen.append(upstream.cache_from(kwargs))
+        return original(*args, **kwargs)
+
+    base.forward = spy
+    cache = upstream.DynamicCache(config=model.config)
+    ids = random_ids(6, 1).view(1, -1)
+    model.generate(ids, attention_mask=torch.ones_like(ids), **upstream.cache_kwargs(cache), max_new_tokens=2,
+                   do_sample=False, pad_token_id=0)
+    require(len(seen) >= 2 and all(c is cache for c in seen), "model.base_model.forward(cache=...)",
+            f"generate's forwards reached the base model with caches {seen!r}, not the one given")
+
+
+def test_deprecated_cache_argument_still_reaches_our_cache():
+    """Users of the old name (`past_key_values=`) keep working while transformers accepts it."""
+    model = make_tiny("llama")
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(12, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        first = AttnStoreCache(model, store, "s", ids[:, :8])
+        model(first.input_ids, past_key_values=first)
+        first.close()
+        second = AttnStoreCache(model, store, "s", ids)
+        model(second.input_ids[:, second.reused_tokens:], past_key_values=second)
+    require(second.reused_tokens == 8 and second.saved_tokens == 4, "forward(past_key_values=...)",
+            f"reused {second.reused_tokens}, saved {second.saved_tokens} through the deprecated name")
+
+
+def test_generic_prepare_inputs_takes_the_cache():
+    model = make_tiny("llama")
+    cache = upstream.DynamicCache(config=model.config)
+    prepare = upstream.generic_prepare_inputs(model)
+    inputs = prepare(random_ids(4, 3).view(1, -1), **upstream.cache_kwargs(cache))
+    require(upstream.cache_from(inputs) is cache, "GenerationMixin.prepare_inputs_for_generation",
+            f"the generic version no longer hands the cache on (got keys {sorted(inputs)})")
+
+
+def test_cache_takes_prebuilt_layers_and_dynamic_layer_contract():
+    layer = upstream.DynamicLayer()
+    cache = upstream.Cache(layers=[layer])
+    require(cache.layers == [layer], "Cache(layers=...)", "Cache no longer keeps the layers it is given")
+    k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    keys, values = layer.update(k, v)
+    require(layer.is_initialized and torch.equal(keys, k) and torch.equal(values, v) and values.dtype == v.dtype,
+            "DynamicLayer.update / is_initialized / keys / values",
+            "a DynamicLayer no longer keeps the keys and values it is given (each in its own dtype)")
+    require(layer.get_seq_length() == 3 and layer.get_mask_sizes(2) == (5, 0), "DynamicLayer.get_mask_sizes",
+            f"length {layer.get_seq_length()}, mask sizes {layer.get_mask_sizes(2)}")
+    layer.crop(-1)
+    require(layer.keys.shape[2] == 2 and layer.is_croppable, "DynamicLayer.crop", "crop(-1) no longer drops a token")
+
+
+def test_sliding_window_layer_state():
+    """layers.AttnStoreSlidingLayer sets DynamicSlidingWindowLayer's state itself and reuses its mask sizes."""
+    layer = upstream.DynamicSlidingWindowLayer(sliding_window=4)
+    for name in ("sliding_window", "cumulative_length", "_sliding_window_tensor"):
+        require(hasattr(layer, name), f"DynamicSlidingWindowLayer.{name}", "the attribute is gone")
+    layer.update(torch.randn(1, 1, 6, 2), torch.randn(1, 1, 6, 2))
+    require(layer.get_seq_length() == 6 and layer.keys.shape[2] == 3, "DynamicSlidingWindowLayer.update",
+            f"it kept {layer.keys.shape[2]} of 6 tokens (window 4: expected the last 3)")
+
+
+def test_linear_attention_layer_state_interface():
+    """layers._restore and layers.state_tensors read and write a hybrid layer's states through these."""
+    layer = upstream.LinearAttentionLayer(number_of_states=1)
+    for name in ("number_of_states", "has_previous_state", "conv_states", "recurrent_states",
+                 "is_conv_states_initialized", "is_recurrent_states_initialized"):
+        require(hasattr(layer, name), f"LinearAttentionLayer.{name}", "the attribute is gone")
+    conv, rec = torch.randn(1, 4, 3), torch.randn(1, 2, 4, 4)
+    layer.lazy_initialization(conv_states=conv, state_idx=0, conv_kernel_size=3)
+    layer.lazy_initialization(recurrent_states=rec, state_idx=0)
+    require(layer.conv_states[0].shape == conv.shape and layer.recurrent_states[0].shape == rec.shape,
+            "LinearAttentionLayer.lazy_initialization(conv_states=, recurrent_states=, state_idx=)",
+            "the states are no longer allocated at the shapes given")
+    dummy = upstream.DummyLayer()
+    require(isinstance(layer, upstream.LinearAttentionCacheLayerMixin) and dummy.is_initialized
+            and getattr(dummy, "keys", None) is None,
+            "LinearAttentionCacheLayerMixin / DummyLayer", "the layer class hierarchy changed")
+
+
+def test_layer_types_and_kwargs_of_a_config():
+    model = make_tiny("mistral")
+    types, kwargs = upstream.layer_types(model.config)
+    require(types == ["sliding_attention"] * 3 and kwargs[0].get("sliding_window") == 24,
+            "cache_utils.get_layer_types_and_kwargs", f"mistral's layers read as {types}, {kwargs}")
+
+
+def test_rotary_module_is_found_and_called_as_the_model_does():
+    model = make_tiny("llama")
+    rotary = upstream.find_rotary(model)
+    require(rotary is not None, "model.base_model.rotary_emb", "no rotary module where the decoder kept it")
+    require(upstream.rope_type(rotary) == "default", "rotary_emb.rope_type",
+            f"rope_type reads {upstream.rope_type(rotary)!r}")
+    positions = torch.arange(5).view(1, -1)
+    cos, sin = rotary(torch.empty(0), positions)
+    require(cos.shape == (1, 5, 16) and sin.shape == cos.shape, "rotary_emb(x, position_ids) -> (cos, sin)",
+            f"cos/sin came back as {tuple(cos.shape)}")
+
+
+def test_length_dependent_rope_limit():
+    model = make_tiny("phi3-longrope")
+    rotary = upstream.find_rotary(model)
+    require(upstream.rope_type(rotary) == "longrope", "rotary_emb.rope_type", "longrope is no longer named so")
+    limit = upstream.rope_limit(rotary, model.config)
+    require(limit == REGIME_LIMIT, "rotary_emb.config.rope_parameters['original_max_position_embeddings']",
+            f"read {limit}, expected {REGIME_LIMIT}")
+    dynamic = make_tiny("llama-dynamic")
+    limit = upstream.rope_limit(upstream.find_rotary(dynamic), dynamic.config)
+    require(limit == REGIME_LIMIT, "rotary_emb.original_max_seq_len (dynamic)", f"read {limit}")
+
+
+def test_dynamic_rope_rewrites_inv_freq_buffers():
+    """fingerprint.py leaves `inv_freq` of length-dependent rotary modules out: they rewrite it per call."""
+    model = make_tiny("llama-dynamic")
+    rotary = upstream.find_rotary(model)
+    before = rotary.inv_freq.clone()
+    rotary(torch.empty(0), torch.arange(4 * REGIME_LIMIT).view(1, -1))
+    require(not torch.equal(before, rotary.inv_freq), "rotary_emb.inv_freq (dynamic_rope_update)",
+            "a long call no longer rewrites the module's frequencies: fingerprint.py's exclusion may be stale")
+
+
+def test_tested_range_warning():
+    require(upstream.tested_range_warning(upstream.TESTED_NEWEST) is None, "(ours)", "newest tested release warns")
+    assert upstream.tested_range_warning(upstream.TESTED_OLDEST) is None
+    assert "5.0.0" in upstream.tested_range_warning("5.0.0")
+    assert upstream.tested_range_warning("99.0.0") is not None
+

@@ -1,0 +1,307 @@
+"""Continuous batching: every session in a batch produces the tokens it produces alone (fp32), the store ends
+up as after solo turns, and turns join, leave, stream, cancel and fail independently."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from hf_attnstore import AttnStore
+from hf_attnstore.serving.batching import batchable
+from hf_attnstore.serving.pipeline import ChatPipeline
+
+from ..conftest import char_tokenizer, make_tiny
+
+# Six sessions of different lengths, three turns each: members join with different histories.
+MESSAGES = {f"s{i}": [f"hello {i} " + "abc " * i, f"then {i} " + "xy" * (3 * i), "and the third"] for i in range(6)}
+
+
+def run(model, store, batch, max_new=7, **kw):
+    out = {}
+    with ChatPipeline(model, char_tokenizer(), store, max_new_tokens=max_new, max_batch_size=batch, **kw) as pipe:
+        for k in range(3):
+            futures = {s: pipe.submit(s, m[k]) for s, m in MESSAGES.items()}
+            for s, f in futures.items():
+                out[(s, k)] = f.result(60)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gpt_neox", "gpt2"])
+def test_batched_turns_produce_the_tokens_of_solo_turns(arch):
+    model = make_tiny(arch)
+    assert batchable(model)[0]
+    solo, batched = run(model, AttnStore("64MiB"), 1), run(model, AttnStore("64MiB"), 4)
+    plain = run(model, None, 4)  # batched recomputation, no store
+    for key, alone in solo.items():
+        assert batched[key].generated_ids == alone.generated_ids == plain[key].generated_ids, key
+        # The store holds what a solo turn stores: the next turn reuses exactly as much.
+        assert batched[key].reused_tokens == alone.reused_tokens, key
+        assert batched[key].kv_source == alone.kv_source, key
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
+def test_sliding_window_models_batch_with_their_solo_tokens(arch):
+    """A sliding mask compares a query's column with a key's column, and left padding shifts both alike. The
+    window matters here: the same weights without it change the tokens of most turns."""
+    model, unwindowed = make_tiny(arch), make_tiny(arch)
+    unwindowed.config.sliding_window = 10_000
+    solo, batched = run(model, AttnStore("64MiB"), 1), run(model, AttnStore("64MiB"), 4)
+    for key, alone in solo.items():
+        assert batched[key].generated_ids == alone.generated_ids, key
+    without = run(unwindowed, AttnStore("64MiB"), 1)
+    assert sum(without[k].generated_ids != r.generated_ids for k, r in solo.items()) > len(solo) // 2
+
+
+def test_a_model_that_cannot_be_batched_runs_one_turn_at_a_time(monkeypatch, caplog):
+    import hf_attnstore.serving.batching as batching
+
+    monkeypatch.setattr(batching, "batchable", lambda model: (False, "a reason"))
+    with ChatPipeline(make_tiny("llama"), char_tokenizer(), AttnStore("16MiB"), max_batch_size=4) as pipe:
+        assert pipe.max_batch_size == 1
+        assert pipe.chat("s", "hi", timeout=60).generated_tokens > 0
+    assert "one at a time: a reason" in caplog.text
+
+
+def test_stored_sessions_after_batched_turns_resume_exactly_in_a_fresh_pipeline():
+    """The KV a member stores when it leaves (prompt, fed tokens, a cut reply's last token) is what a solo
+    turn would store: a pipeline that never saw the sessions continues them from the store alone."""
+    model = make_tiny("llama")
+    store = AttnStore("64MiB")
+    with ChatPipeline(model, char_tokenizer(), store, max_new_tokens=5, max_batch_size=3) as pipe:
+        firsts = {s: pipe.submit(s, m[0]) for s, m in MESSAGES.items()}
+        lengths = {s: f.result(60).history_tokens + f.result(60).generated_tokens for s, f in firsts.items()}
+    with ChatPipeline(model, char_tokenizer(), store, max_new_tokens=5) as fresh:
+        for s, m in MESSAGES.items():
+            assert fresh.chat(s, m[1], timeout=60).reused_tokens == lengths[s], s
+    with ChatPipeline(model, char_tokenizer(), None, max_new_tokens=5) as alone:
+        with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_new_tokens=5, max_batch_size=3) as b:
+            for s, m in list(MESSAGES.items())[:2]:
+                assert b.chat(s, m[0], timeout=60).text == alone.chat(s, m[0], timeout=60).text
+
+
+class Hold(LogitsProcessor):
+    """Blocks the decoding steps of the batch until released (the first session's first step)."""
+
+    def __init__(self):
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, input_ids, scores):
+        self.started.set()
+        assert self.release.wait(30)
+        return scores
+
+
+def test_a_cancelled_member_leaves_and_the_others_finish():
+    model = make_tiny("llama")
+    hold, cancel = Hold(), threading.Event()
+    with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_new_tokens=12, max_batch_size=4,
+                      eos_token_id=None, logits_processor=LogitsProcessorList([hold])) as pipe:
+        a = pipe.submit_prompt("a", torch.arange(10, 40), cancel=cancel)
+        b = pipe.submit_prompt("b", torch.arange(20, 60))
+        assert hold.started.wait(30)  # "a" is running (its first token is being chosen)
+        cancel.set()
+        hold.release.set()
+        ra, rb = a.result(60), b.result(60)
+    assert ra.cancelled and ra.generated_tokens < 12
+    assert rb.generated_tokens == 12 and not rb.cancelled
+
+
+def test_turns_of_one_session_never_run_together_and_reuse_each_other():
+    model = make_tiny("llama")
+    with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_new_tokens=4, max_batch_size=4) as pipe:
+        futures = [pipe.submit("same", f"message {k}") for k in range(4)]
+        replies = [f.result(60) for f in futures]
+    lengths = [r.history_tokens for r in replies]
+    assert lengths == sorted(lengths) and all(r.reused_tokens == prev.history_tokens + prev.generated_tokens
+                                              for prev, r in zip(replies, replies[1:]))
+
+
+def test_streaming_sampling_and_given_replies_in_a_batch():
+    model = make_tiny("llama")
+    tok = char_tokenizer()
+    with ChatPipeline(model, tok, AttnStore("64MiB"), max_new_tokens=6, max_batch_size=4) as pipe:
+        chunks, streamed = pipe.stream("st", "stream this")
+        sampled = pipe.submit_prompt("sa", torch.arange(10, 30), do_sample=True, temperature=0.7, top_p=0.9)
+        read = pipe.submit("rd", "a question", reply="a given answer")
+        text = "".join(chunks)
+        assert text == streamed.result(60).text
+        assert sampled.result(60).generated_tokens == 6 and sampled.result(60).greedy_ids == ()
+        assert read.result(60).text == "a given answer"
+
+
+def test_a_failing_step_fails_its_members_and_the_worker_goes_on():
+    class Boom(LogitsProcessor):
+        armed = True
+
+        def __call__(self, input_ids, scores):
+            if Boom.armed and input_ids.shape[1] > 35:
+                raise RuntimeError("boom")
+            return scores
+
+    model = make_tiny("llama")
+    with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_new_tokens=6, max_batch_size=2,
+                      logits_processor=LogitsProcessorList([Boom()])) as pipe:
+        failing = pipe.submit_prompt("f", torch.arange(5, 38))
+        with pytest.raises(RuntimeError, match="boom"):
+            failing.result(60)
+        Boom.armed = False
+        assert pipe.chat("ok", "still serving", timeout=60).generated_tokens == 6
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gpt2"])
+def test_chunked_prefill_produces_the_tokens_of_whole_prefills(arch):
+    """With a token budget, prompts are prefilled in several forwards between decoding steps; tokens and what
+    the store keeps are those of whole prefills."""
+    model = make_tiny(arch)
+    whole = run(model, AttnStore("64MiB"), 4)
+    with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_new_tokens=7, max_batch_size=4,
+                      max_batch_tokens=9) as pipe:
+        chunked = {}
+        for k in range(3):
+            futures = {s: pipe.submit(s, m[k]) for s, m in MESSAGES.items()}
+            chunked.update({(s, k): f.result(60) for s, f in futures.items()})
+        chunks = pipe.batch_runner.prefill_chunks
+    prefilled = sum(r.prefilled_tokens for r in chunked.values())
+    assert chunks >= prefilled / 9 > len(chunked)  # really chunked: more forwards than turns
+    for key, alone in whole.items():
+        assert chunked[key].generated_ids == alone.generated_ids, key
+        assert chunked[key].reused_tokens == alone.reused_tokens, key
+
+
+class Recorder:
+    """A streamer that logs `(name, what)` into a shared list: "prompt" first, then one "token" per put."""
+
+    def __init__(self, name, log):
+        self.name, self.log, self.seen_prompt = name, log, False
+
+    def put(self, value):
+        self.log.append((self.name, "token" if self.seen_prompt else "prompt"))
+        self.seen_prompt = True
+
+    def end(self):
+        self.log.append((self.name, "end"))
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+def test_a_token_budget_lets_running_replies_stream_while_a_long_prompt_prefills(budget):
+    model = make_tiny("llama")
+    log = []
+    with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_new_tokens=10, max_batch_size=2,
+                      max_batch_tokens=budget, eos_token_id=None) as pipe:
+        with pipe._cond:  # both queued before the worker looks (the condition's lock is re-entrant)
+            short = pipe.submit_prompt("short", torch.arange(10, 14), Recorder("short", log))
+            long = pipe.submit_prompt("long", torch.arange(120) % 90 + 10, Recorder("long", log))
+        assert short.result(60).generated_tokens == long.result(60).generated_tokens == 10
+    long_joined = log.index(("long", "prompt"))  # its prompt is streamed once its prefill is done
+    short_tokens_before = log[:long_joined].count(("short", "token"))
+    if budget is None:  # both prompts prefilled whole before the first decoding step
+        assert short_tokens_before == 1
+    else:  # 120 tokens at most 5 per iteration: the short reply is finished before the long one starts
+        assert short_tokens_before == 10 and log.index(("short", "end")) < long_joined
+
+
+def test_max_batch_tokens_must_leave_room_to_prefill():
+    model = make_tiny("llama")
+    for bad in (4, 0, 2.5, True):
+        with pytest.raises(ValueError, match="max_batch_tokens"):
+            ChatPipeline(model, char_tokenizer(), None, max_batch_size=4, max_batch_tokens=bad)
+
+
+def test_members_of_different_reply_lengths_leave_from_any_row_and_others_join_in_place():
+    """Replies of 1-9 tokens: members leave from the middle rows (the last row takes their place) and queued
+    turns join the running batch cache; every turn still gets its solo tokens."""
+    model = make_tiny("qwen2")
+    prompts = {f"p{i}": torch.arange(3 * i + 5) % 97 + 11 for i in range(8)}
+    lengths = {f"p{i}": (9, 1, 4, 7, 2, 9, 3, 5)[i] for i in range(8)}
+
+    def replies(batch):
+        with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_batch_size=batch, eos_token_id=None) as pipe:
+            futures = {s: pipe.submit_prompt(s, p, max_new_tokens=lengths[s]) for s, p in prompts.items()}
+            return {s: f.result(60) for s, f in futures.items()}, pipe.batch_runner if batch > 1 else None
+
+    solo, _ = replies(1)
+    batched, runner = replies(3)
+    for s, r in solo.items():
+        assert batched[s].generated_ids == r.generated_ids and len(r.generated_ids) == lengths[s], s
+    assert runner.steps < sum(lengths.values())  # decoded together
+
+
+def test_batch_kv_keeps_each_rows_kv_right_aligned_through_joins_and_leaves():
+    from hf_attnstore.serving.batching import BatchKV
+
+    def kv(length, value):
+        return [(torch.full((1, 2, length, 4), float(value)), torch.full((1, 2, length, 4), -float(value)))] * 3
+
+    cache = BatchKV()
+    expected = []  # per row: (length, value)
+
+    def check():
+        assert cache.layers[0].keys.shape[0] == len(expected)
+        for b, (length, value) in enumerate(expected):
+            for layer in cache.layers:
+                row = layer.keys[b]
+                assert cache.width - cache.pad(b) == length
+                assert torch.all(row[:, cache.pad(b):] == value) and torch.all(layer.values[b, :, cache.pad(b):] == -value)
+                assert torch.isfinite(row).all() and torch.isfinite(layer.values[b]).all()
+
+    for length, value in ((5, 1), (3, 2), (9, 3)):  # the third is longer than the free columns: reallocated
+        cache.admit([kv(length, value)], rows=4, room=6)
+        expected.append((length, value))
+        check()
+    slab = cache.layers[0]._k
+    for layer in cache.layers:  # one decoding step for every row
+        layer.update(torch.full((3, 2, 1, 4), 7.0), torch.full((3, 2, 1, 4), -7.0))
+    cache.remove(0)  # the last row (value 3) moves to row 0
+    expected = [(10, 3), (4, 2)]
+    assert cache.width == 10
+    for layer in cache.layers:
+        assert torch.all(layer.keys[:, :, -1] == 7)
+        layer.keys[:, :, -1] = layer.keys[:, :, -2]  # make the check below uniform
+        layer.values[:, :, -1] = layer.values[:, :, -2]
+    check()
+    for layer in cache.layers:  # whatever is not live may hold anything (the slab is allocated uninitialized)
+        for t in (layer._k, layer._v):
+            t[layer.n:] = float("nan")
+            t[:, :, : layer.start] = float("nan")
+    cache.admit([kv(8, 4)], rows=4, room=2)  # fits: written in place, into a row that held garbage
+    expected.append((8, 4))
+    check()
+    cache.admit([kv(12, 8)], rows=4, room=2)  # in place, longer than the batch: older rows get zeroed padding
+    assert cache.layers[0]._k is slab
+    expected.append((12, 8))
+    check()
+    cache.admit([kv(2, 5), kv(20, 6)], rows=6, room=2)  # several at once: one reallocation for the longest
+    expected += [(2, 5), (20, 6)]
+    check()
+
+
+def test_every_running_member_leads_the_eviction_schedule():
+    """The store keeps the sessions of the whole running batch (their write buffers) last in line for
+    eviction, ahead of the waiting queue, not just one of them."""
+    class Recording(AttnStore):
+        schedules = []
+
+        def set_schedule(self, sessions):
+            Recording.schedules.append(list(sessions))
+            return super().set_schedule(sessions)
+
+    class Running(LogitsProcessor):  # what the pipeline calls running while the batch decodes
+        seen = []
+
+        def __call__(self, input_ids, scores):
+            Running.seen.append(frozenset(pipe._running))
+            return scores
+
+    model = make_tiny("llama")
+    with ChatPipeline(model, char_tokenizer(), Recording("64MiB"), max_new_tokens=6, max_batch_size=2,
+                      eos_token_id=None, logits_processor=LogitsProcessorList([Running()])) as pipe:
+        with pipe._cond:  # all four queued before the worker looks
+            futures = [pipe.submit_prompt(f"s{i}", torch.arange(10, 20 + i)) for i in range(4)]
+        for f in futures:
+            f.result(60)
+    assert {"s0", "s1"} in Running.seen and {"s2", "s3"} in Running.seen
+    # Hints given while s2 and s3 decode put both first.
+    assert any(set(s[:2]) == {"s2", "s3"} for s in Recording.schedules)
