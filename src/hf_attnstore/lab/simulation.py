@@ -23,7 +23,7 @@ from itertools import islice
 
 from ..cache.config import TruncationConfig
 from ..store.policy import make_policy
-from ..store.placement import HEAD_SEARCH, choose_head_drops, choose_victims, lookahead_windows
+from ..store.placement import choose_head_drops, choose_victims, head_drop_candidates, lookahead_windows
 from ..cache.truncation import tokens_to_drop
 
 
@@ -181,7 +181,7 @@ class _Tiers:
         self.pinned: set[tuple] = set()  # sessions of running jobs
 
     def position(self, key):
-        return getattr(self.host_policy, "position", lambda k: None)(key)
+        return self.host_policy.position(key)
 
     def _set(self, tier: dict, policy, key, nbytes: float | None) -> float:
         old = tier.pop(key, None)
@@ -227,20 +227,18 @@ class _Tiers:
     def _drop_heads(self, movable) -> None:
         """Partial eviction with the store's victim choice: leading chunks of idle, unqueued sessions."""
         chunk = self.cfg.chunk_tokens
-        position = getattr(self.disk_policy, "position", lambda k: None)
-        candidates = []
-        overflow, offered = self.disk_used - self.cfg.disk_bytes, 0.0
-        for key in self.disk_policy.victims():
-            if offered >= HEAD_SEARCH * overflow:
-                break
-            if not movable(key) or key in self.pinned or position(key) is not None:
-                continue
+        overflow = self.disk_used - self.cfg.disk_bytes
+
+        def describe(key):
+            if not movable(key) or key in self.pinned or self.disk_policy.position(key) is not None:
+                return None
             head, n = self.head.get(key, 0), self.tokens[key]
             per_token = self.disk[key] / (n - head)
             bounds = list(range(head, n, chunk)) + [n]
             units = [(a, b, (b - a) * per_token) for a, b in zip(bounds, bounds[1:])]
-            candidates.append((key, self.now - self.last_use.get(key, 0.0), units))
-            offered += self.disk[key]
+            return self.now - self.last_use.get(key, 0.0), units, self.disk[key]
+
+        candidates = head_drop_candidates(self.disk_policy.victims(), overflow, describe)
         for key in choose_head_drops(candidates, overflow):
             head, n = self.head.get(key, 0), self.tokens[key]
             drop = min(chunk, n - head)

@@ -64,7 +64,7 @@ class HostTier:
 
     def position(self, key) -> int | None:
         """Where the session's next job is in a look-ahead policy's queue (None: not queued, or no queue)."""
-        return getattr(self.policy, "position", lambda key: None)(key)
+        return self.policy.position(key)
 
     # -- allocation -----------------------------------------------------------------------------------
     def new_buffer(self, geometry: tuple, dtype: torch.dtype) -> SessionBuffer:

@@ -75,6 +75,33 @@ ATTENTION_TOKENS = 16384
 HEAD_SEARCH = 4
 
 
+def head_drop_candidates(victims: Iterable[Hashable], overflow: float, describe) -> list:
+    """The sessions offered to :func:`choose_head_drops`, the same scan for the store and the simulator: in the
+    eviction policy's order (`victims`), those `describe` accepts, until they hold `HEAD_SEARCH` times the bytes
+    to free.
+
+    Args:
+        victims: Keys in eviction order (the policy's `victims()`).
+        overflow: Bytes to free.
+        describe: ``key -> (idle_seconds, units, bytes held)`` for a session that may shrink (`units` as
+            :func:`choose_head_drops` takes them), or None for one that may not (in use, queued, ...).
+
+    Example:
+        >>> head_drop_candidates(["a", "b"], 10, lambda k: (1.0, [(0, 4, 8)], 8) if k == "b" else None)
+        [('b', 1.0, [(0, 4, 8)])]
+    """
+    candidates, offered = [], 0.0
+    for key in victims:
+        if offered >= HEAD_SEARCH * overflow:
+            break
+        found = describe(key)
+        if found is not None:
+            idle, units, nbytes = found
+            candidates.append((key, idle, units))
+            offered += nbytes
+    return candidates
+
+
 def recompute_cost(start: int, end: int, attention_tokens: int = ATTENTION_TOKENS) -> float:
     """Relative prefill cost of recomputing tokens ``[start, end)`` after the tokens before them: their linear
     layers, plus attention over every earlier position (so later chunks cost more)."""

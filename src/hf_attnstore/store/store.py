@@ -36,7 +36,7 @@ from .codec import serves
 from .disk import MANIFEST, DiskTier
 from .format import FormatError, Manifest, check_chain, prefix_digest
 from .entry import Entry, Key, Write, blocks, remote_signature, validate_session_id
-from .placement import HEAD_SEARCH, choose_head_drops, choose_victims
+from .placement import choose_head_drops, choose_victims, head_drop_candidates
 from .reader import LoadPlanning, LoadThread
 from .remote import RemoteTier, RemoteUnavailableError
 from .saver import NoDiskRoom, SavePlanning, SaveThread
@@ -759,20 +759,18 @@ class AttnStore(LoadPlanning, SavePlanning):
         """Partial eviction: drops leading chunks of idle sessions' disk copies, lowest retention value first
         (`placement.choose_head_drops`). Sessions loading, being written, running a turn or queued by the
         scheduler are left whole."""
-        now = time.monotonic()
-        position = getattr(self._disk_policy, "position", lambda key: None)
-        candidates, offered = [], 0
-        for key in self._disk_policy.victims():
-            if offered >= HEAD_SEARCH * overflow:
-                break
+        now, policy = time.monotonic(), self._disk_policy
+
+        def describe(key):
             e = self._entries[key]
             # A hybrid model's session (with a state) stays whole: its head could not be recomputed without
             # recomputing the states, i.e. the whole session.
             if e is current or e.pins or e.writers or e.manifest is None or not e.manifest.spans \
-                    or e.manifest.state is not None or position(key) is not None:
-                continue
-            candidates.append((key, now - e.last_access, self._head_units(e)))
-            offered += e.disk_bytes
+                    or e.manifest.state is not None or policy.position(key) is not None:
+                return None
+            return now - e.last_access, self._head_units(e), e.disk_bytes
+
+        candidates = head_drop_candidates(policy.victims(), overflow, describe)
         for key in choose_head_drops(candidates, overflow):
             e = self._entries.get(key)
             if e is None or e.manifest is None:

@@ -35,6 +35,11 @@ class EvictionPolicy:
         """The session ids of the jobs waiting to run, first to run first (a scheduler's look-ahead window).
         Ignored here; a scheduler-aware policy (lookahead.py) evicts the sessions of no waiting job first."""
 
+    def position(self, key: Hashable) -> int | None:
+        """Where the key's session's next job waits in the scheduler's queue (0 = next), or None if it has none
+        (or this policy does not look ahead)."""
+        return None
+
     def victims(self) -> Iterator[Hashable]:
         """Keys in the order they should be evicted (first = evict first).
 
