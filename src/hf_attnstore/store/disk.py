@@ -31,11 +31,9 @@ from .format import (
     read_range,
     session_dirname,
 )
-from .tier import ChunkReader, Found, Key, SerialWriter, Tier
+from .tier import CHUNK_SUFFIX, MANIFEST, ChunkReader, Found, Key, SerialWriter, Tier  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
-MANIFEST = "manifest.json"
-CHUNK_SUFFIX = ".safetensors"
 TMP_PREFIX = ".tmp-"
 LOCK = "LOCK"
 
@@ -208,6 +206,11 @@ class DiskTier(Tier):
             if path.name[: -len(CHUNK_SUFFIX)] not in keep and not path.name.startswith(TMP_PREFIX):
                 self._remove(path)
 
+    def delete(self, key: Key, names) -> None:
+        folder = self.session_dir(*key)
+        for name in names:
+            (folder / name).unlink(missing_ok=True)
+
     def delete_chunk(self, fingerprint: str, session_id: str, name: str) -> None:
         """Deletes one chunk file (partial eviction), once no manifest on disk references it."""
         (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).unlink(missing_ok=True)
@@ -262,8 +265,10 @@ class DiskTier(Tier):
         return nbytes
 
     def read_file(self, key: Key, name: str) -> bytes:
-        """A session's whole file (a chunk copied to another tier keeps its own checksums)."""
-        return (self.session_dir(*key) / name).read_bytes()
+        path = self.session_dir(*key) / name
+        if not path.is_file() or path.is_symlink():
+            raise FormatError(f"{name} is missing or not a regular file")
+        return path.read_bytes()
 
     def chunk_size(self, fingerprint: str, session_id: str, name: str) -> int:
         return (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).stat().st_size

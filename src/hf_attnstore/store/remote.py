@@ -47,8 +47,7 @@ from .format import (
     session_dirname,
     verified,
 )
-from .disk import MANIFEST
-from .tier import ChunkReader, Key, SerialWriter, Tier
+from .tier import CHUNK_SUFFIX, MANIFEST, ChunkReader, Key, SerialWriter, Tier
 
 logger = logging.getLogger(__name__)
 PREFIX = "attnstore:" + FORMAT.rsplit("/", 1)[-1] + ":"
@@ -330,6 +329,20 @@ class RemoteTier(Tier):
         if end < manifest.length:
             manifest = manifest.select([(0, end)]) if end > manifest.head else None
         return manifest
+
+    def read_file(self, key: Key, name: str) -> bytes:
+        """A session's manifest (as stored here: its chunks named by digest) or a chunk, by its digest."""
+        stem = name[: -len(CHUNK_SUFFIX)] if name.endswith(CHUNK_SUFFIX) else name
+        data = self._call(self.client.get, self.key_of(key, "m" if name == MANIFEST else "c:" + stem))
+        if data is None:
+            raise FormatError(f"{name} is not in the remote tier (expired or evicted)")
+        return data
+
+    def delete(self, key: Key, names) -> None:
+        """Deletes the session's manifest if named (now, unlike :meth:`remove`); chunks stay, as for `remove`:
+        content-addressed, they may be pinned by another replica's manifest."""
+        if MANIFEST in names:
+            self._call(self.client.delete, self.key_of(key, "m"))
 
     def remove(self, key: Key, keep: set[str] | None = None) -> None:
         """Deletes the session's manifest, in order after the writes queued before (never blocks).

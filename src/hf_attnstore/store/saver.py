@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from .buffer import SessionKV
-from .disk import CHUNK_SUFFIX, MANIFEST
 from .entry import Entry, Write
 from .encoded import EncodedSegment
 from .format import Manifest, Span, StateRef, encode_chunk, encode_kv, prefix_hasher, tensor_bytes
-from .tier import Key, Tier
+from .tier import CHUNK_SUFFIX, MANIFEST, Key, Tier
 
 if TYPE_CHECKING:
     from .store import AttnStore

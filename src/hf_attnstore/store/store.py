@@ -33,7 +33,8 @@ from .buffer import SessionBuffer, SessionKV, ranges
 from .host import HostTier
 from .config import StoreConfig
 from .codec import serves
-from .disk import MANIFEST, DiskTier
+from .disk import DiskTier
+from .tier import CHUNK_SUFFIX, MANIFEST
 from .format import FormatError, Manifest, check_chain, prefix_digest
 from .entry import Entry, Key, Write, blocks, remote_signature, validate_session_id
 from .placement import choose_head_drops, choose_victims, head_drop_candidates
@@ -846,17 +847,15 @@ class AttnStore(LoadPlanning, SavePlanning):
         """Runs queued deletions (save thread, without the lock; see `_deletes`)."""
         for key, nbytes, head in deletes:
             if head is None:
-                self._disk.delete_session(*key)
+                self._disk.remove(key)
                 continue
             manifest, chunk = head
             if manifest is None:  # an older copy's files (`_drop_handed_over`): the manifest first
-                (self._disk.session_dir(*key) / MANIFEST).unlink(missing_ok=True)
-                for name in chunk:
-                    self._disk.delete_chunk(*key, name)
+                self._disk.delete(key, [MANIFEST, *(name + CHUNK_SUFFIX for name in chunk)])
                 continue
             try:
-                size = self._disk.write_file(*key, MANIFEST, manifest.encode())
-            except OSError as exc:
+                size = self._disk.put(key, MANIFEST, manifest.encode()).result(self.config.io_timeout_s)
+            except (OSError, TimeoutError, RuntimeError) as exc:  # (RuntimeError: the tier's writer is closed)
                 # The index says the chunk is dropped, the disk still has the old manifest: make them agree by
                 # letting the whole disk copy go (a clean miss later; the chunk is deleted with the folder).
                 self._once.warning("head_drop", "disk tier: writing the manifest of partially evicted session %r "
@@ -869,7 +868,7 @@ class AttnStore(LoadPlanning, SavePlanning):
                         self._drop_disk_copy(e)
                 continue
             if chunk is not None:
-                self._disk.delete_chunk(*key, chunk)
+                self._disk.delete(key, [chunk + CHUNK_SUFFIX])
             with self._cond:
                 e = self._entries.get(key)
                 if e is not None and e.manifest is manifest:
@@ -1039,7 +1038,7 @@ class AttnStore(LoadPlanning, SavePlanning):
                 # store): never served, so its files go rather than hold disk space nothing counts.
                 self._once.warning("codec", "disk tier: sessions stored with a less accurate codec than "
                                    "kv_codec=%r are removed (recomputed when used)", self.config.kv_codec)
-                self._disk.delete_session(manifest.fingerprint, manifest.session_id)
+                self._disk.remove((manifest.fingerprint, manifest.session_id))
                 continue
             e = Entry(key=(manifest.fingerprint, manifest.session_id), layout=found.layout)
             self._next_chunk[e.key] = manifest.next_chunk

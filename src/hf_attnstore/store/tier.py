@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TypeVar
@@ -80,6 +80,11 @@ class Found:
     codecs: frozenset = frozenset()  # the codecs of its chunks (None: lossless)
 
 
+# The names of a session's files, as `put`, `read_file` and `delete` take them.
+MANIFEST = "manifest.json"
+CHUNK_SUFFIX = ".safetensors"
+
+
 class Tier(abc.ABC):
     """A tier below host memory (see the module docstring for who calls what, and when)."""
 
@@ -118,6 +123,24 @@ class Tier(abc.ABC):
     def contains(self, key: Key) -> bool:
         """Whether the tier holds the session (its manifest is there and valid)."""
         return self.manifest(key) is not None
+
+    @abc.abstractmethod
+    def read_file(self, key: Key, name: str) -> bytes:
+        """A session's whole file as it was put (a chunk copied to another tier keeps its own checksums).
+
+        Raises:
+            FormatError: Missing (a clean miss).
+            OSError: The tier failed to read it.
+        """
+
+    @abc.abstractmethod
+    def delete(self, key: Key, names: Sequence[str]) -> None:
+        """Deletes these files of the session now, in the order given (the manifest first, so that a crash in
+        between never leaves a manifest naming a missing file); files already gone are ignored."""
+
+    def available(self) -> bool:
+        """Whether the tier answers now (a remote tier that failed moments ago does not, until it is retried)."""
+        return True
 
     @abc.abstractmethod
     def remove(self, key: Key, keep: set[str] | None = None) -> None:
