@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -152,6 +154,11 @@ def _partially_evicted(tmp_path, model, turns=2):
     store = AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), **FAST)
     _, hist = chat(model, store, ["a", "b", "c"], turns=turns)
     store.close()
+    # A reopened store dates each session's last use by its manifest's mtime, and partial eviction weighs
+    # chunks by idle time: equal mtimes keep the choice to recompute costs (heads first), whatever this
+    # machine's load made of the gaps between the writes (else the most idle session may lose every chunk).
+    for manifest in tmp_path.rglob("manifest.json"):
+        os.utime(manifest, (1_700_000_000, 1_700_000_000))
     used = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
     store = AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), disk_bytes=used + 16 * 4096,
                       partial_eviction=True, **FAST)
