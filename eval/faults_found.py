@@ -6,6 +6,7 @@ crashes, data lost.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -96,6 +97,20 @@ def _server(max_batch_size: int = 8):
     return TestClient(app), pipe, store
 
 
+@contextlib.contextmanager
+def _serving(row: Row):
+    """An in-process server (see `_server`) for one row: any exception is the row's crash, and the pipeline
+    and store are closed whatever happens."""
+    client, pipe, store = _server()
+    try:
+        yield client, pipe
+    except Exception as exc:
+        row.crash(exc)
+    finally:
+        pipe.close(timeout=60)
+        store.close()
+
+
 def _post(client, headers=None, content=None, **fields):
     if content is not None:
         return client.post("/v1/chat/completions", content=content, headers={"Content-Type": "application/json"})
@@ -135,8 +150,7 @@ def _still_serves(row: Row, client, concurrent: int = 4) -> None:
 def scenario_huge_sizes(runs: int) -> Row:
     """Huge `max_tokens` at batch 8 used to kill the batch runner: every later request timed out."""
     row = Row("huge max_tokens / n / stop / messages at batch 8, then normal requests")
-    client, pipe, store = _server()
-    try:
+    with _serving(row) as (client, _):
         for i in range(runs):
             value = (10**12, 2**63, 2**63 - 1, 10**6)[i % 4]
             for field in ("max_tokens", "max_completion_tokens"):
@@ -145,11 +159,6 @@ def scenario_huge_sizes(runs: int) -> Row:
             _client_error(row, _post(client, messages=[{"role": "user", "content": "a"}] * 10_000), "messages",
                           "10,000 messages")
             _still_serves(row, client)
-    except Exception as exc:
-        row.crash(exc)
-    finally:
-        pipe.close(timeout=60)
-        store.close()
     return row
 
 
@@ -157,8 +166,7 @@ def scenario_bad_session_ids() -> Row:
     """Bad `user` / X-Session-ID used to get 503 "shutting_down" (clients retry forever), a NUL no answer, and
     an invalid UTF-8 body FastAPI's own error shape. Then a real shutdown must still be a 503."""
     row = Row("bad session ids and bodies over HTTP (400 naming the field; 503 only when shutting down)")
-    client, pipe, store = _server()
-    try:
+    with _serving(row) as (client, pipe):
         for bad in ["x" * 5000, "a\x00b", "\ud800", "line\nbreak", " padded", "日本"]:
             _client_error(row, _post(client, user=bad), "user", f"user={bad[:12]!r}")
         for bad in [b"x" * 5000, b"a\x00b", b"\xff\xfe", "日本".encode()]:
@@ -173,11 +181,6 @@ def scenario_bad_session_ids() -> Row:
         if r.status_code != 503 or r.json()["error"]["code"] != "shutting_down":
             row.crashes += 1
             row.notes.append(f"after close: {r.status_code} {r.text[:80]}")
-    except Exception as exc:
-        row.crash(exc)
-    finally:
-        pipe.close(timeout=60)
-        store.close()
     return row
 
 

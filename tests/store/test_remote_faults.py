@@ -21,16 +21,11 @@ from hf_attnstore.store.loader import LoadError
 from hf_attnstore.store.redis_server import RedisServer, free_port
 from hf_attnstore.store.remote import RemoteChunk, RemoteTier, RemoteUnavailableError
 
+from .test_remote import redis_server  # noqa: F401 (the fixture)
 from .kvdata import BYTES_PER_TOKEN, FP, LAYERS, expect, layer_of, write_turn
 
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=4, remote_timeout_s=2)
 LOCAL, REMOTE = list(range(30)), list(range(60))
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    with RedisServer(tmp_path / "redis") as server:
-        yield server
 
 
 def make(path, server, **kw):

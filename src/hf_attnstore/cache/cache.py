@@ -129,7 +129,7 @@ class AttnStoreCache(DynamicCache):
             install_generation_hook(model)
 
     # What the turn planned and did (read-only here; see Turn).
-    input_ids = _from_turn("input_ids", "The ids to pass to `generate`/`forward` (truncated if the context overflowed).")
+    input_ids = _from_turn("input_ids", "The ids to pass to `generate`/`forward` (truncated on overflow).")
     reused_tokens = _from_turn("reused_tokens", "How many of `input_ids` come from the store.")
     dropped_tokens = _from_turn("dropped_tokens", "How many tokens truncation removed.")
     kv_source = _from_turn("kv_source", "Where the reused KV came from: host, disk, remote, or miss.")
