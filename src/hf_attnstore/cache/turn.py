@@ -350,6 +350,8 @@ class Turn:
             self._writer.close()
             self._writer = self.turn_end.writer = self._store.open_turn(self.session_id, self.fingerprint, None,
                                                                          torch.empty(0, dtype=torch.long))
+            if self._layout.has_state:  # the store asks this turn for its states (TurnEnd.publish)
+                self._writer.state_source = weakref.ref(self.turn_end)
         self.layers = self.turn_end.layers = build_layers(self, self._layout, 0, None, self._device)
         self._cache().layers = self.layers
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "attention_mask", "cache_position")}

@@ -10,7 +10,7 @@ Public API we also use, and need not route through here: `AutoModelForCausalLM`,
 `DynamicCache(config=...)`, `model.generate`, `GenerationConfig`, stopping criteria and the streamers.
 
 Example:
-    >>> from hf_attnstore import upstream
+    >>> from hf_attnstore.cache import upstream
     >>> upstream.CACHE_ARG in ("cache", "past_key_values")
     True
     >>> upstream.cache_kwargs(None) == {upstream.CACHE_ARG: None}

@@ -1,7 +1,7 @@
 """A discrete-event simulation of AttentionStore at paper scale, driven by the store's own placement code.
 
 No model runs: a cost model gives each turn's prefill and decode time and KV size. What the simulation
-shares with the store is what decides hit rates: the eviction policies (`hf_attnstore.policy`), the victim
+shares with the store is what decides hit rates: the eviction policies (`hf_attnstore.store.policy`), the victim
 choice and look-ahead windows (`store.placement`), the in-order prefetch that never evicts a session needed
 sooner, and the truncation rule (`truncation.tokens_to_drop`). Tiers are inclusive as in the store: every
 saved session is written to disk, so demoting a session from host memory costs nothing unless its disk
@@ -439,7 +439,7 @@ def sharegpt_trace(tokenizer, limit: int | None = None, rejoin: bool = False) ->
 
     A user message is paired with the assistant message that follows it (0 tokens if none). With `rejoin`,
     the parts of conversations the packaged (split) file cut apart are joined (see `iter_sharegpt`). The counts
-    are cached under :func:`hf_attnstore.models.cache_root` (tokenizing 17,671 conversations takes a while).
+    are cached under :func:`hf_attnstore.lab.models.cache_root` (tokenizing 17,671 conversations takes a while).
     """
     import hashlib
     import json

@@ -177,18 +177,22 @@ class SessionKV:
             values.append(torch.cat([v for _, v in kv], dim=2))
         return ids, keys, values
 
-    def lossy_in(self, start: int, end: int) -> KVCodec | None:
-        """The least accurate codec any of tokens ``[start, end)`` was dequantized from (None: all exact).
+    def lossy_before(self, end: int) -> KVCodec | None:
+        """The least accurate codec that the KV of the first `end` tokens depends on (None: all exact).
+
+        Under causal attention a token's KV is computed from every token before it: once a dequantized token is
+        reused, the KV computed after it is no longer what the model computes on the exact history, so it
+        counts as lossy too, even if its own values were never quantized.
 
         Example:
-            >>> snap.lossy_in(0, 256) is None  # doctest: +SKIP
+            >>> snap.lossy_before(256) is None  # doctest: +SKIP
             True
         """
         worst, pos = None, 0
         for seg, a, b in self.parts:
-            x, y = max(start, pos), min(end, pos + b - a)
-            if x < y:
-                worst = least_accurate(worst, seg.lossy_between(a + x - pos, a + y - pos))
+            y = min(end, pos + b - a)
+            if pos < y:
+                worst = least_accurate(worst, seg.lossy_between(a, a + y - pos))
             pos += b - a
         return worst
 

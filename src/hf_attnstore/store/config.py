@@ -83,7 +83,7 @@ class StoreConfig:
             Sessions the scheduler queued (``policy="lookahead"``) are not shrunk. ``False`` (default):
             whole sessions leave, in the policy's order.
         namespace: A salt mixed into every model fingerprint (see
-            :func:`~hf_attnstore.fingerprint.model_fingerprint`): entries stored under one namespace are
+            :func:`~hf_attnstore.cache.fingerprint.model_fingerprint`): entries stored under one namespace are
             never served under another. Use it for what weights cannot show (a tenant, a policy).
     """
 

@@ -206,6 +206,9 @@ class DiskTier(Tier):
             if path.name[: -len(CHUNK_SUFFIX)] not in keep and not path.name.startswith(TMP_PREFIX):
                 self._remove(path)
 
+    def write(self, key: Key, name: str, data: bytes) -> int:
+        return self.write_file(key[0], key[1], name, data)
+
     def delete(self, key: Key, names) -> None:
         folder = self.session_dir(*key)
         for name in names:

@@ -20,7 +20,7 @@ class HostTier:
 
     Args:
         limit: Bytes of KV the tier may hold (`host_bytes`).
-        policy: Name of the eviction policy (see :mod:`hf_attnstore.policy`).
+        policy: Name of the eviction policy (see :mod:`hf_attnstore.store.policy`).
         pin_memory: Whether buffers are allocated in page-locked memory (for asynchronous copies to CUDA).
     """
 

@@ -330,6 +330,10 @@ class RemoteTier(Tier):
             manifest = manifest.select([(0, end)]) if end > manifest.head else None
         return manifest
 
+    def write(self, key: Key, name: str, data: bytes) -> int:
+        """As :meth:`put`, now (a failure of the tier is a `RemoteUnavailableError`, an `OSError`)."""
+        return self._put(key, name, data)
+
     def read_file(self, key: Key, name: str) -> bytes:
         """A session's manifest (as stored here: its chunks named by digest) or a chunk, by its digest."""
         stem = name[: -len(CHUNK_SUFFIX)] if name.endswith(CHUNK_SUFFIX) else name

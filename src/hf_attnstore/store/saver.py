@@ -110,11 +110,12 @@ class SaveThread:
                 ids, keys, values = job.snap.tensors(a, b)
                 previous = (spans or job.base.dropped or [Span("", 0, 0)])[-1].digest
                 blobs = encode_kv(keys, values, self.codec) if self.codec is not None else None
-                # Tokens loaded from a lossy copy hold dequantized KV: a chunk written lossless over them (the
-                # codec refused their range) says so, and no store that asks for exact KV serves it.
+                # Tokens loaded from a lossy copy hold dequantized KV, and the KV computed after them depends on
+                # it: a chunk written lossless over such tokens (the codec refused their range) says so, and no
+                # store that asks for exact KV serves it.
                 data, digest = encode_chunk(fp, sid, ids, keys, values, history.hexdigest(), previous,
                                             self.codec if blobs is not None else None, blobs,
-                                            derived=job.snap.lossy_in(a, b))
+                                            derived=job.snap.lossy_before(b))
                 if self.keep_encoded and blobs is not None and b - a == self.chunk_tokens:
                     encoded.append((a, (self._host_copy(job, ids, blobs), 0, b - a)))
                 name = digest if self.tier.content_addressed else f"{next_chunk:08d}"

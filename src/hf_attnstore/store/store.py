@@ -844,40 +844,52 @@ class AttnStore(LoadPlanning, SavePlanning):
         self._queue_delete(e.key, nbytes, (None, names))
 
     def _run_deletes(self, deletes: list[tuple[Key, int, tuple | None]]) -> None:
-        """Runs queued deletions (save thread, without the lock; see `_deletes`)."""
-        for key, nbytes, head in deletes:
-            if head is None:
-                self._disk.remove(key)
-                continue
-            manifest, chunk = head
-            if manifest is None:  # an older copy's files (`_drop_handed_over`): the manifest first
-                self._disk.delete(key, [MANIFEST, *(name + CHUNK_SUFFIX for name in chunk)])
-                continue
-            try:
-                size = self._disk.put(key, MANIFEST, manifest.encode()).result(self.config.io_timeout_s)
-            except (OSError, TimeoutError, RuntimeError) as exc:  # (RuntimeError: the tier's writer is closed)
-                # The index says the chunk is dropped, the disk still has the old manifest: make them agree by
-                # letting the whole disk copy go (a clean miss later; the chunk is deleted with the folder).
-                self._once.warning("head_drop", "disk tier: writing the manifest of partially evicted session %r "
-                                   "failed (%s); its disk copy is dropped", key[1], exc)
+        """Runs queued deletions (save thread, without the lock; see `_deletes`). A deletion that fails (EACCES,
+        EIO) is logged and the others go on; the bytes are released from the count either way (what is left
+        is collected when the folder is next scanned)."""
+        try:
+            for key, nbytes, head in deletes:
+                try:
+                    self._run_delete(key, nbytes, head)
+                except OSError as exc:
+                    self._once.warning("delete", "disk tier: deleting files of session %r failed (%s)", key[1], exc)
+        finally:
+            if deletes:
                 with self._cond:
-                    e = self._entries.get(key)
-                    if e is not None and e.manifest is manifest:
-                        # The chunk is still there: count it with the folder, whose deletion removes it.
-                        self._set_files(e, {**e.files, chunk: nbytes} if chunk else e.files, e.manifest_size)
-                        self._drop_disk_copy(e)
-                continue
-            if chunk is not None:
-                self._disk.delete(key, [chunk + CHUNK_SUFFIX])
+                    nbytes = sum(item[1] for item in deletes)
+                    self._disk_used -= nbytes
+                    self._deleting -= nbytes
+
+    def _run_delete(self, key: Key, nbytes: int, head: tuple | None) -> None:
+        if head is None:
+            self._disk.remove(key)
+            return
+        manifest, chunk = head
+        if manifest is None:  # an older copy's files (`_drop_handed_over`): the manifest first
+            self._disk.delete(key, [MANIFEST, *(name + CHUNK_SUFFIX for name in chunk)])
+            return
+        try:
+            # Now, on this thread: behind the tier's write queue it would wait for every chunk queued before
+            # it (a timeout there would drop a copy whose manifest still lands later).
+            size = self._disk.write(key, MANIFEST, manifest.encode())
+        except OSError as exc:
+            # The index says the chunk is dropped, the disk still has the old manifest: make them agree by
+            # letting the whole disk copy go (a clean miss later; the chunk is deleted with the folder).
+            self._once.warning("head_drop", "disk tier: writing the manifest of partially evicted session %r "
+                               "failed (%s); its disk copy is dropped", key[1], exc)
             with self._cond:
                 e = self._entries.get(key)
                 if e is not None and e.manifest is manifest:
-                    self._set_files(e, e.files, size)
-        if deletes:
-            with self._cond:
-                nbytes = sum(item[1] for item in deletes)
-                self._disk_used -= nbytes
-                self._deleting -= nbytes
+                    # The chunk is still there: count it with the folder, whose deletion removes it.
+                    self._set_files(e, {**e.files, chunk: nbytes} if chunk else e.files, e.manifest_size)
+                    self._drop_disk_copy(e)
+            return
+        if chunk is not None:
+            self._disk.delete(key, [chunk + CHUNK_SUFFIX])
+        with self._cond:
+            e = self._entries.get(key)
+            if e is not None and e.manifest is manifest:
+                self._set_files(e, e.files, size)
 
     def _drop_disk_copy(self, e: Entry) -> None:
         """Removes a session from the disk tier; with no copy in host memory either, it is gone."""

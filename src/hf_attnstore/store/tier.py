@@ -125,6 +125,15 @@ class Tier(abc.ABC):
         return self.manifest(key) is not None
 
     @abc.abstractmethod
+    def write(self, key: Key, name: str, data: bytes) -> int:
+        """Writes one file of a session atomically now, on the caller's thread (not behind the writes `put`
+        queued); returns its size in bytes.
+
+        Raises:
+            OSError: The write failed; nothing of it is visible.
+        """
+
+    @abc.abstractmethod
     def read_file(self, key: Key, name: str) -> bytes:
         """A session's whole file as it was put (a chunk copied to another tier keeps its own checksums).
 

@@ -12,7 +12,7 @@ one forward, which gives exactly the log-probabilities separate requests would.
 lm-eval's CLI only knows its own models, so run it through this module, which registers ``attnstore``
 and adds the ``mmlu_offline`` task folder to ``--include_path``::
 
-    python -m hf_attnstore.evaluation.harness --model attnstore \\
+    python -m hf_attnstore.lab.evaluation.harness --model attnstore \\
         --model_args truncation=decoupled,context_window=1024 --tasks mmlu_offline --limit 500
 """
 
