@@ -348,7 +348,18 @@ def scenario_full_disk(model, turns: int) -> Row:
 
 # -- capacity: measured bytes against each limit ----------------------------------------------------------------
 def _du(root: Path) -> int:
-    return sum(-(-p.stat().st_size // 4096) * 4096 for p in root.rglob("*") if p.is_file() and p.name != "LOCK")
+    """Bytes of the files under `root` in 4 KiB blocks, measured from the writer thread while the save thread
+    may be deleting: a file gone between listing and stat counts nothing."""
+    total = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if name == "LOCK":
+                continue
+            try:
+                total += -(-os.stat(os.path.join(folder, name)).st_size // 4096) * 4096
+            except FileNotFoundError:
+                continue
+    return total
 
 
 def scenario_capacity(model, turns: int) -> Row:

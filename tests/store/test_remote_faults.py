@@ -21,6 +21,7 @@ from hf_attnstore.store.loader import LoadError
 from hf_attnstore.store.redis_server import RedisServer, free_port
 from hf_attnstore.store.remote import RemoteChunk, RemoteTier, RemoteUnavailableError
 
+from .test_faults import disk_usage  # measured while the save thread deletes files: tolerates that
 from .test_remote import redis_server  # noqa: F401 (the fixture)
 from .kvdata import BYTES_PER_TOKEN, FP, LAYERS, expect, layer_of, write_turn
 
@@ -233,10 +234,6 @@ def test_the_recomputed_turn_after_a_failed_remote_load_keeps_the_local_copy_unt
     expect(a.lookup("s", FP), REMOTE + [60])
     a.close(flush=False)  # a crash before the write-behind
     reopened_has_local_copy(tmp_path, a)
-
-
-def disk_usage(root) -> int:
-    return sum(-(-p.stat().st_size // 4096) * 4096 for p in root.rglob("*") if p.is_file() and p.name != "LOCK")
 
 
 def local(path, **kw):
