@@ -214,10 +214,6 @@ class DiskTier(Tier):
         for name in names:
             (folder / name).unlink(missing_ok=True)
 
-    def delete_chunk(self, fingerprint: str, session_id: str, name: str) -> None:
-        """Deletes one chunk file (partial eviction), once no manifest on disk references it."""
-        (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).unlink(missing_ok=True)
-
     def delete_session(self, fingerprint: str, session_id: str) -> None:
         shutil.rmtree(self.session_dir(fingerprint, session_id), ignore_errors=True)
 
