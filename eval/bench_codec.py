@@ -109,8 +109,8 @@ def main(argv=None) -> int:
                 else:
                     t = time.perf_counter()
                     assert store.prefetch([session], fp) == 1
-                    with store._cond:  # wait for the load (the benchmark peeks at the store's counter)
-                        store._cond.wait_for(lambda: store._loads_active == 0, 60)
+                    with store._index.cond:  # wait for the load (the benchmark peeks at the store's counter)
+                        store._index.cond.wait_for(lambda: store._index.loads_active == 0, 60)
                     rows[f"load {name}"].append(time.perf_counter() - t)
                 store.close(flush=False)
             # The host copy a save leaves behind (encoded with a lossy codec): written, flushed, resumed.

@@ -3,7 +3,7 @@
     python eval/bench_partial.py --history 2048 --new 128 --reps 5 --heads 0,256,512,1024,1536
 
 Sessions of `--history` tokens (SmolLM2's KV of one prefill) are written to a disk tier; then each loses
-its first `head` tokens' chunks, as partial eviction drops them (`AttnStore._drop_disk_head`, the store's own
+its first `head` tokens' chunks, as partial eviction drops them (`Eviction.drop_disk_head`, the store's own
 bookkeeping and file operations). Interleaved per repetition and reported as medians:
 
   ttft   a store reopened on the folder (the session on disk only, its pages dropped from the page cache),
@@ -60,13 +60,13 @@ def main(argv=None) -> int:
                 with store.open_turn(f"s{i}", fp, None, torch.arange(0)) as w:
                     w.append(*snapshot)
             store.flush()
-            with store._cond:
+            with store._index.cond:
                 for i in range(R):
-                    e = store._entries[(fp, f"s{i}")]
+                    e = store._index.entries[(fp, f"s{i}")]
                     for _ in range(head // args.chunk):
-                        store._drop_disk_head(e)
-                deletes, store._deletes = store._deletes, []
-            store._run_deletes(deletes)
+                        store._eviction.drop_disk_head(e)
+                deletes = store._index.take_deletes()
+            store._eviction.run_deletes(deletes)
         disk[head] = sum(f.stat().st_size for f in (folder / "sessions" / session_dirname(fp, "s0")).iterdir())
     model(ids[:, :8])  # warm-up
 

@@ -235,8 +235,8 @@ def report_disk(root, fp, n_sessions, folders, reps):
         drop_page_cache(folder)
         t = time.perf_counter()
         assert store.prefetch([f"s{i % n_sessions}"], fp) == 1
-        with store._cond:  # wait for the load to finish (the benchmark peeks at the store's counter)
-            store._cond.wait_for(lambda: store._loads_active == 0, 60)
+        with store._index.cond:  # wait for the load to finish (the benchmark peeks at the store's counter)
+            store._index.cond.wait_for(lambda: store._index.loads_active == 0, 60)
         seconds = time.perf_counter() - t
         loader.append(store.stats().bytes_read / seconds / 1e9)
         store.close(flush=False)

@@ -382,8 +382,8 @@ def scenario_capacity(model, turns: int) -> Row:
                 turn(model, store, f"s{k}", sequence(k)[:, :n])
                 expected[f"s{k}"] = sequence(k)
                 peak_host = max(peak_host, store.stats().host_bytes_used)
-                with store._lock:  # the largest session in host memory (the documented bound's one exception)
-                    largest = max([largest] + [e.host_accounted for e in store._entries.values()])
+                with store._index.lock:  # the largest session in host memory (the documented bound's one exception)
+                    largest = max([largest] + [e.host_accounted for e in store._index.entries.values()])
                 row.runs += 1
             store.flush()
             check_sessions(model, store, expected, row)

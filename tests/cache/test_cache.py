@@ -347,7 +347,7 @@ def test_a_dropped_cache_ends_its_turn_without_waiting_for_the_garbage_collector
         cache = AttnStoreCache(tiny_llama, store, "d", random_ids(20, 1))
         tiny_llama.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=3, **GREEDY)
         fp = cache.fingerprint
-        assert store._entries[(fp, "d")].writers  # the turn is open
+        assert store._index.entries[(fp, "d")].writers  # the turn is open
         del cache
         store.evict("d")  # no disk tier: an unpinned session is dropped
         assert store.lookup("d", fp) is None

@@ -102,7 +102,7 @@ def test_namespace_separates_entries():
     model(cache.input_ids, **cache_kwargs(cache), use_cache=True)
     assert AttnStoreCache(model, shared, "s", torch.cat([ids, ids], 1)).reused_tokens == 30
     other = AttnStore(host_bytes="64MiB", namespace="b")
-    other._entries = shared._entries  # the same entries, seen from another namespace: never served
+    other._index.entries = shared._index.entries  # the same entries, seen from another namespace: never served
     assert AttnStoreCache(model, other, "s", torch.cat([ids, ids], 1)).reused_tokens == 0
 
 

@@ -47,7 +47,7 @@ def test_evict_during_a_load_leaves_the_pinned_entry_alone(tmp_path, monkeypatch
         snap = store.lookup("s", FP)
         assert paused.reached.wait(WAIT)
         store.evict("s")
-        assert store._make_host_room(10**12, exclude=None) is False  # nothing evictable: it is pinned
+        assert store._eviction.make_host_room(10**12, exclude=None) is False  # nothing evictable: it is pinned
         assert store.tier_of("s", FP) == "host"
         paused.go.set()
         expect(snap, [1, 2, 3, 4, 5])

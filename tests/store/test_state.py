@@ -107,7 +107,7 @@ def test_a_state_is_kept_only_after_exactly_the_stored_kv(tmp_path):
     cut.append(torch.tensor([9]), *kv([9]))
     cut.close()
     assert store.lookup("s", FP).state is None
-    assert store.stats().host_bytes_used == store._entries[KEY].host.nbytes
+    assert store.stats().host_bytes_used == store._index.entries[KEY].host.nbytes
 
 
 def test_the_state_goes_to_disk_and_comes_back_verified(tmp_path):

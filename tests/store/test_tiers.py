@@ -112,8 +112,8 @@ def test_prefetch_brings_disk_sessions_to_host(kvdir):
         write_turn(store, "a", [1, 2, 3])
     with make(kvdir) as store:
         assert store.prefetch(["a", "unknown"]) == 1
-        with store._cond:  # the load thread reports completion under the store's condition
-            assert store._cond.wait_for(lambda: store._loads_active == 0, 10)
+        with store._index.cond:  # the load thread reports completion under the store's condition
+            assert store._index.cond.wait_for(lambda: store._index.loads_active == 0, 10)
         snap = store.lookup("a", FP)
         assert snap.tier == "host"
         expect(snap, [1, 2, 3])

@@ -1,6 +1,6 @@
 """A session's entry in the store's index, and the rules for session ids.
 
-The index (`AttnStore._entries`) is owned by the store: entries are read and changed only under its lock.
+The index (`Index.entries`, index.py) owns the entries: they are read and changed only under `Index.lock`.
 """
 
 from __future__ import annotations

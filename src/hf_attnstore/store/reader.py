@@ -1,6 +1,6 @@
 """Loading: the store's decision to load a session from a lower tier, and the thread that reads it.
 
-The store starts a load (`LoadPlanning`: methods of the store, under its lock) when a turn finds a session
+The store starts a load (`LoadPlanner`, under the index's lock) when a turn finds a session
 only below host memory, or a prefetch asks for one; the load thread reads it into host buffers.
 
 One thread serves a priority queue. A load that a turn waits for (a *demand* load, from `lookup`) goes
@@ -34,7 +34,10 @@ from .state import SessionState
 from .tier import ChunkReader, Tier
 
 if TYPE_CHECKING:
+    from .config import StoreConfig
     from .entry import Entry
+    from .eviction import Eviction
+    from .index import Index
 
 logger = logging.getLogger(__name__)
 DEMAND, PREFETCH = 0, 1
@@ -203,68 +206,100 @@ class LoadThread:
         job.verified = True
 
 
-class LoadPlanning:
-    """The store's load decisions: methods of :class:`~.store.AttnStore`, run under its lock."""
+class LoadPlanner:
+    """The store's load decisions, over its index (under `Index.lock`): which sessions to load and into which
+    buffers; the :class:`LoadThread` it owns only reads them and reports each end through `done`.
 
-    def _start_load(self, e: Entry, must_fit: bool = False) -> bool:
+    Example (through the store: a session demoted to disk is loaded back by a lookup)::
+
+        >>> import tempfile, torch
+        >>> from hf_attnstore import AttnStore
+        >>> kv = [torch.zeros(1, 2, 3, 4) for _ in range(2)]
+        >>> with AttnStore(host_bytes="1MiB", disk_dir=tempfile.mkdtemp()) as store:
+        ...     with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as turn:
+        ...         _ = turn.append(torch.tensor([5, 6, 7]), kv, kv)
+        ...     store.evict("chat-1")  # written to disk first, then out of host memory
+        ...     store.flush()
+        ...     snapshot = store.lookup("chat-1", "model-a")  # starts the load; layers arrive one by one
+        ...     snapshot.tier, snapshot.token_ids.tolist()
+        ('disk', [5, 6, 7])
+    """
+
+    def __init__(self, index: Index, eviction: Eviction, config: StoreConfig, lower: Tier, remote: Tier | None,
+                 done: Callable[[LoadJob, BaseException | None], None]):
+        self.index, self.eviction, self.config, self.lower, self.remote = index, eviction, config, lower, remote
+        self.wanted: list[tuple[str | None, str]] = []  # the last prefetch request, in order
+        self.loader = LoadThread(done, config.io_timeout_s)
+
+    def retry_prefetch(self) -> int:
+        started = 0
+        for fingerprint, sid in self.wanted:
+            for e in [e for k, e in self.index.entries.items() if k[1] == sid and (fingerprint is None or k[0] == fingerprint)]:
+                if e.host is None and (e.manifest or e.remote) is not None:
+                    if not self.start(e, must_fit=True):
+                        return started  # in order: a later session must not take the room of an earlier one
+                    started += 1
+                    self.index.stats.prefetches += 1
+        return started
+
+    def start(self, e: Entry, must_fit: bool = False) -> bool:
         """Starts loading a session found only below host memory (on disk, else in the remote tier). A
         prefetch (`must_fit`) is skipped rather than overshooting the host limit; a load a turn waits for may
         overshoot by this one session."""
         assert e.host is None and (e.manifest or e.remote) is not None, "only sessions below host are loaded"
-        manifest, tier = (e.manifest, self._lower) if e.manifest is not None else (e.remote, self._remote)
-        if tier is self._remote and not tier.available():
+        manifest, tier = (e.manifest, self.lower) if e.manifest is not None else (e.remote, self.remote)
+        if tier is self.remote and not tier.available():
             return False  # the remote tier failed moments ago: a miss now rather than a wait on a dead server
         geometry, dtype = e.layout
         length = manifest.length
         # Exactly the session's size: the next turn appends in a new segment, without copying this one.
-        buf = self._host.for_load(geometry, dtype, length)
+        buf = self.index.host.for_load(geometry, dtype, length)
         if buf.nbytes > self.config.host_bytes:
-            self._once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
+            self.index.once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
             return False
-        position = self._host.position(e.key) if must_fit else None
-        if not self._make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
+        position = self.index.host.position(e.key) if must_fit else None
+        if not self.eviction.make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
             return False
         buf.parts[0][0].token_ids[:length].copy_(manifest.token_ids)
         buf.missing_head = manifest.head  # a partially evicted head: left for the turn to recompute
         e.loading = LoadHandle(geometry[0], self.config.read_buffer_layers, self.config.io_timeout_s)
         e.pins += 1
-        self._set_host(e, buf)
-        self._loads_active += 1
+        self.index.set_host(e, buf)
+        self.index.loads_active += 1
         e.load_job = LoadJob(e.key, e.loading, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e,
                              codec=self.config.codec, keep_encoded=self.config.kv_codec_host)
-        self._loader.submit(e.load_job)
+        self.loader.submit(e.load_job)
         return True
 
-    def _finish_load(self, job: LoadJob, error: BaseException | None) -> None:
+    def finish(self, job: LoadJob, error: BaseException | None) -> None:
         """The load thread finished a job (see reader.py)."""
-        with self._cond:
+        with self.index.cond:
             e = job.entry
             e.pins -= 1
-            self._loads_active -= 1
-            remote = job.tier is self._remote
+            self.index.loads_active -= 1
+            remote = job.tier is self.remote
             if remote:
-                self._stats.remote_bytes_read += job.nbytes
-                self._stats.remote_read_seconds += job.seconds
+                self.index.stats.remote_bytes_read += job.nbytes
+                self.index.stats.remote_read_seconds += job.seconds
             else:
-                self._stats.bytes_read += job.nbytes
-                self._stats.read_seconds += job.seconds
+                self.index.stats.bytes_read += job.nbytes
+                self.index.stats.read_seconds += job.seconds
             if e.loading is job.handle:
                 e.loading, e.load_job = None, None
             if e.host is job.buf:
-                self._host.account(e)  # a state read with the KV counts now
+                self.index.host.account(e)  # a state read with the KV counts now
                 if error is None:
-                    self._keep_encoded(e, job.encoded)  # applied now, or when the turn reading it ends
+                    self.index.keep_encoded(e, job.encoded)  # applied now, or when the turn reading it ends
             if error is not None:
-                self._stats.load_errors += 1
-                self._stats.remote_errors += remote
-                self._once.warning("load", "%s tier: session %r could not be loaded (%s); it is removed and will "
+                self.index.stats.load_errors += 1
+                self.index.stats.remote_errors += remote
+                self.index.once.warning("load", "%s tier: session %r could not be loaded (%s); it is removed and will "
                                    "be recomputed", job.tier.name, e.key[1], error)
-                if self._entries.get(e.key) is e:
-                    self._drop(e)
-            elif job.manifest is e.remote and self._entries.get(e.key) is e:
+                if self.index.entries.get(e.key) is e:
+                    self.index.drop(e)
+            elif job.manifest is e.remote and self.index.entries.get(e.key) is e:
                 # Found remotely, local now: written to disk behind the turn, like a session the turn computed.
                 e.remote = None
                 e.last_write = time.monotonic()
-                self._dirty.add(e.key)
-            self._cond.notify_all()
-
+                self.index.dirty.add(e.key)
+            self.index.cond.notify_all()

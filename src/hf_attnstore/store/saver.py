@@ -1,12 +1,11 @@
 """Saving: what the store writes to a lower tier and when, and the thread that writes it.
 
-The store decides *what* to save and *when* (write-behind in the quiet gap after a turn, at once for a
-flush or a demotion): the methods of :class:`SavePlanning`, which run as the store's own, under its lock,
-because the index has one owner. It hands the save thread a :class:`SaveJob` with the session pinned. The
-thread (:class:`SaveThread`) only encodes
-and writes: each chunk is encoded (serialized, hashed, chained to the history before it) while the tier
-writes the previous one (`Tier.put` returns a Future), and the manifest is put only after every chunk it
-names is durable. It reports back to the store through `_finish_save`, which takes the store's lock.
+:class:`SavePlanner` decides *what* to save and *when* (write-behind in the quiet gap after a turn, at once for a
+flush or a demotion), under the index's lock, and hands the save thread a :class:`SaveJob` with the session
+pinned. The thread (:class:`SaveThread`) only encodes and writes: each chunk is encoded (serialized, hashed,
+chained to the history before it) while the tier writes the previous one (`Tier.put` returns a Future), and the
+manifest is put only after every chunk it names is durable. It talks to the planner alone (never the index) and
+reports back through `SavePlanner.finish_save`, which takes the lock.
 """
 
 from __future__ import annotations
@@ -22,18 +21,17 @@ import torch
 
 from .buffer import SessionKV
 from .entry import Entry, Write
+from .eviction import Eviction, NoDiskRoom
 from .encoded import EncodedSegment
 from .format import Manifest, Span, StateRef, encode_chunk, encode_kv, prefix_hasher, tensor_bytes
 from .tier import CHUNK_SUFFIX, MANIFEST, Key, Tier
 
 if TYPE_CHECKING:
-    from .store import AttnStore
+    from .config import StoreConfig
+    from .index import Index
+    from .reader import LoadPlanner
 
 logger = logging.getLogger(__name__)
-
-
-class NoDiskRoom(Exception):
-    """A write would take the disk tier over `disk_bytes` even after evicting every other session."""
 
 
 @dataclass(eq=False)
@@ -68,28 +66,28 @@ class SaveResult:
 class SaveThread:
     """Runs the store's save jobs on one thread (see the module docstring)."""
 
-    def __init__(self, store: AttnStore, tier: Tier, chunk_tokens: int, timeout_s: float, mirror: Tier | None = None):
-        self.store, self.tier, self.chunk_tokens, self.timeout_s = store, tier, chunk_tokens, timeout_s
+    def __init__(self, planner: SavePlanner, tier: Tier, chunk_tokens: int, timeout_s: float, mirror: Tier | None = None):
+        self.planner, self.tier, self.chunk_tokens, self.timeout_s = planner, tier, chunk_tokens, timeout_s
         self.mirror = mirror  # the shared remote tier: a copy of what `tier` holds, written behind it
-        self.codec = store.config.codec  # of every chunk it writes (None: lossless)
+        self.codec = planner.config.codec  # of every chunk it writes (None: lossless)
         # Whole chunks it encodes are handed back as the session's host copy of them (encoded.py).
-        self.keep_encoded = self.codec is not None and store.config.kv_codec_host
+        self.keep_encoded = self.codec is not None and planner.config.kv_codec_host
         self.thread = threading.Thread(target=self._run, name="attnstore-save", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while True:
             try:
-                work = self.store._next_save_work()
+                work = self.planner.next_work()
                 if work is None:
                     return
                 deletes, job = work
-                self.store._run_deletes(deletes)
+                self.planner.run_deletes(deletes)
                 if job is not None:
-                    self.store._finish_save(job, self._write(job))
+                    self.planner.finish_save(job, self._write(job))
             except Exception as exc:  # a bug must not stop every later write: count it, report it, go on
                 logger.exception("the save thread hit an unexpected error (%s); it keeps running", exc)
-                self.store._save_thread_error(exc)
+                self.planner.thread_error(exc)
 
     def _write(self, job: SaveJob) -> SaveResult:
         fp, sid = key = job.entry.key
@@ -105,7 +103,7 @@ class SaveThread:
             history.update(tensor_bytes(job.snap.token_ids[: job.start]))
             next_chunk = job.first_chunk
             for a in range(job.start, job.end, self.chunk_tokens):
-                self.store._yield_for_save(job.entry)
+                self.planner.yield_for_save(job.entry)
                 b = min(a + self.chunk_tokens, job.end)
                 ids, keys, values = job.snap.tensors(a, b)
                 previous = (spans or job.base.dropped or [Span("", 0, 0)])[-1].digest
@@ -120,7 +118,7 @@ class SaveThread:
                     encoded.append((a, (self._host_copy(job, ids, blobs), 0, b - a)))
                 name = digest if self.tier.content_addressed else f"{next_chunk:08d}"
                 next_chunk += 1
-                reserved += self.store._reserve_disk(job.entry, len(data))
+                reserved += self.planner.reserve(job.entry, len(data))
                 pending.append((name, b - a, self.tier.put(key, name + CHUNK_SUFFIX, data)))
                 if mirroring and digest not in job.mirrored:  # the same bytes, on the mirror's writer thread
                     copies.append((digest, self.mirror.put(key, name + CHUNK_SUFFIX, data)))
@@ -133,7 +131,7 @@ class SaveThread:
             manifest = Manifest(fp, sid, job.snap.token_ids[: job.end].clone(), tuple(spans), next_chunk,
                                 job.base.dropped, state)
             manifest_bytes = manifest.encode()
-            reserved += self.store._reserve_disk(job.entry, len(manifest_bytes))
+            reserved += self.planner.reserve(job.entry, len(manifest_bytes))
             manifest_size = self.tier.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
         except Exception as exc:  # this session's failure (full disk, I/O error, bad data): reported, not fatal
             error, manifest = exc, None
@@ -147,11 +145,11 @@ class SaveThread:
         if mirroring:
             self._copy_to_mirror(job, manifest, manifest_bytes if manifest is not None else None, copies, result)
         # Collect garbage before reporting completion, so that a flush() covers it.
-        keep, current = self.store._files_to_keep(job, manifest)
+        keep, current = self.planner.files_to_keep(job, manifest)
         try:
             self.tier.remove(key, keep if current else None)
         except OSError as exc:
-            self.store._once.warning("gc", "%s tier: removing unused files of session %r failed (%s)", self.tier.name,
+            self.planner.warn("gc", "%s tier: removing unused files of session %r failed (%s)", self.tier.name,
                                      sid, exc)
         result.keep = keep
         return result
@@ -172,7 +170,7 @@ class SaveThread:
         if base is not None and base.digest == ref.digest:
             return base, 0
         data = state.encode()
-        reserved = self.store._reserve_disk(job.entry, len(data))
+        reserved = self.planner.reserve(job.entry, len(data))
         pending.append((ref.name, 0, self.tier.put(job.entry.key, ref.name + CHUNK_SUFFIX, data)))
         if copies is not None and ref.digest not in job.mirrored:
             copies.append((ref.digest, self.mirror.put(job.entry.key, ref.name + CHUNK_SUFFIX, data)))
@@ -223,55 +221,75 @@ def _settle(future: Future, timeout: float) -> int | None:
         return None
 
 
-class SavePlanning:
-    """The store's save decisions: methods of :class:`~.store.AttnStore`, run under its lock (see store.py
-    for the state they read: the index, the dirty set, the byte counters)."""
+class SavePlanner:
+    """The store's save decisions, over its index (under `Index.lock`): what to write and when, and what the
+    index learns when a write ends. The :class:`SaveThread` it starts sees only this object's public methods
+    (`next_work`, `run_deletes`, `reserve`, `yield_for_save`, `files_to_keep`, `finish_save`, `thread_error`,
+    `warn`), never the index."""
 
-    def _next_save_work(self) -> tuple[list[tuple[Key, int]], SaveJob | None] | None:
+    def __init__(self, index: Index, eviction: Eviction, loads: LoadPlanner, config: StoreConfig, lower: Tier,
+                 disk: Tier | None, mirror: Tier | None):
+        self.index, self.eviction, self.loads, self.config = index, eviction, loads, config
+        self.lower, self.disk = lower, disk
+        self.thread = SaveThread(self, lower, config.chunk_tokens, config.io_timeout_s, mirror=mirror)
+
+    def run_deletes(self, deletes: list) -> None:
+        """Runs deletions taken with the next work (save thread, without the lock)."""
+        self.eviction.run_deletes(deletes)
+
+    def reserve(self, e: Entry, nbytes: int) -> int:
+        """Disk bytes reserved for a file of `nbytes` the save thread is about to write (`Eviction.reserve_disk`)."""
+        return self.eviction.reserve_disk(e, nbytes)
+
+    def warn(self, kind: str, message: str, *args) -> None:
+        """Logs a warning of this kind once per store."""
+        self.index.once.warning(kind, message, *args)
+
+    def next_work(self) -> tuple[list[tuple[Key, int]], SaveJob | None] | None:
         """The save thread's next unit of work: folders to delete and/or a session to write, with the session
         pinned and its chunk names reserved. Waits until there is some; ``None`` tells the thread to stop."""
-        with self._cond:
+        with self.index.cond:
             while True:
-                self._apply_ended_turns()  # end-of-turn states to write
-                deletes, self._deletes = self._deletes, []
-                e = self._next_save()
-                job = self._save_job(e) if e is not None else None
+                self.index.apply_ended_turns()  # end-of-turn states to write
+                deletes, self.index.deletes = self.index.deletes, []
+                e = self.next_save()
+                job = self.save_job(e) if e is not None else None
                 if deletes or job is not None:
                     return deletes, job
-                if self._closed and (not self._dirty or e is None):
+                if self.index.closed and (not self.index.dirty or e is None):
                     return None  # closed, with nothing (or only failed writes, close(flush=False)) left
-                self._cond.wait(timeout=self.config.idle_flush_s / 2)
-                self._expire()
+                self.index.cond.wait(timeout=self.config.idle_flush_s / 2)
+                self.index.expire()
 
-    def _compute_quiet(self, now: float) -> bool:
+    def compute_quiet(self, now: float) -> bool:
         """Whether no forward runs or ran in the last `idle_flush_s`. Saving costs CPU (serializing,
         hashing, writing): where the model computes on the same cores, writing during a turn slows it, so
         non-urgent writes wait for the gap after it (the paper's write buffer). Flushes and demotions
         needed to make room do not wait."""
-        return self._forwards_active == 0 and now - self._last_forward >= self.config.idle_flush_s
+        return self.index.forwards_active == 0 and now - self.index.last_forward >= self.config.idle_flush_s
 
-    def _next_save(self) -> Entry | None:
+    def next_save(self) -> Entry | None:
         now = time.monotonic()
         best = None
-        for key in list(self._dirty):
-            e = self._entries.get(key)
+        for key in list(self.index.dirty):
+            e = self.index.entries.get(key)
             if e is None or not e.dirty:
-                self._dirty.discard(key)
+                self.index.dirty.discard(key)
                 continue
             if e.write is Write.FAILED and now < e.retry_at:
                 continue  # backing off after a failure; flush() and demotions retry at once
             if e.pins or e.loading is not None:
                 continue
             idle = now - e.last_write >= self.config.idle_flush_s
-            if not e.urgent and not self._compute_quiet(now):
-                continue  # write behind: wait for the gap after the turn (see _compute_quiet)
+            if not e.urgent and not self.compute_quiet(now):
+                continue  # write behind: wait for the gap after the turn (see `compute_quiet`)
             if e.urgent or idle or e.length - e.persisted >= self.config.chunk_tokens:
                 if best is None or (e.urgent and not best.urgent):
                     best = e
         return best
 
-    def _save_job(self, e: Entry) -> SaveJob | None:
-        """What `_next_save` chose to write now (lock held), or None when nothing is due after all."""
+    def save_job(self, e: Entry) -> SaveJob | None:
+        """What `next_save` chose to write now (lock held), or None when nothing is due after all."""
         chunk = self.config.chunk_tokens
         fp, sid = e.key
         buf = e.host
@@ -292,66 +310,66 @@ class SavePlanning:
         e.pins += 1
         # Reserve the names this job writes. Names are never reused for a session, even by a later entry
         # replacing this one, so a chunk file never changes once a manifest may reference it.
-        first = self._next_chunk.get(e.key, 0)
-        self._next_chunk[e.key] = first + -(-(end - start) // chunk)
+        first = self.index.next_chunk.get(e.key, 0)
+        self.index.next_chunk[e.key] = first + -(-(end - start) // chunk)
         return SaveJob(e, e.generation, buf.snapshot(), base, start, end, first, frozenset(e.mirrored))
 
-    def _files_to_keep(self, job: SaveJob, manifest: Manifest | None) -> tuple[set[str], bool]:
+    def files_to_keep(self, job: SaveJob, manifest: Manifest | None) -> tuple[set[str], bool]:
         """The session's chunks that must stay after a save, and whether the session is still indexed (a
         removed one's folder goes entirely). If the session was cut or truncated meanwhile, its in-memory
         manifest (a selection of the old one) still uses old chunks."""
-        with self._lock:
+        with self.index.lock:
             e = job.entry
             keep = _names(manifest)
             if manifest is None or e.generation != job.generation:
                 keep |= set(e.chunks) | _names(e.manifest)
-            return keep, self._entries.get(e.key) is e
+            return keep, self.index.entries.get(e.key) is e
 
-    def _save_thread_error(self, exc: BaseException) -> None:
-        with self._cond:
-            self._stats.write_errors += 1
-            self._cond.notify_all()
+    def thread_error(self, exc: BaseException) -> None:
+        with self.index.cond:
+            self.index.stats.write_errors += 1
+            self.index.cond.notify_all()
 
-    def _finish_save(self, job: SaveJob, result: SaveResult) -> None:
+    def finish_save(self, job: SaveJob, result: SaveResult) -> None:
         """The save thread finished a job (see saver.py): the reservation becomes the files that are really
         there now, and the index learns the new durable prefix (or the failure)."""
         e = job.entry
-        with self._cond:
-            self._disk_used -= result.reserved
-            if self._entries.get(e.key) is e:
-                if self._disk is not None:  # the files `disk_bytes` counts (a remote tier's bytes are Redis's)
+        with self.index.cond:
+            self.index.disk_used -= result.reserved
+            if self.index.entries.get(e.key) is e:
+                if self.disk is not None:  # the files `disk_bytes` counts (a remote tier's bytes are Redis's)
                     files = {name: size for name, size in {**e.files, **{n: c[0] for n, c in result.new_chunks.items()}}
                              .items() if name in result.keep}
-                    self._set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
+                    self.index.set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
                 e.mirrored |= result.mirrored
-            self._stats.remote_bytes_written += result.mirror_bytes
+            self.index.stats.remote_bytes_written += result.mirror_bytes
             if result.mirror_error is not None:
-                self._stats.remote_errors += 1
-                self._once.warning("mirror", "remote tier: copying session %r failed (%s); it stays on disk and is "
+                self.index.stats.remote_errors += 1
+                self.index.once.warning("mirror", "remote tier: copying session %r failed (%s); it stays on disk and is "
                                    "copied again with its next save", e.key[1], result.mirror_error)
-        self._finish_persist(e, job.generation, result.manifest, result.new_chunks, result.seconds, result.error,
+        self.finish_persist(e, job.generation, result.manifest, result.new_chunks, result.seconds, result.error,
                              result.encoded)
 
-    def _finish_persist(self, e, generation, manifest, new_chunks, seconds, error, encoded=()) -> None:
-        with self._cond:
+    def finish_persist(self, e, generation, manifest, new_chunks, seconds, error, encoded=()) -> None:
+        with self.index.cond:
             e.pins -= 1
-            current = self._entries.get(e.key) is e
+            current = self.index.entries.get(e.key) is e
             if isinstance(error, NoDiskRoom):
                 # Larger than the whole disk tier: kept in host memory only (or dropped if it was on its way out).
-                self._stats.rejected_too_large += 1
-                self._once.warning("disk_too_large", "session %r is larger than the disk tier: it is kept in memory "
+                self.index.stats.rejected_too_large += 1
+                self.index.once.warning("disk_too_large", "session %r is larger than the disk tier: it is kept in memory "
                                 "only", e.key[1])
-                self._dirty.discard(e.key)
+                self.index.dirty.discard(e.key)
                 demoting = e.write is Write.DEMOTE
                 if current:
-                    self._drop_disk_copy(e)  # -> Write.NEVER
+                    self.eviction.drop_disk_copy(e)  # -> Write.NEVER
                     if demoting and e.pins == 0 and not e.writers:
-                        self._stats.host_drops += 1
-                        self._drop(e)
+                        self.index.stats.host_drops += 1
+                        self.index.drop(e)
             elif error is not None:
-                self._stats.write_errors += 1
-                self._once.warning("write", "%s tier: writing session %r failed (%s); it stays in host memory, its "
-                                "previous durable state is kept, and the write is retried", self._lower.name, e.key[1],
+                self.index.stats.write_errors += 1
+                self.index.once.warning("write", "%s tier: writing session %r failed (%s); it stays in host memory, its "
+                                "previous durable state is kept, and the write is retried", self.lower.name, e.key[1],
                                 error)
                 demoting = e.write is Write.DEMOTE
                 e.last_error, e.write = error, Write.FAILED
@@ -361,61 +379,43 @@ class SavePlanning:
                     # A demotion that failed: the session cannot go down, so it must not stay "being written"
                     # (appends would wait for room that never comes). Fall back to its durable prefix, if any.
                     if current and e.pins == 0 and not e.writers:
-                        self._stats.host_drops += 1
+                        self.index.stats.host_drops += 1
                         if e.persisted:
-                            self._set_host(e, None)
+                            self.index.set_host(e, None)
                         else:
-                            self._drop(e)
+                            self.index.drop(e)
             else:
-                if self._disk is not None:
-                    self._stats.bytes_written += sum(size for size, _ in new_chunks.values())
-                    self._stats.write_seconds += seconds
+                if self.disk is not None:
+                    self.index.stats.bytes_written += sum(size for size, _ in new_chunks.values())
+                    self.index.stats.write_seconds += seconds
                 else:  # no disk tier: sessions are saved to the remote tier directly
-                    self._stats.remote_bytes_written += sum(size for size, _ in new_chunks.values())
+                    self.index.stats.remote_bytes_written += sum(size for size, _ in new_chunks.values())
                 e.failures, e.last_error = 0, None
                 if e.write is Write.FAILED:
                     e.write = Write.BEHIND
                 if current and e.generation == generation:
-                    self._set_manifest(e, manifest, {**e.chunks, **new_chunks})
+                    self.index.set_manifest(e, manifest, {**e.chunks, **new_chunks})
                     if not e.dirty:
-                        self._dirty.discard(e.key)
+                        self.index.dirty.discard(e.key)
                         demoting, e.write = e.write is Write.DEMOTE, Write.BEHIND
                         if demoting and e.pins == 0 and e.manifest is not None:
-                            self._set_host(e, None)
-                            self._stats.demotions += 1
-                    self._keep_encoded(e, encoded)
+                            self.index.set_host(e, None)
+                            self.index.stats.demotions += 1
+                    self.index.keep_encoded(e, encoded)
                 # else: the session was cut or truncated meanwhile (what we wrote is an older, consistent
                 # state; the next persist writes the new one), or removed (its folder is gone).
-            self._make_host_room(0, exclude=None)
-            self._retry_prefetch()
-            self._cond.notify_all()
+            self.eviction.make_host_room(0, exclude=None)
+            self.loads.retry_prefetch()
+            self.index.cond.notify_all()
 
-    def _keep_encoded(self, e: Entry, encoded: list = ()) -> None:
-        """Makes encoded copies of a session's chunks (written by the save thread, or read by a load) its host
-        copy of them (encoded.py, `SessionBuffer.compact`).
-
-        Only between turns: while a turn runs on the session, or a load or another write is in flight, its
-        buffers must not change under them, so the copies wait with the buffer (`stash`) and are applied
-        when the last of those ends.
-        """
-        if e.host is None:
-            return
-        if encoded:
-            e.host.stash(list(encoded))
-        if e.host.pending and not (e.pins or e.writers or e.loading is not None):
-            tokens = e.host.compact()
-            self._stats.host_encoded_tokens += tokens
-        self._host.account(e)
-
-    def _yield_for_save(self, e: Entry) -> None:
+    def yield_for_save(self, e: Entry) -> None:
         """Between chunks: loads go first; a non-urgent save also waits for the model to be idle, unless an
         append is blocked on host room. Then the model cannot go idle until writes free memory: waiting
         for it would stall both threads for `io_timeout_s` (the session being written is pinned, and the
         urgent victims queue behind it)."""
-        with self._cond:
-            self._cond.wait_for(
-                lambda: self._closed or (self._loads_active == 0 and (
-                    e.urgent or self._room_waiters > 0 or self._compute_quiet(time.monotonic()))),
+        with self.index.cond:
+            self.index.cond.wait_for(
+                lambda: self.index.closed or (self.index.loads_active == 0 and (
+                    e.urgent or self.index.room_waiters > 0 or self.compute_quiet(time.monotonic()))),
                 self.config.io_timeout_s,
             )
-

@@ -14,21 +14,21 @@ from .loader import LoadError
 from .state import SessionState
 
 if TYPE_CHECKING:
-    from .store import AttnStore
+    from .turns import Turns
 
 
 class TurnWriter:
     """Appends one turn's KV to a session. Created by :meth:`AttnStore.open_turn`."""
 
-    def __init__(self, store: AttnStore, key: Key, turn: int, base: SessionKV | None, keep: torch.Tensor):
-        self.store, self.key, self.turn = store, key, turn
+    def __init__(self, sink: Turns, key: Key, turn: int, base: SessionKV | None, keep: torch.Tensor):
+        self.sink, self.key, self.turn = sink, key, turn
         self.base, self.keep = base, keep.to(torch.long).cpu()
         self.started = False
         self.dead = False
         self.geometry: tuple | None = None  # geometry.py
         self.dtype: torch.dtype | None = None
         # A hybrid model's turn: a weak reference to what publishes its states (layers.TurnEnd), asked by the
-        # store when it needs the states of a turn that is still open (`AttnStore._publish_states`).
+        # store when it needs the states of a turn that is still open (`Index.publish_states`).
         self.state_source = None
 
     def append(self, token_ids: torch.Tensor, keys, values) -> bool:
@@ -63,7 +63,7 @@ class TurnWriter:
                 self.base.loader.wait_all()  # never wait under the store's lock
             except LoadError:
                 self.base, self.keep = None, self.keep[:0]
-        return self.store._append(self, token_ids.detach().to("cpu", torch.long).view(-1), keys, values)
+        return self.sink.append(self, token_ids.detach().to("cpu", torch.long).view(-1), keys, values)
 
     def close(self, state: SessionState | None = None) -> None:
         """Ends the turn: the session may leave host memory again. Idempotent; later appends are dropped.
@@ -76,8 +76,7 @@ class TurnWriter:
         while this thread holds it): the store applies it at its next placement decision or lookup.
         """
         # A turn that never wrote, or whose appends were refused (dead), has no state that matches its KV.
-        self.store._ended_turns.append((self.key, self.turn, state if self.started and not self.dead else None,
-                                        True))
+        self.sink.end(self, state if self.started and not self.dead else None)
         self.dead = True
         self.base = None
 
@@ -85,7 +84,7 @@ class TurnWriter:
         """Hands the store a hybrid model's states after the turn's last forward, the turn going on (the store
         keeps them like those of `close`, see there). Never takes the store's lock."""
         if self.started and not self.dead:
-            self.store._ended_turns.append((self.key, self.turn, state, False))
+            self.sink.end(self, state, ended=False)
 
     def publish_state(self) -> None:
         """Asks the turn's state source (if any, and alive) to offer its current states."""
@@ -101,11 +100,7 @@ class TurnWriter:
 
     def truncate(self, length: int) -> None:
         """Cuts the session back to `length` tokens (e.g. after assisted decoding rejected tokens)."""
-        with self.store._lock:
-            e = self.store._entries.get(self.key)
-            if self.started and e is not None and e.owner == self.turn and e.host is not None \
-                    and length < e.host.length:
-                self.store._cut(e, length)
+        self.sink.truncate(self, length)
 
 
 def _layout(tensors) -> tuple[int, tuple, torch.dtype | None]:

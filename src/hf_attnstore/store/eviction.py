@@ -1,0 +1,237 @@
+"""Making room: which sessions leave host memory (demoted to the tier below, or dropped) and which disk copies, or
+their leading chunks (partial eviction), leave the disk tier when it is over `disk_bytes`.
+
+The choices themselves are `placement.py`'s (shared with the simulator); this module applies them to the index,
+under its lock, and runs the disk deletions they queue (on the save thread, without the lock).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .config import StoreConfig
+from .disk import DiskTier
+from .entry import Entry, Key, Write, blocks
+from .index import Index
+from .placement import choose_head_drops, choose_victims, head_drop_candidates
+from .tier import CHUNK_SUFFIX, MANIFEST, Tier
+
+
+class NoDiskRoom(Exception):
+    """A write would take the disk tier over `disk_bytes` even after evicting every other session."""
+
+
+class Eviction:
+    """Host demotion and the disk limit, over the store's index (see the module docstring).
+
+    Example:
+        >>> from hf_attnstore.store.config import StoreConfig
+        >>> config = StoreConfig(host_bytes="1MiB")
+        >>> index = Index(config, has_disk=False, has_lower=False)
+        >>> eviction = Eviction(index, config, disk=None, lower=None)
+        >>> with index.lock:
+        ...     eviction.make_host_room(1024, exclude=None)  # an empty host tier has room
+        True
+    """
+
+    def __init__(self, index: Index, config: StoreConfig, disk: DiskTier | None, lower: Tier | None):
+        self.index, self.config, self.disk, self.lower = index, config, disk, lower
+
+    def make_host_room(self, extra: int, exclude: Entry | None, keep_sooner_than: int | None = None) -> bool:
+        """Demotes (or drops) host sessions until `extra` more bytes fit. Pinned ones stay; dirty ones are
+        persisted first and demoted when that completes. With `keep_sooner_than` (a prefetch for the job at
+        that queue position), sessions whose next job comes sooner are never evicted for it."""
+        limit = self.index.host.limit
+        if self.index.host.fits(extra):
+            return True  # the common case, once per appended token: no scan of the index
+        self.index.apply_ended_turns()
+        freeing = sum(e.host_accounted for e in self.index.entries.values() if e.write is Write.DEMOTE)
+        entries = self.index.entries
+
+        def movable(key) -> bool:  # already being written out counts in `freeing`; pinned ones stay
+            e = entries[key]
+            return e is not exclude and e.write is not Write.DEMOTE and e.pins == 0 and not e.writers
+
+        for key in choose_victims(self.index.host.policy.victims(), lambda key: entries[key].host_accounted, movable,
+                                  self.index.host.used - freeing + extra - limit,
+                                  self.index.host.position, keep_sooner_than):
+            self.evict_from_host(entries[key])
+        return self.index.host.fits(extra)
+
+    def evict_from_host(self, e: Entry) -> None:
+        """Demotes a session to disk, or drops it when it cannot be kept there. Sessions being loaded or
+        written, or whose turn is running, are pinned and stay; unwritten ones are written first (then demoted
+        by _finish_persist)."""
+        self.index.apply_ended_turns()
+        if e.pins or e.writers:
+            return
+        if self.lower is None or e.write is Write.NEVER or e.length == 0:
+            self.index.drop(e)
+            self.index.stats.host_drops += 1
+        elif e.dirty:
+            e.write = Write.DEMOTE
+            self.index.dirty.add(e.key)
+            self.index.cond.notify_all()
+        else:
+            assert e.manifest is not None and e.persisted == e.length, "a clean session is entirely below host"
+            self.index.set_host(e, None)
+            self.index.stats.demotions += 1
+
+    def enforce_disk(self, current: Entry | None) -> bool:
+        """Drops other sessions' disk copies (or, with `partial_eviction`, their leading chunks first) while
+        the disk tier is over its limit. Returns whether it fits once the queued deletions have run (the caller
+        runs them before writing)."""
+        limit = self.config.disk_bytes
+        entries = self.index.entries
+        if self.config.partial_eviction and self.index.disk_used - self.index.deleting > limit:
+            self.drop_disk_heads(current, self.index.disk_used - self.index.deleting - limit)
+        for key in choose_victims(self.index.disk_policy.victims(), lambda key: entries[key].disk_bytes,
+                                  lambda key: entries[key] is not current and entries[key].pins == 0,
+                                  self.index.disk_used - self.index.deleting - limit):
+            self.index.stats.disk_drops += 1
+            self.drop_disk_copy(entries[key])
+        return self.index.disk_used - self.index.deleting <= limit
+
+    def drop_disk_heads(self, current: Entry | None, overflow: int) -> None:
+        """Partial eviction: drops leading chunks of idle sessions' disk copies, lowest retention value first
+        (`placement.choose_head_drops`). Sessions loading, being written, running a turn or queued by the
+        scheduler are left whole."""
+        now, policy = time.monotonic(), self.index.disk_policy
+
+        def describe(key):
+            e = self.index.entries[key]
+            # A hybrid model's session (with a state) stays whole: its head could not be recomputed without
+            # recomputing the states, i.e. the whole session.
+            if e is current or e.pins or e.writers or e.manifest is None or not e.manifest.spans \
+                    or e.manifest.state is not None or policy.position(key) is not None:
+                return None
+            return now - e.last_access, self.head_units(e), e.disk_bytes
+
+        candidates = head_drop_candidates(policy.victims(), overflow, describe)
+        for key in choose_head_drops(candidates, overflow):
+            e = self.index.entries.get(key)
+            if e is None or e.manifest is None:
+                continue
+            if len(e.manifest.spans) == 1:  # its last chunk: the session leaves the disk tier
+                self.index.stats.disk_drops += 1
+                self.drop_disk_copy(e)
+            else:
+                self.drop_disk_head(e)
+
+    @staticmethod
+    def head_units(e: Entry) -> list[tuple[int, int, int]]:
+        """The session's stored chunks in order as (start, end, bytes freed when dropped); the last frees
+        everything left (the manifest, chunks not yet collected)."""
+        spans, units, pos = e.manifest.spans, [], e.manifest.head
+        for i, span in enumerate(spans):
+            shared = any(s.chunk == span.chunk for s in spans[i + 1 :])
+            units.append((pos, pos + span.length, 0 if shared else blocks(e.files.get(span.chunk, 0))))
+            pos += span.length
+        a, b, _ = units[-1]
+        units[-1] = (a, b, e.disk_bytes - sum(u[2] for u in units[:-1]))
+        return units
+
+    def drop_disk_head(self, e: Entry) -> None:
+        """Drops the first stored chunk of a session's disk copy: the index at once, the files on the save
+        thread (the new manifest first, then the chunk, so a crash in between leaves an orphan chunk)."""
+        old = e.manifest
+        manifest = old.drop_head_span()
+        chunk = old.spans[0].chunk
+        gone = chunk if all(s.chunk != chunk for s in manifest.spans) else None
+        self.index.set_manifest(e, manifest, e.chunks)
+        files = dict(e.files)
+        nbytes = blocks(files.pop(gone)) if gone in files else 0
+        self.index.set_files(e, files, e.manifest_size)
+        self.index.queue_delete(e.key, nbytes, (manifest, gone))
+        self.index.stats.head_drops += 1
+        self.index.stats.head_dropped_tokens += old.spans[0].length
+
+    def reserve_disk(self, e: Entry, nbytes: int) -> int:
+        """Makes room for a file of `nbytes` before it is written (save thread), so the files on disk never
+        exceed `disk_bytes`: other sessions' copies are dropped first and their folders deleted now.
+
+        Raises:
+            NoDiskRoom: The session alone would not fit.
+        """
+        if self.disk is None:
+            return 0  # saved to the remote tier: its memory is Redis's to limit (maxmemory), not `disk_bytes`
+        size = blocks(nbytes)
+        with self.index.cond:
+            self.index.disk_used += size
+            fits = self.enforce_disk(e)
+            if not fits and e.manifest is None and e.files and self.index.entries.get(e.key) is e:
+                # The older copy this first save replaces (`Index.hand_over`) goes now, as the last room there is.
+                self.drop_handed_over(e)
+                fits = self.enforce_disk(e)
+            if not fits:
+                self.index.disk_used -= size
+            deletes, self.index.deletes = self.index.deletes, []
+        self.run_deletes(deletes)
+        if not fits:
+            raise NoDiskRoom(f"session {e.key[1]!r} is larger than the disk tier")
+        return size
+
+    def drop_handed_over(self, e: Entry) -> None:
+        """Queues the deletion of the older copy's files an entry was handed (`Index.hand_over`): its manifest first,
+        then its chunk and state files, leaving the files the entry's own save is writing (lock held)."""
+        nbytes, names = e.disk_bytes, tuple(e.files)
+        self.index.set_files(e, {}, 0)
+        e.chunks = {}
+        self.index.queue_delete(e.key, nbytes, (None, names))
+
+    def run_deletes(self, deletes: list[tuple[Key, int, tuple | None]]) -> None:
+        """Runs queued deletions (save thread, without the lock; see `Index.deletes`). A deletion that fails (EACCES,
+        EIO) is logged and the others go on; the bytes are released from the count either way (what is left
+        is collected when the folder is next scanned)."""
+        try:
+            for key, nbytes, head in deletes:
+                try:
+                    self.run_delete(key, nbytes, head)
+                except OSError as exc:
+                    self.index.once.warning("delete", "disk tier: deleting files of session %r failed (%s)", key[1], exc)
+        finally:
+            if deletes:
+                with self.index.cond:
+                    nbytes = sum(item[1] for item in deletes)
+                    self.index.disk_used -= nbytes
+                    self.index.deleting -= nbytes
+
+    def run_delete(self, key: Key, nbytes: int, head: tuple | None) -> None:
+        if head is None:
+            self.disk.remove(key)
+            return
+        manifest, chunk = head
+        if manifest is None:  # an older copy's files (`drop_handed_over`): the manifest first
+            self.disk.delete(key, [MANIFEST, *(name + CHUNK_SUFFIX for name in chunk)])
+            return
+        try:
+            # Now, on this thread: behind the tier's write queue it would wait for every chunk queued before
+            # it (a timeout there would drop a copy whose manifest still lands later).
+            size = self.disk.write(key, MANIFEST, manifest.encode())
+        except OSError as exc:
+            # The index says the chunk is dropped, the disk still has the old manifest: make them agree by
+            # letting the whole disk copy go (a clean miss later; the chunk is deleted with the folder).
+            self.index.once.warning("head_drop", "disk tier: writing the manifest of partially evicted session %r "
+                               "failed (%s); its disk copy is dropped", key[1], exc)
+            with self.index.cond:
+                e = self.index.entries.get(key)
+                if e is not None and e.manifest is manifest:
+                    # The chunk is still there: count it with the folder, whose deletion removes it.
+                    self.index.set_files(e, {**e.files, chunk: nbytes} if chunk else e.files, e.manifest_size)
+                    self.drop_disk_copy(e)
+            return
+        if chunk is not None:
+            self.disk.delete(key, [chunk + CHUNK_SUFFIX])
+        with self.index.cond:
+            e = self.index.entries.get(key)
+            if e is not None and e.manifest is manifest:
+                self.index.set_files(e, e.files, size)
+
+    def drop_disk_copy(self, e: Entry) -> None:
+        """Removes a session from the disk tier; with no copy in host memory either, it is gone."""
+        if e.host is None:
+            self.index.drop(e)
+            return
+        self.index.set_manifest(e, None, {})
+        e.write = Write.NEVER  # not written again this turn: it would only push another session out
+        self.index.delete_folder(e)

@@ -1,0 +1,252 @@
+"""The store's index and its one owner: every session's entry, the byte counters and the queues between the
+store and its I/O threads, under one lock.
+
+An `Index` holds the state; the deciders around it (placement in eviction.py, loads in reader.py, saves in
+saver.py, a turn's appends in turns.py, the public API in store.py) read and change it only while holding
+`Index.lock`, and only through the entries and the methods here. The I/O threads never see it: the save
+thread talks to `SavePlanner`, the load thread reports through a callback, a turn's writer through `Turns`.
+
+Sessions are named paths over chunks: an entry is keyed by ``(fingerprint, session_id)`` and its durable copy is a
+manifest, a list of spans over chunk files, each chunk identified by a digest chained over every token id
+before it (format.py). Two sessions whose histories start alike name chunks of equal digests: what sharing
+them across sessions needs (the prefix-sharing issue) is a table of chunks by digest with the sessions using
+each, beside the entries here (docs/design.md, "The index").
+
+Example:
+    >>> from hf_attnstore.store.config import StoreConfig
+    >>> index = Index(StoreConfig(host_bytes="1MiB"), has_disk=False, has_lower=False)
+    >>> with index.lock:
+    ...     index.check_open()
+    ...     len(index.entries), index.disk_used
+    (0, 0)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from .buffer import SessionBuffer
+from .config import StoreConfig
+from .entry import Entry, Key
+from .format import Manifest, prefix_digest
+from .host import HostTier
+from .logs import OnceLogger
+from .policy import make_policy
+from .state import SessionState
+from .stats import StoreStats
+
+logger = logging.getLogger("hf_attnstore.store.store")
+
+
+class Index:
+    """The entries of every session and the counters of every tier, owned under one lock (see the module
+    docstring). Methods other than `publish_states` expect the caller to hold `lock`."""
+
+    def __init__(self, config: StoreConfig, *, has_disk: bool, has_lower: bool):
+        self.config = config
+        self.has_disk, self.has_lower = has_disk, has_lower
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)  # notified whenever saves, loads or room may proceed
+        self.entries: dict[Key, Entry] = {}
+        self.host = HostTier(config.host_bytes, config.policy, config.pin_memory)
+        self.disk_policy = make_policy(config.policy)
+        self.stats = StoreStats(host_bytes_limit=config.host_bytes, disk_bytes_limit=config.disk_bytes)
+        self.disk_used = 0  # files of indexed sessions, folders queued for deletion, writes in flight
+        self.dirty: set[Key] = set()
+        self.next_chunk: dict[Key, int] = {}  # per session, only ever grows
+        # Deletions for the save thread, in order: (key, bytes freed, None) deletes a session's folder;
+        # (key, bytes freed, (manifest, chunk)) writes the manifest of a partially evicted session, then
+        # deletes `chunk` (if not None); (key, bytes freed, (None, names)) deletes the manifest, then the files
+        # `names`, of an older copy handed over to a new entry (`hand_over`). Their bytes stay counted in
+        # `disk_used` until done (`deleting`).
+        self.deletes: list[tuple[Key, int, tuple | None]] = []
+        self.deleting = 0
+        # Closed writers and hybrid models' states: (key, turn, state or None, whether the turn ended), appended
+        # without the lock (a writer's finalizer may run anywhere) and applied under it.
+        self.ended_turns: deque[tuple[Key, int, SessionState | None, bool]] = deque()
+        self.loads_active = 0
+        self.forwards_active = 0  # model forwards running through caches of this store
+        self.room_waiters = 0  # appends blocked until demotions free host memory
+        self.last_forward = 0.0
+        self.once = OnceLogger(logger)  # each kind of warning once per store
+        self.closed = False
+
+    def take_deletes(self) -> list[tuple[Key, int, tuple | None]]:
+        """The queued deletions, for the save thread to run (lock held)."""
+        deletes, self.deletes = self.deletes, []
+        return deletes
+
+    def mark_dirty(self, e: Entry, wake: bool = True) -> None:
+        """Queues the session for the save thread (lock held)."""
+        self.dirty.add(e.key)
+        if wake:
+            self.cond.notify_all()
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ValueError("this AttnStore is closed")
+
+    def touch(self, e: Entry) -> None:
+        e.last_access = time.monotonic()
+        self.host.touch(e)
+        if e.manifest is not None:
+            self.disk_policy.touch(e.key)
+
+    def set_host(self, e: Entry, buf: SessionBuffer | None) -> None:
+        if buf is not None:
+            self.host.put(e, buf)
+            return
+        if e.host is not None:
+            self.dirty.discard(e.key)  # what is not written by now is given up with the buffer
+        self.host.remove(e)
+
+    def set_manifest(self, e: Entry, manifest: Manifest | None, chunks: dict[str, tuple[int, int]]) -> None:
+        if manifest is None and e.manifest is not None:
+            self.disk_policy.remove(e.key)
+        elif manifest is not None and e.manifest is None:
+            self.disk_policy.insert(e.key)
+        e.manifest = manifest
+        e.chunks = {c: chunks[c] for c in {s.chunk for s in manifest.spans}} if manifest else {}
+
+    def set_files(self, e: Entry, files: dict[str, int], manifest_size: int) -> None:
+        self.disk_used -= e.disk_bytes
+        e.files, e.manifest_size = files, manifest_size
+        self.disk_used += e.disk_bytes
+
+    def delete_folder(self, e: Entry) -> None:
+        """Queues the deletion of the session's folder; its bytes stay counted until it is gone."""
+        nbytes = e.disk_bytes
+        self.set_files(e, {}, 0)
+        self.queue_delete(e.key, nbytes, None)
+
+    def queue_delete(self, key: Key, nbytes: int, head: tuple | None) -> None:
+        self.disk_used += nbytes
+        self.deleting += nbytes
+        self.deletes.append((key, nbytes, head))
+        self.cond.notify_all()
+
+    def drop(self, e: Entry) -> None:
+        """Removes a session from the index and (asynchronously) from disk."""
+        if self.entries.get(e.key) is e:
+            del self.entries[e.key]
+        self.set_host(e, None)
+        self.set_manifest(e, None, {})
+        if self.has_disk:
+            self.delete_folder(e)
+
+    def unindex(self, e: Entry) -> None:
+        """Takes an entry out of the index, host memory and the disk policy, leaving its files (lock held)."""
+        if self.entries.get(e.key) is e:
+            del self.entries[e.key]
+        self.set_host(e, None)
+        if e.manifest is not None:
+            self.disk_policy.remove(e.key)
+
+    def hand_over(self, e: Entry, n: Entry) -> None:
+        """Gives the session's new entry `n` the disk files of its old entry `e` (out of the index), deleting
+        none (lock held). The folder's manifest stays `e`'s, a valid older copy of the session (what a crash
+        leaves), until `n`'s first save writes its own over it and collects `e`'s files; a failed save of `n`
+        keeps them (`n.chunks` names them, see saver.py `files_to_keep`). Only when the disk tier has no other
+        room for `n`'s save do they go first (`Eviction.reserve_disk`)."""
+        if e.manifest is not None:
+            names = {s.chunk for s in e.manifest.spans} | ({e.manifest.state.name} if e.manifest.state else set())
+            n.chunks = {name: e.chunks.get(name, (e.files.get(name, 0), 0)) for name in names}
+        else:
+            n.chunks = dict(e.chunks)  # an entry that was handed an older copy itself, and never saved
+        n.files, n.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
+
+    def reindex(self, e: Entry) -> None:
+        """Replaces an entry whose load failed by a fresh one holding the same durable copy (lock held)."""
+        c = Entry(key=e.key, layout=e.layout, generation=e.generation + 1, last_access=e.last_access,
+                  mirrored=set(e.mirrored), refused=e.refused)
+        self.unindex(e)
+        self.entries[c.key] = c
+        self.set_manifest(c, e.manifest, e.chunks)
+        c.files, c.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
+
+    def expire(self) -> None:
+        ttl = self.config.ttl_s
+        if ttl is None:
+            return
+        now = time.monotonic()
+        self.apply_ended_turns()
+        for e in [e for e in self.entries.values() if now - e.last_access > ttl and e.pins == 0 and not e.writers]:
+            self.drop(e)
+            self.stats.ttl_expired += 1
+
+    def cut(self, e: Entry, length: int) -> None:
+        """Shortens a session. A new generation: a save in flight may hold tokens past the cut, and must not
+        commit them (it would describe a history that no longer exists)."""
+        e.host.truncate(length)
+        self.host.account(e)  # a state of the cut tokens went with them
+        e.generation += 1
+        if e.persisted > length:
+            self.set_manifest(e, e.manifest.select([(0, length)]), e.chunks)
+
+    def apply_ended_turns(self) -> None:
+        """Unpins the sessions of turns that ended (see TurnWriter.close), keeping their end-of-turn states."""
+        while self.ended_turns:
+            key, turn, state, ended = self.ended_turns.popleft()
+            e = self.entries.get(key)
+            if e is None:
+                continue
+            if state is not None:
+                self.keep_state(e, turn, state)
+            if ended:
+                e.writers.discard(turn)
+                live = e.live() if e.live is not None else None
+                if live is None or live.turn == turn:
+                    e.live = None
+                self.keep_encoded(e)  # encoded copies that waited for the turn to end (encoded.py)
+
+    def publish_states(self, keys) -> None:
+        """Asks the open turns of these sessions for their hybrid models' states, where the session's stored
+        state is not the one after all its tokens (a next turn's lookup, a flush, while the previous turn's
+        cache is still referenced). Called without the lock: the states are copied meanwhile."""
+        writers = []
+        with self.lock:
+            for key in list(self.entries) if keys is None else keys:
+                e = self.entries.get(key)
+                writer = e.live() if e is not None and e.live is not None else None
+                buf = e.host if e is not None else None
+                if writer is not None and writer.turn == e.owner and not writer.dead and buf is not None \
+                        and (buf.state is None or buf.state.tokens != buf.length):
+                    writers.append(writer)
+        for writer in writers:
+            writer.publish_state()
+
+    def keep_state(self, e: Entry, turn: int, state: SessionState) -> None:
+        """Keeps a hybrid model's end-of-turn state with the session, if it is the state after exactly the KV
+        stored: the turn still owns the session, and every token it computed was stored (no refused append,
+        no cut). It is sealed with the digest of those ids, which a later turn's prompt must extend."""
+        buf = e.host
+        if e.owner != turn or buf is None or buf.length != state.tokens or buf.missing_head or state.tokens == 0:
+            self.stats.states_refused += 1
+            return
+        ids = buf.snapshot().token_ids
+        buf.state = state.sealed(e.key, prefix_digest(e.key[0], ids))
+        self.host.account(e)
+        self.stats.states_kept += 1
+        if self.has_lower and e.dirty:
+            self.dirty.add(e.key)
+            self.cond.notify_all()
+
+    def keep_encoded(self, e: Entry, encoded: list = ()) -> None:
+        """Makes encoded copies of a session's chunks (written by the save thread, or read by a load) its host
+        copy of them (encoded.py, `SessionBuffer.compact`).
+
+        Only between turns: while a turn runs on the session, or a load or another write is in flight, its
+        buffers must not change under them, so the copies wait with the buffer (`stash`) and are applied
+        when the last of those ends.
+        """
+        if e.host is None:
+            return
+        if encoded:
+            e.host.stash(list(encoded))
+        if e.host.pending and not (e.pins or e.writers or e.loading is not None):
+            tokens = e.host.compact()
+            self.stats.host_encoded_tokens += tokens
+        self.host.account(e)
