@@ -83,13 +83,19 @@ class AttnStoreCache(DynamicCache):
         reused_tokens: How many of them come from the store; the rest is prefilled.
         dropped_tokens: How many tokens truncation removed.
 
-    Example:
+    Example (a tiny random model; any causal LM of transformers works alike):
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from hf_attnstore import cache_kwargs
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
         >>> store = AttnStore(host_bytes="1GiB")
-        >>> cache = AttnStoreCache(model, store, session_id="alice", input_ids=ids)  # doctest: +SKIP
-        >>> out = model.generate(cache.input_ids, cache=cache, max_new_tokens=64)  # doctest: +SKIP
-        >>> cache2 = AttnStoreCache(model, store, "alice", input_ids=next_turn_ids)  # doctest: +SKIP
-        >>> cache2.reused_tokens  # doctest: +SKIP
-        97
+        >>> ids = torch.tensor([[1, 5, 9, 12, 7, 3]])
+        >>> cache = AttnStoreCache(model, store, session_id="alice", input_ids=ids)
+        >>> out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, do_sample=False)
+        >>> next_turn = torch.cat([out, torch.tensor([[4, 8]])], dim=1)  # the reply, then the user's next message
+        >>> AttnStoreCache(model, store, "alice", input_ids=next_turn).reused_tokens  # all but the last reply token
+        9
     """
 
     _brackets_forwards = True  # tells hooks.py to bracket forwards through this cache (no import cycle)
@@ -148,7 +154,12 @@ class AttnStoreCache(DynamicCache):
         see :meth:`fingerprints_of` for length-dependent RoPE.
 
         Example:
-            >>> fp = AttnStoreCache.fingerprint_of(model, store)  # doctest: +SKIP
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+            >>> a, b = AttnStore(namespace="tenant-a"), AttnStore(namespace="tenant-b")
+            >>> AttnStoreCache.fingerprint_of(model, a) != AttnStoreCache.fingerprint_of(model, b)
+            True
         """
         return model_fingerprint(model, store.config.namespace if store is not None else None)
 

@@ -19,6 +19,11 @@ class TruncationConfig:
         mode: ``"decoupled"`` (re-rotate the kept pre-RoPE keys, AttentionStore), ``"recompute"`` (token
             truncation: kept tokens are recomputed) or ``"naive"`` (kept keys keep their stale positions;
             an evaluation baseline only).
+
+    Example:
+        >>> config = TruncationConfig(context_window=2048, truncation_ratio=0.5, keep_first=4)
+        >>> config.mode
+        'decoupled'
     """
 
     context_window: int | None = None

@@ -143,9 +143,12 @@ def model_fingerprint(model: nn.Module, namespace: str | None = None) -> str:
             stored under one namespace are never served to another (like TensorRT-LLM's ``cache_salt``).
 
     Example:
-        >>> fp = model_fingerprint(model)  # doctest: +SKIP
-        >>> len(fp)
-        64
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> fp = model_fingerprint(model)
+        >>> len(fp), fp == model_fingerprint(model), fp == model_fingerprint(model, "tenant-a")
+        (64, True, False)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"`model` must be a torch.nn.Module (a transformers model), got {type(model).__name__}")

@@ -39,6 +39,18 @@ class KVCodec:
         name: ``"int8"`` or ``"int4"``.
         group: Tokens per key group (one channel) and channels per value group (one token; at most the head
             dimension). Smaller groups: more accurate, more bytes for the scales.
+
+    Example:
+        >>> import torch
+        >>> codec = KVCodec("int8", group=32)
+        >>> keys = torch.randn(1, 2, 64, 16)
+        >>> blob = codec.encode(keys, keys=True)
+        >>> blob.numel() < keys.numel() * keys.element_size() / 3  # about a quarter of fp32, with scales
+        True
+        >>> out = torch.empty_like(keys)
+        >>> codec.decode_into(blob, 64, out, keys=True)
+        >>> bool((out - keys).abs().max() < 0.05 * keys.abs().max())
+        True
     """
 
     name: str

@@ -85,6 +85,15 @@ class StoreConfig:
         namespace: A salt mixed into every model fingerprint (see
             :func:`~hf_attnstore.cache.fingerprint.model_fingerprint`): entries stored under one namespace are
             never served under another. Use it for what weights cannot show (a tenant, a policy).
+
+    Example:
+        >>> config = StoreConfig(host_bytes="4GiB", disk_dir="/var/cache/kv", disk_bytes="200GiB", kv_codec="int8")
+        >>> config.host_bytes, config.codec.name
+        (4294967296, 'int8')
+        >>> StoreConfig(host_bytes="lots")
+        Traceback (most recent call last):
+        ...
+        ValueError: ...
     """
 
     host_bytes: int | str = "2GiB"

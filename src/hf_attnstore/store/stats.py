@@ -7,7 +7,16 @@ from dataclasses import dataclass
 
 @dataclass
 class StoreStats:
-    """Counters of an :class:`AttnStore` (a copy is returned by :meth:`AttnStore.stats`)."""
+    """Counters of an :class:`AttnStore` (a copy is returned by :meth:`AttnStore.stats`).
+
+    Example:
+        >>> from hf_attnstore import AttnStore
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> _ = store.lookup("chat-1", "model-a")
+        >>> stats = store.stats()
+        >>> stats.lookups, stats.hits, stats.misses, stats.host_bytes_limit
+        (1, 0, 1, 1048576)
+    """
 
     lookups: int = 0
     hits_host: int = 0

@@ -11,7 +11,16 @@ POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "fifo": FIFOPolic
 
 
 def make_policy(name: str) -> EvictionPolicy:
-    """Creates a policy by name (``"lru"``, ``"fifo"`` or ``"lookahead"``)."""
+    """Creates a policy by name (``"lru"``, ``"fifo"`` or ``"lookahead"``).
+
+    Example:
+        >>> policy = make_policy("lru")
+        >>> for key in ("a", "b", "c"):
+        ...     policy.insert(key)
+        >>> policy.touch("a")
+        >>> list(policy.victims())  # least recently used first
+        ['b', 'c', 'a']
+    """
     if name not in POLICIES:
         raise ValueError(f"`policy`={name!r} is unknown; choose one of {', '.join(sorted(POLICIES))}")
     return POLICIES[name]()
