@@ -180,3 +180,16 @@ def test_turn_writer_truncate_cuts_the_session_and_appends_after_the_cut(tmp_pat
         keys, _ = kv(expect_ids)
         assert torch.equal(layer_of(got, 2)[0], keys[2])
     del expect
+
+
+def test_prefetch_and_schedule_on_a_host_only_store_are_no_ops():
+    """A store with no lower tier has nothing to load: prefetch starts nothing and raises nothing (the pipeline
+    sends it hints before every turn)."""
+    store = AttnStore(host_bytes="1MiB", policy="lookahead")
+    kv = [torch.zeros(1, 2, 3, 4)]
+    with store.open_turn("a", "fp", None, torch.empty(0)) as turn:
+        assert turn.append(torch.tensor([1, 2, 3]), kv, kv)
+    assert store.prefetch(["a", "b"], "fp") == 0
+    assert store.prefetch(["a"]) == 0
+    store.set_schedule(["b", "a"])
+    assert store.tier_of("a", "fp") == "host"

@@ -383,6 +383,8 @@ class AttnStore:
             for key, hit in found.items():
                 self._adopt_remote(key, hit)
             # Remembered, in order: sessions that do not fit yet are fetched when a write-out frees room.
+            if self._loads is None:
+                return 0  # host memory only: nothing to load from
             self._loads.wanted = keys
             return self._loads.retry_prefetch()
 
