@@ -77,6 +77,13 @@ class AttnStoreCache(DynamicCache):
         keep_first: Leading tokens always kept as attention sinks.
         save: If ``False`` the cache only reads: the turn reuses the stored KV but the store is left exactly
             as it was (for scoring, evaluation, or branching several continuations off one history).
+        cache_salt: KV is stored under, and reused from, this salt only (vLLM's ``cache_salt``): requests with
+            different salts, or one with and one without, never share KV, and so never learn of each other's
+            prompts through timing. ``None`` (default): the unsalted space. At most 1 KiB.
+
+    With ``StoreConfig.share_prefixes`` (the default), a turn whose prompt begins with a longer stored prefix
+    in another session than in its own (a shared system prompt, a regenerated or edited message, a branch)
+    starts from that session's KV, exactly (ids compared), and `shared_from` names it.
 
     Attributes:
         input_ids: The ids to pass to ``generate``/``forward`` (truncated if the context overflowed).
@@ -112,6 +119,7 @@ class AttnStoreCache(DynamicCache):
         truncation_ratio: float = 0.5,
         keep_first: int = 4,
         save: bool = True,
+        cache_salt: str | None = None,
     ):
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"`model` must be a transformers model, got {type(model).__name__}")
@@ -125,7 +133,7 @@ class AttnStoreCache(DynamicCache):
             self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
         self.session_id = validate_session_id(session_id)
         prompt = _as_prompt_ids(input_ids)
-        self.turn = Turn(self, model, store, self.session_id, prompt, self.truncation, save)
+        self.turn = Turn(self, model, store, self.session_id, prompt, self.truncation, save, cache_salt)
         # Cache.__init__ directly: DynamicCache's would set up lazily-created DynamicLayers instead of ours.
         Cache.__init__(self, layers=self.turn.layers)
         if self.turn.turn_end.has_state and self.turn.turn_end.writer is not None:
@@ -141,6 +149,7 @@ class AttnStoreCache(DynamicCache):
     kv_source = _from_turn("kv_source", "Where the reused KV came from: host, disk, remote, or miss.")
     recomputed = _from_turn("recomputed", "Whether stored KV proved unreadable mid-forward and was recomputed.")
     recomputed_head = _from_turn("recomputed_head", "Leading tokens of a partially evicted session recomputed.")
+    shared_from = _from_turn("shared_from", "The other session whose stored prefix this turn reuses (None: its own).")
     plan = _from_turn("plan", "The reuse plan (truncation.ReusePlan).")
     regime = _from_turn("regime", "The RoPE frequency regime of the turn (\"\" for static RoPE).")
     fingerprint = _from_turn("fingerprint", "The key of this model's KV in the store (regime included).")

@@ -165,6 +165,37 @@ def model_fingerprint(model: nn.Module, namespace: str | None = None) -> str:
     return hashlib.sha256(f"{memo[1]}\0{namespace}".encode("utf-8")).hexdigest()
 
 
+MAX_SALT_BYTES = 1024
+
+
+def salted_fingerprint(fingerprint: str, cache_salt: str | None) -> str:
+    """The key of KV stored under `cache_salt` (vLLM's name): KV is shared, and reused, only between requests
+    with the same salt (or both without one). A tenant that sets a salt never reuses another's KV, and since
+    nothing of another salt is ever looked at, never learns of it through timing either.
+
+    Example:
+        >>> fp = "0" * 64
+        >>> salted_fingerprint(fp, None) == fp, salted_fingerprint(fp, "tenant-a") != salted_fingerprint(fp, "tenant-b")
+        (True, True)
+
+    Raises:
+        TypeError: `cache_salt` is not a string.
+        ValueError: It is empty or longer than 1 KiB in UTF-8.
+    """
+    if cache_salt is None:
+        return fingerprint
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"`cache_salt` must be a str or None, got {type(cache_salt).__name__}")
+    try:
+        size = len(cache_salt.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError("`cache_salt` must be valid Unicode text (it has a lone surrogate)") from None
+    if not 0 < size <= MAX_SALT_BYTES:
+        raise ValueError(f"`cache_salt` must be 1 to {MAX_SALT_BYTES} bytes in UTF-8, got {size}: use a hash of a "
+                         "longer secret")
+    return hashlib.sha256(f"{fingerprint}\0salt\0{cache_salt}".encode("utf-8")).hexdigest()
+
+
 def regime_fingerprint(fingerprint: str, regime: str) -> str:
     """The key of KV computed in RoPE frequency regime `regime` (see ``rope.RopeAdapter.regime``).
 

@@ -29,7 +29,7 @@ from ..store.format import prefix_digest
 from ..store.logs import OnceLogger
 from ..store.state import SessionState
 from .config import TruncationConfig
-from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint
+from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint, salted_fingerprint
 from .hooks import ReuseFailed
 from .layers import LayerLayout, TurnEnd, build_layers
 from .rope import RopeAdapter
@@ -66,7 +66,7 @@ class Turn:
     """
 
     def __init__(self, cache, model: nn.Module, store: AttnStore, session_id: str, prompt: torch.Tensor,
-                 truncation: TruncationConfig, save: bool):
+                 truncation: TruncationConfig, save: bool, cache_salt: str | None = None):
         self._cache = weakref.ref(cache)
         self.session_id, self.truncation = session_id, truncation
         self._rope = RopeAdapter(model)  # refuses a model whose KV cannot be reused exactly, saying why
@@ -87,7 +87,7 @@ class Turn:
         first = plan_reuse(prompt, None, self.truncation, has_rope=self._rope.has_rope).input_ids.shape[1]
         self.regime = self._rope.regime(first)
         # Memoized, but its change key walks every tensor: once per turn.
-        base = model_fingerprint(model, store.config.namespace)
+        base = salted_fingerprint(model_fingerprint(model, store.config.namespace), cache_salt)
         self.fingerprint = regime_fingerprint(base, self.regime or "")
         # What this turn's first stored forward deletes: the session's KV of this model in other regimes (the
         # session has one history; their KV would lag behind it). All of it when this turn cannot save.
@@ -101,6 +101,7 @@ class Turn:
         self._layout = LayerLayout.of(model)
         self._windows = self._layout.slot_windows  # KV slot -> sliding window
         self.recomputed_head = 0  # leading tokens of a partially evicted session recomputed this turn
+        self.shared_from: str | None = None  # the other session whose stored prefix this turn starts from
         self.plan, snapshot, state = self._plan(model, store, prompt)
         self.reused_tokens = self.plan.reused
         self.dropped_tokens = self.plan.dropped
@@ -158,7 +159,28 @@ class Turn:
             snapshot = self._with_head(model, store, snapshot, plan)
             if snapshot is None:  # nothing worth reusing beyond the missing head
                 plan = plan_reuse(prompt, None, self.truncation, has_rope=self._rope.has_rope)
+        if not plan.dropped and self.regime is not None and not self._layout.has_state:
+            plan, snapshot = self._shared(store, prompt, plan, snapshot)
         return plan, snapshot, state
+
+    def _shared(self, store: AttnStore, prompt: torch.Tensor, plan, snapshot):
+        """The plan and snapshot of another session that begins with a longer prefix of the prompt than this
+        session's own stored history (a shared system prompt, a regenerated or edited turn, a branch), or the
+        given ones. Exact: the prefix is compared id by id (`AttnStore.lookup_prefix`, then `plan_reuse` on the
+        snapshot's ids). Not for prompts that overflow the context window (their reuse is this session's own
+        truncated history) nor for hybrid models (their states belong to one history)."""
+        found = store.lookup_prefix(self.fingerprint, prompt.view(-1), exclude=self.session_id,
+                                    longer_than=plan.reused)
+        if found is None:
+            return plan, snapshot
+        other = self._validated(store.lookup(found[0], self.fingerprint))
+        if other is None or other.head:
+            return plan, snapshot
+        shared = plan_reuse(prompt, other.token_ids[: found[1]], self.truncation, has_rope=self._rope.has_rope)
+        if shared.dropped or shared.reused <= plan.reused:
+            return plan, snapshot
+        self.shared_from = found[0]
+        return shared, other
 
     @property
     def length_dependent(self) -> bool:

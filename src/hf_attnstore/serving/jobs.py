@@ -97,6 +97,7 @@ class Job:
     prompt_ids: torch.Tensor | None = None  # the whole prompt, given (submit_prompt): no history is consulted
     cancel: threading.Event | None = None  # set: the turn stops after its current step (a client went away)
     options: dict | None = None  # per-turn `generate` options over the pipeline's
+    cache_salt: str | None = None  # the KV space of the turn (AttnStoreCache's `cache_salt`)
 
     def claim(self) -> bool:
         """Marks the turn as running; False if it was cancelled while queued (its reader is then released)."""

@@ -21,6 +21,7 @@ from transformers import DynamicCache, StoppingCriteriaList
 from ..cache.cache import AttnStoreCache
 from ..cache.chat import ChatTokens
 from ..cache.config import TruncationConfig
+from ..cache.fingerprint import salted_fingerprint
 from ..store import AttnStore
 from ..store.placement import lookahead_windows
 from ..store.entry import validate_session_id
@@ -146,7 +147,7 @@ class ChatPipeline:
         return self._enqueue(Job(session_id, message, Future(), streamer, time.perf_counter(), reply))
 
     def submit_prompt(self, session_id: str, prompt_ids, streamer=None, *, cancel: threading.Event | None = None,
-                      **generate_options) -> Future:
+                      cache_salt: str | None = None, **generate_options) -> Future:
         """Queues a turn whose whole prompt is given as token ids (a server that receives the conversation as
         a message list builds them: see `serving.conversation`). The session's stored KV is reused for the
         prompt's longest common prefix with it, whatever this pipeline remembers of the session; afterwards
@@ -158,6 +159,8 @@ class ChatPipeline:
             streamer: Optional `generate` streamer for the reply.
             cancel: Set it to stop the turn after its current decoding step (or before it starts). The KV
                 computed so far stays stored, a valid prefix of the session.
+            cache_salt: The turn's KV is stored under, and reused from, this salt only (see
+                :class:`~hf_attnstore.AttnStoreCache`): a tenant's turns never share KV with another's.
             generate_options: `generate` options for this turn (``max_new_tokens``, ``do_sample``,
                 ``temperature``, ``top_p``, ``stop_strings`` ...), over the pipeline's. ``max_new_tokens`` must
                 be a positive integer; the reply is cut where the model's positions end (:attr:`position_limit`).
@@ -167,6 +170,7 @@ class ChatPipeline:
                 integer; `PipelineClosed` (a ValueError) once the pipeline is closed.
         """
         validate_session_id(session_id)
+        salted_fingerprint("", cache_salt)  # a bad salt is the caller's error now, not the worker's later
         if "max_new_tokens" in generate_options:
             n = generate_options["max_new_tokens"]
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -175,7 +179,7 @@ class ChatPipeline:
         if ids.shape[1] == 0:
             raise ValueError("`prompt_ids` is empty")
         return self._enqueue(Job(session_id, "", Future(), streamer, time.perf_counter(), prompt_ids=ids,
-                                  cancel=cancel, options=generate_options))
+                                  cancel=cancel, options=generate_options, cache_salt=cache_salt))
 
     def _enqueue(self, job: "Job") -> Future:
         with self._cond:
@@ -368,7 +372,8 @@ class ChatPipeline:
             prompt = torch.cat([ids[:, :k], ids[:, k + dropped :]], dim=1) if dropped else ids
             source = "truncated" if dropped else "recompute"
         else:
-            cache = AttnStoreCache(self.model, self.store, job.session_id, ids, truncation=self.truncation)
+            cache = AttnStoreCache(self.model, self.store, job.session_id, ids, truncation=self.truncation,
+                                   cache_salt=job.cache_salt)
             prompt, reused, dropped = cache.input_ids, cache.reused_tokens, cache.dropped_tokens
             source = "truncated" if dropped else cache.kv_source
         limit = self.position_limit

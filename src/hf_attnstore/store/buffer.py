@@ -101,6 +101,9 @@ class SessionKV:
         source: The buffer the snapshot was taken from.
         loader: Set while the session is still being loaded from disk: layers are waited for.
         tier: Where the KV came from: ``"host"`` or ``"disk"``.
+        key: The ``(fingerprint, session_id)`` it was taken from, set by `AttnStore.lookup`: a turn that
+            continues the same session may reuse its buffer in place; a base from another session (a shared
+            prefix) is always copied by reference into a new history.
         generation: The session's generation when the snapshot was taken (it changes when the session's
             history is cut or truncated): tells a later turn whether positions still mean the same tokens.
         head: Leading tokens whose KV is not there (a partially evicted session, see `StoreConfig.
@@ -119,6 +122,7 @@ class SessionKV:
     generation: int = 0
     head: int = 0
     state: SessionState | None = None
+    key: tuple | None = None  # the session it was taken from (None: a buffer's own view)
 
     @property
     def length(self) -> int:
@@ -246,26 +250,33 @@ class SessionBuffer:
         self.state: SessionState | None = None
         # Encoded copies of some of its tokens, waiting for the session's turn to end (see `stash`).
         self.pending: list[tuple[int, Part]] = []
+        # Leading tokens held in segments selected from a snapshot (`selected`), maybe another session's (a shared
+        # prefix): they do not count towards the size of this buffer's own new segments (`_grow_capacity`).
+        self.selected_tokens = 0
+
+    def segments(self) -> dict[int, "Segment"]:
+        """The segments this session uses, by id (whole segments: that is what occupies memory)."""
+        segments = {id(seg): seg for seg, _, _ in self.parts}
+        segments.update({id(seg): seg for _, (seg, _, _) in self.pending})
+        return segments
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the segments this session uses (whole segments: that is what occupies memory), and of
-        its state."""
-        segments = {id(seg): seg for seg, _, _ in self.parts}
-        segments.update({id(seg): seg for _, (seg, _, _) in self.pending})
-        kv = sum(seg.nbytes for seg in segments.values())
+        """Bytes of the segments this session uses, and of its state."""
+        kv = sum(seg.nbytes for seg in self.segments().values())
         return kv + (self.state.nbytes if self.state is not None else 0)
 
     def new_segment(self, capacity: int) -> Segment:
         return Segment(self.geometry, self.dtype, _round(capacity), self.pin_memory)
 
-    def snapshot(self, loader: LoadHandle | None = None, tier: str = "host", generation: int = 0) -> SessionKV:
+    def snapshot(self, loader: LoadHandle | None = None, tier: str = "host", generation: int = 0,
+                 key: tuple | None = None) -> SessionKV:
         ids = [seg.token_ids[a:b] for seg, a, b in self.parts]
         token_ids = torch.cat(ids) if len(ids) != 1 else ids[0]
         if not ids:
             token_ids = torch.empty(0, dtype=torch.long)
         return SessionKV(token_ids=token_ids, parts=tuple(self.parts), source=self, loader=loader, tier=tier,
-                         generation=generation, head=self.missing_head, state=self.state)
+                         generation=generation, head=self.missing_head, state=self.state, key=key)
 
     def _tail_room(self) -> int:
         """Tokens that can be appended in place (0 if the last part does not end at its segment's fill mark)."""
@@ -283,8 +294,9 @@ class SessionBuffer:
 
     def _grow_capacity(self, tokens: int) -> int:
         # A new segment holds at least a quarter of the history, so a session made of many turns and decoded
-        # tokens needs few segments.
-        return _round(max(tokens, self.length // 4))
+        # tokens needs few segments. Not of a shared prefix: seven sessions over one 1,200-token system prompt
+        # would each reserve 300 tokens for a 30-token question.
+        return _round(max(tokens, (self.length - self.selected_tokens) // 4))
 
     def append(self, token_ids: torch.Tensor, keys, values) -> None:
         """Appends ``len(token_ids)`` tokens (device tensors are copied to host).
@@ -432,6 +444,7 @@ class SessionBuffer:
         assert base.loader is None or base.loader.done, "select only fully loaded snapshots"
         keep = keep.to(torch.long)
         buf = cls(base.source.geometry, base.source.dtype, pin_memory, parts=base.select(keep))
+        buf.selected_tokens = buf.length
         if base.head:
             # Tokens without KV may only lead (a head is recomputed from position 0).
             missing = int((keep < base.head).sum())

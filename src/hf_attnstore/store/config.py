@@ -82,6 +82,11 @@ class StoreConfig:
             A turn resuming such a session recomputes the dropped head, exactly, while the rest loads.
             Sessions the scheduler queued (``policy="lookahead"``) are not shrunk. ``False`` (default):
             whole sessions leave, in the policy's order.
+        share_prefixes: Whether a turn may start from another session's stored KV when that session's ids
+            begin with the same tokens as the prompt (a shared system prompt, a regenerated or edited turn, a
+            branch), as vLLM's automatic prefix caching does (default ``True``). Exact: the ids are compared
+            before anything is reused, within one model fingerprint, `namespace` and ``cache_salt``. In host
+            memory the sessions refer to the same segments, counted once against `host_bytes`.
         namespace: A salt mixed into every model fingerprint (see
             :func:`~hf_attnstore.cache.fingerprint.model_fingerprint`): entries stored under one namespace are
             never served under another. Use it for what weights cannot show (a tenant, a policy).
@@ -113,6 +118,7 @@ class StoreConfig:
     kv_codec_group: int = 32
     kv_codec_host: bool = True
     partial_eviction: bool = False
+    share_prefixes: bool = True
     remote: str | None = None
     remote_ttl_s: float | None = None
     remote_timeout_s: float = 2.0
@@ -144,6 +150,8 @@ class StoreConfig:
         make_policy(self.policy)  # validates the name
         if not isinstance(self.partial_eviction, bool):
             raise TypeError(f"`partial_eviction` must be True or False, got {self.partial_eviction!r}")
+        if not isinstance(self.share_prefixes, bool):
+            raise TypeError(f"`share_prefixes` must be True or False, got {self.share_prefixes!r}")
         self.codec  # validates `kv_codec` and `kv_codec_group`
         if not isinstance(self.kv_codec_host, bool):
             raise TypeError(f"`kv_codec_host` must be True or False, got {self.kv_codec_host!r}")

@@ -68,7 +68,8 @@ class Write(enum.Enum):
 class Entry:
     key: Key
     host: SessionBuffer | None = None
-    host_accounted: int = 0
+    host_accounted: int = 0  # the buffer's bytes at its last accounting (its segments may be shared)
+    host_segments: dict = field(default_factory=dict)  # id -> segment it counted (HostTier.account)
     manifest: Manifest | None = None  # the durable prefix of the session (as it is, or will be, on disk)
     chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # referenced chunk -> (bytes, tokens)
     files: dict[str, int] = field(default_factory=dict)  # every chunk file on disk (referenced or not) -> bytes

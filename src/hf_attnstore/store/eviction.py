@@ -45,14 +45,15 @@ class Eviction:
         if self.index.host.fits(extra):
             return True  # the common case, once per appended token: no scan of the index
         self.index.apply_ended_turns()
-        freeing = sum(e.host_accounted for e in self.index.entries.values() if e.write is Write.DEMOTE)
+        host = self.index.host
+        freeing = sum(host.freed_by(e) for e in self.index.entries.values() if e.write is Write.DEMOTE)
         entries = self.index.entries
 
         def movable(key) -> bool:  # already being written out counts in `freeing`; pinned ones stay
             e = entries[key]
             return e is not exclude and e.write is not Write.DEMOTE and e.pins == 0 and not e.writers
 
-        for key in choose_victims(self.index.host.policy.victims(), lambda key: entries[key].host_accounted, movable,
+        for key in choose_victims(self.index.host.policy.victims(), lambda key: host.freed_by(entries[key]), movable,
                                   self.index.host.used - freeing + extra - limit,
                                   self.index.host.position, keep_sooner_than):
             self.evict_from_host(entries[key])

@@ -30,6 +30,9 @@ class HostTier:
         self.limit, self.pin_memory = limit, pin_memory
         self.policy = make_policy(policy)
         self.used = 0
+        # Segments are shared between sessions (a prefix another session starts from, `SessionBuffer.selected`):
+        # each is counted once, while any session's buffer refers to it. id -> [segment, users].
+        self._segments: dict[int, list] = {}
 
     @staticmethod
     def contains(e: Entry) -> bool:
@@ -50,10 +53,32 @@ class HostTier:
         self.account(e)
 
     def account(self, e: Entry) -> None:
-        """Brings the count up to date after the session's buffer grew or shrank."""
-        now = e.host.nbytes if e.host is not None else 0
-        self.used += now - e.host_accounted
-        e.host_accounted = now
+        """Brings the count up to date after the session's buffer grew, shrank or changed: a segment counts when
+        its first user takes it and stops counting when its last user lets it go; a state counts per session."""
+        buf = e.host
+        now = buf.segments() if buf is not None else {}
+        state = buf.state.nbytes if buf is not None and buf.state is not None else 0
+        old_state = e.host_accounted - sum(seg.nbytes for seg in e.host_segments.values())
+        for sid in e.host_segments.keys() - now.keys():
+            held = self._segments[sid]
+            held[1] -= 1
+            if held[1] == 0:
+                self.used -= held[0].nbytes
+                del self._segments[sid]
+        for sid in now.keys() - e.host_segments.keys():
+            held = self._segments.setdefault(sid, [now[sid], 0])
+            held[1] += 1
+            if held[1] == 1:
+                self.used += held[0].nbytes
+        self.used += state - old_state
+        e.host_segments = now
+        e.host_accounted = sum(seg.nbytes for seg in now.values()) + state
+
+    def freed_by(self, e: Entry) -> int:
+        """Bytes that would be freed if the session left host memory: its segments no other session uses, and
+        its state."""
+        own = sum(seg.nbytes for sid, seg in e.host_segments.items() if self._segments[sid][1] == 1)
+        return own + e.host_accounted - sum(seg.nbytes for seg in e.host_segments.values())
 
     def touch(self, e: Entry) -> None:
         if e.host is not None:

@@ -35,6 +35,7 @@ from .format import Manifest, prefix_digest
 from .host import HostTier
 from .logs import OnceLogger
 from .policy import make_policy
+from .prefixes import PrefixTable
 from .state import SessionState
 from .stats import StoreStats
 
@@ -73,6 +74,7 @@ class Index:
         self.last_forward = 0.0
         self.once = OnceLogger(logger)  # each kind of warning once per store
         self.closed = False
+        self.prefixes = PrefixTable()  # which sessions begin with which prefix (prefix sharing, prefixes.py)
 
     def take_deletes(self) -> list[tuple[Key, int, tuple | None]]:
         """The queued deletions, for the save thread to run (lock held)."""
@@ -132,6 +134,7 @@ class Index:
         """Removes a session from the index and (asynchronously) from disk."""
         if self.entries.get(e.key) is e:
             del self.entries[e.key]
+            self.prefixes.remove(e.key)
         self.set_host(e, None)
         self.set_manifest(e, None, {})
         if self.has_disk:
@@ -141,6 +144,7 @@ class Index:
         """Takes an entry out of the index, host memory and the disk policy, leaving its files (lock held)."""
         if self.entries.get(e.key) is e:
             del self.entries[e.key]
+            self.prefixes.remove(e.key)
         self.set_host(e, None)
         if e.manifest is not None:
             self.disk_policy.remove(e.key)
@@ -165,6 +169,8 @@ class Index:
         self.unindex(e)
         self.entries[c.key] = c
         self.set_manifest(c, e.manifest, e.chunks)
+        if c.manifest is not None and not c.manifest.head:
+            self.prefixes.add(c.key, c.manifest.token_ids)
         c.files, c.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
 
     def expire(self) -> None:
@@ -201,6 +207,8 @@ class Index:
                 if live is None or live.turn == turn:
                     e.live = None
                 self.keep_encoded(e)  # encoded copies that waited for the turn to end (encoded.py)
+                if e.host is not None and not e.host.missing_head and e.writers == set():
+                    self.prefixes.add(key, e.host.snapshot().token_ids)  # what other sessions may now share
 
     def publish_states(self, keys) -> None:
         """Asks the open turns of these sessions for their hybrid models' states, where the session's stored

@@ -27,6 +27,7 @@ class StoreStats:
     demotions: int = 0  # host -> disk
     host_drops: int = 0  # evicted from host with no disk copy
     disk_drops: int = 0
+    prefix_hits: int = 0  # lookups that found another session sharing a longer prefix (lookup_prefix)
     head_drops: int = 0  # leading chunks dropped from disk copies (partial_eviction)
     head_dropped_tokens: int = 0
     rejected_too_large: int = 0

@@ -156,7 +156,7 @@ class AttnStore:
                 self._index.stats.hits_host += 1
                 if e.load_job is not None:
                     self._loads.loader.promote(e.load_job)  # a prefetch this turn now waits for
-                return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation)
+                return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation, key=key)
             tier = self._lower.name if e.manifest is not None else "remote"
             started = self._loads.start(e)
             if not started and e.fallback is not None and self._restore_local(
@@ -174,7 +174,7 @@ class AttnStore:
                 self._index.stats.hits_disk += 1
             else:
                 self._index.stats.hits_remote += 1
-            return e.host.snapshot(loader=e.loading, tier=tier, generation=e.generation)
+            return e.host.snapshot(loader=e.loading, tier=tier, generation=e.generation, key=key)
 
     def _remote_lookup(self, key: Key) -> tuple[Manifest, tuple, bool] | None:
         """The remote tier's manifest of the session, its layout and whether it may replace a local copy, or
@@ -322,6 +322,55 @@ class AttnStore:
                 self._index.once.warning("disk_read", "disk tier: reading session %r failed (%s); a miss now, its disk "
                                    "copy is kept", e.key[1], error)
         self._loads.finish(job, error)
+
+    def lookup_prefix(self, fingerprint: str, token_ids: torch.Tensor, exclude: str | None = None,
+                      longer_than: int = 0) -> tuple[str, int] | None:
+        """The stored session (other than `exclude`) whose ids begin with the longest prefix of `token_ids`
+        under this fingerprint, and that prefix's length; ``None`` when none shares more than `longer_than`
+        tokens, or ``share_prefixes`` is off. Candidates come from the prefix table (whole blocks of 64 tokens,
+        prefixes.py); their real ids are compared here, so the length is exact and may end inside a block.
+        Sessions whose leading chunks were evicted (partial eviction) are not offered. Pass the session to
+        :meth:`lookup` to get its KV, and that snapshot to :meth:`open_turn` as the base of a new history.
+
+        Example:
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> system = torch.arange(100)  # a shared system prompt of 100 tokens
+            >>> kv = [torch.zeros(1, 2, 102, 4)]
+            >>> with store.open_turn("alice", "model-a", None, torch.empty(0)) as turn:
+            ...     _ = turn.append(torch.cat([system, torch.tensor([7, 8])]), kv, kv)
+            >>> store.lookup_prefix("model-a", torch.cat([system, torch.tensor([9])]), exclude="bob")
+            ('alice', 100)
+        """
+        if not self.config.share_prefixes:
+            return None
+        if exclude is not None:
+            validate_session_id(exclude)
+        ids = torch.as_tensor(token_ids).detach().to("cpu", torch.long).view(-1)
+        with self._index.lock:
+            self._index.check_open()
+            self._index.apply_ended_turns()
+            best = None
+            for key, _ in self._index.prefixes.candidates(fingerprint, ids, (fingerprint, exclude)):
+                e = self._index.entries.get(key)
+                if e is None or e.length <= longer_than:
+                    continue
+                if e.host is not None:
+                    if e.host.missing_head:
+                        continue
+                    stored = e.host.snapshot().token_ids
+                else:
+                    durable = e.manifest or e.remote
+                    if durable is None or durable.head:
+                        continue
+                    stored = durable.token_ids
+                n = min(stored.numel(), ids.numel())
+                differ = (stored[:n] != ids[:n]).nonzero()
+                n = int(differ[0]) if differ.numel() else n
+                if n > longer_than and (best is None or n > best[1]):
+                    best = (key[1], n)
+            if best is not None:
+                self._index.stats.prefix_hits += 1
+            return best
 
     def open_turn(self, session_id: str, fingerprint: str, base: SessionKV | None, keep: torch.Tensor) -> "TurnWriter":
         """Starts a turn: its writes make the session ``base[keep]`` followed by what it appends.
@@ -670,4 +719,6 @@ class AttnStore:
             self._index.entries[e.key] = e
             self._index.set_manifest(e, manifest, found.chunks)
             self._index.set_files(e, {name: size for name, (size, _) in found.chunks.items()}, found.manifest_size)
+            if not manifest.head:
+                self._index.prefixes.add(e.key, manifest.token_ids)  # rebuilt from the manifests, never a file
         self._index.expire()

@@ -136,7 +136,10 @@ class Turns:
         base, keep = writer.base, writer.keep
         writer.base = None  # the snapshot is no longer needed: let its memory go
         n = int(keep.numel())
-        same_lineage = e is not None and base is not None and base.generation == e.generation and n > 0
+        # The same lineage: a base taken from this very session at its current generation. A base from another
+        # session (a shared prefix, `AttnStore.lookup_prefix`) starts a new history that refers to its segments.
+        same_lineage = e is not None and base is not None and base.key == writer.key \
+            and base.generation == e.generation and n > 0
         if same_lineage and e.host is not None and base.source is e.host and n <= e.host.length \
                 and torch.equal(keep, torch.arange(n)):
             if n < e.host.length:

@@ -1,0 +1,82 @@
+"""Which stored sessions begin with a given token prefix: a table of chained block hashes, as vLLM's automatic
+prefix caching keys its blocks.
+
+A session's token ids are cut into blocks of `BLOCK` tokens; block k is keyed by a hash chained over blocks
+0..k (so a key names a whole prefix, not one block). The table maps each key, within one model fingerprint, to the
+sessions whose ids begin with that prefix, most recently stored last. It only proposes: the store compares the
+candidates' real ids with the prompt (under its lock) before anything is reused, so a stale or colliding entry
+costs a comparison, never wrong KV. Prefixes shorter than one block are not looked up (recomputing fewer than
+`BLOCK` tokens costs little).
+
+Example:
+    >>> import torch
+    >>> table = PrefixTable()
+    >>> system = torch.arange(3 * BLOCK)
+    >>> table.add(("fp", "alice"), torch.cat([system, torch.tensor([7, 8])]))
+    >>> table.candidates("fp", torch.cat([system, torch.tensor([9])]), exclude=("fp", "bob"))
+    [(('fp', 'alice'), 192)]
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from .tier import Key
+
+BLOCK = 64  # tokens per hashed block
+
+
+def block_hashes(token_ids: torch.Tensor) -> list[bytes]:
+    """The chained hash of every whole block of `token_ids` (1-D, int64): entry k names ids[: (k + 1) * BLOCK]."""
+    ids = token_ids.detach().to("cpu", torch.long).contiguous().view(-1)
+    out, h = [], b""
+    data = ids.numpy().tobytes()
+    width = BLOCK * 8
+    for k in range(ids.numel() // BLOCK):
+        h = hashlib.blake2b(h + data[k * width : (k + 1) * width], digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+class PrefixTable:
+    """Sessions by the prefixes they begin with (see the module docstring). Guarded by the index's lock."""
+
+    def __init__(self):
+        self._sessions: dict[tuple[str, bytes], dict[Key, None]] = {}  # (fingerprint, hash) -> keys, oldest first
+        self._hashes: dict[Key, list[bytes]] = {}  # what each session was added under
+
+    def add(self, key: Key, token_ids: torch.Tensor) -> None:
+        """Records (or re-records, after it grew or changed) that session `key` begins with these ids."""
+        self.remove(key)
+        hashes = block_hashes(token_ids)
+        for h in hashes:
+            users = self._sessions.setdefault((key[0], h), {})
+            users[key] = None  # newest last
+        if hashes:
+            self._hashes[key] = hashes
+
+    def remove(self, key: Key) -> None:
+        for h in self._hashes.pop(key, ()):
+            users = self._sessions.get((key[0], h))
+            if users is not None:
+                users.pop(key, None)
+                if not users:
+                    del self._sessions[(key[0], h)]
+
+    def candidates(self, fingerprint: str, token_ids: torch.Tensor, exclude: Key | None = None,
+                   limit: int = 4) -> list[tuple[Key, int]]:
+        """Up to `limit` sessions sharing the longest whole-block prefix with `token_ids`, newest first, each with
+        the tokens that prefix covers (a lower bound: the store extends it by comparing ids)."""
+        best: list[tuple[Key, int]] = []
+        for k, h in enumerate(block_hashes(token_ids)):
+            users = self._sessions.get((fingerprint, h))
+            found = [key for key in reversed(users or {}) if key != exclude]
+            if not found:
+                break
+            best = [(key, (k + 1) * BLOCK) for key in found[:limit]]
+        return best
+
+    def __len__(self) -> int:
+        return len(self._hashes)
