@@ -70,3 +70,16 @@ def test_bad_cache_salt_is_refused(salt, error):
     model = make_tiny("llama")
     with pytest.raises(error, match="cache_salt"):
         AttnStoreCache(model, AttnStore(host_bytes="1MiB"), "s", random_ids(5, 1), cache_salt=salt)
+
+
+def test_salted_sessions_are_found_under_their_salted_fingerprint():
+    model = make_tiny("llama")
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(40, 7)
+    cache = AttnStoreCache(model, store, "a", ids, cache_salt="tenant-a")
+    model(cache.input_ids, **cache_kwargs(cache), use_cache=True)
+    del cache
+    salted = AttnStoreCache.fingerprint_of(model, store, cache_salt="tenant-a")
+    assert store.token_ids("a", salted).equal(ids[0])
+    assert store.token_ids("a", AttnStoreCache.fingerprint_of(model, store)) is None
+    assert AttnStoreCache.fingerprints_of(model, store, "tenant-a") == [salted]

@@ -15,7 +15,7 @@ from torch import nn
 from ..store import AttnStore
 from ..store.entry import validate_session_id
 from .config import TruncationConfig
-from .fingerprint import model_fingerprint
+from .fingerprint import model_fingerprint, salted_fingerprint
 from .hooks import install_generation_hook, install_hooks
 from .rope import RopeAdapter
 from .turn import Turn, regime_keys
@@ -158,9 +158,9 @@ class AttnStoreCache(DynamicCache):
     token_ids = _from_turn("token_ids", "The ids the cache's KV covers so far.")
 
     @staticmethod
-    def fingerprint_of(model: nn.Module, store: AttnStore | None = None) -> str:
-        """The fingerprint under which this model's sessions are stored (in `store`'s namespace, if given);
-        see :meth:`fingerprints_of` for length-dependent RoPE.
+    def fingerprint_of(model: nn.Module, store: AttnStore | None = None, cache_salt: str | None = None) -> str:
+        """The fingerprint under which this model's sessions are stored (in `store`'s namespace, if given, and
+        under `cache_salt`); see :meth:`fingerprints_of` for length-dependent RoPE.
 
         Example:
             >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -170,13 +170,14 @@ class AttnStoreCache(DynamicCache):
             >>> AttnStoreCache.fingerprint_of(model, a) != AttnStoreCache.fingerprint_of(model, b)
             True
         """
-        return model_fingerprint(model, store.config.namespace if store is not None else None)
+        return salted_fingerprint(model_fingerprint(model, store.config.namespace if store is not None else None),
+                                  cache_salt)
 
     @staticmethod
-    def fingerprints_of(model: nn.Module, store: AttnStore | None = None) -> list[str]:
+    def fingerprints_of(model: nn.Module, store: AttnStore | None = None, cache_salt: str | None = None) -> list[str]:
         """Every key under which this model's sessions may be stored, the one of longer contexts first: one
         for most models; two for `longrope`, whose KV is keyed by its frequency regime (short, long)."""
-        return regime_keys(AttnStoreCache.fingerprint_of(model, store), RopeAdapter(model))
+        return regime_keys(AttnStoreCache.fingerprint_of(model, store, cache_salt), RopeAdapter(model))
 
     def append_computed(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor]) -> None:
