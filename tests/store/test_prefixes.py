@@ -98,3 +98,14 @@ def test_reopen_rebuilds_the_table_from_the_manifests(tmp_path):
         assert store.lookup_prefix(FP, torch.cat([system, torch.tensor([5])])) == ("a", 300)
         snap = store.lookup("a", FP)
         assert snap.tier == "disk" and snap.token_ids.equal(system)
+
+
+def test_a_turn_that_ends_with_an_empty_session_is_not_recorded():
+    """A session cut back to nothing when its turn ends has no prefix to offer (and recording it must not fail:
+    an empty buffer's snapshot has no ids)."""
+    store = AttnStore(host_bytes="16MiB")
+    with store.open_turn("a", FP, None, torch.empty(0)) as turn:
+        assert turn.append(torch.arange(100), _kv(100), _kv(100))
+        turn.truncate(0)
+    assert store.lookup_prefix(FP, torch.arange(100)) is None
+    assert store.token_ids("a", FP) is None

@@ -272,9 +272,10 @@ class SessionBuffer:
     def snapshot(self, loader: LoadHandle | None = None, tier: str = "host", generation: int = 0,
                  key: tuple | None = None) -> SessionKV:
         ids = [seg.token_ids[a:b] for seg, a, b in self.parts]
-        token_ids = torch.cat(ids) if len(ids) != 1 else ids[0]
-        if not ids:
+        if not ids:  # an empty buffer (a turn that stored nothing yet): torch.cat refuses an empty list
             token_ids = torch.empty(0, dtype=torch.long)
+        else:
+            token_ids = torch.cat(ids) if len(ids) != 1 else ids[0]
         return SessionKV(token_ids=token_ids, parts=tuple(self.parts), source=self, loader=loader, tier=tier,
                          generation=generation, head=self.missing_head, state=self.state, key=key)
 

@@ -166,7 +166,7 @@ class Eviction:
                 fits = self.enforce_disk(e)
             if not fits:
                 self.index.disk_used -= size
-            deletes, self.index.deletes = self.index.deletes, []
+            deletes = self.index.take_deletes()
         self.run_deletes(deletes)
         if not fits:
             raise NoDiskRoom(f"session {e.key[1]!r} is larger than the disk tier")

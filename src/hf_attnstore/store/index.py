@@ -81,12 +81,6 @@ class Index:
         deletes, self.deletes = self.deletes, []
         return deletes
 
-    def mark_dirty(self, e: Entry, wake: bool = True) -> None:
-        """Queues the session for the save thread (lock held)."""
-        self.dirty.add(e.key)
-        if wake:
-            self.cond.notify_all()
-
     def check_open(self) -> None:
         if self.closed:
             raise ValueError("this AttnStore is closed")
@@ -207,7 +201,7 @@ class Index:
                 if live is None or live.turn == turn:
                     e.live = None
                 self.keep_encoded(e)  # encoded copies that waited for the turn to end (encoded.py)
-                if e.host is not None and not e.host.missing_head and e.writers == set():
+                if e.host is not None and e.host.length and not e.host.missing_head and not e.writers:
                     self.prefixes.add(key, e.host.snapshot().token_ids)  # what other sessions may now share
 
     def publish_states(self, keys) -> None:

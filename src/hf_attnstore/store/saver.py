@@ -251,7 +251,7 @@ class SavePlanner:
         with self.index.cond:
             while True:
                 self.index.apply_ended_turns()  # end-of-turn states to write
-                deletes, self.index.deletes = self.index.deletes, []
+                deletes = self.index.take_deletes()
                 e = self.next_save()
                 job = self.save_job(e) if e is not None else None
                 if deletes or job is not None:
