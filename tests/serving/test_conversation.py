@@ -70,3 +70,20 @@ def test_the_index_is_bounded_least_recently_used_first():
     assert index.find([1, 1, 1, 5]) == ("a", 3)  # "a" is now the most recently used
     index.add("c", [3, 3, 3])
     assert len(index) == 2 and index.find([2, 2, 2, 5]) is None and index.find([1, 1, 1, 5]) == ("a", 3)
+
+
+def test_the_session_index_is_scoped_and_prefers_the_most_recent_of_equal_conversations():
+    index = SessionIndex(block=2)
+    index.add("old", [1, 2, 3])
+    index.add("new", [1, 2, 3])  # a regenerated turn that gave the same reply
+    assert index.find([1, 2, 3, 4]) == ("new", 3)
+    index.find([1, 2, 3])  # found: now the most recent is still "new"
+    index.add("old", [1, 2, 3])  # the client went on with the first one
+    assert index.find([1, 2, 3, 4]) == ("old", 3)
+    # Another scope (a request's cache_salt) sees none of them, and names its own sessions.
+    assert index.find([1, 2, 3, 4], scope="s") is None
+    index.add("old", [1, 2], scope="s")
+    assert index.find([1, 2, 3, 4], scope="s") == ("old", 2) and index.get("old", "s")[0] == (1, 2)
+    assert index.get("old")[0] == (1, 2, 3)
+    index.remove("old", scope="s")
+    assert index.find([1, 2, 3, 4], scope="s") is None and len(index) == 2

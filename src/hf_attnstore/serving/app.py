@@ -218,7 +218,7 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
                 # Off the event loop: rendering and tokenizing a long conversation takes a while, and other
                 # requests (and streams) must not wait for it.
                 turn = await asyncio.to_thread(engine.prepare, [m.as_template_message() for m in body.messages],
-                                               session)
+                                               session, body.cache_salt)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages")
             max_new = body.max_new_tokens(default_max_tokens)

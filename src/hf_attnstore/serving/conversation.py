@@ -11,7 +11,7 @@ the stored KV:
   generated gets back the exact ids it was generated as (:class:`ReplyMemo`).
 * **Which session.** Without an explicit session id, :class:`SessionIndex` finds the stored session whose
   ids are the longest prefix of the request's: chained digests of block-aligned prefixes, one dictionary
-  probe per block of the request.
+  probe per block of the request. Sessions are found only within their scope (the requests' ``cache_salt``).
 """
 
 from __future__ import annotations
@@ -32,24 +32,28 @@ class ReplyMemo:
     """
 
     def __init__(self, max_entries: int = 100_000):
-        self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
         self._max = max_entries
         self._lock = threading.Lock()
 
-    def add(self, text: str, ids: list[int]) -> None:
+    def add(self, text: str, ids: list[int], scope: str = "") -> None:
+        """Remembers `ids` as the generation of `text` within `scope` (a request's ``cache_salt``: replies
+        generated for one salt never shape another's prompts)."""
         if not text:
             return
+        key = (scope, text)
         with self._lock:
-            self._entries[text] = tuple(ids)
-            self._entries.move_to_end(text)
+            self._entries[key] = tuple(ids)
+            self._entries.move_to_end(key)
             while len(self._entries) > self._max:
                 self._entries.popitem(last=False)
 
-    def get(self, text: str) -> list[int] | None:
+    def get(self, text: str, scope: str = "") -> list[int] | None:
+        key = (scope, text)
         with self._lock:
-            ids = self._entries.get(text)
+            ids = self._entries.get(key)
             if ids is not None:
-                self._entries.move_to_end(text)
+                self._entries.move_to_end(key)
             return list(ids) if ids is not None else None
 
 
@@ -86,20 +90,21 @@ class MessageTokens:
         """What the template adds to open the assistant's reply after `messages`."""
         return self._render(messages, True)[len(self._render(messages, False)):]
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The ids of the prompt for the next assistant reply after `messages`.
+    def prompt_ids(self, messages: list[dict], scope: str = "") -> list[int]:
+        """The ids of the prompt for the next assistant reply after `messages` (replies remembered within
+        `scope`, see :class:`ReplyMemo`).
 
         Raises:
             ValueError: The template rejects the messages (its message says why).
         """
         try:
-            return self._pieces(messages)
+            return self._pieces(messages, scope)
         except _NotAppendable:
             return self._encode(self._render(messages, True))
         except Exception as exc:  # jinja errors (roles out of order, unknown fields): the client's fault
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 
-    def _pieces(self, messages: list[dict]) -> list[int]:
+    def _pieces(self, messages: list[dict], scope: str) -> list[int]:
         ids: list[int] = []
         before = self._render([], False)
         for i, message in enumerate(messages):
@@ -108,7 +113,7 @@ class MessageTokens:
                 raise _NotAppendable
             piece = text[len(before):]
             if message.get("role") == "assistant":
-                ids += self._assistant_piece(messages[:i], piece, message.get("content") or "")
+                ids += self._assistant_piece(messages[:i], piece, message.get("content") or "", scope)
             else:
                 ids += self._encode(piece)
             before = text
@@ -117,12 +122,12 @@ class MessageTokens:
             raise _NotAppendable
         return ids + self._encode(full[len(before):])
 
-    def _assistant_piece(self, history: list[dict], piece: str, content: str) -> list[int]:
+    def _assistant_piece(self, history: list[dict], piece: str, content: str, scope: str) -> list[int]:
         opening = self.generation_prompt(history)
         at = piece.find(content, len(opening)) if content else -1
         if not piece.startswith(opening) or at < 0 or piece[len(opening):at].strip():
             return self._encode(piece)  # the template changes replies (e.g. strips reasoning): as rendered
-        known = self.memo.get(content)
+        known = self.memo.get(content, scope)
         content_ids = known if known is not None else self._encode(content)
         return self._encode(opening) + content_ids + self._encode(piece[at + len(content):])
 
@@ -140,26 +145,36 @@ class SessionIndex:
     ids directly. Bounded: the least recently used sessions are forgotten (their KV stays in the store; a
     forgotten conversation becomes a new session).
 
+    Every method takes a `scope` (the requests' ``cache_salt``; "" without one): a session is found, and
+    named, only within its scope, so a request never continues, nor times, a conversation of another salt.
+
     Example:
         >>> index = SessionIndex(block=4)
         >>> index.add("a", [1, 2, 3, 4, 5, 6])
         >>> index.find([1, 2, 3, 4, 5, 6, 7, 8])
         ('a', 6)
+        >>> index.find([1, 2, 3, 4, 5, 6, 7, 8], scope="tenant-b") is None
+        True
     """
 
     def __init__(self, block: int = 16, max_sessions: int = 100_000):
         if block < 1 or max_sessions < 1:
             raise ValueError("`block` and `max_sessions` must be positive")
         self.block, self.max_sessions = block, max_sessions
-        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._extra: dict[str, object] = {}
-        self._by_digest: dict[bytes, set[str]] = {}
-        self._digest_of: dict[str, bytes] = {}
+        # Keyed by (scope, session id).
+        self._ids: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
+        self._extra: dict[tuple[str, str], object] = {}
+        self._by_digest: dict[bytes, set[tuple[str, str]]] = {}
+        self._digest_of: dict[tuple[str, str], bytes] = {}
+        self._used: dict[tuple[str, str], int] = {}  # when each session was last indexed or found
+        self._clock = 0
         self._lock = threading.Lock()
 
-    def _digests(self, ids) -> list[bytes]:
-        """Digest ``k`` of the first ``k * block`` ids, for every whole block (digest 0: no ids)."""
-        out, h = [b""], b""
+    def _digests(self, ids, scope: str) -> list[bytes]:
+        """Digest ``k`` of the first ``k * block`` ids within `scope`, for every whole block (digest 0: no
+        ids)."""
+        h = hashlib.blake2b(scope.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        out = [h]
         for k in range(len(ids) // self.block):
             block = ids[k * self.block: (k + 1) * self.block]
             h = hashlib.blake2b(h + b"".join(int(t).to_bytes(8, "little", signed=True) for t in block),
@@ -167,56 +182,65 @@ class SessionIndex:
             out.append(h)
         return out
 
-    def add(self, session: str, ids, extra: object = None) -> None:
+    def add(self, session: str, ids, extra: object = None, scope: str = "") -> None:
         """Indexes (or re-indexes) `session` as holding exactly `ids`; `extra` is kept with it (see `get`)."""
         ids = tuple(int(t) for t in ids)
-        digest = self._digests(ids)[-1]
+        digest = self._digests(ids, scope)[-1]
+        key = (scope, session)
         with self._lock:
-            self._forget(session)
-            self._ids[session] = ids
-            self._extra[session] = extra
-            self._digest_of[session] = digest
-            self._by_digest.setdefault(digest, set()).add(session)
+            self._forget(key)
+            self._ids[key] = ids
+            self._extra[key] = extra
+            self._digest_of[key] = digest
+            self._by_digest.setdefault(digest, set()).add(key)
+            self._clock += 1
+            self._used[key] = self._clock
             while len(self._ids) > self.max_sessions:
                 self._forget(next(iter(self._ids)))
 
-    def get(self, session: str) -> tuple[tuple[int, ...], object] | None:
+    def get(self, session: str, scope: str = "") -> tuple[tuple[int, ...], object] | None:
         """The ids `session` is indexed under and its `extra`, or None."""
+        key = (scope, session)
         with self._lock:
-            if session not in self._ids:
+            if key not in self._ids:
                 return None
-            return self._ids[session], self._extra[session]
+            return self._ids[key], self._extra[key]
 
-    def remove(self, session: str) -> None:
+    def remove(self, session: str, scope: str = "") -> None:
         with self._lock:
-            self._forget(session)
+            self._forget((scope, session))
 
-    def _forget(self, session: str) -> None:
+    def _forget(self, session: tuple[str, str]) -> None:
         if self._ids.pop(session, None) is None:
             return
         self._extra.pop(session, None)
+        self._used.pop(session, None)
         digest = self._digest_of.pop(session)
         sessions = self._by_digest[digest]
         sessions.discard(session)
         if not sessions:
             del self._by_digest[digest]
 
-    def find(self, ids) -> tuple[str, int] | None:
-        """The session whose ids are the longest prefix of `ids` (all of them included: a retried request),
-        and their length; or None."""
+    def find(self, ids, scope: str = "") -> tuple[str, int] | None:
+        """The session of `scope` whose ids are the longest prefix of `ids` (all of them included: a retried
+        request), and their length; or None. Of several as long (a regenerated turn that gave the same reply),
+        the most recently used: the conversation the client went on with."""
         ids = tuple(int(t) for t in ids)
-        digests = self._digests(ids)
+        digests = self._digests(ids, scope)
         with self._lock:
             for k in range(len(digests) - 1, -1, -1):
                 best = None
                 for session in self._by_digest.get(digests[k], ()):
                     stored = self._ids[session]
                     if len(stored) <= len(ids) and ids[k * self.block: len(stored)] == stored[k * self.block:]:
-                        if best is None or len(stored) > len(self._ids[best]):
+                        if best is None or (len(stored), self._used[session]) > (len(self._ids[best]),
+                                                                                   self._used[best]):
                             best = session
                 if best is not None:
                     self._ids.move_to_end(best)
-                    return best, len(self._ids[best])
+                    self._clock += 1
+                    self._used[best] = self._clock
+                    return best[1], len(self._ids[best])
         return None
 
     def __len__(self) -> int:

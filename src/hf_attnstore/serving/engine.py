@@ -5,8 +5,12 @@ continues), submit it, and await the result; queueing, serialization of a sessio
 back-pressure live here and in the pipeline (one place, as in vLLM's AsyncLLM).
 
 Sessions. An explicit id (``X-Session-ID`` header, else the request's ``user``) names the session; without
-one, the :class:`SessionIndex` finds the session whose conversation the request continues, and a request
-that continues none starts a new session. The index holds each session's ids as the *client* will send them
+one, the :class:`SessionIndex` finds the session whose conversation the request continues (its whole stored
+conversation is a prefix of the request's), and a request that continues none starts a new session. A new
+session still reuses the longest prefix any stored session shares with it (the store's prefix sharing): a
+shared system prompt, a regenerated reply (the same messages again), an edited last message. It never
+continues another conversation beyond their common prefix: the store compares the ids. Everything here is
+scoped by the request's ``cache_salt``: sessions of another salt are neither found nor reused. The index holds each session's ids as the *client* will send them
 next (prompt and reply), next to the ids the *model* saw: they differ once the context window truncated the
 conversation, and the next turn then continues the model's ids (what the store holds) with the client's new
 tokens.
@@ -19,6 +23,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from ..cache.fingerprint import salted_fingerprint
 from .pipeline import ChatPipeline, Reply
 from .conversation import MessageTokens, ReplyMemo, SessionIndex
 
@@ -33,6 +38,12 @@ class Turn:
     client_ids: list[int]  # the prompt as the client's messages give it
     model_ids: list[int]  # the prompt the model is fed (the store's ids, continued by the client's new ones)
     explicit: bool  # the client named the session
+    cache_salt: str | None = None  # the request's KV scope (AttnStoreCache's `cache_salt`)
+
+    @property
+    def scope(self) -> str:
+        """The session index's scope of the salt: a digest, so the index never holds the secret itself."""
+        return salted_fingerprint("", self.cache_salt) if self.cache_salt is not None else ""
 
 
 class ChatEngine:
@@ -74,40 +85,44 @@ class ChatEngine:
             return self._pending
 
     # -- turns ------------------------------------------------------------------------------------------
-    def prepare(self, messages: list[dict], session_id: str | None = None) -> Turn:
-        """The turn a request asks for: its prompt ids and its session.
+    def prepare(self, messages: list[dict], session_id: str | None = None, cache_salt: str | None = None) -> Turn:
+        """The turn a request asks for: its prompt ids and its session (within `cache_salt`'s scope).
 
         Raises:
-            ValueError: The messages cannot be rendered, or the session id is invalid.
+            ValueError: The messages cannot be rendered, or the session id or salt is invalid.
         """
-        client = self.tokens.prompt_ids(messages)
+        turn = Turn("", [], [], session_id is not None, cache_salt)
+        scope = turn.scope  # a bad salt fails here, before anything is rendered
+        client = self.tokens.prompt_ids(messages, scope)
         if not client:
             raise ValueError("the messages render to an empty prompt")
-        explicit = session_id is not None
         if session_id is None:
-            found = self.index.find(client)
+            found = self.index.find(client, scope)
             session_id = found[0] if found is not None else f"chat-{uuid.uuid4().hex}"
         model = client
-        known = self.index.get(session_id)
+        known = self.index.get(session_id, scope)
         if known is not None:
             ids, model_ids = known
             if tuple(client[: len(ids)]) == ids:
                 model = list(model_ids) + client[len(ids):]
-        return Turn(session_id, client, model, explicit)
+        turn.session_id, turn.client_ids, turn.model_ids = session_id, client, model
+        return turn
 
     def submit(self, turn: Turn, streamer=None, cancel: threading.Event | None = None, **options) -> Future:
-        return self.pipeline.submit_prompt(turn.session_id, turn.model_ids, streamer, cancel=cancel, **options)
+        return self.pipeline.submit_prompt(turn.session_id, turn.model_ids, streamer, cancel=cancel,
+                                           cache_salt=turn.cache_salt, **options)
 
     def finish(self, turn: Turn, reply: Reply) -> None:
         """Records a finished turn: the session's ids for the index, and the reply's exact ids for the memo."""
         content = list(reply.generated_ids)
         while content and content[-1] in self._special:  # the end of turn: the template's closing adds it back
             content.pop()
+        scope = turn.scope
         if reply.cancelled:  # the client never saw the whole reply and will not send it back
-            self.index.add(turn.session_id, turn.client_ids, list(reply.prompt_ids))
+            self.index.add(turn.session_id, turn.client_ids, list(reply.prompt_ids), scope)
             return
-        self.tokens.memo.add(reply.text, content)
-        self.index.add(turn.session_id, turn.client_ids + content, list(reply.prompt_ids) + content)
+        self.tokens.memo.add(reply.text, content, scope)
+        self.index.add(turn.session_id, turn.client_ids + content, list(reply.prompt_ids) + content, scope)
 
     @staticmethod
     def finish_reason(reply: Reply, max_new_tokens: int) -> str:

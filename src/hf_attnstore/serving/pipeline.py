@@ -245,9 +245,10 @@ class ChatPipeline:
         tiers = (self.store.tier_of(session_id, fp) for fp in self._fingerprints())
         return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": next(filter(None, tiers), None)}
 
-    def _fingerprints(self) -> list[str]:
-        """The keys of this model's sessions in the store (two for longrope: AttnStoreCache.fingerprints_of)."""
-        return AttnStoreCache.fingerprints_of(self.model, self.store)
+    def _fingerprints(self, cache_salt: str | None = None) -> list[str]:
+        """The keys of this model's sessions in the store under `cache_salt` (two for longrope:
+        AttnStoreCache.fingerprints_of)."""
+        return AttnStoreCache.fingerprints_of(self.model, self.store, cache_salt)
 
     def reset(self, session_id: str) -> None:
         """Forgets a session: its history and its stored KV."""
@@ -342,8 +343,15 @@ class ChatPipeline:
         # the device), so they must be the last to be evicted.
         self.store.set_schedule(list(self._running) + waiting[:eviction])
         ahead = list(dict.fromkeys(waiting[:prefetch]))
-        if ahead:
-            self.store.prefetch(ahead, self._fingerprints())
+        if not ahead:
+            return
+        with self._cond:  # a session's KV lies under its turn's salt: look each one up under its own
+            salts = {job.session_id: job.cache_salt for job in self._queue}
+        by_salt: dict[str | None, list[str]] = {}
+        for session in ahead:
+            by_salt.setdefault(salts.get(session), []).append(session)
+        for salt, sessions in by_salt.items():
+            self.store.prefetch(sessions, self._fingerprints(salt))
 
     def prepare(self, job: Job) -> "Prepared":
         """A turn's prompt ids, its cache (the store's reuse plan) and its `generate` options."""
@@ -357,7 +365,7 @@ class ChatPipeline:
                 # A session this pipeline has not seen may be in the store (a previous process, same disk_dir).
                 # Its stored ids are the history but the last generated token (never fed to the model);
                 # `next_turn` re-adds the end-of-turn tokens, so a reply that ended on one resumes exactly.
-                found = (self.store.token_ids(job.session_id, fp) for fp in self._fingerprints())
+                found = (self.store.token_ids(job.session_id, fp) for fp in self._fingerprints(job.cache_salt))
                 stored = next((ids for ids in found if ids is not None), None)
                 history = stored.view(1, -1) if stored is not None else None
             ids = (self.chat_tokens.first_turn(job.message) if history is None

@@ -5,7 +5,8 @@ when they would change the answer (``n > 1``, ``tools``, ``logprobs``), and igno
 clients send many optional fields). Every size a client gives is bounded by :class:`RequestLimits` (from the
 context window and the server's configuration): over one, a 400 naming the field. Responses carry OpenAI's
 fields, ``usage.prompt_tokens_details.cached_tokens`` included (the prompt tokens whose KV was reused), plus
-an ``attnstore`` object with where the KV came from.
+an ``attnstore`` object with where the KV came from. ``cache_salt`` (vLLM's field) scopes a request's KV: it is
+reused only by, and only from, requests that send the same salt.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..cache.fingerprint import salted_fingerprint
 from ..store.entry import MAX_SESSION_ID_BYTES
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ class ChatCompletionRequest(BaseModel):
     tools: list | None = None
     logprobs: bool | None = None
     stream_options: dict | None = None
+    cache_salt: str | None = None  # vLLM's: KV is shared only between requests with the same salt
 
     @field_validator("messages")
     @classmethod
@@ -190,6 +193,11 @@ class RequestLimits:
             problem = self.session_id_problem(body.user, "user")
             if problem is not None:
                 return "user", problem
+        if body.cache_salt is not None:
+            try:
+                salted_fingerprint("", body.cache_salt)
+            except ValueError as exc:
+                return "cache_salt", str(exc)
         return None
 
     def session_id_problem(self, value: str, name: str) -> str | None:
