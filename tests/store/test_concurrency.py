@@ -212,13 +212,13 @@ def test_a_demand_load_goes_before_queued_prefetches(tmp_path, monkeypatch):
     order, first, go = [], threading.Event(), threading.Event()
     real = DiskTier.open_chunk
 
-    def open_chunk(disk, fp, sid, name):
+    def open_chunk(disk, fp, sid, name, owner=""):
         if not order or order[-1] != sid:
             order.append(sid)
         if sid == "a":  # hold the first prefetch while the rest queue up behind it
             first.set()
             assert go.wait(WAIT)
-        return real(disk, fp, sid, name)
+        return real(disk, fp, sid, name, owner)
 
     monkeypatch.setattr(DiskTier, "open_chunk", open_chunk)
     assert store.prefetch(["a", "b", "c"], FP) == 3
@@ -237,9 +237,9 @@ def test_a_slow_consumer_does_not_hold_back_other_loads(tmp_path, monkeypatch):
     store = on_disk(tmp_path / "kv", ["slow", "other"], read_buffer_layers=0)
     attached, real = threading.Event(), DiskTier.open_chunk
 
-    def open_chunk(disk, fp, sid, name):
+    def open_chunk(disk, fp, sid, name, owner=""):
         assert attached.wait(WAIT)  # the consumer attaches before any layer is read, as a cache does
-        return real(disk, fp, sid, name)
+        return real(disk, fp, sid, name, owner)
 
     monkeypatch.setattr(DiskTier, "open_chunk", open_chunk)
     slow = store.lookup("slow", FP)

@@ -54,6 +54,15 @@ def _write_bytes(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+def _fsync_dir(folder: Path) -> None:
+    """Makes the folder's entries (a rename, a new link) durable."""
+    dfd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
 class DiskChunk(ChunkReader):
     """A chunk file opened for reading (see :meth:`DiskTier.get`)."""
 
@@ -135,9 +144,26 @@ class DiskTier(Tier):
     def put(self, key: Key, name: str, data: bytes) -> Future[int]:
         return self._writer.submit(self.write_file, key[0], key[1], name, data)  # fails once closed
 
-    def get(self, key: Key, chunk: str) -> DiskChunk:
-        fd, meta = self.open_chunk(key[0], key[1], chunk)
+    def get(self, key: Key, chunk: str, owner: str = "") -> DiskChunk:
+        fd, meta = self.open_chunk(key[0], key[1], chunk, owner)
         return DiskChunk(self, fd, meta)
+
+    def link(self, source: Key, name: str, key: Key, new_name: str) -> tuple[int, tuple]:
+        """A hard link: the file's bytes are on disk once, and stay while any session's folder names them, so
+        deleting one session (or a crash at any point) never takes a chunk another manifest names. Made before
+        the manifest that names it; a crash in between leaves a name no manifest references (collected when
+        the folder is next scanned)."""
+        src = self.session_dir(*source) / (name + CHUNK_SUFFIX)
+        if not src.is_file() or src.is_symlink():
+            raise FileNotFoundError(f"chunk {name} of the shared prefix is gone")
+        folder = self.session_dir(*key)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        dst = folder / (new_name + CHUNK_SUFFIX)
+        os.link(src, dst, follow_symlinks=False)
+        if self.fsync:
+            _fsync_dir(folder)
+        stat = dst.stat()
+        return stat.st_size, (stat.st_dev, stat.st_ino)
 
     def read_state(self, key: Key, ref: StateRef) -> bytes:
         path = self.session_dir(*key) / (ref.name + CHUNK_SUFFIX)
@@ -188,11 +214,7 @@ class DiskTier(Tier):
             tmp.unlink(missing_ok=True)
             raise
         if self.fsync:
-            dfd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            _fsync_dir(folder)
         return len(data)
 
     def write_file(self, fingerprint: str, session_id: str, name: str, data: bytes) -> int:
@@ -218,14 +240,15 @@ class DiskTier(Tier):
         shutil.rmtree(self.session_dir(fingerprint, session_id), ignore_errors=True)
 
     # -- reading --------------------------------------------------------------------------------------
-    def open_chunk(self, fingerprint: str, session_id: str, name: str) -> tuple[int, ChunkMeta]:
-        """Opens a chunk file and validates its header. The caller closes the fd."""
+    def open_chunk(self, fingerprint: str, session_id: str, name: str, owner: str = "") -> tuple[int, ChunkMeta]:
+        """Opens a chunk file of the session's folder and validates its header (written by `owner`, if given:
+        a shared prefix's chunk). The caller closes the fd."""
         path = self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)
         if not path.is_file() or path.is_symlink():
             raise FormatError(f"chunk {name} is missing or not a regular file")
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
-            return fd, read_chunk_meta(file_reader(fd), os.fstat(fd).st_size, fingerprint, session_id)
+            return fd, read_chunk_meta(file_reader(fd), os.fstat(fd).st_size, fingerprint, owner or session_id)
         except BaseException:
             os.close(fd)
             raise
@@ -287,27 +310,27 @@ class DiskTier(Tier):
             for tmp in folder.glob(TMP_PREFIX + "*"):
                 self._remove(tmp)  # a crash's leftovers (the lock says no other store is writing)
             try:
-                manifest, sizes, layout, codecs = self._validate(folder)
+                manifest, sizes, layout, codecs, inodes = self._validate(folder)
             except (OSError, FormatError) as exc:
                 logger.warning("disk tier: removing damaged session folder %s (%s)", folder.name, exc)
                 self._remove(folder)
                 continue
             self.collect_garbage(manifest.fingerprint, manifest.session_id, set(sizes))
             stat = (folder / MANIFEST).stat()
-            found.append(Found(manifest, sizes, layout, stat.st_mtime, stat.st_size, codecs))
+            found.append(Found(manifest, sizes, layout, stat.st_mtime, stat.st_size, codecs, inodes))
         found.sort(key=lambda item: item.mtime)
         yield from found
 
-    def _validate(self, folder: Path) -> tuple[Manifest, dict[str, int], tuple, frozenset]:
+    def _validate(self, folder: Path) -> tuple[Manifest, dict[str, int], tuple, frozenset, dict]:
         path = folder / MANIFEST
         if not path.is_file() or path.is_symlink():
             raise FormatError("no manifest")
         manifest = Manifest.decode(path.read_bytes())
         if session_dirname(manifest.fingerprint, manifest.session_id) != folder.name:
             raise FormatError("manifest does not belong to this folder")
-        sizes, pos, layouts, metas, codecs = {}, manifest.head, set(), [], set()
+        sizes, pos, layouts, metas, codecs, inodes = {}, manifest.head, set(), [], set(), {}
         for span in manifest.spans:
-            fd, meta = self.open_chunk(manifest.fingerprint, manifest.session_id, span.chunk)
+            fd, meta = self.open_chunk(manifest.fingerprint, manifest.session_id, span.chunk, span.owner)
             try:
                 metas.append(meta)
                 layouts.add((meta.geometry, meta.dtype))
@@ -317,7 +340,10 @@ class DiskTier(Tier):
                 ids = self.read_ids(fd, meta)[span.start : span.end]
                 if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
                     raise FormatError("chunk ids disagree with the manifest")
-                sizes[span.chunk] = (os.fstat(fd).st_size, meta.n_tokens)
+                stat = os.fstat(fd)
+                sizes[span.chunk] = (stat.st_size, meta.n_tokens)
+                if stat.st_nlink > 1:  # a shared prefix's chunk (hard links): counted once by the store
+                    inodes[span.chunk] = (stat.st_dev, stat.st_ino)
             finally:
                 os.close(fd)
             pos += span.length
@@ -329,7 +355,7 @@ class DiskTier(Tier):
             if not path.is_file() or path.is_symlink():
                 raise FormatError("the manifest's state file is missing")
             sizes[manifest.state.name] = (path.stat().st_size, 0)
-        return manifest, sizes, layouts.pop(), frozenset(codecs)
+        return manifest, sizes, layouts.pop(), frozenset(codecs), inodes
 
     @staticmethod
     def _remove(path: Path) -> None:

@@ -73,6 +73,9 @@ class Entry:
     manifest: Manifest | None = None  # the durable prefix of the session (as it is, or will be, on disk)
     chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # referenced chunk -> (bytes, tokens)
     files: dict[str, int] = field(default_factory=dict)  # every chunk file on disk (referenced or not) -> bytes
+    # Those of `files` that other sessions' folders name too (a shared prefix's hard links, `Tier.link`) -> the
+    # file's identity: their bytes are counted once, by the index (`Index.linked`), not in `disk_bytes`.
+    linked: dict = field(default_factory=dict)
     manifest_size: int = 0
     remote: Manifest | None = None  # found in the shared remote tier, to be loaded (not local yet)
     # The local durable copy this remote copy is to replace, once loaded (its files, moved to this entry, stay
@@ -125,5 +128,7 @@ class Entry:
 
     @property
     def disk_bytes(self) -> int:
-        """What the session's files occupy: every chunk file not yet collected, and the manifest."""
-        return sum(blocks(size) for size in self.files.values()) + blocks(self.manifest_size)
+        """What the session's own files occupy: every chunk file not yet collected and not shared with another
+        session (`linked`), and the manifest."""
+        return sum(blocks(size) for name, size in self.files.items() if name not in self.linked) \
+            + blocks(self.manifest_size)

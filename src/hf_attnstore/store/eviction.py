@@ -125,7 +125,9 @@ class Eviction:
         everything left (the manifest, chunks not yet collected)."""
         spans, units, pos = e.manifest.spans, [], e.manifest.head
         for i, span in enumerate(spans):
-            shared = any(s.chunk == span.chunk for s in spans[i + 1 :])
+            # A chunk a later span also reads, or another session's folder names too (a shared prefix's hard
+            # link, `Index.linked`), frees nothing when dropped.
+            shared = any(s.chunk == span.chunk for s in spans[i + 1 :]) or span.chunk in e.linked
             units.append((pos, pos + span.length, 0 if shared else blocks(e.files.get(span.chunk, 0))))
             pos += span.length
         a, b, _ = units[-1]
@@ -141,7 +143,9 @@ class Eviction:
         gone = chunk if all(s.chunk != chunk for s in manifest.spans) else None
         self.index.set_manifest(e, manifest, e.chunks)
         files = dict(e.files)
-        nbytes = blocks(files.pop(gone)) if gone in files else 0
+        size = files.pop(gone) if gone in files else None
+        # A file another session's folder also names frees nothing (its bytes become that session's).
+        nbytes = blocks(size) if size is not None and gone not in e.linked else 0
         self.index.set_files(e, files, e.manifest_size)
         self.index.queue_delete(e.key, nbytes, (manifest, gone))
         self.index.stats.head_drops += 1
@@ -196,6 +200,7 @@ class Eviction:
                     nbytes = sum(item[1] for item in deletes)
                     self.index.disk_used -= nbytes
                     self.index.deleting -= nbytes
+                    self.index.cond.notify_all()  # a flush() may be waiting for them
 
     def run_delete(self, key: Key, nbytes: int, head: tuple | None) -> None:
         if head is None:

@@ -337,6 +337,10 @@ class Span:
     ``rebased``: the span was kept by a truncation that dropped tokens before it, so its KV was computed
     after another history than the manifest's (decoupled truncation); its `prefix` is not checked against
     the manifest's ids, only its pinned digest.
+
+    ``owner``: the session that wrote the chunk, when it is not the manifest's own (prefix sharing: the file
+    is a hard link to a chunk of another session that begins with the same tokens, so its header names that
+    session). Empty: the manifest's session. Readers check the header against it.
     """
 
     chunk: str
@@ -344,6 +348,7 @@ class Span:
     end: int
     digest: str = ""
     rebased: bool = False
+    owner: str = ""
 
     @property
     def length(self) -> int:
@@ -406,7 +411,7 @@ class Manifest:
                 x, y = max(a, lo), min(b, hi)
                 if x < y:
                     piece = Span(span.chunk, span.start + x - lo, span.start + y - lo, span.digest,
-                                 span.rebased or x > kept)
+                                 span.rebased or x > kept, span.owner)
                     if lo < head and spans:
                         break  # head tokens after stored ones: the selection ends here
                     (dropped if lo < head else spans).append(piece)
@@ -428,11 +433,11 @@ class Manifest:
             "fingerprint": self.fingerprint,
             "session_id": self.session_id,
             "token_ids": base64.b64encode(bytes(tensor_bytes(self.token_ids.to(torch.int64)))).decode(),
-            "spans": [[s.chunk, s.start, s.end, s.digest, s.rebased] for s in self.spans],
+            "spans": [_span_fields(s) for s in self.spans],
             "next_chunk": self.next_chunk,
         }
         if self.dropped:  # absent otherwise: a store without partial eviction writes what it always wrote
-            body["dropped"] = [[s.chunk, s.start, s.end, s.digest, s.rebased] for s in self.dropped]
+            body["dropped"] = [_span_fields(s) for s in self.dropped]
         if self.state is not None:  # only hybrid models' sessions have one
             body["state"] = self.state.encode()
         text = json.dumps(body, sort_keys=True)
@@ -451,8 +456,7 @@ class Manifest:
                 raise FormatError(f"manifest format {body['format']!r} is not {FORMAT!r}")
             raw = base64.b64decode(body["token_ids"], validate=True)
             ids = torch.frombuffer(bytearray(raw), dtype=torch.int64).clone() if raw else torch.empty(0, dtype=torch.long)
-            spans, dropped = (tuple(Span(str(c), int(a), int(b), str(d), bool(r)) for c, a, b, d, r in body.get(k, ()))
-                              for k in ("spans", "dropped"))
+            spans, dropped = (tuple(_span(fields) for fields in body.get(k, ())) for k in ("spans", "dropped"))
             state = StateRef.decode(body["state"]) if "state" in body else None
             manifest = cls(str(body["fingerprint"]), str(body["session_id"]), ids, spans, int(body["next_chunk"]),
                            dropped, state)
@@ -468,6 +472,21 @@ class Manifest:
         if manifest.state is not None and manifest.state.tokens > manifest.length:
             raise FormatError("the manifest's state covers more tokens than the manifest")
         return manifest
+
+
+def _span_fields(s: Span) -> list:
+    # The owner only where there is one: manifests of unshared sessions are what they always were.
+    fields = [s.chunk, s.start, s.end, s.digest, s.rebased]
+    return fields + [s.owner] if s.owner else fields
+
+
+def _span(fields: list) -> Span:
+    if len(fields) not in (5, 6):
+        raise FormatError(f"a span has {len(fields)} fields")
+    c, a, b, d, r, *owner = fields
+    if owner and not (isinstance(owner[0], str) and owner[0]):
+        raise FormatError("a span's owner must be a non-empty session id")
+    return Span(str(c), int(a), int(b), str(d), bool(r), owner[0] if owner else "")
 
 
 def check_chain(manifest: Manifest, metas: list[ChunkMeta]) -> None:

@@ -30,7 +30,7 @@ from collections import deque
 
 from .buffer import SessionBuffer
 from .config import StoreConfig
-from .entry import Entry, Key
+from .entry import Entry, Key, blocks
 from .format import Manifest, prefix_digest
 from .host import HostTier
 from .logs import OnceLogger
@@ -56,6 +56,10 @@ class Index:
         self.disk_policy = make_policy(config.policy)
         self.stats = StoreStats(host_bytes_limit=config.host_bytes, disk_bytes_limit=config.disk_bytes)
         self.disk_used = 0  # files of indexed sessions, folders queued for deletion, writes in flight
+        # Files that several sessions' folders name (hard links of a shared prefix's chunks): identity ->
+        # [bytes, {(key, name)}], counted in `disk_used` once, whoever names them. The file system keeps the
+        # bytes while any name is left, so deleting one session never takes a chunk another manifest names.
+        self.linked: dict[tuple, list] = {}
         self.dirty: set[Key] = set()
         self.next_chunk: dict[Key, int] = {}  # per session, only ever grows
         # Deletions for the save thread, in order: (key, bytes freed, None) deletes a session's folder;
@@ -110,7 +114,49 @@ class Index:
     def set_files(self, e: Entry, files: dict[str, int], manifest_size: int) -> None:
         self.disk_used -= e.disk_bytes
         e.files, e.manifest_size = files, manifest_size
+        for name in [n for n in e.linked if n not in files]:  # a shared file's name went with them
+            self._release(e.key, name, e.linked.pop(name))
         self.disk_used += e.disk_bytes
+
+    def mark_linked(self, e: Entry, name: str, inode: tuple, nbytes: int) -> None:
+        """Counts the session's file `name` (of `nbytes`) as one name of the shared file `inode` (lock held)."""
+        self.disk_used -= e.disk_bytes
+        e.linked[name] = inode
+        self.disk_used += e.disk_bytes
+        family = self.linked.get(inode)
+        if family is None:
+            family = self.linked[inode] = [blocks(nbytes), set()]
+            self.disk_used += family[0]
+        family[1].add((e.key, name))
+
+    def add_link(self, e: Entry, name: str, inode: tuple, nbytes: int, source: Key, source_name: str) -> bool:
+        """Records that the save thread made the session's file `name` a link of `source`'s file `source_name`
+        (lock held). False when the source no longer names it (it was deleted meanwhile): the file is then
+        the session's own."""
+        src = self.entries.get(source)
+        if src is None or source_name not in src.files:
+            return False
+        if source_name not in src.linked:
+            self.mark_linked(src, source_name, inode, nbytes)
+        self.mark_linked(e, name, inode, nbytes)
+        return True
+
+    def _release(self, key: Key, name: str, inode: tuple) -> None:
+        """A name of a shared file is gone: the last name left makes the file its session's own again."""
+        family = self.linked.get(inode)
+        if family is None:
+            return
+        family[1].discard((key, name))
+        if len(family[1]) > 1:
+            return
+        del self.linked[inode]
+        self.disk_used -= family[0]
+        for other, other_name in family[1]:
+            e = self.entries.get(other)
+            if e is not None and e.linked.get(other_name) == inode:
+                self.disk_used -= e.disk_bytes
+                del e.linked[other_name]
+                self.disk_used += e.disk_bytes
 
     def delete_folder(self, e: Entry) -> None:
         """Queues the deletion of the session's folder; its bytes stay counted until it is gone."""
@@ -155,6 +201,7 @@ class Index:
         else:
             n.chunks = dict(e.chunks)  # an entry that was handed an older copy itself, and never saved
         n.files, n.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
+        n.linked, e.linked = e.linked, {}
 
     def reindex(self, e: Entry) -> None:
         """Replaces an entry whose load failed by a fresh one holding the same durable copy (lock held)."""
@@ -166,6 +213,7 @@ class Index:
         if c.manifest is not None and not c.manifest.head:
             self.prefixes.add(c.key, c.manifest.token_ids)
         c.files, c.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
+        c.linked, e.linked = e.linked, {}
 
     def expire(self) -> None:
         ttl = self.config.ttl_s

@@ -181,7 +181,7 @@ class LoadThread:
         manifest, buf, pos = job.manifest, job.buf, job.manifest.head
         for span in manifest.spans:
             if span.chunk not in job.opened:
-                job.opened[span.chunk] = job.tier.get(job.key, span.chunk)
+                job.opened[span.chunk] = job.tier.get(job.key, span.chunk, span.owner)
             chunk = job.opened[span.chunk]
             if (chunk.meta.geometry, chunk.meta.dtype) != (buf.geometry, buf.dtype):
                 raise FormatError("chunk shapes changed since the session was indexed")

@@ -12,7 +12,9 @@ at once; nothing needs two keys in one slot, as no write is a multi-key transact
 
 - ``attnstore:2:<h>:m``: the session's manifest, ``h`` = the session folder name (a hash of the model
   fingerprint, already salted with ``namespace``, and the session id).
-- ``attnstore:2:<h>:c:<digest>``: a chunk, named by its digest. Content addressing is what makes several
+- ``attnstore:2:<h>:c:<digest>``: a chunk, named by its digest, under the session that wrote it (a manifest
+  whose span names another session as its ``owner``, a shared prefix, reads it under that session's ``h``:
+  stored once). Content addressing is what makes several
   writers safe: a name always holds the same bytes, so a replica never overwrites a chunk another
   replica's manifest pins. Manifests are last-writer-wins; the chain makes any mix a miss.
 
@@ -262,6 +264,10 @@ class RemoteTier(Tier):
     def key_of(key: Key, suffix: str) -> str:
         return f"{PREFIX}{session_dirname(*key)}:{suffix}"
 
+    def _chunk_key(self, key: Key, span: Span) -> str:
+        """Where a span's chunk lies: under the session that wrote it (`Span.owner`, a shared prefix's)."""
+        return self.key_of((key[0], span.owner) if span.owner else key, "c:" + span.chunk)
+
     # -- the tier interface ---------------------------------------------------------------------------
     def put(self, key: Key, name: str, data: bytes) -> Future[int]:
         return self._writer.submit(self._put, key, name, data)  # fails once closed
@@ -270,21 +276,31 @@ class RemoteTier(Tier):
         if name == MANIFEST:
             # Chunks are stored by digest: the manifest names them so (the digests it pins).
             manifest = Manifest.decode(data, key[0])
-            spans, dropped = (tuple(Span(s.digest, s.start, s.end, s.digest, s.rebased) for s in part)
+            spans, dropped = (tuple(Span(s.digest, s.start, s.end, s.digest, s.rebased, s.owner) for s in part)
                               for part in (manifest.spans, manifest.dropped))
             # A state file is named by its digest already ("s-<digest>"), stored like a chunk under it.
             data = Manifest(manifest.fingerprint, manifest.session_id, manifest.token_ids, spans, 0, dropped,
                             manifest.state).encode()
             target = self.key_of(key, "m")
+            shared = [self._chunk_key(key, s) for s in spans if s.owner]
         else:
-            target = self.key_of(key, "c:" + chunk_digest(data))
+            target, shared = self.key_of(key, "c:" + chunk_digest(data)), []
         if len(data) > MAX_VALUE_BYTES:
             raise ValueError(f"a value of {len(data)} bytes is over Redis's 512 MB limit: lower `chunk_tokens`")
         ttl = None if self.ttl_s is None else max(1, int(self.ttl_s))
+        if ttl is not None and shared:
+            # Another session's chunks this manifest names live as long as it does (a shared prefix's TTL is
+            # renewed by each session that writes a manifest naming it).
+            pipe = self.client.pipeline(transaction=False)
+            for name in shared:
+                pipe.expire(name, ttl)
+            self._call(pipe.execute)
         self._call(self.client.set, target, data, ttl)
         return len(data)
 
-    def get(self, key: Key, chunk: str) -> RemoteChunk:
+    def get(self, key: Key, chunk: str, owner: str = "") -> RemoteChunk:
+        if owner:  # a shared prefix's chunk lies once, under the session that wrote it
+            key = (key[0], owner)
         name = self.key_of(key, "c:" + chunk)
         size = self._call(self.client.strlen, name)
         if not size:
@@ -316,7 +332,7 @@ class RemoteTier(Tier):
             return None
         pipe = self.client.pipeline(transaction=False)
         for span in manifest.spans:
-            pipe.exists(self.key_of(key, "c:" + span.chunk))
+            pipe.exists(self._chunk_key(key, span))
         if manifest.state is not None:
             pipe.exists(self.key_of(key, "c:" + manifest.state.digest))
         present, end = self._call(pipe.execute), manifest.head

@@ -46,6 +46,9 @@ class SaveJob:
     end: int
     first_chunk: int  # the job writes chunks first_chunk, first_chunk + 1, ... (names reserved for it)
     mirrored: frozenset = frozenset()  # digests of the session's chunks already in the mirror tier
+    # Whole chunks of another session that begins with the same tokens, to be linked as this session's first
+    # spans instead of written again (prefix sharing, `SavePlanner.shared_chunks`): (session, span) in order.
+    links: tuple = ()
 
 
 @dataclass(eq=False)
@@ -61,6 +64,8 @@ class SaveResult:
     mirror_bytes: int = 0
     mirror_error: BaseException | None = None
     encoded: list = field(default_factory=list)  # (start, part) of the whole lossy chunks written (encoded.py)
+    # Chunks linked from another session (`SaveJob.links`): name -> (bytes, tokens, file identity, source, its name)
+    linked: dict = field(default_factory=dict)
 
 
 class SaveThread:
@@ -89,20 +94,44 @@ class SaveThread:
                 logger.exception("the save thread hit an unexpected error (%s); it keeps running", exc)
                 self.planner.thread_error(exc)
 
+    def _link(self, job: SaveJob, spans: list, linked: dict) -> int:
+        """Links the job's shared chunks (`SaveJob.links`) as the session's first spans; returns the first name
+        left for its own chunks. When one cannot be linked (its session deleted it meanwhile, or the tier
+        cannot link), none is: the job writes the whole session itself (a copy, never a missing chunk)."""
+        next_chunk = job.first_chunk
+        try:
+            for source, span in job.links:
+                name = f"{next_chunk:08d}"
+                next_chunk += 1
+                made = self.tier.link(source, span.chunk, job.entry.key, name)
+                if made is None:
+                    raise OSError("the tier cannot link files")
+                linked[name] = (made[0], span.length, made[1], source, span.chunk)
+                spans.append(Span(name, span.start, span.end, span.digest, False, span.owner or source[1]))
+        except OSError as exc:
+            logger.debug("prefix sharing: linking a shared chunk failed (%s); the session writes its own", exc)
+            spans[len(job.base.spans):] = []
+            linked.clear()
+            # From the first reserved name again (the reservation covers the whole session written in chunks):
+            # a link made is replaced by the chunk written under its name, atomically.
+            return job.first_chunk
+        return next_chunk
+
     def _write(self, job: SaveJob) -> SaveResult:
         fp, sid = key = job.entry.key
         spans, pending = list(job.base.spans), []
         new_chunks, reserved, manifest, manifest_bytes, manifest_size, error = {}, 0, None, None, 0, None
-        encoded = []
+        encoded, linked = [], {}
         mirroring = self.mirror is not None and self.mirror.available()
         copies = []  # (digest, future) of chunks put in the mirror tier
         started = time.perf_counter()
         try:
+            next_chunk = self._link(job, spans, linked) if job.links else job.first_chunk
+            start = job.start if not job.links or linked else job.base.length
             # Each chunk is chained to its history: the digest of every id before it, and the previous chunk.
             history = prefix_hasher(fp)
-            history.update(tensor_bytes(job.snap.token_ids[: job.start]))
-            next_chunk = job.first_chunk
-            for a in range(job.start, job.end, self.chunk_tokens):
+            history.update(tensor_bytes(job.snap.token_ids[:start]))
+            for a in range(start, job.end, self.chunk_tokens):
                 self.planner.yield_for_save(job.entry)
                 b = min(a + self.chunk_tokens, job.end)
                 ids, keys, values = job.snap.tensors(a, b)
@@ -141,7 +170,7 @@ class SaveThread:
                     new_chunks[name] = (size, tokens)
         seconds = time.perf_counter() - started
         result = SaveResult(manifest, new_chunks, manifest_size, set(), reserved, seconds, error,
-                            encoded=encoded if manifest is not None else [])
+                            encoded=encoded if manifest is not None else [], linked=linked)
         if mirroring:
             self._copy_to_mirror(job, manifest, manifest_bytes if manifest is not None else None, copies, result)
         # Collect garbage before reporting completion, so that a flush() covers it.
@@ -184,13 +213,15 @@ class SaveThread:
         try:
             if manifest is not None:
                 # Chunks of earlier saves that the mirror does not have yet (it was down, or is new).
-                files = [(span.chunk, span.digest) for span in manifest.spans]
+                files = [(span.chunk, span.digest, span.owner) for span in manifest.spans]
                 if manifest.state is not None:
-                    files.append((manifest.state.name, manifest.state.digest))
-                for name, digest in files:
+                    files.append((manifest.state.name, manifest.state.digest, ""))
+                for name, digest, owner in files:
                     if digest not in job.mirrored | {d for d, _ in copies}:
                         data = self.tier.read_file(key, name + CHUNK_SUFFIX)
-                        copies.append((digest, self.mirror.put(key, name + CHUNK_SUFFIX, data)))
+                        # A shared prefix's chunk lies once in the mirror, under the session that wrote it.
+                        where = (key[0], owner) if owner else key
+                        copies.append((digest, self.mirror.put(where, name + CHUNK_SUFFIX, data)))
             for digest, future in copies:
                 result.mirror_bytes += future.result(self.timeout_s)
                 result.mirrored.add(digest)
@@ -307,12 +338,49 @@ class SavePlanner:
             end = start + (end - start) // chunk * chunk  # during a turn, write whole chunks only
         if end < start or (end == start and not (e.state_dirty and buf.state.tokens <= end)):
             return None  # (a job of no tokens writes a new state and the manifest naming it)
+        snap = buf.snapshot()
+        links = ()
+        if start == 0 and not base.dropped:
+            links, mirrored = self.shared_chunks(e, snap.token_ids[:end])
+            e.mirrored |= mirrored  # the shared chunks the mirror has (under their owner): never copied again
         e.pins += 1
         # Reserve the names this job writes. Names are never reused for a session, even by a later entry
-        # replacing this one, so a chunk file never changes once a manifest may reference it.
+        # replacing this one, so a chunk file never changes once a manifest may reference it. (A job whose links
+        # fail writes every token itself: as many names at most, each link covering one whole chunk.)
+        shared = sum(span.length for _, span in links)
         first = self.index.next_chunk.get(e.key, 0)
-        self.index.next_chunk[e.key] = first + -(-(end - start) // chunk)
-        return SaveJob(e, e.generation, buf.snapshot(), base, start, end, first, frozenset(e.mirrored))
+        self.index.next_chunk[e.key] = first + len(links) + -(-(end - start - shared) // chunk)
+        return SaveJob(e, e.generation, snap, base, start + shared, end, first, frozenset(e.mirrored), links)
+
+    def shared_chunks(self, e: Entry, ids: torch.Tensor) -> tuple[tuple, set]:
+        """The whole chunks of another session's disk copy that hold this session's first tokens, to be linked
+        rather than written again (prefix sharing on disk; lock held), and the digests of those the mirror tier
+        has already (under their owner).
+
+        Candidates come from the prefix table; each chunk's ids are compared with the session's, and only
+        unshifted whole chunks (not rebased, from the first token) are linked: their KV was computed for
+        exactly these tokens, by this model under this salt (the key's fingerprint), so it is what this
+        session would write. Only with a disk tier and `share_prefixes`."""
+        if self.disk is None or self.lower is not self.disk or not self.config.share_prefixes:
+            return (), set()
+        chunk, best, mirrored = self.config.chunk_tokens, (), set()
+        for key, _ in self.index.prefixes.candidates(e.key[0], ids, exclude=e.key):
+            other = self.index.entries.get(key)
+            manifest = other.manifest if other is not None else None
+            if manifest is None or manifest.head or manifest.state is not None:
+                continue
+            links, pos = [], 0
+            for span in manifest.spans:
+                whole = span.start == 0 and span.end == chunk and other.chunks.get(span.chunk, (0, 0))[1] == chunk
+                if not whole or span.rebased or span.chunk not in other.files or pos + chunk > ids.numel() \
+                        or not torch.equal(manifest.token_ids[pos: pos + chunk], ids[pos: pos + chunk]):
+                    break
+                links.append((key, span))
+                pos += chunk
+            if len(links) > len(best):
+                best = tuple(links)
+                mirrored = other.mirrored & {span.digest for _, span in links}
+        return best, mirrored
 
     def files_to_keep(self, job: SaveJob, manifest: Manifest | None) -> tuple[set[str], bool]:
         """The session's chunks that must stay after a save, and whether the session is still indexed (a
@@ -338,7 +406,11 @@ class SavePlanner:
             self.index.disk_used -= result.reserved
             if self.index.entries.get(e.key) is e:
                 if self.disk is not None:  # the files `disk_bytes` counts (a remote tier's bytes are Redis's)
-                    files = {name: size for name, size in {**e.files, **{n: c[0] for n, c in result.new_chunks.items()}}
+                    for name, (size, _, inode, source, source_name) in result.linked.items():
+                        if name in result.keep:  # counted once, with the file's other names
+                            self.index.add_link(e, name, inode, size, source, source_name)
+                    made = {**result.new_chunks, **{n: link[:2] for n, link in result.linked.items()}}
+                    files = {name: size for name, size in {**e.files, **{n: c[0] for n, c in made.items()}}
                              .items() if name in result.keep}
                     self.index.set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
                 e.mirrored |= result.mirrored
@@ -348,9 +420,11 @@ class SavePlanner:
                 self.index.once.warning("mirror", "remote tier: copying session %r failed (%s); it stays on disk and is "
                                    "copied again with its next save", e.key[1], result.mirror_error)
         self.finish_persist(e, job.generation, result.manifest, result.new_chunks, result.seconds, result.error,
-                             result.encoded)
+                            result.encoded, {n: link[:2] for n, link in result.linked.items()})
 
-    def finish_persist(self, e, generation, manifest, new_chunks, seconds, error, encoded=()) -> None:
+    def finish_persist(self, e, generation, manifest, new_chunks, seconds, error, encoded=(), linked=None) -> None:
+        """The index learns how a write ended (lock taken here): `new_chunks` written, `linked` (name ->
+        (bytes, tokens)) shared with another session rather than written."""
         with self.index.cond:
             e.pins -= 1
             current = self.index.entries.get(e.key) is e
@@ -394,7 +468,7 @@ class SavePlanner:
                 if e.write is Write.FAILED:
                     e.write = Write.BEHIND
                 if current and e.generation == generation:
-                    self.index.set_manifest(e, manifest, {**e.chunks, **new_chunks})
+                    self.index.set_manifest(e, manifest, {**e.chunks, **new_chunks, **(linked or {})})
                     if not e.dirty:
                         self.index.dirty.discard(e.key)
                         demoting, e.write = e.write is Write.DEMOTE, Write.BEHIND

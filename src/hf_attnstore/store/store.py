@@ -203,7 +203,7 @@ class AttnStore:
             if not manifest.spans:
                 return None  # nothing stored but a dropped head: nothing to reuse
             if local is None:
-                with remote.get(key, manifest.spans[0].chunk) as chunk:
+                with remote.get(key, manifest.spans[0].chunk, manifest.spans[0].owner) as chunk:
                     if not serves(self.config.codec, chunk.meta.accuracy):
                         return None  # written by a store with a less accurate codec: a miss (the load checks all)
                     return manifest, (chunk.meta.geometry, chunk.meta.dtype), False
@@ -232,7 +232,7 @@ class AttnStore:
         for span in manifest.spans:
             meta = seen.get(span.chunk)
             if meta is None:
-                with remote.get(key, span.chunk) as chunk:  # checks the header against `key`
+                with remote.get(key, span.chunk, span.owner) as chunk:  # checks the header against `key`
                     meta = seen[span.chunk] = chunk.meta
             if not serves(self.config.codec, meta.accuracy):  # a derived chunk counts as lossy
                 return False
@@ -295,6 +295,7 @@ class AttnStore:
         e.fallback = None
         self._index.set_host(e, None)  # a failed load's buffer (the snapshot handed out keeps its own reference)
         old.files, old.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
+        old.linked, e.linked = e.linked, {}
         e.chunks = {}
         old.generation = max(old.generation, e.generation) + 1  # no snapshot of the failed load is of its lineage
         self._index.entries[e.key] = old
@@ -491,7 +492,7 @@ class AttnStore:
 
     def flush(self, timeout: float | None = None) -> None:
         """Waits until every session is durable on disk, or in the remote tier when there is no disk tier
-        (a no-op without either).
+        (a no-op without either), and the deletions queued before it (`delete`, eviction) are done.
 
         Writes that failed earlier (full disk, I/O error) are retried once now.
 
@@ -524,9 +525,10 @@ class AttnStore:
                     e.write = Write.FLUSH  # a failed write is retried now
             self._index.cond.notify_all()
 
-            def settled() -> bool:  # every pending write has either completed or failed again
-                return self._index.closed or all(self._index.entries.get(k) is None or self._index.entries[k].write is Write.FAILED
-                                           for k in self._index.dirty)
+            def settled() -> bool:  # every pending write has completed or failed again, every deletion is done
+                return self._index.closed or (self._index.deleting == 0 and all(
+                    self._index.entries.get(k) is None or self._index.entries[k].write is Write.FAILED
+                    for k in self._index.dirty))
 
             if not self._index.cond.wait_for(settled, timeout):
                 raise TimeoutError(f"the {self._lower.name} tier did not become durable within {timeout} s")
@@ -702,6 +704,7 @@ class AttnStore:
 
     def _reopen(self) -> None:
         now_wall, now = time.time(), time.monotonic()
+        names: dict[tuple, list] = {}  # a shared prefix's file (hard links) -> the sessions' names of it
         for found in self._disk.scan():
             manifest = found.manifest
             if manifest.length == 0:
@@ -721,4 +724,12 @@ class AttnStore:
             self._index.set_files(e, {name: size for name, (size, _) in found.chunks.items()}, found.manifest_size)
             if not manifest.head:
                 self._index.prefixes.add(e.key, manifest.token_ids)  # rebuilt from the manifests, never a file
+            for name, inode in found.inodes.items():
+                names.setdefault(inode, []).append((e, name, found.chunks[name][0]))
+        # Shared files are counted once, from the names the valid manifests reference (the scan collected the
+        # others): the file system's links are the reference counts, rebuilt here, never read from a file.
+        for inode, holders in names.items():
+            if len(holders) > 1:
+                for e, name, size in holders:
+                    self._index.mark_linked(e, name, inode, size)
         self._index.expire()

@@ -26,7 +26,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
@@ -78,6 +78,8 @@ class Found:
     mtime: float  # wall-clock time of the last write
     manifest_size: int
     codecs: frozenset = frozenset()  # the codecs of its chunks (None: lossless)
+    # Chunk files with other names too (hard links of a shared prefix, `Tier.link`) -> their file's identity.
+    inodes: dict = field(default_factory=dict)
 
 
 # The names of a session's files, as `put`, `read_file` and `delete` take them.
@@ -101,8 +103,9 @@ class Tier(abc.ABC):
         """
 
     @abc.abstractmethod
-    def get(self, key: Key, chunk: str) -> ChunkReader:
-        """Opens a chunk of a session for reading.
+    def get(self, key: Key, chunk: str, owner: str = "") -> ChunkReader:
+        """Opens a chunk of a session for reading. `owner`: the session that wrote it, when not `key`'s (a
+        shared prefix's chunk, `Span.owner`): its header must name that session.
 
         Raises:
             FormatError: Missing, damaged, of another format, or not this session's (a clean miss).
@@ -119,6 +122,16 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def manifest(self, key: Key) -> Manifest | None:
         """The session's manifest, or ``None`` when the tier does not hold it (or it is damaged)."""
+
+    def link(self, source: Key, name: str, key: Key, new_name: str) -> tuple[int, tuple] | None:
+        """Makes chunk `new_name` of session `key` the same file as chunk `name` of session `source` (a
+        shared prefix stored once), without copying: returns its size and an identity shared by every name of
+        the file, or None where this tier cannot (the caller writes its own copy).
+
+        Raises:
+            OSError: The source is gone, or linking failed (the caller writes its own copy).
+        """
+        return None
 
     def contains(self, key: Key) -> bool:
         """Whether the tier holds the session (its manifest is there and valid)."""
