@@ -516,7 +516,8 @@ def scenario_soak(model, turns: int) -> Row:
     return row
 
 
-SCENARIOS = ["kill", "corruption", "openers", "ids", "full", "capacity", "threads", "soak", "codec", "sizes", "badids", "remote"]
+SCENARIOS = ["kill", "corruption", "openers", "ids", "full", "capacity", "threads", "soak", "codec", "sizes", "badids", "remote",
+             "shared"]
 
 
 def run(only: list[str], quick: bool, seed: int = 0) -> list[dict]:
@@ -556,6 +557,11 @@ def run(only: list[str], quick: bool, seed: int = 0) -> list[dict]:
             from faults_found import scenario_remote_local_copy
 
             rows.append(scenario_remote_local_copy(4 if quick else 20))
+        elif name == "shared":  # prefix sharing (issue 31): eval/faults_shared.py
+            from faults_shared import scenario_damaged_shared, scenario_kill_shared
+
+            rows.append(scenario_kill_shared(model, 2 if quick else 10, rng))
+            rows.append(scenario_damaged_shared(model, 3 if quick else 20, rng))
         print(f"[{name}] {time.monotonic() - started:.1f} s", file=sys.stderr)
     return [r.as_dict() for r in rows]
 
