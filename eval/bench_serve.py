@@ -14,8 +14,14 @@ continuous batching; `--disk-dir` gives ours its disk tier):
     python eval/bench_serve.py --users 64 --turns 2 --systems attnstore,attnstore-b1,transformers-cb \
         --host-bytes 512MiB --disk-dir /tmp --cb-num-blocks 90
 
-Systems: `attnstore` (continuous batching, `--max-batch-size 8`), `attnstore-b1` (one turn at a time: the
-batch-1 pipeline), `transformers-cb` (`transformers serve --continuous-batching`), `transformers` (plain
+A shared system prompt (prefix sharing, issue 31): every user's conversation starts with the same system message
+of `--system-tokens` tokens of real prose (a ShareGPT conversation's text); first-turn TTFT is reported too:
+
+    python eval/bench_serve.py --users 8 --turns 2 --system-tokens 1000 \
+        --systems attnstore,attnstore-noshare,transformers-cb
+
+Systems: `attnstore` (continuous batching, `--max-batch-size 8`), `attnstore-noshare` (the same without prefix
+sharing, `--no-share-prefixes`), `attnstore-b1` (one turn at a time: the batch-1 pipeline), `transformers-cb` (`transformers serve --continuous-batching`), `transformers` (plain
 `transformers serve`). Reported per system and concurrency: completed turns/s and generated tokens/s over the run's wall time;
 TTFT of resumed turns (a user's second turn on: time to the first streamed content, queueing included)
 p50 / p99; the share of prompt tokens the server reports as cached (`usage.prompt_tokens_details.
@@ -49,6 +55,7 @@ def attnstore(port: int, args, batch: int) -> list[str]:
 SYSTEMS = {
     "attnstore": lambda port, model_dir, args: attnstore(port, args, 8),
     "attnstore-b1": lambda port, model_dir, args: attnstore(port, args, 1),
+    "attnstore-noshare": lambda port, model_dir, args: attnstore(port, args, 8) + ["--no-share-prefixes"],
     "transformers-cb": lambda port, model_dir, args: ["transformers", "serve", model_dir, "--port", str(port),
                                                       "--continuous-batching", "--dtype", "float32", "--device", "cpu"]
     + (["--cb-num-blocks", str(args.cb_num_blocks)] if args.cb_num_blocks else []),
@@ -87,8 +94,21 @@ def start(system: str, port: int, model_dir: str, args) -> subprocess.Popen:
             time.sleep(0.5)
 
 
+def system_prompt(tokens: int) -> str | None:
+    """`tokens` tokens (SmolLM2's tokenizer) of real prose: the text of a ShareGPT conversation none of the users
+    replays, cut at a token boundary."""
+    if not tokens:
+        return None
+    from hf_attnstore import load_default_model
+    from hf_attnstore.lab.evaluation.corpora import load_texts
+
+    _, tokenizer = load_default_model()
+    ids = load_texts("sharegpt", tokenizer, 1, tokens)[0][:tokens]
+    return tokenizer.decode(ids)
+
+
 def user(client, model: str, messages_in: list[str], args, records: list, lock: threading.Lock) -> None:
-    messages = []
+    messages = [{"role": "system", "content": args.system_text}] if args.system_text else []
     for turn, text in enumerate(messages_in):
         messages.append({"role": "user", "content": text})
         t0 = time.perf_counter()
@@ -139,12 +159,15 @@ def run(system: str, users: int, convs, model_dir: str, args) -> dict:
         except subprocess.TimeoutExpired:
             proc.kill()
     resumed = sorted(r["ttft"] for r in records if r["turn"] > 0)
+    first = sorted(r["ttft"] for r in records if r["turn"] == 0)
     cached = [r for r in records if r["cached"] is not None]
     return dict(system=system, users=users, turns=len(records), wall_s=wall, turns_per_s=len(records) / wall,
                 tokens_per_s=sum(r["completion"] for r in records) / wall,
                 ttft_resumed_p50_ms=1000 * statistics.median(resumed) if resumed else float("nan"),
                 ttft_resumed_p99_ms=1000 * resumed[min(len(resumed) - 1, int(0.99 * len(resumed)))] if resumed
                 else float("nan"),
+                ttft_first_p50_ms=1000 * statistics.median(first) if first else float("nan"),
+                ttft_first_max_ms=1000 * first[-1] if first else float("nan"),
                 cached_share=(sum(r["cached"] for r in cached) / max(1, sum(r["prompt"] for r in cached))
                               if cached else None),
                 prompt_tokens_mean=statistics.mean(r["prompt"] for r in records),
@@ -160,12 +183,14 @@ def main(argv=None) -> int:
     p.add_argument("--think", type=float, default=0.0)
     p.add_argument("--systems", default="attnstore,attnstore-b1,transformers-cb,transformers")
     p.add_argument("--json", default=None)
+    p.add_argument("--system-tokens", type=int, default=0, help="a shared system prompt of this many tokens")
     # Memory limits, for the many-sessions run: the sessions' KV does not fit in the servers' KV memory.
     p.add_argument("--host-bytes", default=None, help="attnstore's host tier (default: the server's)")
     p.add_argument("--disk-dir", default=None, help="give attnstore a disk tier (a fresh folder under this one)")
     p.add_argument("--cb-num-blocks", type=int, default=None,
                    help="transformers' continuous batching KV memory, in blocks of 256 tokens of every layer")
     args = p.parse_args(argv)
+    args.system_text = system_prompt(args.system_tokens)
     from hf_attnstore import load_default_model
 
     model, _ = load_default_model()
@@ -180,11 +205,13 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{system} x{users}: {row['turns_per_s']:.3f} turns/s, resumed TTFT p50 "
                   f"{row['ttft_resumed_p50_ms']:.0f} ms", flush=True)
-    print("\n| users | system | turns/s | tokens/s | resumed TTFT p50 | p99 | cached share | mean prompt | wall |")
-    print("| --- " * 9 + "|")
+    print("\n| users | system | turns/s | tokens/s | first-turn TTFT p50 | max | resumed TTFT p50 | p99 | "
+          "cached share | mean prompt | wall |")
+    print("| --- " * 11 + "|")
     for r in rows:
         cached = f"{100 * r['cached_share']:.1f}%" if r["cached_share"] is not None else "–"
         print(f"| {r['users']} | {r['system']} | {r['turns_per_s']:.3f} | {r['tokens_per_s']:.2f} | "
+              f"{r['ttft_first_p50_ms']:.0f} ms | {r['ttft_first_max_ms']:.0f} ms | "
               f"{r['ttft_resumed_p50_ms']:.0f} ms | {r['ttft_resumed_p99_ms']:.0f} ms | {cached} | "
               f"{r['prompt_tokens_mean']:.0f} | {r['wall_s']:.0f} s |")
     if args.json:

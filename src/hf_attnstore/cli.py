@@ -155,7 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
                       remote=args.remote, remote_required=args.remote_required, policy=args.policy,
-                      kv_codec=_codec(args.kv_codec))
+                      kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes)
     # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
     window = args.context_window or getattr(model.config, "max_position_embeddings", None)
     pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "rediss://... or unix:///path.sock")
     _remote_required_option(sv)
     sv.add_argument("--policy", default="lookahead", choices=("lookahead", "lru", "fifo"))
+    sv.add_argument("--no-share-prefixes", action="store_true",
+                    help="a new conversation never starts from another one's stored prefix (a shared system prompt, "
+                    "a regenerated reply): each recomputes and stores its own (default: shared, within a cache_salt)")
     _codec_option(sv)
     sv.add_argument("--context-window", type=int, default=None,
                     help="tokens the model sees (default: the model's max_position_embeddings); longer "

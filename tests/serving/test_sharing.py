@@ -106,3 +106,35 @@ def test_a_bad_cache_salt_is_a_400_naming_it():
         assert r.json()["error"]["param"] == "cache_salt", (salt, r.json())
     assert chat(client, ok, cache_salt="x" * 1024)["choices"][0]["message"]["content"] is not None
     close(pipe, store)
+
+
+def test_conversations_that_arrive_together_share_the_first_ones_prompt_while_it_runs():
+    """A batch of new conversations over one system prompt, sent at once: the first is prefilled, and the
+    others start from its prompt while its turn still decodes (offered as soon as it is stored)."""
+    import threading
+
+    from transformers import LogitsProcessorList
+
+    from ..serving.test_openai import Slow
+
+    # Each decoding step takes a while: the turns overlap, none has ended when the others are prefilled.
+    client, pipe, store = make_client(max_batch_size=4, logits_processor=LogitsProcessorList([Slow(0.05)]))
+    plain, plain_pipe, _ = make_client(store=False)
+    system_ids = len(client.app.state.engine.tokens.prompt_ids([SYSTEM]))
+    requests = [[SYSTEM, {"role": "user", "content": f"question number {k}"}] for k in range(4)]
+    replies = [None] * 4
+
+    def send(k):
+        replies[k] = chat(client, requests[k], max_tokens=8)
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    cached = sorted(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies)
+    assert cached[0] == 0 and all(c >= system_ids - 8 for c in cached[1:]), cached
+    for k in range(4):
+        assert replies[k]["choices"][0]["message"] == chat(plain, requests[k], max_tokens=8)["choices"][0]["message"]
+    close(pipe, store)
+    close(plain_pipe, None)

@@ -39,11 +39,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache.cache import AttnStoreCache
-from .jobs import Prepared, Tee, quietly
+from .jobs import Job, Prepared, Tee, quietly
 from ..cache.upstream import DynamicCache, DynamicLayer, cache_kwargs
 
 if TYPE_CHECKING:
-    from .jobs import Job
     from .pipeline import ChatPipeline
 
 logger = logging.getLogger(__name__)
@@ -253,7 +252,10 @@ class BatchRunner:
         self.pipe, self.max, self.max_tokens = pipe, max_batch_size, max_batch_tokens
         self.model = pipe.model
         self.members: list[_Member] = []  # decoding, in the batch cache
-        self.prefilling: deque[_Member] = deque()  # joining: their prompts are being prefilled, in order
+        # Joining, in order: their prompts are being prefilled. A turn is looked up in the store only when its
+        # prefill comes (a `Job` until then): turns that arrive together over one system prompt then reuse the
+        # first one's prompt, stored by its prefill (prefix sharing), instead of all planning a miss at once.
+        self.prefilling: deque[_Member | Job] = deque()
         # Where the worker's time goes: prefills, decoding steps, members leaving (their KV handed to the store)
         # and putting joiners into the batch cache ("rebuild": writing their rows, reallocating if needed).
         self.seconds = {"prefill": 0.0, "step": 0.0, "leave": 0.0, "rebuild": 0.0}
@@ -272,7 +274,7 @@ class BatchRunner:
             except BaseException as exc:  # a failure of the loop itself: fail the turns in flight, go on serving
                 logger.exception("the batch loop failed; its running turns fail: %s", exc)
                 for m in (*self.members, *self.prefilling):
-                    self._fail(m, exc)
+                    self._fail(m, exc) if isinstance(m, _Member) else m.fail(exc)
                 self.members, self.prefilling, self.cache = [], deque(), None
                 self.pipe.set_running([])
                 time.sleep(0.1)  # should the failure repeat, do not spin
@@ -310,7 +312,7 @@ class BatchRunner:
 
     def _sessions(self) -> list[str]:
         """The sessions of the running turns: decoding, then joining."""
-        return [m.prep.job.session_id for m in (*self.members, *self.prefilling)]
+        return [(m.prep.job if isinstance(m, _Member) else m).session_id for m in (*self.members, *self.prefilling)]
 
     def _take(self) -> list | None:
         """Queued turns that may join now (room in the batch, their session not running), in queue order.
@@ -333,12 +335,16 @@ class BatchRunner:
 
     # -- joining ----------------------------------------------------------------------------------------
     def _start(self, job: "Job") -> None:
-        """Looks the turn up in the store and queues it for prefilling (a given reply is read at once)."""
+        """Queues the turn for prefilling (a given reply is read at once)."""
         if not job.claim():
             return
         if job.reply is not None:  # reading a given reply is one forward: no decoding to batch
             job.future.set_result(self.pipe.run_turn(job))
             return
+        self.prefilling.append(job)
+
+    def _member(self, job: "Job") -> _Member:
+        """Looks the turn up in the store (its reuse plan) as its prefill begins."""
         prep = self.pipe.prepare(job)
         options = prep.options
         eos = self.default_eos if "eos_token_id" not in options else _id_set(options["eos_token_id"])
@@ -346,8 +352,8 @@ class BatchRunner:
         stops = [stops] if isinstance(stops, str) else list(stops)
         sample = ({"temperature": float(options.get("temperature") or 1.0), "top_p": float(options.get("top_p") or 1.0)}
                   if options.get("do_sample") else None)
-        self.prefilling.append(_Member(prep, Tee(prep.timer, job.streamer), int(options.get("max_new_tokens", 20)),
-                                       eos, stops, sample))
+        return _Member(prep, Tee(prep.timer, job.streamer), int(options.get("max_new_tokens", 20)), eos, stops,
+                       sample)
 
     def _prefill(self) -> bool:
         """Prefills joining turns in order, within this iteration's token budget; returns whether one finished
@@ -356,6 +362,12 @@ class BatchRunner:
         joined = False
         while self.prefilling and (budget is None or budget > 0):
             m = self.prefilling[0]
+            if not isinstance(m, _Member):
+                try:
+                    m = self.prefilling[0] = self._member(m)
+                except BaseException as exc:  # the caller sees it through the future; the others go on
+                    self.prefilling.popleft().fail(exc)
+                    continue
             prep = m.prep
             start = prep.reused + m.prefilled
             left = int(prep.prompt.shape[1]) - start

@@ -76,6 +76,7 @@ class Entry:
     # Those of `files` that other sessions' folders name too (a shared prefix's hard links, `Tier.link`) -> the
     # file's identity: their bytes are counted once, by the index (`Index.linked`), not in `disk_bytes`.
     linked: dict = field(default_factory=dict)
+    prefix_blocks: int = 0  # whole 64-token blocks offered in the prefix table during the running turn
     manifest_size: int = 0
     remote: Manifest | None = None  # found in the shared remote tier, to be loaded (not local yet)
     # The local durable copy this remote copy is to replace, once loaded (its files, moved to this entry, stay

@@ -16,6 +16,7 @@ from .config import StoreConfig
 from .entry import Entry, Write
 from .eviction import Eviction
 from .index import Index
+from .prefixes import BLOCK
 from .state import SessionState
 from .tier import Tier
 
@@ -120,6 +121,13 @@ class Turns:
                     writer.dead = True
                     return False
             buf.append(token_ids, keys, values)
+            if self.config.share_prefixes and buf.length // BLOCK > e.prefix_blocks and not buf.missing_head:
+                # Offered for sharing as soon as a whole new block is stored, not only when the turn ends: turns
+                # that arrive together (a batch over one system prompt) share the first one's prompt once it is
+                # prefilled. Safe while this turn goes on appending: a segment never changes below its fill mark,
+                # and the reader compares ids under the lock (`AttnStore.lookup_prefix`).
+                self.index.prefixes.add(e.key, buf.snapshot().token_ids)
+                e.prefix_blocks = buf.length // BLOCK
             self.index.host.account(e)
             self.index.touch(e)
             self.index.stats.appended_tokens += int(token_ids.numel())
@@ -179,6 +187,7 @@ class Turns:
         e.owner = writer.turn
         e.live = weakref.ref(writer) if writer.state_source is not None else None
         e.writers = {writer.turn}  # pinned in host memory until the turn closes; older turns' pins are void
+        e.prefix_blocks = 0  # the new turn's history is offered again as it grows
         if e.write is Write.NEVER:
             e.write = Write.BEHIND  # a new turn: the disk tier may have room again
         return e
