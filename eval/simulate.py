@@ -11,6 +11,8 @@ Sections:
              look-ahead + prefetch and LRU
   partial    partial eviction (leading chunks of cold sessions first, Pensieve) vs whole-session eviction,
              lossless and int4, vs disk capacity
+  shared     shared system prompts (`--system-prompts 500,1000,2000`, every conversation opens with one):
+             prefix sharing on vs off, vs disk capacity (issue 31)
 
 See `hf_attnstore.lab.simulation` for the serving model and the cost model's assumptions.
 """
@@ -23,7 +25,7 @@ import statistics
 import time
 
 from hf_attnstore.lab.models import load_default_model
-from hf_attnstore.lab.simulation import PROFILES, SimConfig, codec_ratio, sharegpt_trace, simulate
+from hf_attnstore.lab.simulation import PROFILES, SimConfig, codec_ratio, sharegpt_trace, simulate, with_system_prompts
 
 POLICIES = (("lookahead", True), ("lru", False), ("fifo", False))
 
@@ -57,6 +59,9 @@ def main(argv=None):
     p.add_argument("--plot", default="docs/img/sim_capacity.png")
     p.add_argument("--rejoin", action="store_true",
                    help="join the parts the packaged (split) ShareGPT cut conversations into (see iter_sharegpt)")
+    p.add_argument("--system-prompts", default="500,1000,2000",
+                   help="the `shared` section's system prompts, in tokens (each conversation opens with one)")
+    p.add_argument("--system-share", type=float, default=1.0, help="the share of conversations that open with one")
     args = p.parse_args(argv)
     _, tokenizer = load_default_model()
     trace = sharegpt_trace(tokenizer, args.sessions, rejoin=args.rejoin)
@@ -161,6 +166,26 @@ def main(argv=None):
                                      f"{1000 * statistics.mean(r.service_ttft_s):.0f} ms")
                     print(f"| {codec or 'lossless'} | {'partial' if partial else 'whole'} | "
                           f"{policy}{' + prefetch' if prefetch else ''} | " + " | ".join(cells) + " |", flush=True)
+    if "shared" in sections:
+        sizes = [int(x) for x in args.system_prompts.split(",")]
+        strace, system = with_system_prompts(trace, sizes, args.system_share, seed=0)
+        disks = (0.25e12, 0.5e12, 2e12, 100e12)
+        print(f"\n## {profile.name}: shared system prompts of {sizes} tokens in {100 * args.system_share:.0f}% of the "
+              "conversations, look-ahead + prefetch, 128 GB DRAM, by disk capacity (100 TB: everything fits, so its "
+              "peak is the footprint; cells: hit rate of resumed turns / turns that reused another session's "
+              "prompt, per conversation / prefill saved vs RE / peak disk bytes / mean TTFT without queueing)\n")
+        re_cfg = dataclasses.replace(base, host_bytes=0, disk_bytes=0, prefetch=False)
+        re = simulate(strace, profile, re_cfg, system)
+        print("| sharing | " + " | ".join(f"{d / 1e12:g} TB" for d in disks) + " |\n| --- |" + " --- |" * len(disks))
+        for share in (False, True):
+            cells = []
+            for disk in disks:
+                r = simulate(strace, profile, dataclasses.replace(base, disk_bytes=disk, share_prefixes=share), system)
+                firsts = len(strace)
+                cells.append(f"{100 * r.hit_rate:.1f}% / {100 * r.prefix_hits / firsts:.0f}% / "
+                             f"{100 * (1 - r.prefill_tokens / re.prefill_tokens):.0f}% / {r.peak_disk_bytes / 1e12:.2f} TB / "
+                             f"{1000 * statistics.mean(r.service_ttft_s):.0f} ms")
+            print(f"| {'on' if share else 'off'} | " + " | ".join(cells) + " |", flush=True)
     print(f"\nsimulated in {time.perf_counter() - started:.0f} s")
 
 

@@ -129,3 +129,32 @@ def test_partial_eviction_drops_heads_and_recomputes_them_on_resume(monkeypatch)
         assert r.reused_tokens + r.head_recompute_tokens <= r.history_tokens
         assert r.prefill_tokens == new_tokens + r.history_tokens - r.reused_tokens
     assert real is not simulation.choose_head_drops  # the simulator calls the store's placement code by name
+
+
+def test_shared_system_prompts_are_held_once_and_reused_by_new_sessions():
+    trace, system = simulation.with_system_prompts(TRACE, [50], share=1.0)
+    assert [conv[0] for conv in trace[:2]] == [(60, 10), (60, 10)] and system[0] == (0, 50)
+    off = simulate(trace, PROFILE, BIG, system)
+    on = simulate(trace, PROFILE, dataclasses.replace(BIG, share_prefixes=True), system)
+    assert off.prefix_hits == 0 and off.hit_rate == on.hit_rate == 1.0
+    # Sessions that arrive once another one's first turn has ended start from the prompt it holds.
+    assert 25 <= on.prefix_hits <= 29 and on.prefix_reused_tokens == on.prefix_hits * 50
+    assert on.prefill_tokens == off.prefill_tokens - on.prefix_hits * 50
+    # Held once: 30 sessions of 50 + 80 tokens at the end take 30 * 80 + 50 bytes, not 30 * 130.
+    assert off.peak_host_bytes == 30 * 130 and on.peak_host_bytes == 30 * 80 + 50
+    assert on.peak_disk_bytes == 30 * 80 + 50
+    # Without the option, or without prompts, nothing changes.
+    assert simulate(trace, PROFILE, BIG, None).prefill_tokens == off.prefill_tokens
+    with pytest.raises(ValueError, match="one"):
+        simulate(trace, PROFILE, BIG, system[:3])
+    with pytest.raises(ValueError, match="sizes"):
+        simulation.with_system_prompts(TRACE, [0])
+
+
+def test_a_shared_prompt_leaves_a_tier_with_its_last_holder():
+    # Host room for about two sessions: evictions must keep the prompt's bytes while any holder stays.
+    trace, system = simulation.with_system_prompts(TRACE, [50], share=1.0)
+    small = dataclasses.replace(BIG, host_bytes=300, share_prefixes=True)
+    r = simulate(trace, PROFILE, small, system)
+    assert r.peak_host_bytes <= 300 and r.hit_rate == 1.0  # the disk holds everything
+    assert r.prefix_hits >= 25  # a holder is always somewhere (host or disk)

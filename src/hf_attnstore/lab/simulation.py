@@ -11,6 +11,13 @@ Serving model (stated in docs/benchmarks.md): sessions arrive as a Poisson proce
 arrives an exponential think time after its previous reply; jobs wait in one FIFO queue for one of
 `batch` slots of a continuously batching engine. A job takes ``stall + prefill_tokens * t_prefill +
 reply_tokens * t_decode``; a disk hit that was not prefetched stalls for its read (one SSD queue).
+
+Shared system prompts (prefix sharing, the store's `share_prefixes`): with a trace from
+:func:`with_system_prompts`, each conversation opens with one of a few system prompts. With
+``SimConfig.share_prefixes``, a prompt's KV is held once per tier while any session that begins with it is there
+(the store's segment refcounts and hard links), and a session's first turn (or a miss) reuses the prompt when
+another session holding it is in host memory (or on disk: read first). A session shares its prompt until a
+truncation cuts into its history.
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ class SimConfig:
             ``partial_eviction``, with its victim choice); a resumed session recomputes its dropped head while
             the rest is read.
         chunk_tokens: Tokens per chunk (the unit partial eviction drops).
+        share_prefixes: Sessions that open with one system prompt (:func:`with_system_prompts`) share its KV in
+            each tier and reuse it across sessions (see the module docstring). Partial eviction leaves such
+            sessions' heads alone (their first chunks are the shared prompt).
     """
 
     host_bytes: float = 128e9
@@ -96,6 +106,7 @@ class SimConfig:
     codec_tiers: str = "all"
     partial_eviction: bool = False
     chunk_tokens: int = 256
+    share_prefixes: bool = False
 
 
 def codec_ratio(kv_codec: str | None, group: int = 32, dtype_bytes: int = 2) -> float:
@@ -134,6 +145,10 @@ class SimResult:
     head_recompute_tokens: int = 0
     history_tokens: int = 0  # tokens of resumed turns' histories (kept after truncation)
     reused_tokens: int = 0  # of those, reused from a tier rather than recomputed
+    prefix_hits: int = 0  # turns without their own stored KV that reused a shared system prompt
+    prefix_reused_tokens: int = 0
+    peak_host_bytes: float = 0.0  # the most the tiers held after a turn's KV was saved
+    peak_disk_bytes: float = 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -179,6 +194,10 @@ class _Tiers:
         self.ready_at: dict[tuple, float] = {}  # sessions being loaded: when their read completes
         self.ssd_free_at = 0.0
         self.pinned: set[tuple] = set()  # sessions of running jobs
+        # Prefix sharing: a session's shared prompt (id, bytes at the model's precision), and per tier and prompt
+        # the sessions there that hold it (its bytes are counted once, while any of them is there).
+        self.prefix: dict[tuple, tuple[int, float]] = {}
+        self.holders: dict[tuple[str, int], set] = {}
 
     def position(self, key):
         return self.host_policy.position(key)
@@ -194,20 +213,62 @@ class _Tiers:
             policy.touch(key)
         return (nbytes or 0.0) - (old or 0.0)
 
+    def _hold(self, tier: str, key, held: bool) -> float:
+        """Counts `key` as holding its shared prompt in `tier` or not; returns the tier's change in bytes."""
+        if key not in self.prefix:
+            return 0.0
+        pid, full = self.prefix[key]
+        users = self.holders.setdefault((tier, pid), set())
+        before = bool(users)
+        (users.add if held else users.discard)(key)
+        ratio = self.host_ratio if tier == "host" else self.disk_ratio
+        return full * ratio * (bool(users) - before)
+
+    def sole_bytes(self, tier: str, key) -> float:
+        """The shared prompt's bytes that leave `tier` with `key` (it is the prompt's last holder there)."""
+        if key not in self.prefix:
+            return 0.0
+        pid, full = self.prefix[key]
+        return full * (self.host_ratio if tier == "host" else self.disk_ratio) \
+            if self.holders.get((tier, pid)) == {key} else 0.0
+
+    def _prompt_room(self, tier: str, key) -> float:
+        """The shared prompt's bytes `key` brings into `tier` (none when a holder has them there already)."""
+        if key not in self.prefix or self.prompt_in(tier, self.prefix[key][0]):
+            return 0.0
+        return self.prefix[key][1] * (self.host_ratio if tier == "host" else self.disk_ratio)
+
+    def prompt_in(self, tier: str, pid: int) -> bool:
+        return bool(self.holders.get((tier, pid)))
+
     def set_host(self, key, nbytes):
-        self.host_used += self._set(self.host, self.host_policy, key, nbytes)
+        self.host_used += self._set(self.host, self.host_policy, key, nbytes) + self._hold("host", key, nbytes is not None)
         if nbytes is None:
             self.missing.pop(key, None)
 
     def set_disk(self, key, nbytes):
-        self.disk_used += self._set(self.disk, self.disk_policy, key, nbytes)
+        self.disk_used += self._set(self.disk, self.disk_policy, key, nbytes) + self._hold("disk", key, nbytes is not None)
         if nbytes is None:
             self.head.pop(key, None)
             self.tokens.pop(key, None)
 
+    def unshare(self, key) -> None:
+        """The session no longer begins with its shared prompt (truncated into it): its copies are its own."""
+        if key not in self.prefix:
+            return
+        host, disk = self.host.get(key), self.disk.get(key)
+        self.set_host(key, None)
+        self.set_disk(key, None)
+        _, full = self.prefix.pop(key)
+        if host is not None:
+            self.set_host(key, host + full * self.host_ratio)
+        if disk is not None:
+            self.set_disk(key, disk + full * self.disk_ratio)
+
     def make_host_room(self, extra: float, exclude, keep_sooner_than: int | None = None) -> bool:
         movable = lambda k: k != exclude and k not in self.pinned and k not in self.ready_at  # noqa: E731
-        for key in choose_victims(self.host_policy.victims(), self.host.get, movable,
+        size = lambda k: self.host[k] + self.sole_bytes("host", k)  # noqa: E731
+        for key in choose_victims(self.host_policy.victims(), size, movable,
                                   self.host_used + extra - self.cfg.host_bytes, self.position, keep_sooner_than):
             self.set_host(key, None)  # inclusive tiers: its disk copy (if any) remains
             self.result.demotions += 1
@@ -217,7 +278,8 @@ class _Tiers:
         movable = lambda k: k != current and k not in self.ready_at  # noqa: E731
         if self.cfg.partial_eviction and self.disk_used > self.cfg.disk_bytes:
             self._drop_heads(movable)
-        for key in choose_victims(self.disk_policy.victims(), self.disk.get, movable,
+        size = lambda k: self.disk[k] + self.sole_bytes("disk", k)  # noqa: E731
+        for key in choose_victims(self.disk_policy.victims(), size, movable,
                                   self.disk_used - self.cfg.disk_bytes):
             self.set_disk(key, None)
             self.result.disk_drops += 1
@@ -230,7 +292,8 @@ class _Tiers:
         overflow = self.disk_used - self.cfg.disk_bytes
 
         def describe(key):
-            if not movable(key) or key in self.pinned or self.disk_policy.position(key) is not None:
+            if not movable(key) or key in self.pinned or self.disk_policy.position(key) is not None \
+                    or key in self.prefix:  # its first chunks are a shared prompt: dropping them frees nothing
                 return None
             head, n = self.head.get(key, 0), self.tokens[key]
             per_token = self.disk[key] / (n - head)
@@ -254,9 +317,11 @@ class _Tiers:
     def save(self, key, full: float, tokens: int = 0, head: int = 0) -> None:
         """A turn's KV (`full` bytes at the model's precision, `tokens` tokens): kept in host memory (making
         room) and written to disk, each copy at its codec's size; the disk copy's dropped `head` stays dropped
-        (the store never rewrites a head)."""
+        (the store never rewrites a head). A shared prompt's bytes are counted once per tier (`_hold`)."""
+        full -= self.prefix[key][1] if key in self.prefix else 0.0
         nbytes = full * self.host_ratio
-        if nbytes <= self.cfg.host_bytes and self.make_host_room(nbytes - self.host.get(key, 0.0), exclude=key):
+        extra = nbytes - self.host.get(key, 0.0) + self._prompt_room("host", key)
+        if nbytes <= self.cfg.host_bytes and self.make_host_room(extra, exclude=key):
             self.set_host(key, nbytes)
         else:
             self.set_host(key, None)
@@ -267,22 +332,28 @@ class _Tiers:
             self.enforce_disk(key)
         else:
             self.set_disk(key, None)
+        # After the limits are enforced, as the store's counters stand between decisions.
+        self.result.peak_host_bytes = max(self.result.peak_host_bytes, self.host_used)
+        self.result.peak_disk_bytes = max(self.result.peak_disk_bytes, self.disk_used)
 
     def load(self, key, now: float, must_fit: bool) -> bool:
         """Reads a disk-only session into host memory; a prefetch (`must_fit`) never evicts a sooner one."""
         read = self.disk[key]
         n, head = self.tokens.get(key, 1), self.head.get(key, 0)
+        shared = key in self.prefix and not self.prompt_in("host", self.prefix[key][0])
+        read_all = read + (self.prefix[key][1] * self.disk_ratio if shared else 0.0)  # its prompt too, if not there
         # Dequantized into host memory unless it is encoded too; room for the whole session (the head is
         # recomputed into it).
         nbytes = read / self.disk_ratio * self.host_ratio * n / (n - head)
         if nbytes > self.cfg.host_bytes:
             return False
         keep = self.position(key) if must_fit else None
-        if not self.make_host_room(nbytes, exclude=key, keep_sooner_than=keep) and must_fit:
+        room = nbytes + self._prompt_room("host", key)
+        if not self.make_host_room(room, exclude=key, keep_sooner_than=keep) and must_fit:
             return False
         self.set_host(key, nbytes)
         self.missing[key] = head
-        self.ssd_free_at = max(self.ssd_free_at, now) + read / self.cfg.ssd_read_bytes_per_s
+        self.ssd_free_at = max(self.ssd_free_at, now) + read_all / self.cfg.ssd_read_bytes_per_s
         self.ready_at[key] = self.ssd_free_at
         return True
 
@@ -298,12 +369,21 @@ class _Job:
     arrival: float
 
 
-def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, cfg: SimConfig) -> SimResult:
+def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, cfg: SimConfig,
+             system: list[tuple[int, int] | None] | None = None) -> SimResult:
     """Replays conversations (per turn: user tokens, reply tokens) through the simulated deployment.
+
+    Args:
+        system: Per conversation, the system prompt it opens with, as (prompt id, tokens), or None; its tokens
+            are part of the first turn's user tokens (see :func:`with_system_prompts`). Used with
+            ``cfg.share_prefixes``.
 
     Returns:
         A :class:`SimResult`.
     """
+    if system is not None and len(system) != len(conversations):
+        raise ValueError(f"`system` has {len(system)} entries for {len(conversations)} conversations: give one "
+                         "(or None) per conversation")
     if cfg.policy not in ("lookahead", "lru", "fifo"):
         raise ValueError(f"unknown policy {cfg.policy!r}: expected lookahead, lru or fifo")
     if cfg.truncation not in ("decoupled", "invalidate"):
@@ -351,6 +431,11 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
         user, reply = conversations[job.sid][job.turn]
         hist = history[job.sid]
         drop = tokens_to_drop(hist + user + reply, window)
+        prompt = system[job.sid] if system is not None and cfg.share_prefixes else None
+        if job.turn == 0 and prompt is not None and not drop:
+            tiers.prefix[key] = (prompt[0], prompt[1] * profile.kv_bytes_per_token)
+        elif drop:
+            tiers.unshare(key)  # truncated into its prompt: its history no longer begins with it
         kept = hist - min(drop, hist)
         stall = 0.0
         hit = None
@@ -391,6 +476,18 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
         tiers.ready_at.pop(key, None)
         tiers.pinned.add(key)
         prefill = user if hit is not None else kept + user
+        if hit is None and key in tiers.prefix and not drop:
+            # No stored KV of its own: the shared prompt, if a session holding it is in a tier (read from disk
+            # first when only there).
+            pid, nbytes = tiers.prefix[key]
+            holders = lambda tier: tiers.holders.get((tier, pid), set()) - {key}  # noqa: E731
+            if holders("host") or holders("disk"):
+                if not holders("host"):
+                    tiers.ssd_free_at = max(tiers.ssd_free_at, now) + nbytes * tiers.disk_ratio / cfg.ssd_read_bytes_per_s
+                    stall = max(stall, tiers.ssd_free_at - now)
+                prefill -= prompt[1]
+                result.prefix_hits += 1
+                result.prefix_reused_tokens += prompt[1]
         result.turns += 1
         result.prefill_tokens += prefill
         result.prefill_tokens_recompute += kept + user
@@ -432,6 +529,38 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
         hints(now)
         result.makespan_s = now
     return result
+
+
+def with_system_prompts(trace: list[list[tuple[int, int]]], sizes: list[int], share: float = 1.0,
+                        seed: int = 0) -> tuple[list[list[tuple[int, int]]], list[tuple[int, int] | None]]:
+    """The trace with system prompts: a `share` of the conversations (chosen at random) open with one of the
+    prompts of `sizes` tokens (chosen uniformly), added to their first turn's user tokens.
+
+    Returns:
+        The new trace, and per conversation its prompt as (index into `sizes`, tokens) or None; pass both to
+        :func:`simulate`.
+
+    Example:
+        >>> trace, system = with_system_prompts([[(10, 5)], [(20, 5), (3, 4)]], [1000], share=1.0)
+        >>> trace, system
+        ([[(1010, 5)], [(1020, 5), (3, 4)]], [(0, 1000), (0, 1000)])
+    """
+    if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"`sizes` must be positive token counts, got {sizes!r}")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"`share` must be between 0 and 1, got {share!r}")
+    rng = random.Random(seed)
+    out, system = [], []
+    for conv in trace:
+        if conv and rng.random() < share:
+            pid = rng.randrange(len(sizes))
+            (user, reply), rest = conv[0], conv[1:]
+            out.append([(user + sizes[pid], reply), *rest])
+            system.append((pid, sizes[pid]))
+        else:
+            out.append(list(conv))
+            system.append(None)
+    return out, system
 
 
 def sharegpt_trace(tokenizer, limit: int | None = None, rejoin: bool = False) -> list[list[tuple[int, int]]]:
