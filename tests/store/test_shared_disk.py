@@ -333,3 +333,80 @@ def test_the_remote_mirror_holds_a_shared_prefix_once_and_another_server_resumes
         expect_prefix(snap, SYSTEM + [7, 8])
         for store in (one, two):
             store.close()
+
+
+@pytest.mark.parametrize("limit", [None, 139264, 122880, 98304])
+def test_the_disk_limit_and_the_count_hold_when_a_shared_source_is_in_the_way(tmp_path, limit):
+    """b links a's chunks and needs room for four chunks of its own: a is pinned while b's save links it, so
+    room is never made by evicting it (its files would stay, held by b's links); the count always equals the
+    file system's and never exceeds `disk_bytes` (found by review: b was stored 24 KiB over the limit)."""
+    store = disk_store(tmp_path, **({"disk_bytes": limit} if limit else {}))
+    ids = SYSTEM + [1, 2]
+    with store.open_turn("a", FP, None, torch.empty(0)) as turn:
+        turn.append(torch.tensor(ids), *kv(ids))
+    store.flush()
+    start_from(store, "b", "a", len(SYSTEM), list(range(5000, 5000 + 4 * CHUNK)))
+    store.flush()
+    assert store.stats().disk_bytes_used == du_once(tmp_path) <= (limit or 1 << 40)
+    store.close()
+
+
+def test_one_session_naming_a_shared_file_twice_releases_it_cleanly(tmp_path):
+    """b's new history links a's chunks again while its old copy (linking them too) is still there, and its save
+    is cut meanwhile, so b names each shared file twice; deleting a, then b, keeps the count exact (found by
+    review: a KeyError stopped the save thread's bookkeeping and left b pinned)."""
+    from hf_attnstore.store.disk import DiskTier
+
+    store = disk_store(tmp_path)
+    with store.open_turn("a", FP, None, torch.empty(0)) as turn:
+        turn.append(torch.tensor(SYSTEM + [1, 2]), *kv(SYSTEM + [1, 2]))
+    store.flush()
+    start_from(store, "b", "a", len(SYSTEM), [7, 8, 9])
+    store.flush()
+    cut = []
+    real = DiskTier.link
+
+    def link(disk, source, name, key, new_name):
+        made = real(disk, source, name, key, new_name)
+        if key[1] == "b" and not cut:  # b's history is cut while this save runs: it commits nothing
+            cut.append(True)
+            with store.open_turn("b", FP, store.lookup("b", FP), torch.arange(len(SYSTEM) + 8)) as turn:
+                turn.append(torch.tensor([9]), *kv([9]))
+        return made
+
+    DiskTier.link = link
+    try:
+        start_from(store, "b", "a", len(SYSTEM), [4] * 70)  # a new history over the same prompt
+        store.flush(timeout=30)
+    finally:
+        DiskTier.link = real
+    assert cut
+    store.delete("a")
+    store.flush(timeout=30)
+    assert store.stats().disk_bytes_used == du_once(tmp_path)
+    store.delete("b")
+    store.flush(timeout=30)
+    assert store.stats().disk_bytes_used == du_once(tmp_path) == 0
+    assert store.stats().write_errors == 0
+    store.close()
+
+
+def test_chunks_of_another_kv_layout_are_never_linked(tmp_path):
+    """Two sessions under one key with other KV dtypes (only the raw store API allows it): b writes its own
+    chunks and loads back whole (found by review: linked float32 chunks in a float16 session lost it)."""
+    store = disk_store(tmp_path)
+    with store.open_turn("a", FP, None, torch.empty(0)) as turn:
+        turn.append(torch.tensor(SYSTEM + [1]), *kv(SYSTEM + [1]))
+    store.flush()
+    ids = SYSTEM + [7]
+    keys, values = kv(ids)
+    with store.open_turn("b", FP, None, torch.empty(0)) as turn:
+        turn.append(torch.tensor(ids), [k.half() for k in keys], [v.half() for v in values])
+    store.flush()
+    manifest, _ = folder_files(tmp_path, "b")
+    assert not any(s.owner for s in manifest.spans)
+    store.evict("b")
+    snap = store.lookup("b", FP)
+    assert snap is not None and snap.token_ids.tolist() == ids
+    assert torch.equal(layer_of(snap, 0)[0], keys[0].half())
+    store.close()

@@ -341,6 +341,7 @@ class BatchRunner:
         if job.reply is not None:  # reading a given reply is one forward: no decoding to batch
             job.future.set_result(self.pipe.run_turn(job))
             return
+        self.pipe.prefetch_turn(job)  # its session loads from disk while earlier turns prefill
         self.prefilling.append(job)
 
     def _member(self, job: "Job") -> _Member:

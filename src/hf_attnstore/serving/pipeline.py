@@ -335,6 +335,16 @@ class ChatPipeline:
                 self._cond.wait(timeout=timeout_s)
 
     # -- scheduling: the worker's steps, public for the batch runner (batching.py) ----------------------
+    def prefetch_turn(self, job: Job) -> None:
+        """Starts loading a taken turn's session into host memory (it is looked up when its prefill comes, see
+        batching.py). Best effort: a failure only costs the overlap."""
+        if self.store is None:
+            return
+        try:
+            self.store.prefetch([job.session_id], self._fingerprints(job.cache_salt))
+        except Exception as exc:  # noqa: BLE001 - a prefetch only speeds the turn up
+            logger.warning("prefetching session %r failed (%s); it loads when its turn starts", job.session_id, exc)
+
     def give_hints(self, waiting: list[str]) -> None:
         if self.store is None:
             return

@@ -119,16 +119,18 @@ class Eviction:
             else:
                 self.drop_disk_head(e)
 
-    @staticmethod
-    def head_units(e: Entry) -> list[tuple[int, int, int]]:
+    def head_units(self, e: Entry) -> list[tuple[int, int, int]]:
         """The session's stored chunks in order as (start, end, bytes freed when dropped); the last frees
         everything left (the manifest, chunks not yet collected)."""
         spans, units, pos = e.manifest.spans, [], e.manifest.head
         for i, span in enumerate(spans):
-            # A chunk a later span also reads, or another session's folder names too (a shared prefix's hard
-            # link, `Index.linked`), frees nothing when dropped.
-            shared = any(s.chunk == span.chunk for s in spans[i + 1 :]) or span.chunk in e.linked
-            units.append((pos, pos + span.length, 0 if shared else blocks(e.files.get(span.chunk, 0))))
+            if any(s.chunk == span.chunk for s in spans[i + 1 :]):
+                freed = 0  # a later span reads the chunk too
+            elif span.chunk in e.linked:  # a shared prefix's file: freed only with its last name
+                freed = self.index.shared_bytes(e.key, span.chunk, e.linked[span.chunk])
+            else:
+                freed = blocks(e.files.get(span.chunk, 0))
+            units.append((pos, pos + span.length, freed))
             pos += span.length
         a, b, _ = units[-1]
         units[-1] = (a, b, e.disk_bytes - sum(u[2] for u in units[:-1]))
@@ -144,9 +146,9 @@ class Eviction:
         self.index.set_manifest(e, manifest, e.chunks)
         files = dict(e.files)
         size = files.pop(gone) if gone in files else None
-        # A file another session's folder also names frees nothing (its bytes become that session's).
+        # A shared file frees its bytes only with its last name (`Index.set_files` says how many).
         nbytes = blocks(size) if size is not None and gone not in e.linked else 0
-        self.index.set_files(e, files, e.manifest_size)
+        nbytes += self.index.set_files(e, files, e.manifest_size)
         self.index.queue_delete(e.key, nbytes, (manifest, gone))
         self.index.stats.head_drops += 1
         self.index.stats.head_dropped_tokens += old.spans[0].length
@@ -180,7 +182,7 @@ class Eviction:
         """Queues the deletion of the older copy's files an entry was handed (`Index.hand_over`): its manifest first,
         then its chunk and state files, leaving the files the entry's own save is writing (lock held)."""
         nbytes, names = e.disk_bytes, tuple(e.files)
-        self.index.set_files(e, {}, 0)
+        nbytes += self.index.set_files(e, {}, 0)
         e.chunks = {}
         self.index.queue_delete(e.key, nbytes, (None, names))
 
@@ -200,6 +202,7 @@ class Eviction:
                     nbytes = sum(item[1] for item in deletes)
                     self.index.disk_used -= nbytes
                     self.index.deleting -= nbytes
+                    self.index.deletions -= len(deletes)
                     self.index.cond.notify_all()  # a flush() may be waiting for them
 
     def run_delete(self, key: Key, nbytes: int, head: tuple | None) -> None:

@@ -56,9 +56,9 @@ class Index:
         self.disk_policy = make_policy(config.policy)
         self.stats = StoreStats(host_bytes_limit=config.host_bytes, disk_bytes_limit=config.disk_bytes)
         self.disk_used = 0  # files of indexed sessions, folders queued for deletion, writes in flight
-        # Files that several sessions' folders name (hard links of a shared prefix's chunks): identity ->
-        # [bytes, {(key, name)}], counted in `disk_used` once, whoever names them. The file system keeps the
-        # bytes while any name is left, so deleting one session never takes a chunk another manifest names.
+        # Files that several sessions' folders name or named (hard links of a shared prefix's chunks): identity
+        # -> [bytes, {(key, name)}], counted in `disk_used` once while any name is left, whoever names them. The
+        # file system keeps the bytes as long, so deleting one session never takes a chunk another manifest names.
         self.linked: dict[tuple, list] = {}
         self.dirty: set[Key] = set()
         self.next_chunk: dict[Key, int] = {}  # per session, only ever grows
@@ -69,6 +69,7 @@ class Index:
         # `disk_used` until done (`deleting`).
         self.deletes: list[tuple[Key, int, tuple | None]] = []
         self.deleting = 0
+        self.deletions = 0  # queued or running (some free no counted bytes): what a flush() waits for
         # Closed writers and hybrid models' states: (key, turn, state or None, whether the turn ended), appended
         # without the lock (a writer's finalizer may run anywhere) and applied under it.
         self.ended_turns: deque[tuple[Key, int, SessionState | None, bool]] = deque()
@@ -111,12 +112,16 @@ class Index:
         e.manifest = manifest
         e.chunks = {c: chunks[c] for c in {s.chunk for s in manifest.spans}} if manifest else {}
 
-    def set_files(self, e: Entry, files: dict[str, int], manifest_size: int) -> None:
+    def set_files(self, e: Entry, files: dict[str, int], manifest_size: int) -> int:
+        """Sets the session's files (lock held). Returns the bytes of shared files whose last name went with
+        them: a caller that queues their deletion keeps them counted until it is done (`queue_delete`)."""
         self.disk_used -= e.disk_bytes
         e.files, e.manifest_size = files, manifest_size
+        freed = 0
         for name in [n for n in e.linked if n not in files]:  # a shared file's name went with them
-            self._release(e.key, name, e.linked.pop(name))
+            freed += self._release(e.key, name, e.linked.pop(name))
         self.disk_used += e.disk_bytes
+        return freed
 
     def mark_linked(self, e: Entry, name: str, inode: tuple, nbytes: int) -> None:
         """Counts the session's file `name` (of `nbytes`) as one name of the shared file `inode` (lock held)."""
@@ -129,44 +134,43 @@ class Index:
             self.disk_used += family[0]
         family[1].add((e.key, name))
 
-    def add_link(self, e: Entry, name: str, inode: tuple, nbytes: int, source: Key, source_name: str) -> bool:
+    def add_link(self, e: Entry, name: str, inode: tuple, nbytes: int, source: Key, source_name: str) -> None:
         """Records that the save thread made the session's file `name` a link of `source`'s file `source_name`
-        (lock held). False when the source no longer names it (it was deleted meanwhile): the file is then
-        the session's own."""
+        (lock held). The file joins its family (by identity, whoever else names it now); the source's name
+        joins too while the source still counts it as its own."""
         src = self.entries.get(source)
-        if src is None or source_name not in src.files:
-            return False
-        if source_name not in src.linked:
+        if src is not None and source_name in src.files and source_name not in src.linked:
             self.mark_linked(src, source_name, inode, nbytes)
         self.mark_linked(e, name, inode, nbytes)
-        return True
 
-    def _release(self, key: Key, name: str, inode: tuple) -> None:
-        """A name of a shared file is gone: the last name left makes the file its session's own again."""
+    def shared_bytes(self, key: Key, name: str, inode: tuple) -> int:
+        """What deleting this name of a shared file frees: the file's bytes if it is the last name, else 0."""
+        family = self.linked.get(inode)
+        return family[0] if family is not None and family[1] == {(key, name)} else 0
+
+    def _release(self, key: Key, name: str, inode: tuple) -> int:
+        """A name of a shared file is gone; returns the file's bytes when it was the last one (no longer counted).
+        A family is kept while any name is left, even one: the file stays counted once, whoever links it next."""
         family = self.linked.get(inode)
         if family is None:
-            return
+            return 0
         family[1].discard((key, name))
-        if len(family[1]) > 1:
-            return
+        if family[1]:
+            return 0
         del self.linked[inode]
         self.disk_used -= family[0]
-        for other, other_name in family[1]:
-            e = self.entries.get(other)
-            if e is not None and e.linked.get(other_name) == inode:
-                self.disk_used -= e.disk_bytes
-                del e.linked[other_name]
-                self.disk_used += e.disk_bytes
+        return family[0]
 
     def delete_folder(self, e: Entry) -> None:
         """Queues the deletion of the session's folder; its bytes stay counted until it is gone."""
         nbytes = e.disk_bytes
-        self.set_files(e, {}, 0)
+        nbytes += self.set_files(e, {}, 0)
         self.queue_delete(e.key, nbytes, None)
 
     def queue_delete(self, key: Key, nbytes: int, head: tuple | None) -> None:
         self.disk_used += nbytes
         self.deleting += nbytes
+        self.deletions += 1
         self.deletes.append((key, nbytes, head))
         self.cond.notify_all()
 

@@ -49,6 +49,7 @@ class SaveJob:
     # Whole chunks of another session that begins with the same tokens, to be linked as this session's first
     # spans instead of written again (prefix sharing, `SavePlanner.shared_chunks`): (session, span) in order.
     links: tuple = ()
+    sources: tuple = ()  # the entries the links come from, pinned for the job (not evicted under it)
 
 
 @dataclass(eq=False)
@@ -109,7 +110,11 @@ class SaveThread:
                 linked[name] = (made[0], span.length, made[1], source, span.chunk)
                 spans.append(Span(name, span.start, span.end, span.digest, False, span.owner or source[1]))
         except OSError as exc:
-            logger.debug("prefix sharing: linking a shared chunk failed (%s); the session writes its own", exc)
+            if isinstance(exc, FileNotFoundError):  # its session deleted it meanwhile
+                logger.debug("prefix sharing: a shared chunk went before it was linked; the session writes its own")
+            else:  # no hard links here (a file system without them, a file at its link limit)
+                self.planner.warn("link", "%s tier: linking a shared prefix's chunk failed (%s); sessions write their "
+                                  "own copies", self.tier.name, exc)
             spans[len(job.base.spans):] = []
             linked.clear()
             # From the first reserved name again (the reservation covers the whole session written in chunks):
@@ -343,6 +348,11 @@ class SavePlanner:
         if start == 0 and not base.dropped:
             links, mirrored = self.shared_chunks(e, snap.token_ids[:end])
             e.mirrored |= mirrored  # the shared chunks the mirror has (under their owner): never copied again
+        # The sessions linked from are pinned until the job ends: an eviction that makes room for this job's own
+        # chunks must not take them (their files would stay, held by the links, but counted as freed).
+        sources = tuple({id(s): s for s in (self.index.entries[key] for key, _ in links)}.values())
+        for source in sources:
+            source.pins += 1
         e.pins += 1
         # Reserve the names this job writes. Names are never reused for a session, even by a later entry
         # replacing this one, so a chunk file never changes once a manifest may reference it. (A job whose links
@@ -350,7 +360,7 @@ class SavePlanner:
         shared = sum(span.length for _, span in links)
         first = self.index.next_chunk.get(e.key, 0)
         self.index.next_chunk[e.key] = first + len(links) + -(-(end - start - shared) // chunk)
-        return SaveJob(e, e.generation, snap, base, start + shared, end, first, frozenset(e.mirrored), links)
+        return SaveJob(e, e.generation, snap, base, start + shared, end, first, frozenset(e.mirrored), links, sources)
 
     def shared_chunks(self, e: Entry, ids: torch.Tensor) -> tuple[tuple, set]:
         """The whole chunks of another session's disk copy that hold this session's first tokens, to be linked
@@ -364,11 +374,12 @@ class SavePlanner:
         if self.disk is None or self.lower is not self.disk or not self.config.share_prefixes:
             return (), set()
         chunk, best, mirrored = self.config.chunk_tokens, (), set()
-        for key, _ in self.index.prefixes.candidates(e.key[0], ids, exclude=e.key):
+        # More candidates than a turn's lookup takes: the newest are often sessions not on disk yet.
+        for key, _ in self.index.prefixes.candidates(e.key[0], ids, exclude=e.key, limit=16):
             other = self.index.entries.get(key)
             manifest = other.manifest if other is not None else None
-            if manifest is None or manifest.head or manifest.state is not None:
-                continue
+            if manifest is None or manifest.head or manifest.state is not None or other.layout != e.layout:
+                continue  # (another KV layout under one fingerprint: only through the raw store API)
             links, pos = [], 0
             for span in manifest.spans:
                 whole = span.start == 0 and span.end == chunk and other.chunks.get(span.chunk, (0, 0))[1] == chunk
@@ -403,6 +414,8 @@ class SavePlanner:
         there now, and the index learns the new durable prefix (or the failure)."""
         e = job.entry
         with self.index.cond:
+            for source in job.sources:
+                source.pins -= 1
             self.index.disk_used -= result.reserved
             if self.index.entries.get(e.key) is e:
                 if self.disk is not None:  # the files `disk_bytes` counts (a remote tier's bytes are Redis's)
@@ -413,6 +426,9 @@ class SavePlanner:
                     files = {name: size for name, size in {**e.files, **{n: c[0] for n, c in made.items()}}
                              .items() if name in result.keep}
                     self.index.set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
+                    if result.linked and self.index.disk_used - self.index.deleting > self.config.disk_bytes:
+                        # A shared file whose other names were deleted meanwhile (`delete`) is counted now: room.
+                        self.eviction.enforce_disk(e)
                 e.mirrored |= result.mirrored
             self.index.stats.remote_bytes_written += result.mirror_bytes
             if result.mirror_error is not None:

@@ -526,7 +526,7 @@ class AttnStore:
             self._index.cond.notify_all()
 
             def settled() -> bool:  # every pending write has completed or failed again, every deletion is done
-                return self._index.closed or (self._index.deleting == 0 and all(
+                return self._index.closed or (self._index.deletions == 0 and all(
                     self._index.entries.get(k) is None or self._index.entries[k].write is Write.FAILED
                     for k in self._index.dirty))
 
