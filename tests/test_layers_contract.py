@@ -14,6 +14,14 @@ SRC = ROOT / "src" / "hf_attnstore"
 ALLOWED = {
     "_version": "torch.Tensor's version counter: the fingerprint memo notices in-place writes by it",
 }
+# transformers' internals, in the one seam only (cache/upstream.py), each checked there by tests/cache/test_upstream.py.
+SEAM = SRC / "cache" / "upstream.py"
+SEAM_ALLOWED = {
+    "_prepare_generation_config": "generate's options -> GenerationConfig (the batch runner decodes as generate)",
+    "_prepare_special_tokens": "generate's eos/pad tensors, which its logits processors read",
+    "_prepare_generated_length": "generate's max/min length from max_new_tokens/min_new_tokens",
+    "_get_logits_processor": "the processors and warpers generate builds for a GenerationConfig",
+}
 
 
 def test_import_contracts_are_kept():
@@ -48,7 +56,7 @@ def private_accesses(path: Path) -> list[str]:
     own, out = _own_names(tree), []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            if node.attr not in own and node.attr not in ALLOWED:
+            if node.attr not in own and node.attr not in ALLOWED and not (path == SEAM and node.attr in SEAM_ALLOWED):
                 out.append(f"{path.relative_to(SRC)}:{node.lineno}: .{node.attr}")
     return out
 

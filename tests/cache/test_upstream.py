@@ -179,3 +179,43 @@ def test_tested_range_warning():
     assert "5.0.0" in upstream.tested_range_warning("5.0.0")
     assert upstream.tested_range_warning("99.0.0") is not None
 
+
+
+@pytest.mark.parametrize("options", [
+    dict(repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=6),
+    dict(do_sample=True, temperature=0.7, top_k=4, top_p=0.9, seed=3),
+])
+def test_decoding_plan_decodes_as_generate(options):
+    """`GenerationMixin._prepare_generation_config`, `_prepare_special_tokens`, `_prepare_generated_length` and
+    `_get_logits_processor`: decoding step by step with `decoding_plan`'s processors (and one multinomial draw per
+    step when sampling, from a generator seeded as torch's) gives `generate`'s tokens."""
+    from transformers import DynamicCache
+
+    model = make_tiny("llama")
+    prompt = random_ids(12, seed=5)
+    options = {**options, "max_new_tokens": 8}
+    seed = options.pop("seed", None)
+    try:
+        config, processors, rest = upstream.decoding_plan(model, prompt, options)
+    except (AttributeError, TypeError) as exc:
+        require(False, "GenerationMixin._prepare_generation_config/_prepare_special_tokens/_prepare_generated_length/"
+                "_get_logits_processor", f"{type(exc).__name__}: {exc}")
+    require(rest == {} and config.max_length == 20, "GenerationMixin._prepare_generated_length",
+            f"max_length {config.max_length}, left over {rest}")
+    if seed is not None:
+        torch.manual_seed(seed)
+    want = model.generate(prompt, attention_mask=torch.ones_like(prompt), pad_token_id=0, **options)[0, 12:].tolist()
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    cache, seq, got = DynamicCache(config=model.config), prompt, []
+    with torch.no_grad():
+        logits = model(prompt, **upstream.cache_kwargs(cache), use_cache=True).logits[:, -1].float()
+        for _ in range(8):
+            scores = processors(seq, logits)
+            token = int(torch.multinomial(torch.softmax(scores, -1), 1, generator=generator)) if config.do_sample \
+                else int(scores.argmax(-1))
+            got.append(token)
+            seq = torch.cat([seq, torch.tensor([[token]])], 1)
+            if token in ([config.eos_token_id] if isinstance(config.eos_token_id, int) else config.eos_token_id or []):
+                break
+            logits = model(seq[:, -1:], **upstream.cache_kwargs(cache), use_cache=True).logits[:, -1].float()
+    require(got == want, "GenerationMixin._get_logits_processor", f"decoded {got}, generate gave {want}")

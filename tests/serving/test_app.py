@@ -278,3 +278,18 @@ def test_a_server_starts_while_redis_is_down_serves_and_says_so(tmp_path, monkey
         assert client.get("/health").json()["remote"] == "up"
         assert "attnstore_store_remote_up 1.0" in client.get("/metrics").text
         close(pipe, store)
+
+
+def test_a_seed_gives_the_same_sampled_reply_alone_or_batched():
+    """OpenAI's `seed`: the same sampled reply for the same seed, on a batch-1 and a batching server (the turn's
+    own random numbers, drawn as `generate` draws them), and another seed another reply."""
+    messages = [{"role": "user", "content": "sample something for me"}]
+    replies = {}
+    for batch in (1, 4):
+        client, pipe, store = make_client(max_batch_size=batch)
+        for seed in (11, 12):
+            replies[(batch, seed)] = chat(client, messages, temperature=1.5, seed=seed, max_tokens=8,
+                                          user=f"u{seed}")["choices"][0]["message"]["content"]
+        close(pipe, store)
+    assert replies[(1, 11)] == replies[(4, 11)] and replies[(1, 12)] == replies[(4, 12)]
+    assert replies[(1, 11)] != replies[(1, 12)]

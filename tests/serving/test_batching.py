@@ -305,3 +305,55 @@ def test_every_running_member_leads_the_eviction_schedule():
     assert {"s0", "s1"} in Running.seen and {"s2", "s3"} in Running.seen
     # Hints given while s2 and s3 decode put both first.
     assert any(set(s[:2]) == {"s2", "s3"} for s in Recording.schedules)
+
+
+GENERATION_OPTIONS = {
+    "penalties": dict(repetition_penalty=1.6, no_repeat_ngram_size=2, min_new_tokens=5),
+    "bans": None,  # built from the replies without options: their own first tokens are banned
+    "top-k sampling": dict(do_sample=True, temperature=0.8, top_k=5, seed=1234),
+    "typical sampling": dict(do_sample=True, typical_p=0.9, min_p=0.02, repetition_penalty=1.3, seed=7),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GENERATION_OPTIONS))
+def test_batched_turns_honour_every_generation_option_as_solo_turns_do(name):
+    """Each member decodes with the processors `generate` builds for its options (transformers' own code):
+    penalties, bans, warpers, and a per-turn `seed` for sampling give the tokens of the same turn alone."""
+    model = make_tiny("llama")
+    plain = run(model, AttnStore("64MiB"), 1)
+    options = GENERATION_OPTIONS[name]
+    if options is None:
+        firsts = sorted({r.generated_ids[0] for r in plain.values()})
+        options = dict(bad_words_ids=[[t] for t in firsts[:2]], suppress_tokens=firsts[2:4],
+                       begin_suppress_tokens=firsts[4:5])
+    solo = run(model, AttnStore("64MiB"), 1, **options)
+    batched = run(model, AttnStore("64MiB"), 4, **options)
+    for key, alone in solo.items():
+        assert batched[key].generated_ids == alone.generated_ids, key
+    if "min_new_tokens" in options:
+        assert all(r.generated_tokens >= 5 for r in solo.values())
+    # And the options do change the replies.
+    assert any(plain[key].generated_ids != alone.generated_ids for key, alone in solo.items())
+
+
+def test_a_turn_the_batch_cannot_decode_runs_alone_with_its_options(caplog):
+    """Beam search (and other modes, several returned sequences, unknown options) cannot share the batch's one
+    sequence per turn: such a turn runs by itself with `generate`, as at batch size 1, with the reason logged. With
+    a store, beam search is refused with the reason (a session's stored KV is one sequence); without one it runs."""
+    model = make_tiny("llama")
+    with ChatPipeline(model, char_tokenizer(), None, max_new_tokens=5, max_batch_size=1) as solo:
+        want = solo.submit_prompt("b", torch.arange(10, 30), num_beams=3).result(60)
+    with caplog.at_level("INFO", logger="hf_attnstore.serving.batching"):
+        with ChatPipeline(model, char_tokenizer(), None, max_new_tokens=5, max_batch_size=4) as pipe:
+            beams = pipe.submit_prompt("b", torch.arange(10, 30), num_beams=3)
+            greedy = pipe.submit_prompt("g", torch.arange(10, 30))
+            bad = pipe.submit_prompt("x", torch.arange(10, 30), not_an_option=1)
+            assert beams.result(60).generated_ids == want.generated_ids
+            assert greedy.result(60).generated_tokens == 5
+            with pytest.raises(ValueError, match="not_an_option"):
+                bad.result(60)
+    assert "runs alone" in caplog.text and "beam" in caplog.text
+    with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_new_tokens=5, max_batch_size=4) as pipe:
+        with pytest.raises(ValueError, match="num_beams=1"):
+            pipe.submit_prompt("b", torch.arange(10, 30), num_beams=3).result(60)
+        assert pipe.submit_prompt("g", torch.arange(10, 30)).result(60).generated_tokens == 5

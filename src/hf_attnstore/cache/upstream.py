@@ -45,7 +45,7 @@ from transformers.cache_utils import (  # noqa: F401  (re-exported: the rest of 
 __all__ = ["Cache", "DummyLayer", "DynamicCache", "DynamicLayer", "DynamicSlidingWindowLayer",
            "LinearAttentionCacheLayerMixin", "LinearAttentionLayer", "CACHE_ARG", "CACHE_ARGS", "cache_kwargs",
            "cache_from", "output_cache", "base_model", "generic_prepare_inputs", "find_rotary", "rope_type",
-           "rope_limit", "layer_types", "tested_range_warning", "warn_if_untested"]
+           "rope_limit", "layer_types", "tested_range_warning", "warn_if_untested", "decoding_plan", "GENERATE_ARGS"]
 
 # The releases this package was tested with, oldest and newest (make test runs the lock's, CI also the newest
 # on the registry and the oldest here; setup.cfg's lower bound is the oldest).
@@ -167,3 +167,53 @@ def warn_if_untested() -> None:
     message = tested_range_warning()
     if message is not None:
         warnings.warn(message, UserWarning, stacklevel=3)
+
+
+# generation/utils.py: how `generate` turns its keyword arguments into the processors it decodes with. The batch
+# runner decodes many turns in one forward but must pick each turn's tokens exactly as `generate` would for it
+# alone, for every option `generate` takes; building the processors with transformers' own code (rather than a
+# subset of our own) is what keeps that true as options are added upstream.
+GENERATE_ARGS = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "tokenizer", "streamer",
+                 "negative_prompt_ids", "negative_prompt_attention_mask", "synced_gpus", "assistant_model",
+                 "custom_generate", "trust_remote_code", "assistant_tokenizer", "attention_mask")
+
+
+def decoding_plan(model: nn.Module, prompt, options: dict):
+    """What ``model.generate(prompt, **options)`` decodes with, built by transformers itself: the prepared
+    `GenerationConfig` (the model's defaults, the options, special tokens and lengths, as `generate` prepares
+    them), its logits processors and warpers, and the options `generate` would pass on to the model (none is
+    expected: the caller refuses to batch a turn that has some).
+
+    Uses `GenerationMixin._prepare_generation_config`, `_prepare_special_tokens`, `_prepare_generated_length` and
+    `_get_logits_processor` (private; checked by tests/cache/test_upstream.py).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> import torch
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> config, processors, rest = decoding_plan(model, torch.tensor([[1, 2, 3]]),
+        ...     {"max_new_tokens": 4, "repetition_penalty": 1.5, "do_sample": False})
+        >>> config.max_length, [type(p).__name__ for p in processors], rest
+        (7, ['RepetitionPenaltyLogitsProcessor'], {})
+    """
+    from transformers import LogitsProcessorList
+
+    options = dict(options)
+    given = {name: options.pop(name) for name in GENERATE_ARGS if name in options}
+    defaults = model.generation_config
+    has_default_max = options.get("max_length") is None and defaults.max_length is None
+    has_default_min = options.get("min_length") is None and defaults.min_length is None
+    config, rest = model._prepare_generation_config(None, **options)
+    model._prepare_special_tokens(config, True, device=prompt.device)
+    length = int(prompt.shape[1])
+    config = model._prepare_generated_length(
+        generation_config=config, has_default_max_length=has_default_max, has_default_min_length=has_default_min,
+        model_input_name="input_ids", input_ids_length=length, inputs_tensor=prompt)
+    processors = model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=length, encoder_input_ids=prompt,
+        prefix_allowed_tokens_fn=given.get("prefix_allowed_tokens_fn"),
+        logits_processor=given.get("logits_processor") or LogitsProcessorList(), device=prompt.device,
+        model_kwargs={})
+    rest.pop("use_cache", None)
+    return config, processors, rest

@@ -275,6 +275,8 @@ def _generate_options(body: ChatCompletionRequest, max_new: int) -> dict:
         options["top_p"] = body.top_p
     if body.stop:
         options["stop_strings"] = body.stops()
+    if body.seed is not None:  # the same sampled tokens for the same seed, alone or batched
+        options["seed"] = body.seed
     return options
 
 

@@ -40,7 +40,7 @@ import torch
 
 from ..cache.cache import AttnStoreCache
 from .jobs import Job, Prepared, Tee, quietly
-from ..cache.upstream import DynamicCache, DynamicLayer, cache_kwargs
+from ..cache.upstream import DynamicCache, DynamicLayer, cache_kwargs, decoding_plan
 
 if TYPE_CHECKING:
     from .pipeline import ChatPipeline
@@ -230,7 +230,10 @@ class _Member:
     max_new: int
     eos: set
     stops: list[str]
-    sample: dict | None  # temperature / top_p, or None for greedy
+    sample: bool  # multinomial sampling (else greedy), after `processors` (which hold the warpers)
+    processors: object = None  # the LogitsProcessorList `generate` builds for the turn's options (decoding_plan)
+    generator: torch.Generator | None = None  # the turn's own random numbers (a `seed` option), else torch's
+    criteria: object = None  # the turn's own stopping criteria (a `stopping_criteria` option), or None
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0  # new prompt tokens (after the reused ones) computed so far
     fed: int = 0  # generated tokens fed back through the model (their KV is in the batch cache)
@@ -263,7 +266,6 @@ class BatchRunner:
         self.prefill_chunks = 0  # forwards that prefilled (part of) a joining turn
         self._hinted: list[str] | None = None  # the queue the last look-ahead hints were given for
         self.cache: BatchKV | None = None  # the decoding members' KV, row b for self.members[b]
-        self.default_eos = _id_set(self.model.generation_config.eos_token_id)
 
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -341,20 +343,50 @@ class BatchRunner:
         if job.reply is not None:  # reading a given reply is one forward: no decoding to batch
             job.future.set_result(self.pipe.run_turn(job))
             return
+        alone = self._why_alone(self.pipe.turn_options(job))
+        if alone is not None:  # nothing is dropped: the turn runs by itself, as `generate` runs it
+            logger.info("a turn of %r runs alone, outside the batch: %s", job.session_id, alone)
+            job.future.set_result(self.pipe.run_turn(job))
+            return
         self.pipe.prefetch_turn(job)  # its session loads from disk while earlier turns prefill
         self.prefilling.append(job)
 
+    def _why_alone(self, options: dict) -> str | None:
+        """Why a turn with these `generate` options cannot decode in the batch (None: it can). The batch decodes
+        one sequence per turn, greedy or sampled, with the turn's own processors: beam search, several returned
+        sequences, assisted decoding and options `generate` does not know run the turn alone."""
+        options = {k: v for k, v in options.items() if k != "seed"}
+        unbatched = [k for k in ("assistant_model", "assistant_tokenizer", "negative_prompt_ids", "custom_generate")
+                     if options.get(k) is not None]
+        if unbatched:
+            return f"`{unbatched[0]}` is set"
+        config, _, rest = decoding_plan(self.model, torch.zeros(1, 1, dtype=torch.long, device=self.model.device),
+                                        options)
+        if rest:
+            return f"`{sorted(rest)[0]}` is not a generation option (generate will say so)"
+        mode = config.get_generation_mode()
+        if getattr(mode, "value", mode) not in ("greedy_search", "sample"):
+            return f"the generation mode is {getattr(mode, 'value', mode)}"
+        if (config.num_return_sequences or 1) != 1:
+            return f"`num_return_sequences` is {config.num_return_sequences}"
+        return None
+
     def _member(self, job: "Job") -> _Member:
-        """Looks the turn up in the store (its reuse plan) as its prefill begins."""
+        """Looks the turn up in the store (its reuse plan) as its prefill begins, and builds what `generate`
+        would decode it with: transformers' own logits processors and warpers for its options, its length and
+        end tokens (`decoding_plan`), so that a turn in a batch picks the tokens it would pick alone."""
         prep = self.pipe.prepare(job)
-        options = prep.options
-        eos = self.default_eos if "eos_token_id" not in options else _id_set(options["eos_token_id"])
+        options = dict(prep.options)
+        seed = options.pop("seed", None)
+        config, processors, _ = decoding_plan(self.model, prep.prompt, options)
         stops = options.get("stop_strings") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
-        sample = ({"temperature": float(options.get("temperature") or 1.0), "top_p": float(options.get("top_p") or 1.0)}
-                  if options.get("do_sample") else None)
-        return _Member(prep, Tee(prep.timer, job.streamer), int(options.get("max_new_tokens", 20)), eos, stops,
-                       sample)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.model.device).manual_seed(int(seed))
+        max_new = int(config.max_length) - int(prep.prompt.shape[1])
+        return _Member(prep, Tee(prep.timer, job.streamer), max_new, _id_set(config.eos_token_id), stops,
+                       bool(config.do_sample), processors, generator, options.get("stopping_criteria"))
 
     def _prefill(self) -> bool:
         """Prefills joining turns in order, within this iteration's token budget; returns whether one finished
@@ -423,21 +455,18 @@ class BatchRunner:
     def _accept(self, m: _Member, logits: torch.Tensor) -> None:
         """Chooses the member's next token from its logits ``[1, vocab]``, streams it, and decides whether the
         member is done."""
-        options = m.prep.options
-        scores = logits.float()
-        processors = options.get("logits_processor")
-        if processors:
-            seq = torch.tensor([m.prep.prompt[0].tolist() + m.generated], device=logits.device)
-            scores = processors(seq, scores)
-        if m.sample is None:
-            token = int(scores.argmax(-1))
+        seq = torch.tensor([m.prep.prompt[0].tolist() + m.generated], device=logits.device)
+        scores = m.processors(seq, logits.float()) if m.processors else logits.float()
+        if m.sample:  # as `generate` samples: softmax of the processed scores, one multinomial draw
+            token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=m.generator))
         else:
-            token = _sample(scores, **m.sample)
+            token = int(scores.argmax(-1))
         m.generated.append(token)
         m.tee.put(torch.tensor([token]))
         job = m.prep.job
         text = self.pipe.chat_tokens.reply_text(torch.tensor(m.generated)) if m.stops else ""
-        if token in m.eos or len(m.generated) >= m.max_new or any(s in text for s in m.stops) or (
+        stopped = bool(m.criteria) and bool(m.criteria(torch.cat([seq, seq.new_tensor([[token]])], 1), scores).all())
+        if token in m.eos or len(m.generated) >= m.max_new or any(s in text for s in m.stops) or stopped or (
                 job.cancel is not None and job.cancel.is_set()):
             m.done = True
             m.tee.end()
@@ -563,11 +592,3 @@ def _id_set(ids) -> set:
 MIN_TEMPERATURE = 1e-5  # a lower temperature divides logits into infinities; the serving layer clamps to it too
 
 
-def _sample(scores: torch.Tensor, temperature: float, top_p: float) -> int:
-    probs = torch.softmax(scores / max(temperature, MIN_TEMPERATURE), dim=-1)[0]
-    if top_p < 1.0:
-        ordered, index = probs.sort(descending=True)
-        keep = ordered.cumsum(0) - ordered < top_p  # the smallest set whose mass reaches top_p
-        keep[0] = True  # at least the likeliest token (a top_p below float32's smallest number keeps none)
-        probs = torch.zeros_like(probs).scatter(0, index[keep], ordered[keep])
-    return int(torch.multinomial(probs / probs.sum(), 1))

@@ -8,6 +8,8 @@ sessions of the next `eviction_window` jobs are told to a scheduler-aware policy
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import threading
 import time
@@ -335,6 +337,10 @@ class ChatPipeline:
                 self._cond.wait(timeout=timeout_s)
 
     # -- scheduling: the worker's steps, public for the batch runner (batching.py) ----------------------
+    def turn_options(self, job: Job) -> dict:
+        """The `generate` options of a turn: the pipeline's, with the turn's own on top."""
+        return {**self.generate_kwargs, **(job.options or {})}
+
     def prefetch_turn(self, job: Job) -> None:
         """Starts loading a taken turn's session into host memory (it is looked up when its prefill comes, see
         batching.py). Best effort: a failure only costs the overlap."""
@@ -380,7 +386,7 @@ class ChatPipeline:
                 history = stored.view(1, -1) if stored is not None else None
             ids = (self.chat_tokens.first_turn(job.message) if history is None
                    else self.chat_tokens.next_turn(history, job.message))
-        options = {**self.generate_kwargs, **(job.options or {})}
+        options = self.turn_options(job)
         timer = FirstTokenTimer().start()
         if self.store is None:
             # With the config: a hybrid model's own cache has its linear-attention layers.
@@ -405,17 +411,29 @@ class ChatPipeline:
     def run_turn(self, job: Job) -> Reply:
         p = self.prepare(job)
         options = dict(p.options)
+        seed = options.pop("seed", None)  # ours, not generate's: its random numbers (as the batch runner's)
         if job.cancel is not None:
-            options["stopping_criteria"] = StoppingCriteriaList([Cancelled(job.cancel)])
+            options["stopping_criteria"] = StoppingCriteriaList(
+                [*(options.get("stopping_criteria") or []), Cancelled(job.cancel)])
         if "stop_strings" in options:
             options["tokenizer"] = self.tokenizer  # `generate` matches stop strings with it
         try:
             if job.reply is None:
                 # An explicit mask: without one, `generate` masks every id equal to the pad id, and a pad token
                 # inside a message or reply would break the positions of the whole session.
-                out = self.model.generate(p.prompt, attention_mask=torch.ones_like(p.prompt), **cache_kwargs(p.cache),
-                                          streamer=Tee(p.timer, job.streamer), **options)
-                ttft = p.timer.ttft
+                beams = int(options.get("num_beams") or 1) > 1
+                if isinstance(p.cache, AttnStoreCache) and (beams or int(options.get("num_return_sequences") or 1) > 1):
+                    raise ValueError("beam search and several returned sequences decode several sequences per turn, "
+                                     "and a session's stored KV is one: use num_beams=1 and num_return_sequences=1 "
+                                     "(or a pipeline without a store)")
+                if beams and job.streamer is not None:
+                    raise ValueError("a beam search reply cannot be streamed (its tokens are known at the end)")
+                with _seeded(seed, self.model.device):
+                    out = self.model.generate(p.prompt, attention_mask=torch.ones_like(p.prompt),
+                                              **cache_kwargs(p.cache),
+                                              streamer=None if beams else Tee(p.timer, job.streamer), **options)
+                # (beam search: `generate` takes no streamer; its first token is known with the whole reply)
+                ttft = time.perf_counter() - p.timer.t0 if beams else p.timer.ttft
                 generated = out[:, p.prompt.shape[1]:]
                 if self.needs_last_token(generated):
                     # `generate` never feeds its last token, so the store would not know it, and a pipeline that
@@ -470,3 +488,17 @@ class ChatPipeline:
         ttft = time.perf_counter() - t0
         rest = self.model(reply_ids, **cache_kwargs(cache), use_cache=True).logits[0, :-1].argmax(-1).cpu()
         return torch.cat([prompt, reply_ids], dim=1), torch.cat([first, rest]).tolist(), ttft
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None, device: torch.device):
+    """Runs `generate` with torch's random numbers seeded by a turn's `seed` (and restored after), so that a seeded
+    sampled turn draws what the batch runner's per-turn generator draws (batching.py): the same tokens alone or
+    batched. Without a seed, nothing changes."""
+    if seed is None:
+        yield
+        return
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(int(seed))
+        yield
