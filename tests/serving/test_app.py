@@ -293,3 +293,49 @@ def test_a_seed_gives_the_same_sampled_reply_alone_or_batched():
         close(pipe, store)
     assert replies[(1, 11)] == replies[(4, 11)] and replies[(1, 12)] == replies[(4, 12)]
     assert replies[(1, 11)] != replies[(1, 12)]
+
+
+def test_penalties_logit_bias_and_top_k_are_honoured_alone_and_batched():
+    """OpenAI's `frequency_penalty`, `presence_penalty` and `logit_bias` change the reply, identically on a
+    batch-1 and a batching server (their processors go through `generate`'s construction in both)."""
+    messages = [{"role": "user", "content": "say something long"}]
+    tok = char_tokenizer()
+    z = tok.convert_tokens_to_ids("z")
+    asks = {"plain": {}, "penalties": dict(frequency_penalty=2.0, presence_penalty=2.0),
+            "bias": dict(logit_bias={str(z): 100}), "top_k": dict(temperature=1.0, top_k=1, seed=3)}
+    got = {}
+    for batch in (1, 4):
+        client, pipe, store = make_client(max_batch_size=batch)
+        for name, extra in asks.items():
+            got[(batch, name)] = chat(client, messages, user=f"{name}-{batch}", max_tokens=8,
+                                      **extra)["choices"][0]["message"]["content"]
+        close(pipe, store)
+    for name in asks:
+        assert got[(1, name)] == got[(4, name)], name
+    assert got[(1, "penalties")] != got[(1, "plain")]
+    assert got[(1, "bias")] == "z" * 8  # +100 on one token: it wins every step
+    assert got[(1, "top_k")] == got[(1, "plain")]  # top_k=1 sampling is greedy
+
+
+def test_fields_that_would_change_the_answer_are_refused_by_name_when_not_implemented():
+    client, pipe, store = make_client()
+    ok = [{"role": "user", "content": "hi"}]
+    cases = [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"top_k": 0}, "top_k"),
+        ({"seed": 2**64}, "seed"),
+    ]
+    for extra, field in cases:
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": ok, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == field, (extra, r.json())
+    assert chat(client, ok, response_format={"type": "text"})["choices"][0]["message"]["content"] is not None
+    close(pipe, store)

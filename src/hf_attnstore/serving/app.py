@@ -23,7 +23,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from transformers import LogitsProcessorList
+
 from .batching import MIN_TEMPERATURE
+from .penalties import OpenAIPenalties
 from .pipeline import PipelineClosed
 
 from .engine import ChatEngine, Overloaded, Turn
@@ -277,6 +280,13 @@ def _generate_options(body: ChatCompletionRequest, max_new: int) -> dict:
         options["stop_strings"] = body.stops()
     if body.seed is not None:  # the same sampled tokens for the same seed, alone or batched
         options["seed"] = body.seed
+    if body.top_k is not None and options.get("do_sample"):
+        options["top_k"] = body.top_k
+    if body.frequency_penalty or body.presence_penalty:
+        options["logits_processor"] = LogitsProcessorList([OpenAIPenalties(body.frequency_penalty or 0.0,
+                                                                           body.presence_penalty or 0.0)])
+    if body.logit_bias:  # transformers' own processor for it (GenerationConfig.sequence_bias)
+        options["sequence_bias"] = {(int(token),): float(bias) for token, bias in body.logit_bias.items()}
     return options
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator, MutableMapping
 from concurrent.futures import Future
 
 import torch
-from transformers import DynamicCache, StoppingCriteriaList
+from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
 
 from ..cache.cache import AttnStoreCache
 from ..cache.chat import ChatTokens
@@ -338,8 +338,13 @@ class ChatPipeline:
 
     # -- scheduling: the worker's steps, public for the batch runner (batching.py) ----------------------
     def turn_options(self, job: Job) -> dict:
-        """The `generate` options of a turn: the pipeline's, with the turn's own on top."""
-        return {**self.generate_kwargs, **(job.options or {})}
+        """The `generate` options of a turn: the pipeline's, with the turn's own on top (logits processors of both
+        apply, the pipeline's first)."""
+        options = {**self.generate_kwargs, **(job.options or {})}
+        mine, theirs = self.generate_kwargs.get("logits_processor"), (job.options or {}).get("logits_processor")
+        if mine and theirs:
+            options["logits_processor"] = LogitsProcessorList([*mine, *theirs])
+        return options
 
     def prefetch_turn(self, job: Job) -> None:
         """Starts loading a taken turn's session into host memory (it is looked up when its prefill comes, see

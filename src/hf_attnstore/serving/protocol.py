@@ -1,8 +1,10 @@
 """The OpenAI chat-completions schema, as typed models (the subset this server implements).
 
 Requests accept OpenAI's fields; fields this server does not implement are refused with a 400 naming them
-when they would change the answer (``n > 1``, ``tools``, ``logprobs``), and ignored otherwise (OpenAI
-clients send many optional fields). Every size a client gives is bounded by :class:`RequestLimits` (from the
+when they would change the answer (``n > 1``, ``tools``, ``logprobs``, ``top_logprobs``, a ``response_format``
+other than text), honoured when implemented (``frequency_penalty``, ``presence_penalty``, ``logit_bias``,
+``seed``, ``stop``, ``top_k``), and ignored only when they do not change the answer (OpenAI clients send many
+optional fields: ``metadata``, ``store``, ``service_tier``...). Every size a client gives is bounded by :class:`RequestLimits` (from the
 context window and the server's configuration): over one, a 400 naming the field. Responses carry OpenAI's
 fields, ``usage.prompt_tokens_details.cached_tokens`` included (the prompt tokens whose KV was reused), plus
 an ``attnstore`` object with where the KV came from. ``cache_salt`` (vLLM's field) scopes a request's KV: it is
@@ -65,6 +67,12 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool | None = None
     stream_options: dict | None = None
     cache_salt: str | None = None  # vLLM's: KV is shared only between requests with the same salt
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = Field(default=None, ge=1)  # vLLM's and llama.cpp's extension (sampling only)
+    top_logprobs: int | None = None
+    response_format: dict | None = None
 
     @field_validator("messages")
     @classmethod
@@ -81,6 +89,11 @@ class ChatCompletionRequest(BaseModel):
             return "tools", "`tools`"
         if self.logprobs:
             return "logprobs", "`logprobs`"
+        if self.top_logprobs:
+            return "top_logprobs", "`top_logprobs`"
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            return "response_format", f"`response_format` of type {str(kind)[:50]!r} (structured output)"
         return None
 
     def max_new_tokens(self, default: int) -> int:
@@ -97,6 +110,7 @@ class ChatCompletionRequest(BaseModel):
 MAX_MESSAGES = 256  # rendering is per message (conversation.MessageTokens): 256 messages of 1 kB take ~0.7 s
 MAX_STOP = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # transformers' stop-string tables cost ~0.4 s per 256 characters on a 49k vocabulary
+MAX_LOGIT_BIAS = 300  # entries of `logit_bias` (OpenAI's limit)
 CHARS_PER_WINDOW_TOKEN = 32  # the messages' text may be this many characters per token of the context window
 BODY_BYTES_PER_CHAR = 12  # JSON's worst escape of one character (a surrogate pair "\ud83d\ude00")
 BODY_OVERHEAD_BYTES = 1 << 20
@@ -129,6 +143,8 @@ class RequestLimits:
     max_stop_chars: int = MAX_STOP_CHARS
     max_session_id_bytes: int = MAX_SESSION_ID_BYTES
     max_body_bytes: int | None = None
+    vocab_size: int | None = None  # token ids `logit_bias` may name: [0, vocab_size)
+    max_logit_bias: int = MAX_LOGIT_BIAS
 
     def __post_init__(self):
         for name in ("max_messages", "max_request_chars", "max_stop", "max_stop_chars", "max_session_id_bytes"):
@@ -145,7 +161,7 @@ class RequestLimits:
         """The limits of a server over `pipeline`: from its context window (or the model's positions), with
         `overrides` (any attribute) on top."""
         window = pipeline.truncation.context_window or pipeline.position_limit
-        derived = {"max_tokens": pipeline.max_reply_tokens}
+        derived = {"max_tokens": pipeline.max_reply_tokens, "vocab_size": _vocab_size(pipeline.model)}
         if window:
             derived["max_request_chars"] = CHARS_PER_WINDOW_TOKEN * window
         return cls(**{**derived, **overrides})
@@ -193,11 +209,27 @@ class RequestLimits:
             problem = self.session_id_problem(body.user, "user")
             if problem is not None:
                 return "user", problem
+        if body.logit_bias:
+            problem = self._logit_bias_problem(body.logit_bias)
+            if problem is not None:
+                return "logit_bias", problem
         if body.cache_salt is not None:
             try:
                 salted_fingerprint("", body.cache_salt)
             except ValueError as exc:
                 return "cache_salt", str(exc)
+        return None
+
+    def _logit_bias_problem(self, bias: dict) -> str | None:
+        """Why a `logit_bias` is refused (OpenAI's rules: token ids as keys, biases in [-100, 100]), or None."""
+        if len(bias) > self.max_logit_bias:
+            return f"`logit_bias` has {len(bias)} entries; at most {self.max_logit_bias} are accepted"
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit()) or (self.vocab_size is not None and int(key) >= self.vocab_size):
+                limit = f" below {self.vocab_size}" if self.vocab_size is not None else ""
+                return f"`logit_bias` keys must be token ids (integers from 0{limit}), got {key[:50]!r}"
+            if not -100 <= value <= 100:
+                return f"`logit_bias` values must be between -100 and 100, got {value} for token {key}"
         return None
 
     def session_id_problem(self, value: str, name: str) -> str | None:
@@ -223,6 +255,12 @@ class RequestLimits:
         if value != value.strip(" "):
             return f"`{name}` must not start or end with a space (HTTP strips them from the X-Session-ID header)"
         return None
+
+
+def _vocab_size(model) -> int | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    size = getattr(config, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def _surrogate(text: str) -> int | None:
