@@ -25,7 +25,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from transformers import LogitsProcessorList
 
-from .batching import MIN_TEMPERATURE
 from .penalties import OpenAIPenalties
 from .pipeline import PipelineClosed
 
@@ -49,6 +48,7 @@ from .protocol import (
 )
 
 logger = logging.getLogger(__name__)
+MIN_TEMPERATURE = 1e-5  # a lower temperature divides logits into infinities (a NaN reply, a 500): clamped to it
 _DISCONNECT_POLL_S = 0.25
 
 

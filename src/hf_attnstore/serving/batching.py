@@ -455,7 +455,10 @@ class BatchRunner:
     def _accept(self, m: _Member, logits: torch.Tensor) -> None:
         """Chooses the member's next token from its logits ``[1, vocab]``, streams it, and decides whether the
         member is done."""
-        seq = torch.tensor([m.prep.prompt[0].tolist() + m.generated], device=logits.device)
+        # The sequence so far, as `generate` passes it to processors and criteria: built only when one needs it
+        # (a step of a long prompt's turn would otherwise copy the prompt for nothing).
+        seq = torch.cat([m.prep.prompt, m.prep.prompt.new_tensor([m.generated])], 1) \
+            if m.processors or m.criteria else None
         scores = m.processors(seq, logits.float()) if m.processors else logits.float()
         if m.sample:  # as `generate` samples: softmax of the processed scores, one multinomial draw
             token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=m.generator))
@@ -589,6 +592,5 @@ def _id_set(ids) -> set:
     return set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
 
 
-MIN_TEMPERATURE = 1e-5  # a lower temperature divides logits into infinities; the serving layer clamps to it too
 
 
