@@ -144,6 +144,9 @@ def _eval_fidelity(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
     import uvicorn
 
     from .lab.models import load_default_model
@@ -153,6 +156,15 @@ def _serve(args: argparse.Namespace) -> int:
 
     model, tokenizer = load_default_model(args.model, dtype=args.dtype)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    response_template = None
+    try:
+        if args.chat_template:  # as vLLM's and llama.cpp's --chat-template: e.g. one that renders tools
+            tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        if args.response_template:  # transformers' response-template format (JSON): how tool calls are parsed
+            response_template = json.loads(Path(args.response_template).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        print(f"attnstore serve: cannot read a template: {exc}", file=sys.stderr)
+        return 2
     store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
                       remote=args.remote, remote_required=args.remote_required, policy=args.policy,
                       kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes)
@@ -161,8 +173,12 @@ def _serve(args: argparse.Namespace) -> int:
     pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
                         max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
     try:
-        app = create_app(ChatEngine(pipe, max_pending=args.max_pending), name, default_max_tokens=args.max_tokens,
-                         request_timeout_s=args.request_timeout)
+        try:
+            engine = ChatEngine(pipe, max_pending=args.max_pending, response_template=response_template)
+        except ValueError as exc:
+            print(f"attnstore serve: {exc}", file=sys.stderr)
+            return 2
+        app = create_app(engine, name, default_max_tokens=args.max_tokens, request_timeout_s=args.request_timeout)
         print(f"attnstore serve: {name} on http://{args.host}:{args.port}/v1 (store: host {args.host_bytes}"
               f"{', disk ' + args.disk_dir if args.disk_dir else ''}{', remote' if args.remote else ''})",
               file=sys.stderr)
@@ -245,6 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens one batch iteration computes at most: long prompts are prefilled in chunks "
                     "between decoding steps so running replies keep streaming (default: whole prompts)")
     sv.add_argument("--max-pending", type=int, default=64, help="requests admitted at once; more get 429")
+    sv.add_argument("--chat-template", default=None,
+                    help="a Jinja chat template file to render messages with, instead of the tokenizer's (e.g. one "
+                         "that renders tools)")
+    sv.add_argument("--response-template", default=None,
+                    help="a JSON file in transformers' response-template format: how tool calls are parsed from "
+                         "replies (default: the tokenizer's, else transformers serve's for the model's family)")
     sv.add_argument("--request-timeout", type=float, default=600.0, help="longest wait for one turn, seconds")
     sv.set_defaults(func=_serve)
 

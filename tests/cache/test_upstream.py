@@ -16,7 +16,7 @@ import transformers
 from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.cache import upstream
 
-from ..conftest import REGIME_LIMIT, make_tiny, random_ids
+from ..conftest import REGIME_LIMIT, char_tokenizer, make_tiny, random_ids
 
 
 def require(ok: bool, internal: str, detail: str) -> None:
@@ -219,3 +219,21 @@ def test_decoding_plan_decodes_as_generate(options):
                 break
             logits = model(seq[:, -1:], **upstream.cache_kwargs(cache), use_cache=True).logits[:, -1].float()
     require(got == want, "GenerationMixin._get_logits_processor", f"decoded {got}, generate gave {want}")
+
+
+def test_response_template_falls_back_to_transformers_serve_families():
+    """`transformers.cli.serving.utils._RESPONSE_TEMPLATE_FALLBACKS`: the family response templates `transformers
+    serve` parses tool calls with, for tokenizers that ship none; they parse a Hermes-style tool call with the
+    tokenizer's public `get_response_parser`."""
+    tok = char_tokenizer()
+    template = upstream.response_template(tok, "qwen2")
+    require(template is not None and "tool_calls" in template.get("fields", {}),
+            "transformers.cli.serving.utils._RESPONSE_TEMPLATE_FALLBACKS", f"no qwen2 template: {template!r}")
+    parser = tok.get_response_parser(template, prefix="<|im_start|>assistant\n")
+    parser.feed('Sure.<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><|im_end|>')
+    message, _ = parser.finalize()
+    assert message["tool_calls"] == [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]
+    assert message["content"] == "Sure."
+    assert upstream.response_template(tok, "llama") is None  # no family template: tools need one given
+    tok.response_template = {"fields": {}}
+    assert upstream.response_template(tok, "qwen2") == {"fields": {}}  # the tokenizer's own comes first

@@ -45,7 +45,8 @@ from transformers.cache_utils import (  # noqa: F401  (re-exported: the rest of 
 __all__ = ["Cache", "DummyLayer", "DynamicCache", "DynamicLayer", "DynamicSlidingWindowLayer",
            "LinearAttentionCacheLayerMixin", "LinearAttentionLayer", "CACHE_ARG", "CACHE_ARGS", "cache_kwargs",
            "cache_from", "output_cache", "base_model", "generic_prepare_inputs", "find_rotary", "rope_type",
-           "rope_limit", "layer_types", "tested_range_warning", "warn_if_untested", "decoding_plan", "GENERATE_ARGS"]
+           "rope_limit", "layer_types", "tested_range_warning", "warn_if_untested", "decoding_plan", "GENERATE_ARGS",
+           "response_template"]
 
 # The releases this package was tested with, oldest and newest (make test runs the lock's, CI also the newest
 # on the registry and the oldest here; setup.cfg's lower bound is the oldest).
@@ -217,3 +218,25 @@ def decoding_plan(model: nn.Module, prompt, options: dict):
         model_kwargs={})
     rest.pop("use_cache", None)
     return config, processors, rest
+
+
+def response_template(tokenizer, model_type: str | None = None) -> dict | None:
+    """The response template that parses this model's replies into content and tool calls
+    (`tokenizer.parse_response` / `tokenizer.get_response_parser`, public), or None when there is none.
+
+    The tokenizer's own `response_template` first; else the one `transformers serve` falls back to for the
+    model's family (`transformers.cli.serving.utils._RESPONSE_TEMPLATE_FALLBACKS`, private: checked by
+    tests/cache/test_upstream.py), so our server parses tool calls of the same models theirs does.
+
+    Example:
+        >>> response_template(object()) is None
+        True
+    """
+    own = getattr(tokenizer, "response_template", None)
+    if own is not None or not model_type:
+        return own
+    try:
+        from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
+    except ImportError:  # moved or gone upstream: the tokenizer's own template (or a flag) is then needed
+        return None
+    return next((template for types, template in _RESPONSE_TEMPLATE_FALLBACKS.items() if model_type in types), None)

@@ -28,7 +28,7 @@ from transformers import LogitsProcessorList
 from .penalties import OpenAIPenalties
 from .pipeline import PipelineClosed
 
-from .engine import ChatEngine, Overloaded, Turn
+from .engine import ChatEngine, Overloaded, ToolsUnsupported, Turn
 from .metrics import ServerMetrics
 from .protocol import (
     AttnStoreInfo,
@@ -43,9 +43,11 @@ from .protocol import (
     PromptTokensDetails,
     RequestLimits,
     ResponseMessage,
+    ToolCallDelta,
     Usage,
     error_body,
 )
+from .tools import ReplyParser
 
 logger = logging.getLogger(__name__)
 MIN_TEMPERATURE = 1e-5  # a lower temperature divides logits into infinities (a NaN reply, a 500): clamped to it
@@ -220,8 +222,13 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
             try:
                 # Off the event loop: rendering and tokenizing a long conversation takes a while, and other
                 # requests (and streams) must not wait for it.
+                tools = body.template_tools()
                 turn = await asyncio.to_thread(engine.prepare, [m.as_template_message() for m in body.messages],
-                                               session, body.cache_salt)
+                                               session, body.cache_salt, tools)
+                parser = engine.reply_parser(turn, tools, body.parallel_tool_calls is not False) \
+                    if body.parses_tool_calls() else None
+            except ToolsUnsupported as exc:
+                raise APIError(400, str(exc), param="tools")
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages")
             max_new = body.max_new_tokens(default_max_tokens)
@@ -232,8 +239,9 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
             if body.stream:
                 from transformers import AsyncTextIteratorStreamer
 
+                # With tools, the parser reads the special tokens too (templates close regions on them).
                 streamer = AsyncTextIteratorStreamer(engine.pipeline.tokenizer, skip_prompt=True,
-                                                     skip_special_tokens=True, timeout=request_timeout_s)
+                                                     skip_special_tokens=parser is None, timeout=request_timeout_s)
             try:
                 future = engine.submit(turn, streamer, cancel, **options)
             except PipelineClosed:
@@ -246,19 +254,23 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
             released = True
             if body.stream:
                 return StreamingResponse(_stream(engine, metrics, turn, future, streamer, max_new, completion_id,
-                                                 model_name, cancel, request_timeout_s, body),
+                                                 model_name, cancel, request_timeout_s, body, parser),
                                          media_type="text/event-stream",
                                          headers={"X-Session-ID": turn.session_id, "Cache-Control": "no-cache"})
             reply = await _wait(future, request, cancel, request_timeout_s)
             if reply is None:
                 metrics.cancelled.inc()
                 return Response(status_code=499)  # the client is gone: nobody reads this
-            engine.finish(turn, reply)
+            message = ResponseMessage(content=reply.text)
+            if parser is not None:
+                _parse_whole(engine, parser, reply)
+                message = ResponseMessage(content=parser.message_content, tool_calls=parser.calls or None)
+            engine.finish(turn, reply, parser)
             metrics.observe(reply)
             result = ChatCompletion(id=completion_id, model=model_name, usage=_usage(turn, reply),
                                     attnstore=_info(turn, reply),
-                                    choices=[Choice(message=ResponseMessage(content=reply.text),
-                                                    finish_reason=engine.finish_reason(reply, max_new))])
+                                    choices=[Choice(message=message,
+                                                    finish_reason=engine.finish_reason(reply, max_new, parser))])
             return JSONResponse(result.model_dump(), headers={"X-Session-ID": turn.session_id})
         finally:
             if not released:
@@ -290,6 +302,15 @@ def _generate_options(body: ChatCompletionRequest, max_new: int) -> dict:
     return options
 
 
+def _parse_whole(engine: ChatEngine, parser: ReplyParser, reply) -> None:
+    """Parses a whole reply (its ids decoded with their special tokens, on which templates close regions); a
+    reply the parser gives up on is all content, as generated."""
+    parser.feed(engine.pipeline.tokenizer.decode(list(reply.generated_ids)))
+    parser.finish()
+    if parser.failed:
+        parser.content, parser.calls = reply.text, []
+
+
 async def _wait(future, request: Request, cancel: threading.Event, timeout_s: float):
     """The turn's reply, or None if the client disconnected first (the turn is then cancelled)."""
     waiting = asyncio.wrap_future(future)
@@ -314,7 +335,7 @@ async def _wait(future, request: Request, cancel: threading.Event, timeout_s: fl
 
 async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future, streamer, max_new: int,
                   completion_id: str, model_name: str, cancel: threading.Event, timeout_s: float,
-                  body: ChatCompletionRequest):
+                  body: ChatCompletionRequest, parser: ReplyParser | None = None):
     def event(chunk: ChatCompletionChunk | dict) -> str:
         data = chunk if isinstance(chunk, dict) else chunk.model_dump(exclude_none=True)
         return f"data: {json.dumps(data)}\n\n"
@@ -323,15 +344,30 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future
         return ChatCompletionChunk(id=completion_id, model=model_name,
                                    choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
 
+    calls = 0
+
+    def deltas(content: str, new_calls: list) -> list[str]:
+        nonlocal calls
+        out = [event(chunk(Delta(content=content)))] if content else []
+        for call in new_calls:  # each call whole, when its region closes (as transformers serve streams them)
+            out.append(event(chunk(Delta(tool_calls=[ToolCallDelta(index=calls, id=call.id,
+                                                                   function=call.function)]))))
+            calls += 1
+        return out
+
     finished = False
     try:
         yield event(chunk(Delta(role="assistant", content="")))
         try:
             async for text in streamer:
                 if text:
-                    yield event(chunk(Delta(content=text)))
+                    for line in deltas(*parser.feed(text)) if parser is not None else deltas(text, []):
+                        yield line
         except asyncio.TimeoutError:
             cancel.set()
+        if parser is not None:
+            for line in deltas(*parser.finish()):
+                yield line
         try:
             reply = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except Exception as exc:  # noqa: BLE001 - reported in the stream: the status line is long gone
@@ -341,9 +377,9 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future
             yield "data: [DONE]\n\n"
             finished = True
             return
-        engine.finish(turn, reply)
+        engine.finish(turn, reply, parser)
         metrics.observe(reply)
-        yield event(chunk(Delta(), engine.finish_reason(reply, max_new), attnstore=_info(turn, reply)))
+        yield event(chunk(Delta(), engine.finish_reason(reply, max_new, parser), attnstore=_info(turn, reply)))
         if (body.stream_options or {}).get("include_usage"):
             yield event(ChatCompletionChunk(id=completion_id, model=model_name, choices=[], usage=_usage(turn, reply)))
         yield "data: [DONE]\n\n"

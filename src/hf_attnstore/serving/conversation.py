@@ -20,6 +20,8 @@ import hashlib
 import threading
 from collections import OrderedDict
 
+from .tools import message_call_key
+
 _PROBE = "\x00attnstore-probe\x00"
 
 
@@ -33,8 +35,22 @@ class ReplyMemo:
 
     def __init__(self, max_entries: int = 100_000):
         self._entries: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
+        self._calls: OrderedDict[tuple[str, str], str] = OrderedDict()  # tools.call_key -> the reply's text
         self._max = max_entries
         self._lock = threading.Lock()
+
+    def add_calls(self, key: str, text: str, scope: str = "") -> None:
+        """Remembers that the reply with tool calls `key` (`tools.call_key`) was generated as `text` (its ids
+        are then remembered under `text` with `add`)."""
+        with self._lock:
+            self._calls[(scope, key)] = text
+            self._calls.move_to_end((scope, key))
+            while len(self._calls) > self._max:
+                self._calls.popitem(last=False)
+
+    def calls_text(self, key: str, scope: str = "") -> str | None:
+        with self._lock:
+            return self._calls.get((scope, key))
 
     def add(self, text: str, ids: list[int], scope: str = "") -> None:
         """Remembers `ids` as the generation of `text` within `scope` (a request's ``cache_salt``: replies
@@ -78,55 +94,73 @@ class MessageTokens:
         self.tokenizer = tokenizer
         self.memo = memo if memo is not None else ReplyMemo()
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
         if not messages and not generation_prompt:
             return ""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def takes_tools(self, tools: list[dict]) -> bool:
+        """Whether the chat template renders `tools` at all (a template that ignores them would let the model
+        answer without knowing them)."""
+        probe = [{"role": "user", "content": _PROBE}]
+        try:
+            return self._render(probe, True, tools) != self._render(probe, True)
+        except Exception:  # noqa: BLE001 - a template that fails on tools cannot take them
+            return False
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
-    def generation_prompt(self, messages: list[dict]) -> str:
+    def generation_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """What the template adds to open the assistant's reply after `messages`."""
-        return self._render(messages, True)[len(self._render(messages, False)):]
+        return self._render(messages, True, tools)[len(self._render(messages, False, tools)):]
 
-    def prompt_ids(self, messages: list[dict], scope: str = "") -> list[int]:
+    def prompt_ids(self, messages: list[dict], scope: str = "", tools: list[dict] | None = None) -> list[int]:
         """The ids of the prompt for the next assistant reply after `messages` (replies remembered within
-        `scope`, see :class:`ReplyMemo`).
+        `scope`, see :class:`ReplyMemo`), rendered with `tools` (the template form) when given.
 
         Raises:
             ValueError: The template rejects the messages (its message says why).
         """
         try:
-            return self._pieces(messages, scope)
+            return self._pieces(messages, scope, tools)
         except _NotAppendable:
-            return self._encode(self._render(messages, True))
+            return self._encode(self._render(messages, True, tools))
         except Exception as exc:  # jinja errors (roles out of order, unknown fields): the client's fault
             raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 
-    def _pieces(self, messages: list[dict], scope: str) -> list[int]:
+    def _pieces(self, messages: list[dict], scope: str, tools: list[dict] | None) -> list[int]:
         ids: list[int] = []
-        before = self._render([], False)
+        before = self._render([], False, tools)
         for i, message in enumerate(messages):
-            text = self._render(messages[: i + 1], False)
+            text = self._render(messages[: i + 1], False, tools)
             if not text.startswith(before):
                 raise _NotAppendable
             piece = text[len(before):]
             if message.get("role") == "assistant":
-                ids += self._assistant_piece(messages[:i], piece, message.get("content") or "", scope)
+                ids += self._assistant_piece(messages[:i], piece, message, scope, tools)
             else:
                 ids += self._encode(piece)
             before = text
-        full = self._render(messages, True)
+        full = self._render(messages, True, tools)
         if not full.startswith(before):
             raise _NotAppendable
         return ids + self._encode(full[len(before):])
 
-    def _assistant_piece(self, history: list[dict], piece: str, content: str, scope: str) -> list[int]:
-        opening = self.generation_prompt(history)
+    def _assistant_piece(self, history: list[dict], piece: str, message: dict, scope: str,
+                         tools: list[dict] | None) -> list[int]:
+        key = message_call_key(message)
+        if key is not None:  # a reply with tool calls: the text it was generated as, if this server made it
+            content = self.memo.calls_text(key, scope) or ""
+        else:
+            content = message.get("content") or ""
+        opening = self.generation_prompt(history, tools)
         at = piece.find(content, len(opening)) if content else -1
         if not piece.startswith(opening) or at < 0 or piece[len(opening):at].strip():
-            return self._encode(piece)  # the template changes replies (e.g. strips reasoning): as rendered
+            # The template renders the reply otherwise than it was generated (it strips reasoning, or formats
+            # tool calls its own way): as rendered; reuse ends there.
+            return self._encode(piece)
         known = self.memo.get(content, scope)
         content_ids = known if known is not None else self._encode(content)
         return self._encode(opening) + content_ids + self._encode(piece[at + len(content):])

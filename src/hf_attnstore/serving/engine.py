@@ -23,9 +23,16 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from ..cache import upstream
 from ..cache.fingerprint import salted_fingerprint
 from .pipeline import ChatPipeline, Reply
 from .conversation import MessageTokens, ReplyMemo, SessionIndex
+from .tools import ReplyParser, call_key
+
+
+class ToolsUnsupported(ValueError):
+    """The model cannot take the request's tools (its chat template ignores them, or no response template
+    parses its calls): a client error naming ``tools``."""
 
 
 class Overloaded(Exception):
@@ -54,10 +61,13 @@ class ChatEngine:
         max_pending: Requests admitted at once (running and queued); more are refused (`Overloaded`).
         session_block: Granularity of the session index's digests, in tokens.
         max_sessions: Conversations the index remembers (least recently used forgotten first).
+        response_template: How to parse tool calls out of replies (transformers' response-template format);
+            default: the tokenizer's, else the one `transformers serve` uses for the model's family
+            (`upstream.response_template`). Without one, requests with tools are refused.
     """
 
     def __init__(self, pipeline: ChatPipeline, *, max_pending: int = 64, session_block: int = 16,
-                 max_sessions: int = 100_000):
+                 max_sessions: int = 100_000, response_template: dict | None = None):
         if max_pending < 1:
             raise ValueError(f"`max_pending` must be at least 1, got {max_pending}")
         self.pipeline = pipeline
@@ -67,6 +77,14 @@ class ChatEngine:
         self._pending = 0
         self._lock = threading.Lock()
         self._special = set(pipeline.tokenizer.all_special_ids)
+        config = getattr(pipeline.model, "config", None)
+        self.response_template = response_template if response_template is not None else \
+            upstream.response_template(pipeline.tokenizer, getattr(config, "model_type", None))
+        if self.response_template is not None:
+            try:  # a broken template is the server's configuration: refused now, not as every request's 400
+                pipeline.tokenizer.get_response_parser(self.response_template, prefix="")
+            except Exception as exc:  # noqa: BLE001 - transformers' message says what is wrong
+                raise ValueError(f"the response template cannot parse replies: {exc}") from None
 
     # -- admission ------------------------------------------------------------------------------------
     def admit(self) -> None:
@@ -85,15 +103,22 @@ class ChatEngine:
             return self._pending
 
     # -- turns ------------------------------------------------------------------------------------------
-    def prepare(self, messages: list[dict], session_id: str | None = None, cache_salt: str | None = None) -> Turn:
-        """The turn a request asks for: its prompt ids and its session (within `cache_salt`'s scope).
+    def prepare(self, messages: list[dict], session_id: str | None = None, cache_salt: str | None = None,
+                tools: list[dict] | None = None) -> Turn:
+        """The turn a request asks for: its prompt ids and its session (within `cache_salt`'s scope), rendered
+        with `tools` (template form) when given.
 
         Raises:
+            ToolsUnsupported: `tools` are given and the chat template ignores them.
             ValueError: The messages cannot be rendered, or the session id or salt is invalid.
         """
         turn = Turn("", [], [], session_id is not None, cache_salt)
         scope = turn.scope  # a bad salt fails here, before anything is rendered
-        client = self.tokens.prompt_ids(messages, scope)
+        if tools and not self.tokens.takes_tools(tools):
+            raise ToolsUnsupported("this model's chat template does not render tools, so the model would never "
+                                   "see them: serve it with a tool-capable template (attnstore serve "
+                                   "--chat-template FILE) or send no tools")
+        client = self.tokens.prompt_ids(messages, scope, tools)
         if not client:
             raise ValueError("the messages render to an empty prompt")
         if session_id is None:
@@ -112,8 +137,22 @@ class ChatEngine:
         return self.pipeline.submit_prompt(turn.session_id, turn.model_ids, streamer, cancel=cancel,
                                            cache_salt=turn.cache_salt, **options)
 
-    def finish(self, turn: Turn, reply: Reply) -> None:
-        """Records a finished turn: the session's ids for the index, and the reply's exact ids for the memo."""
+    def reply_parser(self, turn: Turn, tools: list[dict], parallel: bool = True) -> ReplyParser:
+        """A parser of `turn`'s reply into content and tool calls.
+
+        Raises:
+            ToolsUnsupported: No response template is known for this model.
+        """
+        if self.response_template is None:
+            raise ToolsUnsupported("this server knows no response template to parse this model's tool calls "
+                                   "with (its tokenizer has none): start it with --response-template FILE, or "
+                                   "send no tools")
+        prompt = self.pipeline.tokenizer.decode(turn.model_ids)
+        return ReplyParser(self.pipeline.tokenizer, self.response_template, prompt, tools, parallel)
+
+    def finish(self, turn: Turn, reply: Reply, parser: ReplyParser | None = None) -> None:
+        """Records a finished turn: the session's ids for the index, and the reply's exact ids for the memo
+        (a reply with tool calls also under its calls, `tools.call_key`, as `parser` found them)."""
         content = list(reply.generated_ids)
         while content and content[-1] in self._special:  # the end of turn: the template's closing adds it back
             content.pop()
@@ -121,12 +160,20 @@ class ChatEngine:
         if reply.cancelled:  # the client never saw the whole reply and will not send it back
             self.index.add(turn.session_id, turn.client_ids, list(reply.prompt_ids), scope)
             return
-        self.tokens.memo.add(reply.text, content, scope)
+        if parser is not None and parser.calls:
+            raw = self.pipeline.tokenizer.decode(content)  # as the template renders it: special tokens kept
+            self.tokens.memo.add(raw, content, scope)
+            self.tokens.memo.add_calls(call_key(parser.message_content or "", parser.arguments_of()), raw, scope)
+        else:
+            self.tokens.memo.add(reply.text, content, scope)
         self.index.add(turn.session_id, turn.client_ids + content, list(reply.prompt_ids) + content, scope)
 
     @staticmethod
-    def finish_reason(reply: Reply, max_new_tokens: int) -> str:
-        """"length" for a reply cut at `max_new_tokens`, or earlier where the model's positions end (the
-        pipeline's cut: `Reply.max_new_tokens`); "stop" for one that ended."""
+    def finish_reason(reply: Reply, max_new_tokens: int, parser: ReplyParser | None = None) -> str:
+        """"tool_calls" for a reply whose calls `parser` found; "length" for a reply cut at `max_new_tokens`, or
+        earlier where the model's positions end (the pipeline's cut: `Reply.max_new_tokens`); "stop" for one
+        that ended."""
+        if parser is not None and parser.calls:
+            return "tool_calls"
         limit = min(max_new_tokens, reply.max_new_tokens) if reply.max_new_tokens else max_new_tokens
         return "length" if reply.generated_tokens >= limit else "stop"

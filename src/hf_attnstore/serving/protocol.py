@@ -1,9 +1,10 @@
 """The OpenAI chat-completions schema, as typed models (the subset this server implements).
 
 Requests accept OpenAI's fields; fields this server does not implement are refused with a 400 naming them
-when they would change the answer (``n > 1``, ``tools``, ``logprobs``, ``top_logprobs``, a ``response_format``
-other than text), honoured when implemented (``frequency_penalty``, ``presence_penalty``, ``logit_bias``,
-``seed``, ``stop``, ``top_k``), and ignored only when they do not change the answer (OpenAI clients send many
+when they would change the answer (``n > 1``, ``logprobs``, ``top_logprobs``, a ``tool_choice`` that forces a
+call, a ``response_format`` other than text), honoured when implemented (``tools``, ``tool_choice`` "auto" and
+"none", ``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages, ``frequency_penalty``,
+``presence_penalty``, ``logit_bias``, ``seed``, ``stop``, ``top_k``), and ignored only when they do not change the answer (OpenAI clients send many
 optional fields: ``metadata``, ``store``, ``service_tier``...). Every size a client gives is bounded by :class:`RequestLimits` (from the
 context window and the server's configuration): over one, a 400 naming the field. Responses carry OpenAI's
 fields, ``usage.prompt_tokens_details.cached_tokens`` included (the prompt tokens whose KV was reused), plus
@@ -13,11 +14,13 @@ reused only by, and only from, requests that send the same salt.
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..cache.fingerprint import salted_fingerprint
 from ..store.entry import MAX_SESSION_ID_BYTES
@@ -31,11 +34,79 @@ class TextPart(BaseModel):
     text: str
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except ValueError as exc:
+            raise ValueError(f"`arguments` must be a JSON object as text: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError("`arguments` must be a JSON object as text")
+        return arguments
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an assistant message in the history (one the server returned, sent back)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not TOOL_NAME.fullmatch(name):
+            raise ValueError("a function name must be 1 to 64 letters, digits, underscores or dashes")
+        return name
+
+
+class ToolDef(BaseModel):
+    """A tool the model may call (OpenAI's chat-completions form)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+    def as_template_tool(self) -> dict:
+        """The form chat templates take (and `apply_chat_template`'s `tools`)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _roles(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry `tool_calls`")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the `tool_call_id` of the call it answers")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -45,8 +116,25 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
     def as_template_message(self) -> dict:
+        """The message as chat templates take it: a tool call's arguments as a mapping (templates iterate
+        them), as transformers serve passes them."""
         role = "system" if self.role == "developer" else self.role  # OpenAI's newer name for system
-        return {"role": role, "content": self.text()}
+        message = {"role": role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and role == "tool":
+            message["name"] = self.name
+        return message
+
+    def size(self) -> int:
+        """Characters the message carries (its text and its calls' arguments), for `RequestLimits`."""
+        calls = sum(len(c.function.name) + len(c.function.arguments) for c in self.tool_calls or ())
+        return len(self.text()) + calls
 
 
 class ChatCompletionRequest(BaseModel):
@@ -63,7 +151,9 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     user: str | None = None
-    tools: list | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     stream_options: dict | None = None
     cache_salt: str | None = None  # vLLM's: KV is shared only between requests with the same salt
@@ -77,16 +167,18 @@ class ChatCompletionRequest(BaseModel):
     @field_validator("messages")
     @classmethod
     def _last_is_user(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        if messages[-1].role not in ("user", "system", "developer"):
-            raise ValueError("the last message must come from the user (the server writes the assistant's reply)")
+        if messages[-1].role not in ("user", "system", "developer", "tool"):
+            raise ValueError("the last message must come from the user or a tool (the server writes the "
+                             "assistant's reply)")
         return messages
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first requested feature this server does not implement, as (field, what), or None."""
         if self.n != 1:
             return "n", "`n` other than 1"
-        if self.tools:
-            return "tools", "`tools`"
+        if self.tools and self.tool_choice not in (None, "auto", "none"):
+            return "tool_choice", ("`tool_choice` that forces a call (\"required\" or a named function) needs "
+                                   "constrained decoding, which this server does not do: use \"auto\" or \"none\"")
         if self.logprobs:
             return "logprobs", "`logprobs`"
         if self.top_logprobs:
@@ -95,6 +187,15 @@ class ChatCompletionRequest(BaseModel):
         if kind != "text":
             return "response_format", f"`response_format` of type {str(kind)[:50]!r} (structured output)"
         return None
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools in the form chat templates take, or None."""
+        return [tool.as_template_tool() for tool in self.tools] if self.tools else None
+
+    def parses_tool_calls(self) -> bool:
+        """Whether the reply is parsed for tool calls: tools are given and `tool_choice` is not "none" (then the
+        tools are still rendered, as vLLM does, so the prompt stays the conversation's prefix)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -111,6 +212,7 @@ MAX_MESSAGES = 256  # rendering is per message (conversation.MessageTokens): 256
 MAX_STOP = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # transformers' stop-string tables cost ~0.4 s per 256 characters on a 49k vocabulary
 MAX_LOGIT_BIAS = 300  # entries of `logit_bias` (OpenAI's limit)
+MAX_TOOLS = 128  # OpenAI's limit
 CHARS_PER_WINDOW_TOKEN = 32  # the messages' text may be this many characters per token of the context window
 BODY_BYTES_PER_CHAR = 12  # JSON's worst escape of one character (a surrogate pair "\ud83d\ude00")
 BODY_OVERHEAD_BYTES = 1 << 20
@@ -145,6 +247,7 @@ class RequestLimits:
     max_body_bytes: int | None = None
     vocab_size: int | None = None  # token ids `logit_bias` may name: [0, vocab_size)
     max_logit_bias: int = MAX_LOGIT_BIAS
+    max_tools: int = MAX_TOOLS
 
     def __post_init__(self):
         for name in ("max_messages", "max_request_chars", "max_stop", "max_stop_chars", "max_session_id_bytes"):
@@ -183,14 +286,16 @@ class RequestLimits:
         if len(body.messages) > self.max_messages:
             return "messages", (f"the request has {len(body.messages)} messages; at most {self.max_messages} are "
                                 "accepted: send fewer (older turns are truncated away by the server anyway)")
-        chars = 0
+        if body.tools and len(body.tools) > self.max_tools:
+            return "tools", f"the request has {len(body.tools)} tools; at most {self.max_tools} are accepted"
+        chars = len(json.dumps(body.template_tools())) if body.tools else 0
         for i, message in enumerate(body.messages):
             text = message.text()
             bad = _surrogate(text)
             if bad is not None:
                 return "messages", (f"`messages[{i}].content` has a lone surrogate at {bad}: send valid Unicode "
                                     "text")
-            chars += len(text)
+            chars += message.size()
         if chars > self.max_request_chars:
             return "messages", (f"the messages have {chars} characters together; at most {self.max_request_chars} "
                                 "are accepted: shorten them or send fewer")
@@ -295,15 +400,22 @@ class AttnStoreInfo(BaseModel):
     queue_ms: float
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class _Completion(BaseModel):
@@ -321,15 +433,23 @@ class ChatCompletion(_Completion):
     attnstore: AttnStoreInfo
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(_Completion):
