@@ -14,7 +14,6 @@ import asyncio
 import json
 import logging
 import threading
-import time
 import uuid
 
 from fastapi import FastAPI, Request
@@ -23,9 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from transformers import LogitsProcessorList
-
-from .penalties import OpenAIPenalties
+from .handling import APIError, generate_options, parse_whole, wait_reply
 from .pipeline import PipelineClosed
 
 from .engine import ChatEngine, Overloaded, ToolsUnsupported, Turn
@@ -50,15 +47,6 @@ from .protocol import (
 from .tools import ReplyParser
 
 logger = logging.getLogger(__name__)
-MIN_TEMPERATURE = 1e-5  # a lower temperature divides logits into infinities (a NaN reply, a 500): clamped to it
-_DISCONNECT_POLL_S = 0.25
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.kind, self.code, self.param, self.headers = status, kind, code, param, headers
 
 
 class _BodyTooLarge(StarletteHTTPException):
@@ -232,7 +220,7 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages")
             max_new = body.max_new_tokens(default_max_tokens)
-            options = _generate_options(body, max_new)
+            options = generate_options(body, max_new)
             completion_id = f"chatcmpl-{uuid.uuid4().hex}"
             cancel = threading.Event()
             streamer = None
@@ -257,13 +245,13 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
                                                  model_name, cancel, request_timeout_s, body, parser),
                                          media_type="text/event-stream",
                                          headers={"X-Session-ID": turn.session_id, "Cache-Control": "no-cache"})
-            reply = await _wait(future, request, cancel, request_timeout_s)
+            reply = await wait_reply(future, request, cancel, request_timeout_s)
             if reply is None:
                 metrics.cancelled.inc()
                 return Response(status_code=499)  # the client is gone: nobody reads this
             message = ResponseMessage(content=reply.text)
             if parser is not None:
-                _parse_whole(engine, parser, reply)
+                parse_whole(engine, parser, reply)
                 message = ResponseMessage(content=parser.message_content, tool_calls=parser.calls or None)
             engine.finish(turn, reply, parser)
             metrics.observe(reply)
@@ -277,60 +265,6 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
                 engine.release()
 
     return app
-
-
-def _generate_options(body: ChatCompletionRequest, max_new: int) -> dict:
-    options: dict = {"max_new_tokens": max_new}
-    if body.temperature is not None:  # else the model's generation config decides, as in transformers serve
-        if body.temperature == 0:
-            options["do_sample"] = False
-        else:  # clamped as the batch runner does: a tinier one overflows the logits into NaN (a 500)
-            options.update(do_sample=True, temperature=max(body.temperature, MIN_TEMPERATURE))
-    if body.top_p is not None and options.get("do_sample"):
-        options["top_p"] = body.top_p
-    if body.stop:
-        options["stop_strings"] = body.stops()
-    if body.seed is not None:  # the same sampled tokens for the same seed, alone or batched
-        options["seed"] = body.seed
-    if body.top_k is not None and options.get("do_sample"):
-        options["top_k"] = body.top_k
-    if body.frequency_penalty or body.presence_penalty:
-        options["logits_processor"] = LogitsProcessorList([OpenAIPenalties(body.frequency_penalty or 0.0,
-                                                                           body.presence_penalty or 0.0)])
-    if body.logit_bias:  # transformers' own processor for it (GenerationConfig.sequence_bias)
-        options["sequence_bias"] = {(int(token),): float(bias) for token, bias in body.logit_bias.items()}
-    return options
-
-
-def _parse_whole(engine: ChatEngine, parser: ReplyParser, reply) -> None:
-    """Parses a whole reply (its ids decoded with their special tokens, on which templates close regions); a
-    reply the parser gives up on is all content, as generated."""
-    parser.feed(engine.pipeline.tokenizer.decode(list(reply.generated_ids)))
-    parser.finish()
-    if parser.failed:
-        parser.content, parser.calls = reply.text, []
-
-
-async def _wait(future, request: Request, cancel: threading.Event, timeout_s: float):
-    """The turn's reply, or None if the client disconnected first (the turn is then cancelled)."""
-    waiting = asyncio.wrap_future(future)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        done, _ = await asyncio.wait({waiting}, timeout=_DISCONNECT_POLL_S)
-        if done:
-            try:
-                return waiting.result()
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="messages")
-            except Exception as exc:  # noqa: BLE001 - the turn failed inside the server
-                logger.exception("a turn failed: %s", exc)
-                raise APIError(500, f"the turn failed inside the server: {type(exc).__name__}", kind="server_error")
-        if await request.is_disconnected():
-            cancel.set()
-            return None
-        if time.monotonic() > deadline:
-            cancel.set()
-            raise APIError(504, f"the turn did not finish within {timeout_s} s", kind="server_error", code="timeout")
 
 
 async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future, streamer, max_new: int,

@@ -1,0 +1,92 @@
+"""What the HTTP routes share: the error they raise, a request's `generate` options, waiting for a turn (and
+noticing a client that went away), and parsing a whole reply for tool calls."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+from fastapi import Request
+from transformers import LogitsProcessorList
+
+from .engine import ChatEngine
+from .penalties import OpenAIPenalties
+from .tools import ReplyParser
+
+logger = logging.getLogger(__name__)
+MIN_TEMPERATURE = 1e-5  # a lower temperature divides logits into infinities (a NaN reply, a 500): clamped to it
+_DISCONNECT_POLL_S = 0.25
+
+
+class APIError(Exception):
+    """An HTTP error as OpenAI sends them: the status, the message, its type, code and the field at fault."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.code, self.param, self.headers = status, kind, code, param, headers
+
+
+def generate_options(body, max_new: int) -> dict:
+    """`generate` options for a request, over the pipeline's: chat completions, completions or Responses (a
+    field a route does not have counts as unset)."""
+    def field(name: str):
+        return getattr(body, name, None)
+
+    options: dict = {"max_new_tokens": max_new}
+    temperature = field("temperature")
+    if temperature is not None:  # else the model's generation config decides, as in transformers serve
+        if temperature == 0:
+            options["do_sample"] = False
+        else:  # clamped as the batch runner does: a tinier one overflows the logits into NaN (a 500)
+            options.update(do_sample=True, temperature=max(temperature, MIN_TEMPERATURE))
+    if field("top_p") is not None and options.get("do_sample"):
+        options["top_p"] = field("top_p")
+    if field("stop"):
+        options["stop_strings"] = body.stops()
+    if field("seed") is not None:  # the same sampled tokens for the same seed, alone or batched
+        options["seed"] = field("seed")
+    if field("top_k") is not None and options.get("do_sample"):
+        options["top_k"] = field("top_k")
+    if field("frequency_penalty") or field("presence_penalty"):
+        options["logits_processor"] = LogitsProcessorList([OpenAIPenalties(field("frequency_penalty") or 0.0,
+                                                                           field("presence_penalty") or 0.0)])
+    if field("logit_bias"):  # transformers' own processor for it (GenerationConfig.sequence_bias)
+        options["sequence_bias"] = {(int(token),): float(bias) for token, bias in field("logit_bias").items()}
+    return options
+
+
+def parse_whole(engine: ChatEngine, parser: ReplyParser, reply) -> None:
+    """Parses a whole reply (its ids decoded with their special tokens, on which templates close regions); a
+    reply the parser gives up on is all content, as generated."""
+    parser.feed(engine.pipeline.tokenizer.decode(list(reply.generated_ids)))
+    parser.finish()
+    if parser.failed:
+        parser.content, parser.calls = reply.text, []
+
+
+async def wait_reply(future, request: Request, cancel: threading.Event, timeout_s: float, param: str = "messages"):
+    """The turn's reply, or None if the client disconnected first (the turn is then cancelled). A turn refused
+    with a ValueError is the client's: a 400 naming `param`."""
+    waiting = asyncio.wrap_future(future)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, _ = await asyncio.wait({waiting}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            try:
+                return waiting.result()
+            except ValueError as exc:
+                raise APIError(400, str(exc), param=param)
+            except Exception as exc:  # noqa: BLE001 - the turn failed inside the server
+                logger.exception("a turn failed: %s", exc)
+                raise APIError(500, f"the turn failed inside the server: {type(exc).__name__}", kind="server_error")
+        if await request.is_disconnected():
+            cancel.set()
+            return None
+        if time.monotonic() > deadline:
+            cancel.set()
+            raise APIError(504, f"the turn did not finish within {timeout_s} s", kind="server_error", code="timeout")
+
+
