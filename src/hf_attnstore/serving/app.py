@@ -22,10 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .handling import APIError, generate_options, parse_whole, wait_reply
-from .pipeline import PipelineClosed
+from .handling import APIError, parse_whole, start_turn, wait_reply
 
-from .engine import ChatEngine, Overloaded, ToolsUnsupported, Turn
+from .engine import ChatEngine, Turn
 from .metrics import ServerMetrics
 from .protocol import (
     AttnStoreInfo,
@@ -184,85 +183,31 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        if body.model != model_name:
-            raise APIError(404, f"model {body.model[:200]!r} is not served here; this server serves {model_name!r} "
-                           "(GET /v1/models)", code="model_not_found", param="model")
-        missing = body.unsupported()
-        if missing:
-            field, what = missing
-            raise APIError(400, f"{what} is not supported by this server", param=field)
-        over = limits.check(body)
-        if over:
-            field, what = over
-            raise APIError(400, what, param=field)
-        header = request.headers.get("x-session-id")
-        if header:
-            problem = limits.session_id_problem(header, "X-Session-ID")
-            if problem is not None:
-                raise APIError(400, problem, param="X-Session-ID")
-        session = header or body.user or None  # an empty id names no session
-        try:
-            engine.admit()
-        except Overloaded as exc:
-            raise APIError(429, str(exc), kind="rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
-        released = False
-        try:
-            try:
-                # Off the event loop: rendering and tokenizing a long conversation takes a while, and other
-                # requests (and streams) must not wait for it.
-                tools = body.template_tools()
-                turn = await asyncio.to_thread(engine.prepare, [m.as_template_message() for m in body.messages],
-                                               session, body.cache_salt, tools)
-                parser = engine.reply_parser(turn, tools, body.parallel_tool_calls is not False) \
-                    if body.parses_tool_calls() else None
-            except ToolsUnsupported as exc:
-                raise APIError(400, str(exc), param="tools")
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="messages")
-            max_new = body.max_new_tokens(default_max_tokens)
-            options = generate_options(body, max_new)
-            completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-            cancel = threading.Event()
-            streamer = None
-            if body.stream:
-                from transformers import AsyncTextIteratorStreamer
+        started = await start_turn(engine, body, request, limits, model_name, default_max_tokens, request_timeout_s)
+        turn, parser, future, streamer, cancel, max_new = (started.turn, started.parser, started.future,
+                                                           started.streamer, started.cancel, started.max_new)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return StreamingResponse(_stream(engine, metrics, turn, future, streamer, max_new, completion_id,
+                                             model_name, cancel, request_timeout_s, body, parser),
+                                     media_type="text/event-stream",
+                                     headers={"X-Session-ID": turn.session_id, "Cache-Control": "no-cache"})
+        reply = await wait_reply(future, request, cancel, request_timeout_s)
+        if reply is None:
+            metrics.cancelled.inc()
+            return Response(status_code=499)  # the client is gone: nobody reads this
+        message = ResponseMessage(content=reply.text)
+        if parser is not None:
+            parse_whole(engine, parser, reply)
+            message = ResponseMessage(content=parser.message_content, tool_calls=parser.calls or None)
+        engine.finish(turn, reply, parser)
+        metrics.observe(reply)
+        result = ChatCompletion(id=completion_id, model=model_name, usage=_usage(turn, reply),
+                                attnstore=_info(turn, reply),
+                                choices=[Choice(message=message,
+                                                finish_reason=engine.finish_reason(reply, max_new, parser))])
+        return JSONResponse(result.model_dump(), headers={"X-Session-ID": turn.session_id})
 
-                # With tools, the parser reads the special tokens too (templates close regions on them).
-                streamer = AsyncTextIteratorStreamer(engine.pipeline.tokenizer, skip_prompt=True,
-                                                     skip_special_tokens=parser is None, timeout=request_timeout_s)
-            try:
-                future = engine.submit(turn, streamer, cancel, **options)
-            except PipelineClosed:
-                raise APIError(503, "the server is shutting down: retry on another one", kind="server_error",
-                               code="shutting_down")
-            except ValueError as exc:  # validated above: a bug here, but the client's request all the same
-                raise APIError(400, str(exc))
-            # The request holds its room in the engine until its turn ends, whoever stops waiting for it.
-            future.add_done_callback(lambda _: engine.release())
-            released = True
-            if body.stream:
-                return StreamingResponse(_stream(engine, metrics, turn, future, streamer, max_new, completion_id,
-                                                 model_name, cancel, request_timeout_s, body, parser),
-                                         media_type="text/event-stream",
-                                         headers={"X-Session-ID": turn.session_id, "Cache-Control": "no-cache"})
-            reply = await wait_reply(future, request, cancel, request_timeout_s)
-            if reply is None:
-                metrics.cancelled.inc()
-                return Response(status_code=499)  # the client is gone: nobody reads this
-            message = ResponseMessage(content=reply.text)
-            if parser is not None:
-                parse_whole(engine, parser, reply)
-                message = ResponseMessage(content=parser.message_content, tool_calls=parser.calls or None)
-            engine.finish(turn, reply, parser)
-            metrics.observe(reply)
-            result = ChatCompletion(id=completion_id, model=model_name, usage=_usage(turn, reply),
-                                    attnstore=_info(turn, reply),
-                                    choices=[Choice(message=message,
-                                                    finish_reason=engine.finish_reason(reply, max_new, parser))])
-            return JSONResponse(result.model_dump(), headers={"X-Session-ID": turn.session_id})
-        finally:
-            if not released:
-                engine.release()
 
     return app
 

@@ -8,11 +8,15 @@ import logging
 import threading
 import time
 
+from dataclasses import dataclass
+
 from fastapi import Request
 from transformers import LogitsProcessorList
 
-from .engine import ChatEngine
+from .engine import ChatEngine, Overloaded, ToolsUnsupported, Turn
 from .penalties import OpenAIPenalties
+from .pipeline import PipelineClosed
+from .protocol import ChatCompletionRequest, RequestLimits
 from .tools import ReplyParser
 
 logger = logging.getLogger(__name__)
@@ -90,3 +94,81 @@ async def wait_reply(future, request: Request, cancel: threading.Event, timeout_
             raise APIError(504, f"the turn did not finish within {timeout_s} s", kind="server_error", code="timeout")
 
 
+
+
+@dataclass
+class Started:
+    """A request's turn, queued: what a route needs to answer it."""
+
+    turn: Turn
+    parser: ReplyParser | None  # with tools: parses the reply into content and calls
+    future: object  # the pipeline's Future of the Reply
+    streamer: object | None  # with `stream`: the reply's text as it is generated
+    cancel: threading.Event
+    max_new: int
+
+
+async def start_turn(engine: ChatEngine, body: ChatCompletionRequest, request: Request, limits: RequestLimits,
+                     model_name: str, default_max_tokens: int, timeout_s: float) -> Started:
+    """Checks a chat request (model, unsupported fields, limits, session id), admits it, renders it and queues
+    its turn. The request holds its room in the engine until the turn ends, whoever stops waiting for it.
+
+    Raises:
+        APIError: 404 for another model, 400 for a request this server will not run, 429 when the engine is
+            full, 503 once it is shutting down.
+    """
+    if body.model != model_name:
+        raise APIError(404, f"model {body.model[:200]!r} is not served here; this server serves {model_name!r} "
+                       "(GET /v1/models)", code="model_not_found", param="model")
+    missing = body.unsupported()
+    if missing:
+        field, what = missing
+        raise APIError(400, f"{what} is not supported by this server", param=field)
+    over = limits.check(body)
+    if over:
+        field, what = over
+        raise APIError(400, what, param=field)
+    header = request.headers.get("x-session-id")
+    if header:
+        problem = limits.session_id_problem(header, "X-Session-ID")
+        if problem is not None:
+            raise APIError(400, problem, param="X-Session-ID")
+    session = header or body.user or None  # an empty id names no session
+    try:
+        engine.admit()
+    except Overloaded as exc:
+        raise APIError(429, str(exc), kind="rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
+    try:
+        try:
+            # Off the event loop: rendering and tokenizing a long conversation takes a while, and other
+            # requests (and streams) must not wait for it.
+            tools = body.template_tools()
+            turn = await asyncio.to_thread(engine.prepare, [m.as_template_message() for m in body.messages],
+                                           session, body.cache_salt, tools)
+            parser = engine.reply_parser(turn, tools, body.parallel_tool_calls is not False) \
+                if body.parses_tool_calls() else None
+        except ToolsUnsupported as exc:
+            raise APIError(400, str(exc), param="tools")
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages")
+        max_new = body.max_new_tokens(default_max_tokens)
+        cancel = threading.Event()
+        streamer = None
+        if body.stream:
+            from transformers import AsyncTextIteratorStreamer
+
+            # With tools, the parser reads the special tokens too (templates close regions on them).
+            streamer = AsyncTextIteratorStreamer(engine.pipeline.tokenizer, skip_prompt=True,
+                                                 skip_special_tokens=parser is None, timeout=timeout_s)
+        try:
+            future = engine.submit(turn, streamer, cancel, **generate_options(body, max_new))
+        except PipelineClosed:
+            raise APIError(503, "the server is shutting down: retry on another one", kind="server_error",
+                           code="shutting_down")
+        except ValueError as exc:  # validated above: a bug here, but the client's request all the same
+            raise APIError(400, str(exc))
+    except BaseException:
+        engine.release()
+        raise
+    future.add_done_callback(lambda _: engine.release())
+    return Started(turn, parser, future, streamer, cancel, max_new)
