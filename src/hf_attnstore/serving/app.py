@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of `attnstore serve`: an app factory, so tests build the app in-process.
 
-Routes: ``POST /v1/chat/completions`` (streaming over SSE, or not), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text). Errors are OpenAI-style error objects, the field at fault in ``param``:
+Routes: ``POST /v1/chat/completions`` (streaming over SSE, or not), ``POST /v1/responses`` with ``GET`` and
+``DELETE /v1/responses/{id}`` (responses_api.py), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus text). Errors are OpenAI-style error objects, the field at fault in ``param``:
 400 for a malformed request or one the server cannot serve (with what to change; every size a client gives is
 bounded by `RequestLimits`), 404 for an unknown model or route, 413 for a body over the limit, 429 when the
 engine is full (with ``Retry-After``), 500 for a failure of the server itself, 503 only once it is shutting
@@ -15,6 +16,7 @@ import json
 import logging
 import threading
 import uuid
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,12 +24,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .handling import APIError, parse_whole, start_turn, wait_reply
+from .handling import APIError, parse_whole, start_turn, store_info, wait_reply
 
 from .engine import ChatEngine, Turn
 from .metrics import ServerMetrics
 from .protocol import (
-    AttnStoreInfo,
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -43,6 +44,8 @@ from .protocol import (
     Usage,
     error_body,
 )
+from .responses import ResponseStore
+from .responses_api import add_responses_routes
 from .tools import ReplyParser
 
 logger = logging.getLogger(__name__)
@@ -83,7 +86,8 @@ class _BodyLimit:
 
 
 def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int = 256,
-               request_timeout_s: float = 600.0, limits: RequestLimits | None = None) -> FastAPI:
+               request_timeout_s: float = 600.0, limits: RequestLimits | None = None,
+               responses: ResponseStore | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under the model id `model_name`.
 
     Args:
@@ -94,6 +98,8 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
         request_timeout_s: Longest a request waits for its turn to finish.
         limits: The most a request may ask for; default `RequestLimits.for_pipeline(engine.pipeline)` (from
             the context window).
+        responses: Where ``/v1/responses`` keeps stored responses; default: in memory, and in
+            ``<disk_dir>/responses`` when the store has a disk tier (chains then survive a restart).
 
     Raises:
         ValueError: A `default_max_tokens` that is not a positive integer or does not fit the context window.
@@ -113,6 +119,11 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
     app.add_middleware(_BodyLimit, limit=limits.body_bytes)
     metrics = ServerMetrics(engine.pipeline.store, engine.pending)
     app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
+    if responses is None:
+        store = engine.pipeline.store
+        disk = store.config.disk_dir if store is not None else None
+        responses = ResponseStore(Path(disk) / "responses" if disk is not None else None)
+    app.state.responses = responses
 
     def error(exc: APIError) -> JSONResponse:
         metrics.errors.labels(str(exc.status)).inc()
@@ -137,7 +148,8 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
             message = f"the request body could not be parsed ({type(cause).__name__}): send a JSON object"
         elif status == 404:
             message = f"Invalid URL ({request.method} {request.url.path}): this server serves POST " \
-                      "/v1/chat/completions, GET /v1/models, /health and /metrics"
+                      "/v1/chat/completions, POST /v1/responses, GET and DELETE /v1/responses/{id}, GET " \
+                      "/v1/models, /health and /metrics"
             code = "not_found"
         elif status == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
@@ -203,12 +215,13 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
         engine.finish(turn, reply, parser)
         metrics.observe(reply)
         result = ChatCompletion(id=completion_id, model=model_name, usage=_usage(turn, reply),
-                                attnstore=_info(turn, reply),
+                                attnstore=store_info(turn, reply),
                                 choices=[Choice(message=message,
                                                 finish_reason=engine.finish_reason(reply, max_new, parser))])
         return JSONResponse(result.model_dump(), headers={"X-Session-ID": turn.session_id})
 
 
+    add_responses_routes(app, engine, metrics, responses, model_name, limits, default_max_tokens, request_timeout_s)
     return app
 
 
@@ -258,7 +271,7 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future
             return
         engine.finish(turn, reply, parser)
         metrics.observe(reply)
-        yield event(chunk(Delta(), engine.finish_reason(reply, max_new, parser), attnstore=_info(turn, reply)))
+        yield event(chunk(Delta(), engine.finish_reason(reply, max_new, parser), attnstore=store_info(turn, reply)))
         if (body.stream_options or {}).get("include_usage"):
             yield event(ChatCompletionChunk(id=completion_id, model=model_name, choices=[], usage=_usage(turn, reply)))
         yield "data: [DONE]\n\n"
@@ -274,9 +287,3 @@ def _usage(turn: Turn, reply) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=reply.generated_tokens,
                  total_tokens=prompt + reply.generated_tokens,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=reply.reused_tokens))
-
-
-def _info(turn: Turn, reply) -> AttnStoreInfo:
-    return AttnStoreInfo(session_id=turn.session_id, kv_source=reply.kv_source, reused_tokens=reply.reused_tokens,
-                         prefilled_tokens=reply.prefilled_tokens, dropped_tokens=reply.dropped_tokens,
-                         ttft_ms=1000 * reply.ttft_s, queue_ms=1000 * reply.queued_s)

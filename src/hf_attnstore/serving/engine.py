@@ -18,6 +18,7 @@ tokens.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import uuid
 from concurrent.futures import Future
@@ -37,6 +38,16 @@ class ToolsUnsupported(ValueError):
 
 class Overloaded(Exception):
     """The engine holds `max_pending` requests already: the client should retry later (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class Remembered:
+    """A reply as the memo knows it: its text as the template renders it, its generated ids (without the end of
+    turn), and for a reply with tool calls its `tools.call_key`."""
+
+    text: str
+    ids: list[int]
+    calls_key: str | None
 
 
 @dataclass
@@ -137,6 +148,26 @@ class ChatEngine:
         return self.pipeline.submit_prompt(turn.session_id, turn.model_ids, streamer, cancel=cancel,
                                            cache_salt=turn.cache_salt, **options)
 
+    def session_ids(self, session_id: str, scope: str = "") -> tuple[list[int], list[int]] | None:
+        """The ids the index holds for `session_id`: as the client sends them, and as the model saw them (they
+        differ after truncation); None if it does not know the session."""
+        known = self.index.get(session_id, scope)
+        return None if known is None else (list(known[0]), list(known[1]))
+
+    def restore_session(self, session_id: str, client_ids: list[int], model_ids: list[int], scope: str = "") -> None:
+        """Tells the index where a session stands (a stored response's session after a restart), so the next
+        turn continues the model's ids exactly as `finish` had recorded them."""
+        self.index.add(session_id, client_ids, list(model_ids), scope)
+
+    def session_point(self, session_id: str, scope: str = "") -> str | None:
+        """A digest of where `session_id` stands (the ids the index holds for it), or None if the index does not
+        know it: a stored response records it, and continues the session only while it still stands there."""
+        known = self.index.get(session_id, scope)
+        if known is None:
+            return None
+        return hashlib.blake2b(b"".join(int(t).to_bytes(8, "little", signed=True) for t in known[0]),
+                               digest_size=16).hexdigest()
+
     def reply_parser(self, turn: Turn, tools: list[dict], parallel: bool = True) -> ReplyParser:
         """A parser of `turn`'s reply into content and tool calls.
 
@@ -150,23 +181,32 @@ class ChatEngine:
         prompt = self.pipeline.tokenizer.decode(turn.model_ids)
         return ReplyParser(self.pipeline.tokenizer, self.response_template, prompt, tools, parallel)
 
-    def finish(self, turn: Turn, reply: Reply, parser: ReplyParser | None = None) -> None:
+    def finish(self, turn: Turn, reply: Reply, parser: ReplyParser | None = None) -> Remembered | None:
         """Records a finished turn: the session's ids for the index, and the reply's exact ids for the memo
-        (a reply with tool calls also under its calls, `tools.call_key`, as `parser` found them)."""
+        (a reply with tool calls also under its calls, `tools.call_key`, as `parser` found them). Returns what
+        the memo was given (None for a cancelled turn), which `remember` gives it again."""
         content = list(reply.generated_ids)
         while content and content[-1] in self._special:  # the end of turn: the template's closing adds it back
             content.pop()
         scope = turn.scope
         if reply.cancelled:  # the client never saw the whole reply and will not send it back
             self.index.add(turn.session_id, turn.client_ids, list(reply.prompt_ids), scope)
-            return
+            return None
         if parser is not None and parser.calls:
-            raw = self.pipeline.tokenizer.decode(content)  # as the template renders it: special tokens kept
-            self.tokens.memo.add(raw, content, scope)
-            self.tokens.memo.add_calls(call_key(parser.message_content or "", parser.arguments_of()), raw, scope)
+            # As the template renders it: special tokens kept.
+            remembered = Remembered(self.pipeline.tokenizer.decode(content), content,
+                                    call_key(parser.message_content or "", parser.arguments_of()))
         else:
-            self.tokens.memo.add(reply.text, content, scope)
+            remembered = Remembered(reply.text, content, None)
+        self.remember(remembered, scope)
         self.index.add(turn.session_id, turn.client_ids + content, list(reply.prompt_ids) + content, scope)
+        return remembered
+
+    def remember(self, reply: Remembered, scope: str = "") -> None:
+        """Gives the memo a reply's exact ids (again: a stored response's, after a restart)."""
+        self.tokens.memo.add(reply.text, reply.ids, scope)
+        if reply.calls_key is not None:
+            self.tokens.memo.add_calls(reply.calls_key, reply.text, scope)
 
     @staticmethod
     def finish_reason(reply: Reply, max_new_tokens: int, parser: ReplyParser | None = None) -> str:

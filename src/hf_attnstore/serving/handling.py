@@ -16,7 +16,7 @@ from transformers import LogitsProcessorList
 from .engine import ChatEngine, Overloaded, ToolsUnsupported, Turn
 from .penalties import OpenAIPenalties
 from .pipeline import PipelineClosed
-from .protocol import ChatCompletionRequest, RequestLimits
+from .protocol import AttnStoreInfo, ChatCompletionRequest, RequestLimits
 from .tools import ReplyParser
 
 logger = logging.getLogger(__name__)
@@ -109,9 +109,10 @@ class Started:
 
 
 async def start_turn(engine: ChatEngine, body: ChatCompletionRequest, request: Request, limits: RequestLimits,
-                     model_name: str, default_max_tokens: int, timeout_s: float) -> Started:
+                     model_name: str, default_max_tokens: int, timeout_s: float, session: str | None = None) -> Started:
     """Checks a chat request (model, unsupported fields, limits, session id), admits it, renders it and queues
-    its turn. The request holds its room in the engine until the turn ends, whoever stops waiting for it.
+    its turn (on the session the client names, else `session`, else the one the index finds). The request holds
+    its room in the engine until the turn ends, whoever stops waiting for it.
 
     Raises:
         APIError: 404 for another model, 400 for a request this server will not run, 429 when the engine is
@@ -133,7 +134,7 @@ async def start_turn(engine: ChatEngine, body: ChatCompletionRequest, request: R
         problem = limits.session_id_problem(header, "X-Session-ID")
         if problem is not None:
             raise APIError(400, problem, param="X-Session-ID")
-    session = header or body.user or None  # an empty id names no session
+    session = header or body.user or session or None  # an empty id names no session
     try:
         engine.admit()
     except Overloaded as exc:
@@ -172,3 +173,10 @@ async def start_turn(engine: ChatEngine, body: ChatCompletionRequest, request: R
         raise
     future.add_done_callback(lambda _: engine.release())
     return Started(turn, parser, future, streamer, cancel, max_new)
+
+
+def store_info(turn: Turn, reply) -> AttnStoreInfo:
+    """Ours, beside OpenAI's fields: how the turn used the store."""
+    return AttnStoreInfo(session_id=turn.session_id, kv_source=reply.kv_source, reused_tokens=reply.reused_tokens,
+                         prefilled_tokens=reply.prefilled_tokens, dropped_tokens=reply.dropped_tokens,
+                         ttft_ms=1000 * reply.ttft_s, queue_ms=1000 * reply.queued_s)

@@ -44,13 +44,18 @@ class FunctionCall(BaseModel):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, arguments: str) -> str:
-        try:
-            value = json.loads(arguments)
-        except ValueError as exc:
-            raise ValueError(f"`arguments` must be a JSON object as text: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError("`arguments` must be a JSON object as text")
-        return arguments
+        return json_object_text(arguments)
+
+
+def json_object_text(arguments: str) -> str:
+    """`arguments` if it is a JSON object as text (a tool call's arguments), else a ValueError saying so."""
+    try:
+        value = json.loads(arguments)
+    except ValueError as exc:
+        raise ValueError(f"`arguments` must be a JSON object as text: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("`arguments` must be a JSON object as text")
+    return arguments
 
 
 class ToolCallIn(BaseModel):
