@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API of `attnstore serve`: an app factory, so tests build the app in-process.
 
 Routes: ``POST /v1/chat/completions`` (streaming over SSE, or not), ``POST /v1/responses`` with ``GET`` and
-``DELETE /v1/responses/{id}`` (responses_api.py), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+``DELETE /v1/responses/{id}`` (responses_api.py), ``POST /v1/completions`` (completions.py), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
 (Prometheus text). Errors are OpenAI-style error objects, the field at fault in ``param``:
 400 for a malformed request or one the server cannot serve (with what to change; every size a client gives is
 bounded by `RequestLimits`), 404 for an unknown model or route, 413 for a body over the limit, 429 when the
@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .handling import APIError, parse_whole, start_turn, store_info, wait_reply
+from .completions import add_completions_routes
+from .handling import APIError, parse_whole, start_turn, store_info, usage_of, wait_reply
 
 from .engine import ChatEngine, Turn
 from .metrics import ServerMetrics
@@ -37,11 +38,9 @@ from .protocol import (
     Delta,
     ModelCard,
     ModelList,
-    PromptTokensDetails,
     RequestLimits,
     ResponseMessage,
     ToolCallDelta,
-    Usage,
     error_body,
 )
 from .responses import ResponseStore
@@ -148,7 +147,7 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
             message = f"the request body could not be parsed ({type(cause).__name__}): send a JSON object"
         elif status == 404:
             message = f"Invalid URL ({request.method} {request.url.path}): this server serves POST " \
-                      "/v1/chat/completions, POST /v1/responses, GET and DELETE /v1/responses/{id}, GET " \
+                      "/v1/chat/completions, POST /v1/completions, POST /v1/responses, GET and DELETE /v1/responses/{id}, GET " \
                       "/v1/models, /health and /metrics"
             code = "not_found"
         elif status == 405:
@@ -214,7 +213,7 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
             message = ResponseMessage(content=parser.message_content, tool_calls=parser.calls or None)
         engine.finish(turn, reply, parser)
         metrics.observe(reply)
-        result = ChatCompletion(id=completion_id, model=model_name, usage=_usage(turn, reply),
+        result = ChatCompletion(id=completion_id, model=model_name, usage=usage_of(turn, reply),
                                 attnstore=store_info(turn, reply),
                                 choices=[Choice(message=message,
                                                 finish_reason=engine.finish_reason(reply, max_new, parser))])
@@ -222,6 +221,7 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
 
 
     add_responses_routes(app, engine, metrics, responses, model_name, limits, default_max_tokens, request_timeout_s)
+    add_completions_routes(app, engine, metrics, model_name, limits, request_timeout_s)
     return app
 
 
@@ -273,17 +273,10 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future
         metrics.observe(reply)
         yield event(chunk(Delta(), engine.finish_reason(reply, max_new, parser), attnstore=store_info(turn, reply)))
         if (body.stream_options or {}).get("include_usage"):
-            yield event(ChatCompletionChunk(id=completion_id, model=model_name, choices=[], usage=_usage(turn, reply)))
+            yield event(ChatCompletionChunk(id=completion_id, model=model_name, choices=[], usage=usage_of(turn, reply)))
         yield "data: [DONE]\n\n"
         finished = True
     finally:
         if not finished:
             cancel.set()  # the client went away mid-stream (the generator was closed): stop the turn
             metrics.cancelled.inc()
-
-
-def _usage(turn: Turn, reply) -> Usage:
-    prompt = len(turn.client_ids)
-    return Usage(prompt_tokens=prompt, completion_tokens=reply.generated_tokens,
-                 total_tokens=prompt + reply.generated_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=reply.reused_tokens))

@@ -132,6 +132,20 @@ class ChatEngine:
         client = self.tokens.prompt_ids(messages, scope, tools)
         if not client:
             raise ValueError("the messages render to an empty prompt")
+        return self._place(turn, client, session_id)
+
+    def prepare_ids(self, ids: list[int], session_id: str | None = None, cache_salt: str | None = None) -> Turn:
+        """The turn of a prompt given as token ids (completions): it continues the session that `session_id`
+        names, else the stored session whose ids are the longest prefix of `ids`, else a new one."""
+        if not ids:
+            raise ValueError("the prompt is empty")
+        turn = Turn("", [], [], session_id is not None, cache_salt)
+        turn.scope  # a bad salt fails here
+        return self._place(turn, list(ids), session_id)
+
+    def _place(self, turn: Turn, client: list[int], session_id: str | None) -> Turn:
+        """`turn` with its session and the ids the model is fed for the client's `client` ids."""
+        scope = turn.scope
         if session_id is None:
             found = self.index.find(client, scope)
             session_id = found[0] if found is not None else f"chat-{uuid.uuid4().hex}"

@@ -16,7 +16,7 @@ from transformers import LogitsProcessorList
 from .engine import ChatEngine, Overloaded, ToolsUnsupported, Turn
 from .penalties import OpenAIPenalties
 from .pipeline import PipelineClosed
-from .protocol import AttnStoreInfo, ChatCompletionRequest, RequestLimits
+from .protocol import AttnStoreInfo, ChatCompletionRequest, PromptTokensDetails, RequestLimits, Usage
 from .tools import ReplyParser
 
 logger = logging.getLogger(__name__)
@@ -180,3 +180,11 @@ def store_info(turn: Turn, reply) -> AttnStoreInfo:
     return AttnStoreInfo(session_id=turn.session_id, kv_source=reply.kv_source, reused_tokens=reply.reused_tokens,
                          prefilled_tokens=reply.prefilled_tokens, dropped_tokens=reply.dropped_tokens,
                          ttft_ms=1000 * reply.ttft_s, queue_ms=1000 * reply.queued_s)
+
+
+def usage_of(turn: Turn, reply) -> Usage:
+    """OpenAI's usage of a turn: ``cached_tokens`` are the prompt tokens whose KV was reused."""
+    prompt = len(turn.client_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=reply.generated_tokens,
+                 total_tokens=prompt + reply.generated_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=reply.reused_tokens))

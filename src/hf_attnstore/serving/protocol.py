@@ -320,7 +320,7 @@ class RequestLimits:
             if problem is not None:
                 return "user", problem
         if body.logit_bias:
-            problem = self._logit_bias_problem(body.logit_bias)
+            problem = self.logit_bias_problem(body.logit_bias)
             if problem is not None:
                 return "logit_bias", problem
         if body.cache_salt is not None:
@@ -330,7 +330,7 @@ class RequestLimits:
                 return "cache_salt", str(exc)
         return None
 
-    def _logit_bias_problem(self, bias: dict) -> str | None:
+    def logit_bias_problem(self, bias: dict) -> str | None:
         """Why a `logit_bias` is refused (OpenAI's rules: token ids as keys, biases in [-100, 100]), or None."""
         if len(bias) > self.max_logit_bias:
             return f"`logit_bias` has {len(bias)} entries; at most {self.max_logit_bias} are accepted"
