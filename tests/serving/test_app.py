@@ -339,3 +339,37 @@ def test_fields_that_would_change_the_answer_are_refused_by_name_when_not_implem
         assert r.json()["error"]["param"] == field, (extra, r.json())
     assert chat(client, ok, response_format={"type": "text"})["choices"][0]["message"]["content"] is not None
     close(pipe, store)
+
+
+def test_n_samples_share_the_prompt_and_each_can_be_continued():
+    """`n` > 1: each sample is a turn of its own whose prompt comes from the first one's stored KV (batch 1: the
+    whole prompt; batching: every whole 64-token block the first one stored before the others' prefill), seeded
+    samples differ and repeat, and the client's next request continues the sample it kept."""
+    long = [{"role": "user", "content": "tell me a story about " + "a long day at sea, " * 8}]
+    for batch in (1, 4):
+        client, pipe, store = make_client(max_batch_size=batch)
+        body = {"model": "tiny", "messages": long, "temperature": 1.0, "seed": 7, "n": 3, "max_tokens": 6}
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        texts = [c["message"]["content"] for c in out["choices"]]
+        assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+        assert len(set(texts)) > 1  # seeds 7, 8, 9
+        assert client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"] == texts[0]
+        prompt = out["usage"]["prompt_tokens"]
+        shared = out["attnstore"]["samples_reused_tokens"]
+        if batch == 1:
+            assert shared == [prompt - 1, prompt - 1]  # all but the last token, which is recomputed for its logits
+        else:
+            assert all(n >= 64 * ((prompt - 1) // 64) for n in shared), shared
+        assert out["usage"]["completion_tokens"] <= 18  # every sample's tokens, the prompt counted once
+        # The client keeps the second sample and goes on: its session is found and reused whole.
+        kept = long + [{"role": "assistant", "content": texts[1]}, {"role": "user", "content": "and then?"}]
+        nxt = chat(client, kept)
+        assert nxt["usage"]["prompt_tokens_details"]["cached_tokens"] >= prompt + 1
+        close(pipe, store)
+    client, pipe, store = make_client()
+    for extra in ({"n": 2, "stream": True}, {"n": 9}, {"n": 0}):
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": long, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", (extra, r.text)
+    close(pipe, store)

@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .completions import add_completions_routes
-from .handling import APIError, parse_whole, start_turn, store_info, usage_of, wait_reply
+from .handling import APIError, more_samples, parse_whole, start_turn, store_info, usage_of, wait_reply
 
 from .engine import ChatEngine, Turn
 from .metrics import ServerMetrics
@@ -203,20 +203,34 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
                                              model_name, cancel, request_timeout_s, body, parser),
                                      media_type="text/event-stream",
                                      headers={"X-Session-ID": turn.session_id, "Cache-Control": "no-cache"})
-        reply = await wait_reply(future, request, cancel, request_timeout_s)
-        if reply is None:
-            metrics.cancelled.inc()
-            return Response(status_code=499)  # the client is gone: nobody reads this
-        message = ResponseMessage(content=reply.text)
-        if parser is not None:
-            parse_whole(engine, parser, reply)
-            message = ResponseMessage(content=parser.message_content, tool_calls=parser.calls or None)
-        engine.finish(turn, reply, parser)
-        metrics.observe(reply)
-        result = ChatCompletion(id=completion_id, model=model_name, usage=usage_of(turn, reply),
-                                attnstore=store_info(turn, reply),
-                                choices=[Choice(message=message,
-                                                finish_reason=engine.finish_reason(reply, max_new, parser))])
+        samples = [started, *more_samples(engine, started, body, body.n - 1)]
+        replies = []
+        for sample in samples:
+            reply = await wait_reply(sample.future, request, sample.cancel, request_timeout_s)
+            if reply is None:
+                for other in samples:
+                    other.cancel.set()
+                metrics.cancelled.inc()
+                return Response(status_code=499)  # the client is gone: nobody reads this
+            replies.append(reply)
+        choices = []
+        for i, (sample, reply) in enumerate(zip(samples, replies)):
+            message = ResponseMessage(content=reply.text)
+            if sample.parser is not None:
+                parse_whole(engine, sample.parser, reply)
+                message = ResponseMessage(content=sample.parser.message_content,
+                                          tool_calls=sample.parser.calls or None)
+            engine.finish(sample.turn, reply, sample.parser)
+            metrics.observe(reply)
+            choices.append(Choice(index=i, message=message,
+                                  finish_reason=engine.finish_reason(reply, max_new, sample.parser)))
+        usage = usage_of(turn, replies[0])  # the prompt once (OpenAI's), every sample's tokens
+        usage.completion_tokens = sum(r.generated_tokens for r in replies)
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        result = ChatCompletion(id=completion_id, model=model_name, usage=usage, attnstore=store_info(turn, replies[0]),
+                                choices=choices)
+        if len(samples) > 1:  # how each further sample reused the first one's prompt
+            result.attnstore.samples_reused_tokens = [r.reused_tokens for r in replies[1:]]
         return JSONResponse(result.model_dump(), headers={"X-Session-ID": turn.session_id})
 
 

@@ -7,8 +7,8 @@ import asyncio
 import logging
 import threading
 import time
-
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 from transformers import LogitsProcessorList
@@ -173,6 +173,49 @@ async def start_turn(engine: ChatEngine, body: ChatCompletionRequest, request: R
         raise
     future.add_done_callback(lambda _: engine.release())
     return Started(turn, parser, future, streamer, cancel, max_new)
+
+
+def more_samples(engine: ChatEngine, first: Started, body: ChatCompletionRequest, count: int) -> list[Started]:
+    """`count` more samples of `first`'s prompt (OpenAI's ``n``), each a turn of its own on a new session with
+    the same ids: they reuse the prompt's KV that the first one stores (the store's prefix sharing; in a
+    batching pipeline each is looked up when its prefill comes), and the client's next request continues
+    whichever sample it kept (the session index finds it). Sample ``i`` samples with ``seed + i`` when a seed is
+    given. Each holds its own room in the engine; when one cannot be admitted, all are cancelled.
+
+    Raises:
+        APIError: 429 when the engine is full, 503 once it is shutting down.
+    """
+    started: list[Started] = []
+    try:
+        for i in range(1, count + 1):
+            try:
+                engine.admit()
+            except Overloaded as exc:
+                raise APIError(429, f"{exc} (`n` asks for {count + 1} turns)", kind="rate_limit_error",
+                               code="overloaded", headers={"Retry-After": "1"})
+            turn = replace(first.turn, session_id=f"chat-{uuid.uuid4().hex}")
+            parser = engine.reply_parser(turn, body.template_tools(), body.parallel_tool_calls is not False) \
+                if first.parser is not None else None
+            options = generate_options(body, first.max_new)
+            if "seed" in options:  # within torch's range: [-2**63, 2**64)
+                options["seed"] = options["seed"] + i if options["seed"] + i < 2**64 else options["seed"] - i
+            cancel = threading.Event()
+            try:
+                future = engine.submit(turn, None, cancel, **options)
+            except PipelineClosed:
+                engine.release()
+                raise APIError(503, "the server is shutting down: retry on another one", kind="server_error",
+                               code="shutting_down")
+            except BaseException:
+                engine.release()
+                raise
+            future.add_done_callback(lambda _: engine.release())
+            started.append(Started(turn, parser, future, None, cancel, first.max_new))
+    except BaseException:
+        for sample in [first, *started]:
+            sample.cancel.set()
+        raise
+    return started
 
 
 def store_info(turn: Turn, reply) -> AttnStoreInfo:

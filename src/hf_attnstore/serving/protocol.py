@@ -1,9 +1,9 @@
 """The OpenAI chat-completions schema, as typed models (the subset this server implements).
 
 Requests accept OpenAI's fields; fields this server does not implement are refused with a 400 naming them
-when they would change the answer (``n > 1``, ``logprobs``, ``top_logprobs``, a ``tool_choice`` that forces a
+when they would change the answer (``n > 1`` with ``stream``, ``logprobs``, ``top_logprobs``, a ``tool_choice`` that forces a
 call, a ``response_format`` other than text), honoured when implemented (``tools``, ``tool_choice`` "auto" and
-"none", ``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages, ``frequency_penalty``,
+"none", ``parallel_tool_calls``, ``n`` (each sample a turn that reuses the first one's prompt), assistant ``tool_calls`` and ``tool`` messages, ``frequency_penalty``,
 ``presence_penalty``, ``logit_bias``, ``seed``, ``stop``, ``top_k``), and ignored only when they do not change the answer (OpenAI clients send many
 optional fields: ``metadata``, ``store``, ``service_tier``...). Every size a client gives is bounded by :class:`RequestLimits` (from the
 context window and the server's configuration): over one, a 400 naming the field. Responses carry OpenAI's
@@ -154,7 +154,7 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # torch's generator range
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1)
     user: str | None = None
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
@@ -179,8 +179,8 @@ class ChatCompletionRequest(BaseModel):
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first requested feature this server does not implement, as (field, what), or None."""
-        if self.n != 1:
-            return "n", "`n` other than 1"
+        if self.n > 1 and self.stream:
+            return "n", "`n` > 1 with `stream`"
         if self.tools and self.tool_choice not in (None, "auto", "none"):
             return "tool_choice", ("`tool_choice` that forces a call (\"required\" or a named function) needs "
                                    "constrained decoding, which this server does not do: use \"auto\" or \"none\"")
@@ -218,6 +218,7 @@ MAX_STOP = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256  # transformers' stop-string tables cost ~0.4 s per 256 characters on a 49k vocabulary
 MAX_LOGIT_BIAS = 300  # entries of `logit_bias` (OpenAI's limit)
 MAX_TOOLS = 128  # OpenAI's limit
+MAX_N = 8  # samples per request: each is a turn (a decoding slot and its KV)
 CHARS_PER_WINDOW_TOKEN = 32  # the messages' text may be this many characters per token of the context window
 BODY_BYTES_PER_CHAR = 12  # JSON's worst escape of one character (a surrogate pair "\ud83d\ude00")
 BODY_OVERHEAD_BYTES = 1 << 20
@@ -253,6 +254,7 @@ class RequestLimits:
     vocab_size: int | None = None  # token ids `logit_bias` may name: [0, vocab_size)
     max_logit_bias: int = MAX_LOGIT_BIAS
     max_tools: int = MAX_TOOLS
+    max_n: int = MAX_N
 
     def __post_init__(self):
         for name in ("max_messages", "max_request_chars", "max_stop", "max_stop_chars", "max_session_id_bytes"):
@@ -291,6 +293,8 @@ class RequestLimits:
         if len(body.messages) > self.max_messages:
             return "messages", (f"the request has {len(body.messages)} messages; at most {self.max_messages} are "
                                 "accepted: send fewer (older turns are truncated away by the server anyway)")
+        if body.n > self.max_n:
+            return "n", f"`n` is {body.n}; at most {self.max_n} samples are accepted per request"
         if body.tools and len(body.tools) > self.max_tools:
             return "tools", f"the request has {len(body.tools)} tools; at most {self.max_tools} are accepted"
         chars = len(json.dumps(body.template_tools())) if body.tools else 0
@@ -403,6 +407,7 @@ class AttnStoreInfo(BaseModel):
     dropped_tokens: int  # tokens the context window dropped this turn
     ttft_ms: float
     queue_ms: float
+    samples_reused_tokens: list[int] | None = None  # with `n` > 1: the prompt tokens each further sample reused
 
 
 class ToolCallOut(BaseModel):
