@@ -109,7 +109,7 @@ def test_bad_requests_get_openai_style_errors():
         (dict(json={"model": "tiny", "messages": []}), 400, "messages"),
         (dict(json={"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}), 400, "role"),
         (dict(json={"model": "tiny", "messages": ok + [{"role": "assistant", "content": "x"}]}), 400, "last message"),
-        (dict(json={"model": "tiny", "messages": ok, "n": 2}), 400, "`n`"),
+        (dict(json={"model": "tiny", "messages": ok, "n": 2, "stream": True}), 400, "`n`"),
         (dict(json={"model": "tiny", "messages": ok, "max_tokens": 0}), 400, "max_tokens"),
         (dict(json={"model": "tiny", "messages": ok, "temperature": 9}), 400, "temperature"),
         (dict(json={"model": "gpt-4", "messages": ok}), 404, "not served here"),
