@@ -1,4 +1,5 @@
-"""The OpenAI-compatible server with the `openai` client: a three-turn conversation, each turn resent whole.
+"""The OpenAI-compatible server with the `openai` client: a three-turn conversation, each turn resent whole; a
+Responses API chain by `previous_response_id`; a reply constrained to a JSON schema.
 
     python examples/openai_server.py                          # starts `attnstore serve` itself
     python examples/openai_server.py --url http://127.0.0.1:8000/v1   # or talks to a running one
@@ -8,6 +9,7 @@ the messages continue and reports the reused tokens in `usage.prompt_tokens_deta
 """
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -53,6 +55,26 @@ try:
         print(f"[cached {cached}/{usage.prompt_tokens} prompt tokens] {text!r}")
         messages.append({"role": "assistant", "content": text})
     assert cached > 0, "the last turn should reuse the conversation's KV"
+
+    # The Responses API keeps the conversation on the server: each request sends only what is new.
+    first = client.responses.create(model=model, input="Name a fruit.", instructions="Answer in one word.",
+                                    max_output_tokens=16, temperature=0)
+    then = client.responses.create(model=model, input="And a vegetable?", instructions="Answer in one word.",
+                                   previous_response_id=first.id, max_output_tokens=16, temperature=0)
+    details = then.usage.input_tokens_details
+    print(f"[responses: cached {details.cached_tokens}/{then.usage.input_tokens}] {first.output_text!r} "
+          f"-> {then.output_text!r}")
+    assert details.cached_tokens > first.usage.input_tokens, "the chain should reuse the first response's KV"
+
+    # Structured output (llguidance): the reply is JSON for the schema by construction.
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Name a capital city and its country."}], temperature=0,
+        max_tokens=48, response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+    place = json.loads(reply.choices[0].message.content)
+    print(f"[json_schema] {place}")
+    assert set(place) == {"city", "country"}
 finally:
     if server is not None:
         server.terminate()

@@ -3,6 +3,8 @@ prompt that continues a stored one, streaming, echo, and bad requests as 400s na
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 from fastapi.testclient import TestClient
@@ -73,7 +75,7 @@ def test_text_prompts_streaming_and_echo(server):
     ({"prompt": "x" * 190, "max_tokens": 20}, "prompt"),  # over the 200-token window together
     ({"n": 2}, "n"),
     ({"best_of": 3}, "best_of"),
-    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": 6}, "logprobs"),
     ({"suffix": "end"}, "suffix"),
     ({"max_tokens": 10**6}, "max_tokens"),
     ({"stop": [""]}, "stop"),
@@ -86,3 +88,11 @@ def test_bad_requests_are_400s_naming_the_field(server, extra, param):
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", **extra})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_a_lone_surrogate_in_a_prompt_or_stop_is_a_400(server):
+    _, http, _, _ = server
+    for body, param in (({"prompt": "a\ud800"}, "prompt"), ({"prompt": "a", "stop": ["\udc00"]}, "stop")):
+        r = http.post("/v1/completions", content=json.dumps({"model": "tiny", **body}),  # escaped: \ud800
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

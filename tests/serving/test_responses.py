@@ -245,3 +245,31 @@ def test_a_response_of_another_salt_cannot_be_continued(server):
     ok = server.client.responses.create(model="tiny", input="x", previous_response_id=first.id,
                                         extra_body={"cache_salt": "tenant-a"})
     assert ok.usage.input_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"metadata": {"k": "\ud800"}}, "metadata"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "x": float("nan")}}]}, "tools"),
+    ({"instructions": "a\udc00b"}, "instructions"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100_000}]}, None),
+])
+def test_fields_echoed_back_that_json_cannot_carry_are_400s(server, extra, param):
+    # As JSON text (escaped surrogates, NaN): what a client may send, though httpx would not encode it.
+    r = server.http.post("/v1/responses", content=json.dumps({"model": "tiny", "input": "hi", **extra}),
+                         headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_the_store_keeps_at_most_its_bytes_in_memory():
+    srv = Server()
+    try:
+        srv.http.app.state.responses.max_memory_bytes = 1  # no disk tier: it holds the newest response only
+        first = ask(srv, input="hello there")
+        second = ask(srv, input="and then?", previous_response_id=first.id)  # first is still the newest: found
+        assert second.previous_response_id == first.id
+        with pytest.raises(openai.BadRequestError):  # pushed out by `second`: its chain cannot be rebuilt
+            ask(srv, input="x", previous_response_id=first.id)
+    finally:
+        srv.close()

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .completions import add_completions_routes
-from .handling import APIError, more_samples, parse_whole, start_turn, store_info, usage_of, wait_reply
+from .handling import (APIError, chat_logprobs, more_samples, parse_whole, start_turn, store_info, usage_of,
+                       wait_reply)
 
 from .engine import ChatEngine, Turn
 from .metrics import ServerMetrics
@@ -203,16 +205,21 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
                                              model_name, cancel, request_timeout_s, body, parser),
                                      media_type="text/event-stream",
                                      headers={"X-Session-ID": turn.session_id, "Cache-Control": "no-cache"})
-        samples = [started, *more_samples(engine, started, body, body.n - 1)]
+        samples = [started, *await more_samples(engine, started, body, body.n - 1)]
         replies = []
-        for sample in samples:
-            reply = await wait_reply(sample.future, request, sample.cancel, request_timeout_s)
-            if reply is None:
-                for other in samples:
-                    other.cancel.set()
-                metrics.cancelled.inc()
-                return Response(status_code=499)  # the client is gone: nobody reads this
-            replies.append(reply)
+        deadline = time.monotonic() + request_timeout_s  # one for all the samples
+        try:
+            for sample in samples:
+                reply = await wait_reply(sample.future, request, sample.cancel,
+                                         max(0.0, deadline - time.monotonic()))
+                if reply is None:
+                    metrics.cancelled.inc()
+                    return Response(status_code=499)  # the client is gone: nobody reads this
+                replies.append(reply)
+        finally:
+            if len(replies) < len(samples):  # one failed, timed out or lost its client: none goes on
+                for sample in samples:
+                    sample.cancel.set()
         choices = []
         for i, (sample, reply) in enumerate(zip(samples, replies)):
             message = ResponseMessage(content=reply.text)
@@ -223,7 +230,8 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
             engine.finish(sample.turn, reply, sample.parser)
             metrics.observe(reply)
             choices.append(Choice(index=i, message=message,
-                                  finish_reason=engine.finish_reason(reply, max_new, sample.parser)))
+                                  finish_reason=engine.finish_reason(reply, max_new, sample.parser),
+                                  logprobs=chat_logprobs(engine.pipeline.tokenizer, reply)))
         usage = usage_of(turn, replies[0])  # the prompt once (OpenAI's), every sample's tokens
         usage.completion_tokens = sum(r.generated_tokens for r in replies)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -246,9 +254,9 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future
         data = chunk if isinstance(chunk, dict) else chunk.model_dump(exclude_none=True)
         return f"data: {json.dumps(data)}\n\n"
 
-    def chunk(delta: Delta, finish=None, **extra) -> ChatCompletionChunk:
+    def chunk(delta: Delta, finish=None, logprobs=None, **extra) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=completion_id, model=model_name,
-                                   choices=[ChunkChoice(delta=delta, finish_reason=finish)], **extra)
+                                   choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)], **extra)
 
     calls = 0
 
@@ -261,7 +269,7 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future
             calls += 1
         return out
 
-    finished = False
+    finished = timed_out = False
     try:
         yield event(chunk(Delta(role="assistant", content="")))
         try:
@@ -269,8 +277,9 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future
                 if text:
                     for line in deltas(*parser.feed(text)) if parser is not None else deltas(text, []):
                         yield line
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError:  # cut: reported as an error below, not as a finished reply
             cancel.set()
+            timed_out = True
         if parser is not None:
             for line in deltas(*parser.finish()):
                 yield line
@@ -285,7 +294,15 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future
             return
         engine.finish(turn, reply, parser)
         metrics.observe(reply)
-        yield event(chunk(Delta(), engine.finish_reason(reply, max_new, parser), attnstore=store_info(turn, reply)))
+        if timed_out:
+            metrics.errors.labels("504").inc()
+            yield event(error_body(f"the turn did not finish within {timeout_s} s", "server_error", code="timeout"))
+            yield "data: [DONE]\n\n"
+            finished = True
+            return
+        # Log-probabilities come with the last chunk, all of them: the text streamer's pieces are not tokens.
+        yield event(chunk(Delta(), engine.finish_reason(reply, max_new, parser),
+                          chat_logprobs(engine.pipeline.tokenizer, reply), attnstore=store_info(turn, reply)))
         if (body.stream_options or {}).get("include_usage"):
             yield event(ChatCompletionChunk(id=completion_id, model=model_name, choices=[], usage=usage_of(turn, reply)))
         yield "data: [DONE]\n\n"

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache.cache import AttnStoreCache
-from .jobs import Job, Prepared, Tee, quietly
+from .jobs import Job, Prepared, Tee, quietly, token_logprobs
 from ..cache.upstream import DynamicCache, DynamicLayer, cache_kwargs, decoding_plan
 
 if TYPE_CHECKING:
@@ -234,6 +234,8 @@ class _Member:
     processors: object = None  # the LogitsProcessorList `generate` builds for the turn's options (decoding_plan)
     generator: torch.Generator | None = None  # the turn's own random numbers (a `seed` option), else torch's
     criteria: object = None  # the turn's own stopping criteria (a `stopping_criteria` option), or None
+    top_logprobs: int | None = None  # the `logprobs` option: alternatives per token (None: no log-probabilities)
+    logprobs: list = field(default_factory=list)  # per generated token, `token_logprobs`'s answer
     generated: list[int] = field(default_factory=list)
     prefilled: int = 0  # new prompt tokens (after the reused ones) computed so far
     fed: int = 0  # generated tokens fed back through the model (their KV is in the batch cache)
@@ -355,7 +357,7 @@ class BatchRunner:
         """Why a turn with these `generate` options cannot decode in the batch (None: it can). The batch decodes
         one sequence per turn, greedy or sampled, with the turn's own processors: beam search, several returned
         sequences, assisted decoding and options `generate` does not know run the turn alone."""
-        options = {k: v for k, v in options.items() if k != "seed"}
+        options = {k: v for k, v in options.items() if k not in ("seed", "logprobs")}
         unbatched = [k for k in ("assistant_model", "assistant_tokenizer", "negative_prompt_ids", "custom_generate")
                      if options.get(k) is not None]
         if unbatched:
@@ -378,6 +380,7 @@ class BatchRunner:
         prep = self.pipe.prepare(job)
         options = dict(prep.options)
         seed = options.pop("seed", None)
+        top = options.pop("logprobs", None)
         config, processors, _ = decoding_plan(self.model, prep.prompt, options)
         stops = options.get("stop_strings") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
@@ -386,7 +389,7 @@ class BatchRunner:
             generator = torch.Generator(device=self.model.device).manual_seed(int(seed))
         max_new = int(config.max_length) - int(prep.prompt.shape[1])
         return _Member(prep, Tee(prep.timer, job.streamer), max_new, _id_set(config.eos_token_id), stops,
-                       bool(config.do_sample), processors, generator, options.get("stopping_criteria"))
+                       bool(config.do_sample), processors, generator, options.get("stopping_criteria"), top)
 
     def _prefill(self) -> bool:
         """Prefills joining turns in order, within this iteration's token budget; returns whether one finished
@@ -465,6 +468,8 @@ class BatchRunner:
         else:
             token = int(scores.argmax(-1))
         m.generated.append(token)
+        if m.top_logprobs is not None:  # of the raw logits, as the solo path reports them
+            m.logprobs.append(token_logprobs(logits, token, m.top_logprobs))
         m.tee.put(torch.tensor([token]))
         job = m.prep.job
         text = self.pipe.chat_tokens.reply_text(torch.tensor(m.generated)) if m.stops else ""
@@ -566,7 +571,8 @@ class BatchRunner:
         out = torch.cat([prep.prompt.cpu(), generated], dim=1)
         text = self.pipe.chat_tokens.reply_text(generated)
         greedy = [] if m.sample is not None else list(m.generated)
-        reply = self.pipe.finish(prep, out, generated, text, greedy, prep.timer.ttft)
+        reply = self.pipe.finish(prep, out, generated, text, greedy, prep.timer.ttft,
+                                 tuple(m.logprobs) if m.top_logprobs is not None else None)
         prep.job.future.set_result(reply)
 
     def _fail(self, m: _Member, exc: BaseException) -> None:

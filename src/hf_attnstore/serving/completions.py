@@ -27,7 +27,7 @@ from .engine import ChatEngine, Overloaded
 from .handling import APIError, generate_options, store_info, usage_of, wait_reply
 from .metrics import ServerMetrics
 from .pipeline import PipelineClosed
-from .protocol import RequestLimits, error_body
+from .protocol import RequestLimits, error_body, surrogate_at
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -51,7 +51,7 @@ class CompletionRequest(BaseModel):
     echo: bool = False
     n: int = 1
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI's range: alternatives per token
     suffix: str | None = None
     user: str | None = None
     cache_salt: str | None = None
@@ -61,8 +61,6 @@ class CompletionRequest(BaseModel):
             return "n", "`n` other than 1"
         if self.best_of not in (None, 1):
             return "best_of", "`best_of` other than 1"
-        if self.logprobs is not None:
-            return "logprobs", "`logprobs`"
         if self.suffix:
             return "suffix", "`suffix` (insertion)"
         return None
@@ -105,6 +103,10 @@ def add_completions_routes(app: FastAPI, engine: ChatEngine, metrics: ServerMetr
         except ValueError as exc:
             raise APIError(400, str(exc), param="prompt")
         if isinstance(prompt, str):
+            bad = surrogate_at(prompt)
+            if bad is not None:
+                raise APIError(400, f"the prompt has a lone surrogate at {bad}: send valid Unicode text",
+                               param="prompt")
             if len(prompt) > limits.max_request_chars:
                 raise APIError(400, f"the prompt has {len(prompt)} characters; at most {limits.max_request_chars} "
                                "are accepted", param="prompt")
@@ -164,7 +166,8 @@ def add_completions_routes(app: FastAPI, engine: ChatEngine, metrics: ServerMetr
             return Response(status_code=499)
         engine.finish(turn, reply)
         metrics.observe(reply)
-        result = _object(completion_id, model_name, echo + reply.text, engine.finish_reason(reply, max_new))
+        result = _object(completion_id, model_name, echo + reply.text, engine.finish_reason(reply, max_new),
+                         _logprobs(tokenizer, reply, len(echo)))
         result.update(usage=usage_of(turn, reply).model_dump(), attnstore=store_info(turn, reply).model_dump())
         return JSONResponse(result, headers={"X-Session-ID": turn.session_id})
 
@@ -174,9 +177,10 @@ def _check(body: CompletionRequest, limits: RequestLimits) -> tuple[str, str] | 
     if body.max_tokens is not None and limits.max_tokens is not None and body.max_tokens > limits.max_tokens:
         return "max_tokens", f"`max_tokens` is {body.max_tokens}; use at most {limits.max_tokens}"
     stops = body.stops()
-    if len(stops) > limits.max_stop or any(not s or len(s) > limits.max_stop_chars for s in stops):
+    if len(stops) > limits.max_stop or any(not s or len(s) > limits.max_stop_chars or surrogate_at(s) is not None
+                                           for s in stops):
         return "stop", (f"`stop` takes at most {limits.max_stop} strings, each of 1 to {limits.max_stop_chars} "
-                        "characters")
+                        "characters of valid Unicode")
     if body.logit_bias:
         problem = limits.logit_bias_problem(body.logit_bias)
         if problem is not None:
@@ -184,9 +188,26 @@ def _check(body: CompletionRequest, limits: RequestLimits) -> tuple[str, str] | 
     return None
 
 
-def _object(completion_id: str, model_name: str, text: str, finish: str | None) -> dict:
+def _object(completion_id: str, model_name: str, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
     return {"id": completion_id, "object": "text_completion", "created": int(time.time()), "model": model_name,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def _logprobs(tokenizer, reply, offset: int) -> dict | None:
+    """A reply's ``logprobs`` in the completions form (tokens, their log-probabilities, the alternatives by
+    token text, each token's offset in the returned text), or None without them."""
+    if reply.logprobs is None:
+        return None
+    special = set(tokenizer.all_special_ids)  # not in the text either
+    kept = [entry for entry in reply.logprobs if entry[0] not in special]
+    tokens = [tokenizer.decode([token]) for token, _, _ in kept]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in kept],
+            "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top} for _, _, top in kept],
+            "text_offset": offsets}
 
 
 async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn, future, streamer, cancel: threading.Event,
@@ -195,7 +216,7 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn, future, stre
     def event(data: dict) -> str:
         return f"data: {json.dumps(data)}\n\n"
 
-    finished = False
+    finished = timed_out = False
     try:
         if echo:
             yield event(_object(completion_id, model_name, echo, None))
@@ -203,8 +224,9 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn, future, stre
             async for text in streamer:
                 if text:
                     yield event(_object(completion_id, model_name, text, None))
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError:  # cut: reported as an error below, not as a finished completion
             cancel.set()
+            timed_out = True
         try:
             reply = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except Exception as exc:  # noqa: BLE001 - reported in the stream: the status line is long gone
@@ -216,7 +238,15 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn, future, stre
             return
         engine.finish(turn, reply)
         metrics.observe(reply)
-        last = _object(completion_id, model_name, "", engine.finish_reason(reply, max_new))
+        if timed_out:
+            metrics.errors.labels("504").inc()
+            yield event(error_body(f"the turn did not finish within {timeout_s} s", "server_error", code="timeout"))
+            yield "data: [DONE]\n\n"
+            finished = True
+            return
+        # Log-probabilities come with the last chunk, all of them: the text streamer's pieces are not tokens.
+        last = _object(completion_id, model_name, "", engine.finish_reason(reply, max_new),
+                       _logprobs(engine.pipeline.tokenizer, reply, len(echo)))
         last["attnstore"] = store_info(turn, reply).model_dump()
         yield event(last)
         if (body.stream_options or {}).get("include_usage"):

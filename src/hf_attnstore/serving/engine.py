@@ -28,7 +28,14 @@ from ..cache import upstream
 from ..cache.fingerprint import salted_fingerprint
 from .pipeline import ChatPipeline, Reply
 from .conversation import MessageTokens, ReplyMemo, SessionIndex
+from .structured import Grammars
 from .tools import ReplyParser, call_key
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
 class ToolsUnsupported(ValueError):
@@ -88,6 +95,7 @@ class ChatEngine:
         self._pending = 0
         self._lock = threading.Lock()
         self._special = set(pipeline.tokenizer.all_special_ids)
+        self._grammars: Grammars | None = None
         config = getattr(pipeline.model, "config", None)
         self.response_template = response_template if response_template is not None else \
             upstream.response_template(pipeline.tokenizer, getattr(config, "model_type", None))
@@ -181,6 +189,18 @@ class ChatEngine:
             return None
         return hashlib.blake2b(b"".join(int(t).to_bytes(8, "little", signed=True) for t in known[0]),
                                digest_size=16).hexdigest()
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's grammar compiler for this model (built on first use)."""
+        with self._lock:
+            if self._grammars is None:
+                chat = self.pipeline.chat_tokens
+                ends = list(dict.fromkeys([*chat.eot_ids[:1], *_ids(self.pipeline.model.generation_config.eos_token_id)]))
+                size = getattr(self.pipeline.model.config.get_text_config(), "vocab_size", None) or \
+                    len(self.pipeline.tokenizer)
+                self._grammars = Grammars(self.pipeline.tokenizer, ends, int(size))
+            return self._grammars
 
     def reply_parser(self, turn: Turn, tools: list[dict], parallel: bool = True) -> ReplyParser:
         """A parser of `turn`'s reply into content and tool calls.

@@ -57,6 +57,11 @@ def generate_options(body, max_new: int) -> dict:
     if field("frequency_penalty") or field("presence_penalty"):
         options["logits_processor"] = LogitsProcessorList([OpenAIPenalties(field("frequency_penalty") or 0.0,
                                                                            field("presence_penalty") or 0.0)])
+    logprobs = field("logprobs")
+    if logprobs is True:  # chat completions: `logprobs` and `top_logprobs` alternatives
+        options["logprobs"] = field("top_logprobs") or 0
+    elif isinstance(logprobs, int) and not isinstance(logprobs, bool):  # completions: the alternatives
+        options["logprobs"] = logprobs
     if field("logit_bias"):  # transformers' own processor for it (GenerationConfig.sequence_bias)
         options["sequence_bias"] = {(int(token),): float(bias) for token, bias in field("logit_bias").items()}
     return options
@@ -108,6 +113,24 @@ class Started:
     max_new: int
 
 
+def turn_options(engine: ChatEngine, body, max_new: int) -> dict:
+    """A turn's `generate` options (`generate_options`) with, for a JSON ``response_format``, the processor that
+    constrains its reply (structured.py: one per turn, it follows the turn's tokens).
+
+    Raises:
+        APIError: 400 naming ``response_format`` for a format the grammar compiler refuses.
+    """
+    options = generate_options(body, max_new)
+    try:
+        wanted, schema = body.json_schema()
+        if wanted:
+            processor = engine.grammars.processor(schema)
+            options["logits_processor"] = LogitsProcessorList([*options.get("logits_processor", []), processor])
+    except ValueError as exc:  # GrammarError included
+        raise APIError(400, str(exc), param="response_format")
+    return options
+
+
 async def start_turn(engine: ChatEngine, body: ChatCompletionRequest, request: Request, limits: RequestLimits,
                      model_name: str, default_max_tokens: int, timeout_s: float, session: str | None = None) -> Started:
     """Checks a chat request (model, unsupported fields, limits, session id), admits it, renders it and queues
@@ -139,20 +162,11 @@ async def start_turn(engine: ChatEngine, body: ChatCompletionRequest, request: R
         engine.admit()
     except Overloaded as exc:
         raise APIError(429, str(exc), kind="rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
+    max_new = body.max_new_tokens(default_max_tokens)
     try:
-        try:
-            # Off the event loop: rendering and tokenizing a long conversation takes a while, and other
-            # requests (and streams) must not wait for it.
-            tools = body.template_tools()
-            turn = await asyncio.to_thread(engine.prepare, [m.as_template_message() for m in body.messages],
-                                           session, body.cache_salt, tools)
-            parser = engine.reply_parser(turn, tools, body.parallel_tool_calls is not False) \
-                if body.parses_tool_calls() else None
-        except ToolsUnsupported as exc:
-            raise APIError(400, str(exc), param="tools")
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages")
-        max_new = body.max_new_tokens(default_max_tokens)
+        # Off the event loop: rendering and tokenizing a long conversation, decoding it for the reply parser
+        # and compiling a grammar take a while, and other requests (and streams) must not wait for them.
+        turn, parser, options = await asyncio.to_thread(_setup, engine, body, session, max_new)
         cancel = threading.Event()
         streamer = None
         if body.stream:
@@ -161,13 +175,7 @@ async def start_turn(engine: ChatEngine, body: ChatCompletionRequest, request: R
             # With tools, the parser reads the special tokens too (templates close regions on them).
             streamer = AsyncTextIteratorStreamer(engine.pipeline.tokenizer, skip_prompt=True,
                                                  skip_special_tokens=parser is None, timeout=timeout_s)
-        try:
-            future = engine.submit(turn, streamer, cancel, **generate_options(body, max_new))
-        except PipelineClosed:
-            raise APIError(503, "the server is shutting down: retry on another one", kind="server_error",
-                           code="shutting_down")
-        except ValueError as exc:  # validated above: a bug here, but the client's request all the same
-            raise APIError(400, str(exc))
+        future = _submit(engine, turn, streamer, cancel, options)
     except BaseException:
         engine.release()
         raise
@@ -175,12 +183,39 @@ async def start_turn(engine: ChatEngine, body: ChatCompletionRequest, request: R
     return Started(turn, parser, future, streamer, cancel, max_new)
 
 
-def more_samples(engine: ChatEngine, first: Started, body: ChatCompletionRequest, count: int) -> list[Started]:
+def _setup(engine: ChatEngine, body: ChatCompletionRequest, session: str | None, max_new: int,
+           turn: Turn | None = None):
+    """A request's turn (rendered, unless given), reply parser and options; APIErrors for the client's faults."""
+    try:
+        tools = body.template_tools()
+        if turn is None:
+            turn = engine.prepare([m.as_template_message() for m in body.messages], session, body.cache_salt, tools)
+        parser = engine.reply_parser(turn, tools, body.parallel_tool_calls is not False) \
+            if body.parses_tool_calls() else None
+    except ToolsUnsupported as exc:
+        raise APIError(400, str(exc), param="tools")
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages")
+    return turn, parser, turn_options(engine, body, max_new)
+
+
+def _submit(engine: ChatEngine, turn: Turn, streamer, cancel: threading.Event, options: dict):
+    try:
+        return engine.submit(turn, streamer, cancel, **options)
+    except PipelineClosed:
+        raise APIError(503, "the server is shutting down: retry on another one", kind="server_error",
+                       code="shutting_down")
+    except ValueError as exc:  # validated before: a bug here, but the client's request all the same
+        raise APIError(400, str(exc))
+
+
+async def more_samples(engine: ChatEngine, first: Started, body: ChatCompletionRequest, count: int) -> list[Started]:
     """`count` more samples of `first`'s prompt (OpenAI's ``n``), each a turn of its own on a new session with
     the same ids: they reuse the prompt's KV that the first one stores (the store's prefix sharing; in a
     batching pipeline each is looked up when its prefill comes), and the client's next request continues
     whichever sample it kept (the session index finds it). Sample ``i`` samples with ``seed + i`` when a seed is
-    given. Each holds its own room in the engine; when one cannot be admitted, all are cancelled.
+    given, with a reply parser and a grammar of its own (they follow its tokens). Each holds its own room in the
+    engine; when one cannot be started, all are cancelled.
 
     Raises:
         APIError: 429 when the engine is full, 503 once it is shutting down.
@@ -193,19 +228,13 @@ def more_samples(engine: ChatEngine, first: Started, body: ChatCompletionRequest
             except Overloaded as exc:
                 raise APIError(429, f"{exc} (`n` asks for {count + 1} turns)", kind="rate_limit_error",
                                code="overloaded", headers={"Retry-After": "1"})
-            turn = replace(first.turn, session_id=f"chat-{uuid.uuid4().hex}")
-            parser = engine.reply_parser(turn, body.template_tools(), body.parallel_tool_calls is not False) \
-                if first.parser is not None else None
-            options = generate_options(body, first.max_new)
-            if "seed" in options:  # within torch's range: [-2**63, 2**64)
-                options["seed"] = options["seed"] + i if options["seed"] + i < 2**64 else options["seed"] - i
-            cancel = threading.Event()
             try:
-                future = engine.submit(turn, None, cancel, **options)
-            except PipelineClosed:
-                engine.release()
-                raise APIError(503, "the server is shutting down: retry on another one", kind="server_error",
-                               code="shutting_down")
+                turn = replace(first.turn, session_id=f"chat-{uuid.uuid4().hex}")
+                turn, parser, options = await asyncio.to_thread(_setup, engine, body, None, first.max_new, turn)
+                if "seed" in options:  # within torch's range: [-2**63, 2**64)
+                    options["seed"] = options["seed"] + i if options["seed"] + i < 2**64 else options["seed"] - i
+                cancel = threading.Event()
+                future = _submit(engine, turn, None, cancel, options)
             except BaseException:
                 engine.release()
                 raise
@@ -223,6 +252,21 @@ def store_info(turn: Turn, reply) -> AttnStoreInfo:
     return AttnStoreInfo(session_id=turn.session_id, kv_source=reply.kv_source, reused_tokens=reply.reused_tokens,
                          prefilled_tokens=reply.prefilled_tokens, dropped_tokens=reply.dropped_tokens,
                          ttft_ms=1000 * reply.ttft_s, queue_ms=1000 * reply.queued_s)
+
+
+def chat_logprobs(tokenizer, reply) -> dict | None:
+    """A reply's ``logprobs`` in chat completions' form (each token's text, log-probability, UTF-8 bytes and
+    alternatives), or None without them."""
+    if reply.logprobs is None:
+        return None
+
+    def entry(token: int, logprob: float) -> dict:
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    special = set(tokenizer.all_special_ids)  # not in the content either (the end of turn, above all)
+    return {"content": [{**entry(token, lp), "top_logprobs": [entry(t, l) for t, l in top]}
+                        for token, lp, top in reply.logprobs if token not in special], "refusal": None}
 
 
 def usage_of(turn: Turn, reply) -> Usage:

@@ -25,6 +25,23 @@ class PipelineClosed(ValueError):
     file."""
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    """A chosen token's log-probability under the model's raw distribution (the logits before any processor or
+    warper: vLLM's default, `raw_logprobs`) and the `top` most likely tokens with theirs.
+
+    Example:
+        >>> token_logprobs(torch.tensor([[0.0, 0.0]]), 1, 1)
+        (1, -0.6931471824645996, ((0, -0.6931471824645996),))
+    """
+    logprobs = torch.log_softmax(logits.float().view(-1), dim=-1)
+    best = torch.topk(logprobs, min(top, logprobs.numel())) if top else None
+    alternatives = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return token, float(logprobs[token]), alternatives
+
+
 def quietly(call, what: str) -> None:
     """Runs a clean-up step that must not stop the worker (a client's streamer, a cache's close): a failure is
     logged and the worker goes on."""
@@ -67,6 +84,8 @@ class Reply:
     # The most tokens this turn could generate: its `max_new_tokens`, or less where the model's positions end
     # (ChatPipeline.position_limit); a reply that reached it was cut ("length"), not ended.
     max_new_tokens: int = 0
+    # With the `logprobs` option (a count of alternatives): per generated token, `token_logprobs`'s answer.
+    logprobs: tuple | None = None
 
 
 @dataclass

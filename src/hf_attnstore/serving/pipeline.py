@@ -27,7 +27,7 @@ from ..cache.fingerprint import salted_fingerprint
 from ..store import AttnStore
 from ..store.placement import lookahead_windows
 from ..store.entry import validate_session_id
-from .jobs import Cancelled, Job, PipelineClosed, Prepared, Reply, Tee  # noqa: F401 (Reply, PipelineClosed: re-exported)
+from .jobs import Cancelled, Job, PipelineClosed, Prepared, Reply, Tee, token_logprobs  # noqa: F401 (Reply, PipelineClosed: re-exported)
 from .timing import FirstTokenTimer
 from ..cache.truncation import tokens_to_drop
 from ..cache.upstream import cache_kwargs
@@ -417,6 +417,8 @@ class ChatPipeline:
         p = self.prepare(job)
         options = dict(p.options)
         seed = options.pop("seed", None)  # ours, not generate's: its random numbers (as the batch runner's)
+        top = options.pop("logprobs", None)  # ours too: log-probabilities of the reply's tokens
+        logprobs = None
         if job.cancel is not None:
             options["stopping_criteria"] = StoppingCriteriaList(
                 [*(options.get("stopping_criteria") or []), Cancelled(job.cancel)])
@@ -433,10 +435,13 @@ class ChatPipeline:
                                      "(or a pipeline without a store)")
                 if beams and job.streamer is not None:
                     raise ValueError("a beam search reply cannot be streamed (its tokens are known at the end)")
-                with _seeded(seed, self.model.device):
+                recorder = LogprobRecorder(self.model, top) if top is not None else contextlib.nullcontext()
+                with _seeded(seed, self.model.device), recorder:
                     out = self.model.generate(p.prompt, attention_mask=torch.ones_like(p.prompt),
                                               **cache_kwargs(p.cache),
                                               streamer=None if beams else Tee(p.timer, job.streamer), **options)
+                if top is not None:
+                    logprobs = recorder.finish(out[0, p.prompt.shape[1]:].tolist())
                 # (beam search: `generate` takes no streamer; its first token is known with the whole reply)
                 ttft = time.perf_counter() - p.timer.t0 if beams else p.timer.ttft
                 generated = out[:, p.prompt.shape[1]:]
@@ -455,13 +460,14 @@ class ChatPipeline:
         finally:
             if isinstance(p.cache, AttnStoreCache):
                 p.cache.close()  # the turn is over: its session may be demoted again
-        return self.finish(p, out, generated, text, greedy, ttft)
+        return self.finish(p, out, generated, text, greedy, ttft, logprobs)
 
     def needs_last_token(self, generated: torch.Tensor) -> bool:
         """Whether a reply's last token must still be fed to store it (see `run_turn`)."""
         return self.store is not None and generated.shape[1] > 0 and int(generated[0, -1]) != self.chat_tokens.eot_ids[0]
 
-    def finish(self, p: "Prepared", out: torch.Tensor, generated: torch.Tensor, text: str, greedy, ttft: float) -> Reply:
+    def finish(self, p: "Prepared", out: torch.Tensor, generated: torch.Tensor, text: str, greedy, ttft: float,
+               logprobs: tuple | None = None) -> Reply:
         """The turn's Reply; the session's history becomes `out` (only a completed turn changes it)."""
         total = time.perf_counter() - p.timer.t0
         job = p.job
@@ -476,7 +482,7 @@ class ChatPipeline:
                      greedy_ids=tuple(greedy), generated_ids=tuple(generated.view(-1).tolist()),
                      prompt_ids=tuple(p.prompt.view(-1).tolist()),
                      cancelled=job.cancel is not None and job.cancel.is_set(),
-                     max_new_tokens=int(p.options.get("max_new_tokens") or 0))
+                     max_new_tokens=int(p.options.get("max_new_tokens") or 0), logprobs=logprobs)
 
     @torch.no_grad()
     def _read_reply(self, prompt: torch.Tensor, cache, reused: int, reply: str, t0: float):
@@ -493,6 +499,60 @@ class ChatPipeline:
         ttft = time.perf_counter() - t0
         rest = self.model(reply_ids, **cache_kwargs(cache), use_cache=True).logits[0, :-1].argmax(-1).cpu()
         return torch.cat([prompt, reply_ids], dim=1), torch.cat([first, rest]).tolist(), ttft
+
+
+class LogprobRecorder:
+    """Records the log-probabilities of a `generate` call's tokens as it decodes, holding one step's logits at a
+    time: the output embeddings' forward hook keeps the raw logits of the next token, and the model's next
+    forward (whose input is the token chosen) turns them into `token_logprobs`. (`generate`'s own
+    ``output_logits`` would keep every step's whole logits until the end: 5 GB for 8,192 tokens of a 152k
+    vocabulary.) Hooks are public torch API; the worker runs one `generate` at a time.
+
+    Example:
+        >>> with LogprobRecorder(model, top=2) as rec:  # doctest: +SKIP
+        ...     out = model.generate(ids)
+        >>> rec.finish(out[0, ids.shape[1]:].tolist())  # doctest: +SKIP
+    """
+
+    def __init__(self, model: torch.nn.Module, top: int):
+        self.model, self.top = model, top
+        self.entries: list = []
+        self._row: torch.Tensor | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> "LogprobRecorder":
+        head = self.model.get_output_embeddings()
+        if head is None:
+            raise ValueError("this model has no output embeddings to read log-probabilities from")
+        self._handles = [self.model.register_forward_pre_hook(self._before, with_kwargs=True),
+                         head.register_forward_hook(self._after)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self._row is not None and ids is not None:
+            self._take(int(ids[0, -1]))
+
+    def _after(self, module, inputs, output):
+        self._row = output[0, -1].detach()
+
+    def _take(self, token: int) -> None:
+        self.entries.append(token_logprobs(self._row, token, self.top))
+        self._row = None
+
+    def finish(self, generated: list[int]) -> tuple:
+        """The entries for `generated` (the last token's from the logits still held)."""
+        if self._row is not None and len(self.entries) < len(generated):
+            self._take(generated[len(self.entries)])
+        if len(self.entries) != len(generated) or any(e[0] != t for e, t in zip(self.entries, generated)):
+            raise RuntimeError(f"log-probabilities were recorded for {len(self.entries)} of {len(generated)} tokens: "
+                               "this model's forward does not go through its output embeddings module")
+        return tuple(self.entries)
 
 
 @contextlib.contextmanager

@@ -1,11 +1,12 @@
 """The OpenAI chat-completions schema, as typed models (the subset this server implements).
 
 Requests accept OpenAI's fields; fields this server does not implement are refused with a 400 naming them
-when they would change the answer (``n > 1`` with ``stream``, ``logprobs``, ``top_logprobs``, a ``tool_choice`` that forces a
-call, a ``response_format`` other than text), honoured when implemented (``tools``, ``tool_choice`` "auto" and
-"none", ``parallel_tool_calls``, ``n`` (each sample a turn that reuses the first one's prompt), assistant ``tool_calls`` and ``tool`` messages, ``frequency_penalty``,
-``presence_penalty``, ``logit_bias``, ``seed``, ``stop``, ``top_k``), and ignored only when they do not change the answer (OpenAI clients send many
-optional fields: ``metadata``, ``store``, ``service_tier``...). Every size a client gives is bounded by :class:`RequestLimits` (from the
+when they would change the answer (``n > 1`` with ``stream``, a ``tool_choice`` that forces a call, a
+``response_format`` other than text), honoured when implemented (``tools``, ``tool_choice`` "auto" and "none",
+``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages, ``n`` (each sample a turn that reuses
+the first one's prompt), ``logprobs`` and ``top_logprobs``, ``frequency_penalty``, ``presence_penalty``,
+``logit_bias``, ``seed``, ``stop``, ``top_k``), and ignored only when they do not change the answer (OpenAI
+clients send many optional fields: ``metadata``, ``store``, ``service_tier``...). Every size a client gives is bounded by :class:`RequestLimits` (from the
 context window and the server's configuration): over one, a 400 naming the field. Responses carry OpenAI's
 fields, ``usage.prompt_tokens_details.cached_tokens`` included (the prompt tokens whose KV was reused), plus
 an ``attnstore`` object with where the KV came from. ``cache_salt`` (vLLM's field) scopes a request's KV: it is
@@ -51,6 +52,8 @@ def json_object_text(arguments: str) -> str:
     """`arguments` if it is a JSON object as text (a tool call's arguments), else a ValueError saying so."""
     try:
         value = json.loads(arguments)
+    except RecursionError:  # nested deeper than Python's stack: refused, not a 500
+        raise ValueError("`arguments` is nested too deeply") from None
     except ValueError as exc:
         raise ValueError(f"`arguments` must be a JSON object as text: {exc}") from None
     if not isinstance(value, dict):
@@ -166,7 +169,7 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     top_k: int | None = Field(default=None, ge=1)  # vLLM's and llama.cpp's extension (sampling only)
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range; needs `logprobs`
     response_format: dict | None = None
 
     @field_validator("messages")
@@ -184,14 +187,12 @@ class ChatCompletionRequest(BaseModel):
         if self.tools and self.tool_choice not in (None, "auto", "none"):
             return "tool_choice", ("`tool_choice` that forces a call (\"required\" or a named function) needs "
                                    "constrained decoding, which this server does not do: use \"auto\" or \"none\"")
-        if self.logprobs:
-            return "logprobs", "`logprobs`"
-        if self.top_logprobs:
-            return "top_logprobs", "`top_logprobs`"
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            return "response_format", f"`response_format` of type {str(kind)[:50]!r} (structured output)"
         return None
+
+    def json_schema(self) -> tuple[bool, dict | None]:
+        """Whether the reply must be JSON (``response_format`` ``json_object`` or ``json_schema``) and its schema
+        (None: any JSON object). Raises ValueError for another ``response_format``."""
+        return response_format_schema(self.response_format)
 
     def template_tools(self) -> list[dict] | None:
         """The tools in the form chat templates take, or None."""
@@ -293,6 +294,8 @@ class RequestLimits:
         if len(body.messages) > self.max_messages:
             return "messages", (f"the request has {len(body.messages)} messages; at most {self.max_messages} are "
                                 "accepted: send fewer (older turns are truncated away by the server anyway)")
+        if body.top_logprobs and not body.logprobs:
+            return "top_logprobs", "`top_logprobs` needs `logprobs: true`"
         if body.n > self.max_n:
             return "n", f"`n` is {body.n}; at most {self.max_n} samples are accepted per request"
         if body.tools and len(body.tools) > self.max_tools:
@@ -371,10 +374,45 @@ class RequestLimits:
         return None
 
 
+def response_format_schema(fmt: dict | None) -> tuple[bool, dict | None]:
+    """OpenAI's ``response_format`` (or the Responses API's ``text.format``, which has the schema at the top):
+    (the reply must be JSON, its schema or None for any object). Raises ValueError naming what is wrong."""
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return False, None
+    if kind == "json_object":
+        return True, None
+    if kind == "json_schema":
+        inner = fmt.get("json_schema", fmt)  # chat completions nest it; the Responses API does not
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("a `json_schema` format needs its `schema`, a JSON object")
+        return True, schema
+    raise ValueError(f"`response_format` of type {str(kind)[:50]!r} is not supported: use text, json_object or "
+                     "json_schema")
+
+
 def _vocab_size(model) -> int | None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     size = getattr(config, "vocab_size", None)
     return size if isinstance(size, int) and size > 0 else None
+
+
+def surrogate_at(text: str) -> int | None:
+    """Where `text` has a lone surrogate (it cannot be encoded as UTF-8), or None."""
+    return _surrogate(text)
+
+
+def echo_problem(name: str, value) -> str | None:
+    """Why a client's `value`, echoed back in a response as JSON, cannot be (a lone surrogate, NaN or an
+    infinity), or None."""
+    try:
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return f"`{name}` has a lone surrogate: send valid Unicode text"
+    except (ValueError, RecursionError):
+        return f"`{name}` has NaN, an infinity, or is nested too deeply: send finite JSON"
+    return None
 
 
 def _surrogate(text: str) -> int | None:
@@ -426,6 +464,7 @@ class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: Literal["stop", "length", "tool_calls"]
+    logprobs: dict | None = None
 
 
 class _Completion(BaseModel):
@@ -460,6 +499,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    logprobs: dict | None = None
 
 
 class ChatCompletionChunk(_Completion):

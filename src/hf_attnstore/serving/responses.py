@@ -35,6 +35,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..store.entry import validate_session_id
 from .protocol import ChatCompletionRequest, ChatMessage, ToolDef, json_object_text
 
 logger = logging.getLogger(__name__)
@@ -165,9 +166,6 @@ class ResponsesRequest(BaseModel):
         for what in self.include or ():
             if "logprobs" in what:
                 return "include", f"`include` of {what[:80]!r}"
-        kind = ((self.text or {}).get("format") or {}).get("type", "text")
-        if kind != "text":
-            return "text.format", f"`text.format` of type {str(kind)[:50]!r} (structured output)"
         for i, tool in enumerate(self.tools or ()):
             if tool.get("type") != "function":
                 return f"tools.{i}.type", f"tools of type {str(tool.get('type'))[:50]!r} (only functions)"
@@ -253,6 +251,7 @@ class StoredResponse:
                                ("body", dict), ("created", float)):
                 if not isinstance(data[name], kind):
                     raise ValueError(f"bad {name}")
+            validate_session_id(data["session_id"])
             return cls(data["id"], data["scope"], data["session_id"], data["point"], _ids_array(data["client_ids"]),
                        _ids_array(data["model_ids"]), previous, messages, output, data["raw"], ids, data["calls"],
                        data["body"], data["created"])
@@ -266,8 +265,10 @@ def ids_array(ids) -> array:
 
 
 def _ids_text(ids: array) -> str:
-    data = ids.tobytes() if sys.byteorder == "little" else array("i", ids).byteswap() or b""
-    return base64.b64encode(data).decode("ascii")
+    ids = array("i", ids)
+    if sys.byteorder != "little":
+        ids.byteswap()  # stored little-endian, whatever the machine
+    return base64.b64encode(ids.tobytes()).decode("ascii")
 
 
 def _ids_array(text: str) -> array:
@@ -284,8 +285,9 @@ def _ids_array(text: str) -> array:
 
 
 class ResponseStore:
-    """Stored responses: the most recent `max_responses`, in memory and, with `folder`, on disk (one JSON file
-    each, so they survive a restart; the oldest files go beyond `max_responses`).
+    """Stored responses: the most recent `max_responses`, in memory (at most `max_memory_bytes` of them, counted
+    as their JSON) and, with `folder`, on disk (one JSON file each, so they survive a restart; the oldest files go
+    beyond `max_responses`). Without a folder, a response pushed out of memory is gone.
 
     Example:
         >>> responses = ResponseStore(max_responses=2)
@@ -293,12 +295,16 @@ class ResponseStore:
         True
     """
 
-    def __init__(self, folder: str | os.PathLike | None = None, max_responses: int = 10_000):
-        if not isinstance(max_responses, int) or max_responses < 1:
-            raise ValueError(f"`max_responses` must be a positive integer, got {max_responses!r}")
+    def __init__(self, folder: str | os.PathLike | None = None, max_responses: int = 10_000,
+                 max_memory_bytes: int = 256 << 20):
+        for name, value in (("max_responses", max_responses), ("max_memory_bytes", max_memory_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
         self.folder = Path(folder) if folder is not None else None
-        self.max_responses = max_responses
+        self.max_responses, self.max_memory_bytes = max_responses, max_memory_bytes
         self._memory: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._sizes: dict[str, int] = {}  # bytes of each response in memory (its JSON)
+        self._bytes = 0
         self._on_disk: OrderedDict[str, None] = OrderedDict()  # ids with a file, oldest first
         self._lock = threading.Lock()
         if self.folder is not None:
@@ -313,15 +319,13 @@ class ResponseStore:
     def put(self, record: StoredResponse) -> None:
         """Keeps `record` (replacing one with its id). A failed write to disk is logged: the response is then
         kept in memory only."""
+        text = json.dumps(record.to_json())
         with self._lock:
-            self._memory[record.id] = record
-            self._memory.move_to_end(record.id)
-            while len(self._memory) > self.max_responses:
-                self._memory.popitem(last=False)
+            self._keep(record, len(text))
             if self.folder is None:
                 return
             try:
-                self._write(record)
+                self._write(record.id, text)
             except OSError as exc:
                 logger.warning("stored response %s kept in memory only: %s", record.id, exc)
                 return
@@ -331,13 +335,25 @@ class ResponseStore:
                 old, _ = self._on_disk.popitem(last=False)
                 (self.folder / f"{old}.json").unlink(missing_ok=True)
 
-    def _write(self, record: StoredResponse) -> None:
-        tmp = self.folder / f".tmp-{record.id}"
+    def _keep(self, record: StoredResponse, size: int) -> None:
+        """Holds `record` in memory; the least recently used go beyond the count or the bytes (not the newest)."""
+        self._bytes -= self._sizes.pop(record.id, 0)
+        self._memory[record.id] = record
+        self._memory.move_to_end(record.id)
+        self._sizes[record.id] = size
+        self._bytes += size
+        while len(self._memory) > 1 and (len(self._memory) > self.max_responses or
+                                         self._bytes > self.max_memory_bytes):
+            old, _ = self._memory.popitem(last=False)
+            self._bytes -= self._sizes.pop(old, 0)
+
+    def _write(self, response_id: str, text: str) -> None:
+        tmp = self.folder / f".tmp-{response_id}"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(record.to_json(), f)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self.folder / f"{record.id}.json")
+        os.replace(tmp, self.folder / f"{response_id}.json")
 
     def get(self, response_id: str) -> StoredResponse | None:
         """The stored response, or None (unknown, deleted, malformed id, or a damaged file: logged)."""
@@ -349,15 +365,14 @@ class ResponseStore:
                 return record
             try:
                 with open(self.folder / f"{response_id}.json", encoding="utf-8") as f:
-                    record = StoredResponse.from_json(json.load(f))
-            except (OSError, ValueError) as exc:
+                    text = f.read()
+                record = StoredResponse.from_json(json.loads(text))
+            except (OSError, ValueError, RecursionError) as exc:
                 logger.warning("stored response %s cannot be read (%s): treated as unknown", response_id, exc)
                 return None
             if record.id != response_id:
                 return None
-            self._memory[response_id] = record
-            while len(self._memory) > self.max_responses:
-                self._memory.popitem(last=False)
+            self._keep(record, len(text))
             return record
 
     def delete(self, response_id: str) -> bool:
@@ -366,6 +381,7 @@ class ResponseStore:
             return False
         with self._lock:
             self._memory.pop(response_id, None)
+            self._bytes -= self._sizes.pop(response_id, 0)
             if self.folder is not None and response_id in self._on_disk:
                 del self._on_disk[response_id]
                 (self.folder / f"{response_id}.json").unlink(missing_ok=True)
@@ -395,4 +411,4 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionR
         model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, tools=body.chat_tools(), tool_choice=body.tool_choice,
         parallel_tool_calls=body.parallel_tool_calls, user=body.user, cache_salt=body.cache_salt,
-        stream=body.stream)
+        stream=body.stream, response_format=(body.text or {}).get("format"))

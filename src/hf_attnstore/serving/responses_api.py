@@ -18,7 +18,7 @@ from ..cache.fingerprint import salted_fingerprint
 from .engine import ChatEngine, Remembered
 from .handling import APIError, Started, parse_whole, start_turn, store_info, wait_reply
 from .metrics import ServerMetrics
-from .protocol import ChatMessage, RequestLimits, error_body
+from .protocol import ChatMessage, RequestLimits, echo_problem, error_body
 from .responses import ResponsesRequest, ResponseStore, StoredResponse, chat_request, ids_array, new_response_id
 from .tools import ReplyParser, message_call_key
 
@@ -35,6 +35,10 @@ def add_responses_routes(app: FastAPI, engine: ChatEngine, metrics: ServerMetric
         missing = body.unsupported()
         if missing:
             raise APIError(400, f"{missing[1]} is not supported by this server", param=missing[0])
+        for name in ("metadata", "tools", "text", "tool_choice", "instructions"):  # echoed in the response
+            problem = echo_problem(name, getattr(body, name))
+            if problem is not None:
+                raise APIError(400, problem, param=name)
         try:
             scope = salted_fingerprint("", body.cache_salt) if body.cache_salt is not None else ""
         except ValueError as exc:
@@ -42,7 +46,8 @@ def add_responses_routes(app: FastAPI, engine: ChatEngine, metrics: ServerMetric
         history: list[dict] = []
         session = None
         if body.previous_response_id is not None:
-            history, session = _history(engine, responses, body.previous_response_id, scope, limits.max_messages)
+            history, session = await asyncio.to_thread(_history, engine, responses, body.previous_response_id, scope,
+                                                       limits)
         try:
             chat = chat_request(body, history)
         except ValidationError as exc:
@@ -70,19 +75,19 @@ def add_responses_routes(app: FastAPI, engine: ChatEngine, metrics: ServerMetric
             return Response(status_code=499)
         if started.parser is not None:
             parse_whole(engine, started.parser, reply)
-        result = _finish(engine, metrics, responses, started, reply, body, response_id, model_name, scope)
+        result = await _finish(engine, metrics, responses, started, reply, body, response_id, model_name, scope)
         return JSONResponse(result, headers={"X-Session-ID": started.turn.session_id})
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str):
-        record = responses.get(response_id)
+        record = await asyncio.to_thread(responses.get, response_id)
         if record is None:
             raise _not_found(response_id)
         return record.body
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
-        if not responses.delete(response_id):
+        if not await asyncio.to_thread(responses.delete, response_id):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -96,14 +101,15 @@ def _responses_param(param: str | None) -> str | None:
     """A chat field at fault, as the Responses request names it."""
     if param is None:
         return None
-    for chat, ours in (("messages", "input"), ("max_completion_tokens", "max_output_tokens")):
+    for chat, ours in (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
+                       ("response_format", "text.format")):
         if param == chat or param.startswith(chat + "."):
             return ours
     return param
 
 
 def _history(engine: ChatEngine, responses: ResponseStore, previous_id: str, scope: str,
-             max_messages: int) -> tuple[list[dict], str | None]:
+             limits: RequestLimits) -> tuple[list[dict], str | None]:
     """The conversation up to `previous_id`'s reply, as chat messages (its replies' exact ids given to the memo
     again: a restart forgot them), and the session to continue: the response's own while it still stands where
     the response left it, or while the index does not know it (after a restart: the store compares the ids, so
@@ -114,7 +120,11 @@ def _history(engine: ChatEngine, responses: ResponseStore, previous_id: str, sco
         raise APIError(400, f"previous response {previous_id[:100]!r} is not found: it was never stored (store: "
                        "false), was deleted, or is older than the server keeps; send the whole conversation as "
                        "`input` instead", param="previous_response_id", code="previous_response_not_found")
-    chain = responses.chain(record, max_messages)
+    chain = responses.chain(record, limits.max_messages)
+    vocab = limits.vocab_size
+    if chain is not None and vocab is not None and any(
+            max(ids, default=0) >= vocab for step in chain for ids in (step.content_ids, step.client_ids, step.model_ids)):
+        chain = None  # ids this model cannot have made (a file from elsewhere): never fed to it
     if chain is None:
         raise APIError(400, "a response earlier in this chain is gone (deleted, or older than the server keeps): "
                        "send the whole conversation as `input` instead", param="previous_response_id",
@@ -162,19 +172,22 @@ def _response_object(body: ResponsesRequest, response_id: str, model_name: str, 
            "parallel_tool_calls": body.parallel_tool_calls is not False, "store": body.store,
            "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
            "tools": body.tools or [], "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
-           "text": {"format": {"type": "text"}}, "truncation": "auto", "user": body.user, "usage": usage}
+           "text": {"format": (body.text or {}).get("format") or {"type": "text"}}, "truncation": "auto", "user": body.user, "usage": usage}
     if info is not None:
         out["attnstore"] = info
     return out
 
 
-def _finish(engine: ChatEngine, metrics: ServerMetrics, responses: ResponseStore, started: Started, reply,
-            body: ResponsesRequest, response_id: str, model_name: str, scope: str) -> dict:
-    """The finished response: recorded (memo, index, metrics), stored when asked, as the response object."""
+async def _finish(engine: ChatEngine, metrics: ServerMetrics, responses: ResponseStore, started: Started, reply,
+                  body: ResponsesRequest, response_id: str, model_name: str, scope: str,
+                  streamed: list[dict] | None = None) -> dict:
+    """The finished response: recorded (memo, index, metrics), stored when asked (off the event loop: a file
+    is written), as the response object."""
     turn, parser = started.turn, started.parser
     remembered = engine.finish(turn, reply, parser)
     metrics.observe(reply)
     items, message = _output_items(parser, reply.text)
+    items = streamed or items
     length = engine.finish_reason(reply, started.max_new, parser) == "length"
     usage = {"input_tokens": len(turn.client_ids),
              "input_tokens_details": {"cached_tokens": reply.reused_tokens},
@@ -186,9 +199,10 @@ def _finish(engine: ChatEngine, metrics: ServerMetrics, responses: ResponseStore
         new = [m.model_dump(exclude_none=True) for m in body.input_messages()]
         point = engine.session_point(turn.session_id, scope) or ""
         client, model = engine.session_ids(turn.session_id, scope) or ([], [])
-        responses.put(StoredResponse(response_id, scope, turn.session_id, point, ids_array(client), ids_array(model),
-                                     body.previous_response_id, new, message, remembered.text, list(remembered.ids),
-                                     remembered.calls_key is not None, result))
+        record = StoredResponse(response_id, scope, turn.session_id, point, ids_array(client), ids_array(model),
+                                body.previous_response_id, new, message, remembered.text, list(remembered.ids),
+                                remembered.calls_key is not None, result)
+        await asyncio.to_thread(responses.put, record)
     return result
 
 
@@ -249,7 +263,7 @@ async def _events(engine: ChatEngine, metrics: ServerMetrics, responses: Respons
         return lines
 
     parser = started.parser
-    finished = False
+    finished = timed_out = False
     try:
         shell = _response_object(body, response_id, model_name, "in_progress", [])
         yield event("response.created", response=shell)
@@ -259,8 +273,9 @@ async def _events(engine: ChatEngine, metrics: ServerMetrics, responses: Respons
                 if text:
                     for line in deltas(*parser.feed(text)) if parser is not None else deltas(text, []):
                         yield line
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError:  # cut: the response fails below (nothing is stored)
             started.cancel.set()
+            timed_out = True
         if parser is not None:
             for line in deltas(*parser.finish()):
                 yield line
@@ -273,13 +288,20 @@ async def _events(engine: ChatEngine, metrics: ServerMetrics, responses: Respons
             yield event("response.failed", response={**shell, "status": "failed", "error": error["error"]})
             finished = True
             return
+        if timed_out:
+            engine.finish(started.turn, reply, parser)  # the index learns where the session stands
+            metrics.errors.labels("504").inc()
+            error = error_body(f"the turn did not finish within {timeout_s} s", "server_error", code="timeout")
+            yield event("response.failed", response={**shell, "status": "failed", "error": error["error"]})
+            finished = True
+            return
         for line in close_message():
             yield line
         if parser is not None and parser.failed:
             parser.content, parser.calls = reply.text, []  # as the whole-reply path: all content
-        result = _finish(engine, metrics, responses, started, reply, body, response_id, model_name, scope)
-        # The streamed items are what the client saw; the stored object has the same content.
-        result["output"] = output or result["output"]
+        # The streamed items (and their ids) are what the client saw: the stored response is them.
+        result = await _finish(engine, metrics, responses, started, reply, body, response_id, model_name, scope,
+                               output)
         kind = "response.incomplete" if result["status"] == "incomplete" else "response.completed"
         yield event(kind, response=result)
         finished = True

@@ -1,0 +1,189 @@
+"""Agents over real HTTP with the `openai` client: a tool result appended at every step, the workload whose
+history grows fastest. `attnstore serve` (batching, and batch 1) against `transformers serve --continuous-batching`.
+
+    python eval/bench_agents.py --agents 8 --steps 10 --systems attnstore,attnstore-b1,transformers-cb
+
+Each agent starts from a ShareGPT user request (clipped to `--task-chars`) under a short agent system prompt,
+then loops `--steps` times: it sends the whole conversation (streaming, greedy, `--max-tokens` per reply), and
+appends the reply and a tool result (a `tool` message) of 200 to 2,000 tokens of real text (Python's
+documentation, as a documentation-lookup tool returns it; lengths drawn log-uniformly with a fixed seed, the same
+for every system). The conversation is kept inside SmolLM2's 8,192-token window: a tool result that would take
+it past `--budget` tokens is cut to fit, so no system truncates and all run the same prompts. Requests carry no
+`tools` field: the bundled model's chat template does not render tools (docs/serving.md, "Tools"), and the
+measure is the growing history, not the parsing. All agents start together; each system is a fresh server
+process on the same machine, started and stopped by this script (eval/bench_serve.py's launcher).
+
+Reported per system: TTFT per step (time to the first streamed content, queueing included) p50/p99 over all
+steps and for the last three, steps/s over the run's wall time, generated tokens/s, and the share of prompt
+tokens the server reports as cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import start  # noqa: E402  (the same launcher and systems as the chat benchmark)
+
+SYSTEM = ("You are an agent. To answer the user, you call tools; their results follow as tool messages. "
+          "Read each result, then say briefly what you will do next.")
+
+
+def tasks(n: int, chars: int) -> list[str]:
+    from hf_attnstore.lab.data import load_sharegpt
+
+    out = []
+    for conv in load_sharegpt(limit=8 * n, min_user_turns=1):
+        first = next((m["content"] for m in conv.messages if m["role"] == "user"), "")
+        if len(first) >= 80:
+            out.append(first[:chars])
+        if len(out) == n:
+            return out
+    raise ValueError(f"not enough ShareGPT requests for {n} agents")
+
+
+def tool_results(agents: int, steps: int, seed: int) -> list[list[str]]:
+    """Per agent and step, a tool result: 200 to 2,000 tokens (log-uniform) of Python's documentation."""
+    from hf_attnstore import load_default_model
+    from hf_attnstore.lab.evaluation.corpora import load_texts
+
+    _, tokenizer = load_default_model()
+    pool = load_texts("pydoc", tokenizer, 15, 2000)  # all its documents that long; drawn from at offsets
+    rng = random.Random(seed)
+    out = []
+    for a in range(agents):
+        row = []
+        for s in range(steps):
+            n = int(math.exp(rng.uniform(math.log(200), math.log(2000))))
+            doc = pool[(a * steps + s) % len(pool)]
+            at = rng.randrange(0, len(doc) - n + 1)  # another part of the document for each use
+            row.append(tokenizer.decode(doc[at:at + n], skip_special_tokens=True))
+        out.append(row)
+    return out, tokenizer
+
+
+def agent(client, model: str, task: str, results: list[str], tokenizer, args, records: list,
+          lock: threading.Lock) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+    used = len(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+    for step, result in enumerate(results):
+        t0 = time.perf_counter()
+        first, reply, usage = None, "", None
+        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
+                                                temperature=0, stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                if first is None:
+                    first = time.perf_counter()
+                reply += chunk.choices[0].delta.content
+            usage = chunk.usage or usage
+        end = time.perf_counter()
+        details = getattr(usage, "prompt_tokens_details", None) if usage else None
+        with lock:
+            records.append(dict(step=step, ttft=(first or end) - t0, total=end - t0,
+                                prompt=usage.prompt_tokens if usage else 0,
+                                completion=usage.completion_tokens if usage else 0,
+                                cached=getattr(details, "cached_tokens", None) if details else None))
+        used = (usage.prompt_tokens if usage else used) + (usage.completion_tokens if usage else 0) + 16
+        room = args.budget - used - args.max_tokens - 16
+        ids = tokenizer(result, add_special_tokens=False)["input_ids"]
+        if room < len(ids):
+            result = tokenizer.decode(ids[:max(0, room)])
+        messages += [{"role": "assistant", "content": reply},
+                     {"role": "tool", "tool_call_id": f"call_{step}", "content": result}]
+
+
+def run(system: str, agents: int, convs, results, tokenizer, model_dir: str, args) -> dict:
+    import openai
+
+    port = 9400 + hash((system, agents)) % 400
+    proc = start(system, port, model_dir, args)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)
+        model = client.models.list().data[0].id if system.startswith("attnstore") else model_dir
+        warm = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=2, temperature=0)
+        assert warm.choices
+        records, lock = [], threading.Lock()
+        threads = [threading.Thread(target=agent, args=(client, model, convs[a], results[a], tokenizer, args,
+                                                        records, lock)) for a in range(agents)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except Exception:  # noqa: BLE001 - a server that does not stop is killed
+            proc.kill()
+
+    def pct(values, q):
+        values = sorted(values)
+        return 1000 * values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+    ttfts = [r["ttft"] for r in records]
+    late = [r["ttft"] for r in records if r["step"] >= args.steps - 3]
+    cached = [r for r in records if r["cached"] is not None]
+    return dict(system=system, agents=agents, steps=len(records), wall_s=wall, steps_per_s=len(records) / wall,
+                tokens_per_s=sum(r["completion"] for r in records) / wall,
+                ttft_p50_ms=1000 * statistics.median(ttfts), ttft_p99_ms=pct(ttfts, 0.99),
+                late_ttft_p50_ms=1000 * statistics.median(late) if late else float("nan"),
+                cached_share=(sum(r["cached"] for r in cached) / max(1, sum(r["prompt"] for r in cached))
+                              if cached else None),
+                prompt_tokens_mean=statistics.mean(r["prompt"] for r in records),
+                prompt_tokens_last=statistics.mean(r["prompt"] for r in records if r["step"] == args.steps - 1))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--agents", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--task-chars", type=int, default=600)
+    p.add_argument("--budget", type=int, default=7900, help="conversation tokens at most (SmolLM2's window: 8192)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", default="attnstore,attnstore-b1,transformers-cb")
+    p.add_argument("--json", default=None)
+    # bench_serve's launcher reads these
+    p.add_argument("--host-bytes", default=None)
+    p.add_argument("--disk-dir", default=None)
+    p.add_argument("--cb-num-blocks", type=int, default=None)
+    args = p.parse_args(argv)
+    from hf_attnstore import load_default_model
+
+    model, _ = load_default_model()
+    model_dir = model.name_or_path
+    del model
+    convs = tasks(args.agents, args.task_chars)
+    results, tokenizer = tool_results(args.agents, args.steps, args.seed)
+    rows = []
+    for system in args.systems.split(","):
+        row = run(system, args.agents, convs, results, tokenizer, model_dir, args)
+        rows.append(row)
+        print(f"{system}: {row['steps_per_s']:.3f} steps/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms", flush=True)
+    print("\n| system | steps/s | tokens/s | TTFT p50 | p99 | last 3 steps p50 | cached share | mean prompt | "
+          "last prompt | wall |")
+    print("| --- " * 10 + "|")
+    for r in rows:
+        cached = f"{100 * r['cached_share']:.1f}%" if r["cached_share"] is not None else "–"
+        print(f"| {r['system']} | {r['steps_per_s']:.3f} | {r['tokens_per_s']:.2f} | {r['ttft_p50_ms']:.0f} ms | "
+              f"{r['ttft_p99_ms']:.0f} ms | {r['late_ttft_p50_ms']:.0f} ms | {cached} | "
+              f"{r['prompt_tokens_mean']:.0f} | {r['prompt_tokens_last']:.0f} | {r['wall_s']:.0f} s |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Structured output: replies constrained to JSON, or to a JSON schema, with llguidance.
+
+``response_format`` (chat completions: ``json_object``, ``json_schema``) and ``text.format`` (Responses) compile
+to an llguidance grammar; at every decoding step a logits processor masks the tokens the grammar does not allow,
+so the reply is valid by construction, and once the grammar is complete only the end of turn is allowed.
+
+Why llguidance: it is the constrained-decoding engine vLLM, SGLang and llama.cpp use; it is a Rust core in one
+3 MB wheel with no dependencies, and it bounds the work a hostile grammar can cause (`LLParserLimits`). xgrammar
+requires torch, transformers and triton at given versions (a second GPU stack on a CPU machine), and outlines
+caches with cloudpickle and diskcache (pickle on a read path, which this project does not allow).
+
+The processor is one more entry of the turn's ``logits_processor``, so it runs through `generate`'s own
+construction alone and batched (`upstream.decoding_plan`), and batched replies keep the tokens they would have
+alone.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+from transformers import LogitsProcessor
+
+MAX_SCHEMA_CHARS = 65_536  # a schema's JSON text; llguidance bounds the grammar's work itself
+
+
+class GrammarError(ValueError):
+    """A format the grammar compiler refuses (its message says why): the client's mistake."""
+
+
+class Grammars:
+    """Compiles formats to grammars for one tokenizer (its llguidance view is built once, on first use).
+
+    Args:
+        tokenizer: The model's (fast) tokenizer.
+        end_ids: The tokens that end a reply (the chat template's end of turn first): the only ones allowed
+            once the grammar is complete.
+        vocab_size: The model's logits width (may exceed the tokenizer's vocabulary: the rest is masked).
+    """
+
+    def __init__(self, tokenizer, end_ids: list[int], vocab_size: int):
+        self.tokenizer, self.end_ids, self.vocab_size = tokenizer, list(end_ids), vocab_size
+        self._lltok = None
+        self._lock = threading.Lock()
+
+    def _tokenizer(self):
+        import llguidance.hf
+
+        with self._lock:
+            if self._lltok is None:
+                self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=self.end_ids[0])
+            return self._lltok
+
+    def processor(self, schema: dict | None) -> "GrammarProcessor":
+        """A processor constraining a reply to JSON matching `schema` (None: any JSON object).
+
+        Raises:
+            GrammarError: The schema is not one llguidance takes (or is too long).
+        """
+        import llguidance
+
+        text = json.dumps(schema if schema is not None else {"type": "object"})
+        if len(text) > MAX_SCHEMA_CHARS:
+            raise GrammarError(f"the schema has {len(text)} characters of JSON; at most {MAX_SCHEMA_CHARS} are "
+                               "accepted")
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise GrammarError(f"the schema cannot be compiled: {exc}") from None
+        lltok = self._tokenizer()
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
+        if failed:
+            raise GrammarError(f"the schema cannot be compiled: {'; '.join(messages)[:500]}")
+        matcher = llguidance.LLMatcher(lltok, grammar)
+        if matcher.is_error():
+            raise GrammarError(f"the schema cannot be compiled: {matcher.get_error()[:500]}")
+        return GrammarProcessor(matcher, lltok.vocab_size, self.end_ids, self.vocab_size)
+
+
+class GrammarProcessor(LogitsProcessor):
+    """Masks the tokens a grammar does not allow next (one turn: it follows that turn's tokens).
+
+    The first call sees the prompt: what follows it is the reply, fed to the matcher token by token as later
+    calls see it. Once the grammar is complete, only the end tokens are allowed.
+    """
+
+    def __init__(self, matcher, tokenizer_vocab: int, end_ids: list[int], vocab_size: int):
+        import llguidance.torch
+
+        self.matcher, self.end_ids = matcher, end_ids
+        self.tokenizer_vocab, self.vocab_size = tokenizer_vocab, vocab_size
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, tokenizer_vocab)
+        self._start: int | None = None
+        self._consumed = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        import llguidance.torch
+
+        if input_ids.shape[0] != 1:
+            raise ValueError("a grammar constrains one sequence per turn")
+        if self._start is None:
+            self._start = int(input_ids.shape[1])
+        reply = input_ids[0, self._start:].tolist()
+        for token in reply[self._consumed:]:
+            if not self.matcher.is_stopped() and not self.matcher.consume_token(int(token)):
+                raise RuntimeError(f"the grammar refused a token it had allowed: {self.matcher.get_error()}")
+        self._consumed = len(reply)
+        if self.matcher.is_stopped():
+            allowed = torch.full_like(scores, float("-inf"))
+            allowed[:, self.end_ids] = scores[:, self.end_ids]
+            return allowed
+        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        width = min(self.tokenizer_vocab, scores.shape[-1])
+        masked = scores[:, :width].contiguous().clone()
+        llguidance.torch.apply_token_bitmask_inplace(masked, self._bitmask.to(scores.device))
+        if scores.shape[-1] == width:
+            return masked
+        # The model's logits past the tokenizer's vocabulary (padding) are never allowed.
+        return torch.cat([masked, scores.new_full((1, scores.shape[-1] - width), float("-inf"))], dim=-1)
