@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import start  # noqa: E402  (the same launcher and systems as the chat benchmark)
+from bench_serve import start, stream_turn  # noqa: E402  (the chat benchmark's launcher, systems and turns)
 
 SYSTEM = ("You are an agent. To answer the user, you call tools; their results follow as tool messages. "
           "Read each result, then say briefly what you will do next.")
@@ -75,24 +75,11 @@ def agent(client, model: str, task: str, results: list[str], tokenizer, args, re
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
     used = len(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
     for step, result in enumerate(results):
-        t0 = time.perf_counter()
-        first, reply, usage = None, "", None
-        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
-                                                temperature=0, stream=True, stream_options={"include_usage": True})
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                if first is None:
-                    first = time.perf_counter()
-                reply += chunk.choices[0].delta.content
-            usage = chunk.usage or usage
-        end = time.perf_counter()
-        details = getattr(usage, "prompt_tokens_details", None) if usage else None
+        record = stream_turn(client, model, messages, args.max_tokens)
+        reply = record.pop("reply")
         with lock:
-            records.append(dict(step=step, ttft=(first or end) - t0, total=end - t0,
-                                prompt=usage.prompt_tokens if usage else 0,
-                                completion=usage.completion_tokens if usage else 0,
-                                cached=getattr(details, "cached_tokens", None) if details else None))
-        used = (usage.prompt_tokens if usage else used) + (usage.completion_tokens if usage else 0) + 16
+            records.append(dict(step=step, **record))
+        used = (record["prompt"] or used) + record["completion"] + 16
         room = args.budget - used - args.max_tokens - 16
         ids = tokenizer(result, add_special_tokens=False)["input_ids"]
         if room < len(ids):

@@ -107,28 +107,33 @@ def system_prompt(tokens: int) -> str | None:
     return tokenizer.decode(ids)
 
 
+def stream_turn(client, model: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed, greedy turn: its reply, TTFT (to the first content), total time and usage."""
+    t0 = time.perf_counter()
+    first, reply, usage = None, "", None
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if first is None:
+                first = time.perf_counter()
+            reply += chunk.choices[0].delta.content
+        usage = chunk.usage or usage
+    end = time.perf_counter()
+    details = getattr(usage, "prompt_tokens_details", None) if usage else None
+    return dict(ttft=(first or end) - t0, total=end - t0, prompt=usage.prompt_tokens if usage else 0,
+                completion=usage.completion_tokens if usage else 0,
+                cached=getattr(details, "cached_tokens", None) if details else None, reply=reply)
+
+
 def user(client, model: str, messages_in: list[str], args, records: list, lock: threading.Lock) -> None:
     messages = [{"role": "system", "content": args.system_text}] if args.system_text else []
     for turn, text in enumerate(messages_in):
         messages.append({"role": "user", "content": text})
-        t0 = time.perf_counter()
-        first, reply, usage = None, "", None
-        stream = client.chat.completions.create(model=model, messages=messages, max_tokens=args.max_tokens,
-                                                temperature=0, stream=True, stream_options={"include_usage": True})
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                if first is None:
-                    first = time.perf_counter()
-                reply += chunk.choices[0].delta.content
-            usage = chunk.usage or usage
-        end = time.perf_counter()
-        details = getattr(usage, "prompt_tokens_details", None) if usage else None
+        record = stream_turn(client, model, messages, args.max_tokens)
         with lock:
-            records.append(dict(turn=turn, ttft=(first or end) - t0, total=end - t0,
-                                prompt=usage.prompt_tokens if usage else 0,
-                                completion=usage.completion_tokens if usage else 0,
-                                cached=getattr(details, "cached_tokens", None) if details else None, reply=reply))
-        messages.append({"role": "assistant", "content": reply})
+            records.append(dict(turn=turn, **record))
+        messages.append({"role": "assistant", "content": record["reply"]})
         time.sleep(args.think)
 
 

@@ -26,8 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .completions import add_completions_routes
-from .handling import (APIError, chat_logprobs, more_samples, parse_whole, start_turn, store_info, usage_of,
-                       wait_reply)
+from .handling import (APIError, chat_logprobs, more_samples, parse_whole, sse_timeout, start_turn, store_info,
+                       usage_of, wait_reply)
 
 from .engine import ChatEngine, Turn
 from .metrics import ServerMetrics
@@ -295,9 +295,8 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future
         engine.finish(turn, reply, parser)
         metrics.observe(reply)
         if timed_out:
-            metrics.errors.labels("504").inc()
-            yield event(error_body(f"the turn did not finish within {timeout_s} s", "server_error", code="timeout"))
-            yield "data: [DONE]\n\n"
+            for line in sse_timeout(metrics, timeout_s):
+                yield line
             finished = True
             return
         # Log-probabilities come with the last chunk, all of them: the text streamer's pieces are not tokens.

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import ChatEngine, Overloaded
-from .handling import APIError, generate_options, store_info, usage_of, wait_reply
+from .handling import APIError, check_model, generate_options, sse_timeout, store_info, usage_of, wait_reply
 from .metrics import ServerMetrics
 from .pipeline import PipelineClosed
 from .protocol import RequestLimits, error_body, surrogate_at
@@ -89,9 +89,7 @@ def add_completions_routes(app: FastAPI, engine: ChatEngine, metrics: ServerMetr
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        if body.model != model_name:
-            raise APIError(404, f"model {body.model[:200]!r} is not served here; this server serves {model_name!r} "
-                           "(GET /v1/models)", code="model_not_found", param="model")
+        check_model(body.model, model_name)
         missing = body.unsupported()
         if missing:
             raise APIError(400, f"{missing[1]} is not supported by this server", param=missing[0])
@@ -239,9 +237,8 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn, future, stre
         engine.finish(turn, reply)
         metrics.observe(reply)
         if timed_out:
-            metrics.errors.labels("504").inc()
-            yield event(error_body(f"the turn did not finish within {timeout_s} s", "server_error", code="timeout"))
-            yield "data: [DONE]\n\n"
+            for line in sse_timeout(metrics, timeout_s):
+                yield line
             finished = True
             return
         # Log-probabilities come with the last chunk, all of them: the text streamer's pieces are not tokens.

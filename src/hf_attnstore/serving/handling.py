@@ -4,6 +4,7 @@ noticing a client that went away), and parsing a whole reply for tool calls."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -16,7 +17,7 @@ from transformers import LogitsProcessorList
 from .engine import ChatEngine, Overloaded, ToolsUnsupported, Turn
 from .penalties import OpenAIPenalties
 from .pipeline import PipelineClosed
-from .protocol import AttnStoreInfo, ChatCompletionRequest, PromptTokensDetails, RequestLimits, Usage
+from .protocol import AttnStoreInfo, ChatCompletionRequest, PromptTokensDetails, RequestLimits, Usage, error_body
 from .tools import ReplyParser
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,20 @@ class Started:
     max_new: int
 
 
+def check_model(asked: str, model_name: str) -> None:
+    """A 404 naming ``model`` unless `asked` is the model this server serves."""
+    if asked != model_name:
+        raise APIError(404, f"model {asked[:200]!r} is not served here; this server serves {model_name!r} "
+                       "(GET /v1/models)", code="model_not_found", param="model")
+
+
+def sse_timeout(metrics, timeout_s: float) -> list[str]:
+    """The end of an SSE stream whose turn its timeout cut: an error event (a 504's), then ``[DONE]``."""
+    metrics.errors.labels("504").inc()
+    error = error_body(f"the turn did not finish within {timeout_s} s", "server_error", code="timeout")
+    return [f"data: {json.dumps(error)}\n\n", "data: [DONE]\n\n"]
+
+
 def turn_options(engine: ChatEngine, body, max_new: int) -> dict:
     """A turn's `generate` options (`generate_options`) with, for a JSON ``response_format``, the processor that
     constrains its reply (structured.py: one per turn, it follows the turn's tokens).
@@ -141,9 +156,7 @@ async def start_turn(engine: ChatEngine, body: ChatCompletionRequest, request: R
         APIError: 404 for another model, 400 for a request this server will not run, 429 when the engine is
             full, 503 once it is shutting down.
     """
-    if body.model != model_name:
-        raise APIError(404, f"model {body.model[:200]!r} is not served here; this server serves {model_name!r} "
-                       "(GET /v1/models)", code="model_not_found", param="model")
+    check_model(body.model, model_name)
     missing = body.unsupported()
     if missing:
         field, what = missing

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from ..cache.fingerprint import salted_fingerprint
 from .engine import ChatEngine, Remembered
-from .handling import APIError, Started, parse_whole, start_turn, store_info, wait_reply
+from .handling import APIError, Started, check_model, parse_whole, start_turn, store_info, wait_reply
 from .metrics import ServerMetrics
 from .protocol import ChatMessage, RequestLimits, echo_problem, error_body
 from .responses import ResponsesRequest, ResponseStore, StoredResponse, chat_request, ids_array, new_response_id
@@ -29,9 +29,7 @@ def add_responses_routes(app: FastAPI, engine: ChatEngine, metrics: ServerMetric
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
-        if body.model != model_name:
-            raise APIError(404, f"model {body.model[:200]!r} is not served here; this server serves {model_name!r} "
-                           "(GET /v1/models)", code="model_not_found", param="model")
+        check_model(body.model, model_name)
         missing = body.unsupported()
         if missing:
             raise APIError(400, f"{missing[1]} is not supported by this server", param=missing[0])
