@@ -3,8 +3,9 @@ the stored responses that ``previous_response_id`` chains from.
 
 A response id names a point in a conversation: the messages up to its reply. A request with
 ``previous_response_id`` sends only what is new; the server rebuilds the conversation from the chain (each
-stored response keeps only its own input and reply, so a chain of n steps costs n, not n squared) and runs it as
-a chat turn. The conversation's ids are rendered piece by piece and its replies get back the ids they were
+stored response keeps only its own messages, its input and reply, beside the ids of its session at that point,
+4 bytes a token: a chain's text costs n, its ids n squared over n steps, bounded by `ResponseStore`'s limits) and
+runs it as a chat turn. The conversation's ids are rendered piece by piece and its replies get back the ids they were
 generated as (`ReplyMemo`, re-seeded from the stored response, so this holds after a restart too): the turn
 continues the session whose KV holds that point, or, after a restart or from an older response (a branch),
 starts a session that reuses the longest stored prefix (the store's prefix sharing). ``instructions`` are not
