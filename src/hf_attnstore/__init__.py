@@ -10,7 +10,7 @@ Example:
 """
 
 from .cache.cache import AttnStoreCache
-from .cache.config import TruncationConfig
+from .cache.config import SparseConfig, TruncationConfig
 from .cache.fingerprint import model_fingerprint
 from .cache.upstream import cache_kwargs, warn_if_untested
 from .lab.models import load_default_model
@@ -26,6 +26,7 @@ __all__ = [
     "AttnStoreCache",
     "ChatPipeline",
     "StoreStats",
+    "SparseConfig",
     "TruncationConfig",
     "cache_kwargs",
     "load_default_model",

@@ -7,9 +7,11 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_attnstore import AttnStore, AttnStoreCache, TruncationConfig
+from hf_attnstore.cache import importance
 from hf_attnstore.cache.truncation import common_prefix_length, plan_reuse, tokens_to_drop
 
 from ..conftest import make_tiny, random_ids
+from .test_cache import loaded_kv
 from hf_attnstore.cache.upstream import cache_kwargs
 
 GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -148,3 +150,57 @@ def test_recompute_truncation_equals_generating_from_the_truncated_ids():
     assert cache.reused_tokens == 4
     out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=5, **GREEDY)
     assert torch.equal(out, model.generate(cache.input_ids, max_new_tokens=5, **GREEDY))
+
+
+def test_importance_truncation_drops_the_least_important_tokens():
+    cfg = TruncationConfig(context_window=64, truncation_ratio=0.5, keep_first=4, mode="importance", keep_recent=8)
+    ids = torch.arange(100)
+    weights = torch.ones(95)
+    low = torch.tensor([3, 10, 50, 90] + list(range(20, 52)))  # 3: a sink, 90: recent: both stay
+    weights[low] = 0.0
+    plan = plan_reuse(ids, ids[:95], cfg, has_rope=True, importance=weights)
+    dropped = sorted(set(range(100)) - set(plan.input_ids[0].tolist()))
+    assert plan.dropped == 36 == len(dropped)
+    # The 33 zeros that may go (10, 20..51; not the sink 3 nor the recent 90), then the oldest of the ties.
+    assert dropped == [4, 5, 6, 10] + list(range(20, 52))
+    assert plan.keep.tolist() == [i for i in range(95) if i not in dropped]
+    assert torch.equal(plan.key_positions, torch.arange(plan.reused))
+    # Without scores it is decoupled truncation.
+    plain = plan_reuse(ids, ids[:95], cfg, has_rope=True)
+    decoupled = plan_reuse(ids, ids[:95], TruncationConfig(64, 0.5, 4, "decoupled"), has_rope=True)
+    assert torch.equal(plain.input_ids, decoupled.input_ids) and torch.equal(plain.keep, decoupled.keep)
+
+
+def test_importance_truncation_keeps_keys_at_their_new_positions_and_goes_on():
+    """A session scored by its turns is truncated by importance: the loaded keys equal what the model computes
+    for the kept ids from scratch (re-rotated, as decoupled truncation), and the session continues from them."""
+    model = make_tiny("llama")
+    store = AttnStore(host_bytes="64MiB")
+    ids = random_ids(40, 1)
+    with torch.no_grad():
+        cfg_ = TruncationConfig(context_window=32, truncation_ratio=0.5, keep_first=4, mode="importance",
+                                keep_recent=4)
+        # The first turn fits (no window), and scores its tokens as an importance-truncated session does.
+        first = AttnStoreCache(model, store, "t", ids[:, :36],
+                               truncation=TruncationConfig(None, 0.5, 4, "importance", 4))
+        model(first.input_ids, **cache_kwargs(first))
+        scores = {slot: s.clone() for slot, s in first.turn.scorer.scores.items()}
+    first.close()
+    store.flush()
+    cache = AttnStoreCache(model, store, "t", ids, truncation=cfg_)
+    assert cache.dropped_tokens == 14
+    weights = importance.token_importance({k: v.half().float() for k, v in scores.items()}, 36)
+    expected = plan_reuse(ids[0], ids[0, :36], cache.truncation, has_rope=True, importance=weights)
+    assert torch.equal(cache.input_ids, expected.input_ids)
+    assert not torch.equal(cache.input_ids, plan_reuse(ids[0], ids[0, :36], TruncationConfig(32, 0.5, 4),
+                                                       has_rope=True).input_ids)
+    ref = DynamicCache()
+    with torch.no_grad():
+        model(cache.input_ids, **cache_kwargs(ref))
+    loaded = loaded_kv(cache, 0, cache.reused_tokens)
+    for mine, theirs in zip(loaded, (ref.layers[0].keys, ref.layers[0].values)):
+        torch.testing.assert_close(mine, theirs[:, :, : cache.reused_tokens], atol=1e-5, rtol=0)
+    out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, do_sample=False,
+                         pad_token_id=0, eos_token_id=None)
+    nxt = torch.cat([out, random_ids(3, 2)], dim=1)
+    assert AttnStoreCache(model, store, "t", nxt, context_window=64).reused_tokens == out.shape[1] - 1

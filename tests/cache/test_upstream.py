@@ -237,3 +237,35 @@ def test_response_template_falls_back_to_transformers_serve_families():
     assert upstream.response_template(tok, "llama") is None  # no family template: tools need one given
     tok.response_template = {"fields": {}}
     assert upstream.response_template(tok, "qwen2") == {"fields": {}}  # the tokenizer's own comes first
+
+
+def test_a_registered_attention_function_is_called_with_sdpa_masks():
+    """importance.py registers an attention of its own through `AttentionInterface` (with `sdpa_mask` /
+    `eager_mask` from `AttentionMaskInterface`), switches the model with `set_attn_implementation`, and wraps
+    `integrations.sdpa_attention.sdpa_attention_forward` or the family's `eager_attention_forward`."""
+    model = make_tiny("llama")
+    ids = random_ids(9, 3).view(1, -1)
+    with torch.no_grad():
+        expected = model(ids).logits
+    calls = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        calls.append(getattr(module, "layer_idx", None))
+        return upstream.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+
+    upstream.register_attention("hf_attnstore_test_spy", spy)
+    try:
+        upstream.set_attention_implementation(model, "hf_attnstore_test_spy")
+    except Exception as exc:
+        require(False, "PreTrainedModel.set_attn_implementation", f"a registered name is refused: {exc}")
+    require(upstream.attention_implementation(model) == "hf_attnstore_test_spy", "config._attn_implementation",
+            "the model does not report the implementation it was switched to")
+    with torch.no_grad():
+        got = model(ids).logits
+    require(sorted(calls) == list(range(model.config.num_hidden_layers)), "AttentionInterface.register",
+            f"the registered attention was not called once per layer ({calls})")
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    gemma2 = make_tiny("gemma2")
+    attention = gemma2.model.layers[0].self_attn
+    require(callable(upstream.eager_attention(attention)), "modeling_gemma2.eager_attention_forward",
+            "the family's eager attention function is gone")

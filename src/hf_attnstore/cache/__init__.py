@@ -10,6 +10,6 @@ Example:
 """
 
 from .cache import AttnStoreCache
-from .config import TruncationConfig
+from .config import SparseConfig, TruncationConfig
 
-__all__ = ["AttnStoreCache", "TruncationConfig"]
+__all__ = ["AttnStoreCache", "SparseConfig", "TruncationConfig"]

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..store import AttnStore
 from ..store.entry import validate_session_id
-from .config import TruncationConfig
+from .config import SparseConfig, TruncationConfig
 from .fingerprint import model_fingerprint, salted_fingerprint
 from .hooks import install_generation_hook, install_hooks
 from .rope import RopeAdapter
@@ -71,8 +71,9 @@ class AttnStoreCache(DynamicCache):
         session_id: Any non-empty string naming the conversation.
         input_ids: The full prompt of this turn (history + new message), ``[1, seq]`` or a list of ids.
         context_window: Maximum tokens the model may see; ``None`` disables truncation.
-        truncation: ``"decoupled"`` (default), ``"recompute"`` or ``"naive"`` (evaluation baseline only), or a
-            whole :class:`TruncationConfig` (then leave the three options below at their defaults).
+        truncation: ``"decoupled"`` (default), ``"importance"`` (drop the least important tokens rather than the
+            oldest), ``"recompute"`` or ``"naive"`` (evaluation baseline only), or a whole
+            :class:`TruncationConfig` (then leave the three options below at their defaults).
         truncation_ratio: Fraction of the window dropped at an overflow.
         keep_first: Leading tokens always kept as attention sinks.
         save: If ``False`` the cache only reads: the turn reuses the stored KV but the store is left exactly
@@ -80,6 +81,11 @@ class AttnStoreCache(DynamicCache):
         cache_salt: KV is stored under, and reused from, this salt only (vLLM's ``cache_salt``): requests with
             different salts, or one with and one without, never share KV, and so never learn of each other's
             prompts through timing. ``None`` (default): the unsalted space. At most 1 KiB.
+        kv_budget: Sparse window attention (ALISA): the history kept on the device, and attended to, before each
+            forward: a fraction of the session's length (``0.2``: 80% sparsity) or a token count, or a whole
+            :class:`SparseConfig` (policy, sinks, recent share). ``None`` (default): dense. The store still
+            keeps every token; the tokens' importance scores are kept with the session. Needs SDPA attention,
+            full-attention layers, and neither latent attention nor recurrent layers (cache/sparse.py).
 
     With ``StoreConfig.share_prefixes`` (the default), a turn whose prompt begins with a longer stored prefix
     in another session than in its own (a shared system prompt, a regenerated or edited message, a branch)
@@ -120,6 +126,7 @@ class AttnStoreCache(DynamicCache):
         keep_first: int = 4,
         save: bool = True,
         cache_salt: str | None = None,
+        kv_budget: float | int | SparseConfig | None = None,
     ):
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"`model` must be a transformers model, got {type(model).__name__}")
@@ -132,8 +139,11 @@ class AttnStoreCache(DynamicCache):
         else:
             self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
         self.session_id = validate_session_id(session_id)
+        if kv_budget is not None and not isinstance(kv_budget, SparseConfig):
+            kv_budget = SparseConfig(kv_budget)
+        self.sparse = kv_budget
         prompt = _as_prompt_ids(input_ids)
-        self.turn = Turn(self, model, store, self.session_id, prompt, self.truncation, save, cache_salt)
+        self.turn = Turn(self, model, store, self.session_id, prompt, self.truncation, save, cache_salt, kv_budget)
         # Cache.__init__ directly: DynamicCache's would set up lazily-created DynamicLayers instead of ours.
         Cache.__init__(self, layers=self.turn.layers)
         if self.turn.turn_end.has_state and self.turn.turn_end.writer is not None:

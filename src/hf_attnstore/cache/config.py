@@ -1,10 +1,12 @@
-"""The cache side's typed configuration: how a session that overflows the context window is truncated."""
+"""The cache side's typed configuration: how a session that overflows the context window is truncated, and
+how a session is kept sparse (sparse window attention)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-TRUNCATION_MODES = ("decoupled", "recompute", "naive")
+TRUNCATION_MODES = ("decoupled", "importance", "recompute", "naive")
 
 
 @dataclass(frozen=True)
@@ -16,9 +18,12 @@ class TruncationConfig:
         truncation_ratio: Fraction of the window (after the sink tokens) dropped at each overflow; at least as
             many tokens as needed to fit are dropped.
         keep_first: Number of leading tokens always kept (attention sinks, usually the system prompt start).
-        mode: ``"decoupled"`` (re-rotate the kept pre-RoPE keys, AttentionStore), ``"recompute"`` (token
-            truncation: kept tokens are recomputed) or ``"naive"`` (kept keys keep their stale positions;
-            an evaluation baseline only).
+        mode: ``"decoupled"`` (re-rotate the kept pre-RoPE keys, AttentionStore), ``"importance"`` (as
+            decoupled, but the least important tokens are dropped rather than the oldest: ALISA's selection, by
+            the importance scores kept with the session; sinks and the last `keep_recent` reusable tokens stay),
+            ``"recompute"`` (token truncation: kept tokens are recomputed) or ``"naive"`` (kept keys keep their
+            stale positions; an evaluation baseline only).
+        keep_recent: ``"importance"`` only: the most recent stored tokens never dropped (the local context).
 
     Example:
         >>> config = TruncationConfig(context_window=2048, truncation_ratio=0.5, keep_first=4)
@@ -30,12 +35,15 @@ class TruncationConfig:
     truncation_ratio: float = 0.5
     keep_first: int = 4
     mode: str = "decoupled"
+    keep_recent: int = 64
 
     def __post_init__(self):
         if self.mode not in TRUNCATION_MODES:
             raise ValueError(f"`truncation`={self.mode!r} is unknown; choose one of {', '.join(TRUNCATION_MODES)}")
         if not 0.0 < float(self.truncation_ratio) <= 1.0:
             raise ValueError(f"`truncation_ratio` must be in (0, 1], got {self.truncation_ratio!r}")
+        if not isinstance(self.keep_recent, int) or isinstance(self.keep_recent, bool) or self.keep_recent < 0:
+            raise ValueError(f"`keep_recent` must be a non-negative integer, got {self.keep_recent!r}")
         if not isinstance(self.keep_first, int) or self.keep_first < 0:
             raise ValueError(f"`keep_first` must be a non-negative integer, got {self.keep_first!r}")
         if self.context_window is not None:
@@ -46,3 +54,74 @@ class TruncationConfig:
                     f"`keep_first` ({self.keep_first}) must be smaller than `context_window` "
                     f"({self.context_window}): the kept sink tokens alone would fill the window"
                 )
+
+
+SPARSE_POLICIES = ("alisa", "h2o", "streaming")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Sparse window attention over a session (ALISA): the device keeps sinks, a recent window and the most
+    important of the other tokens, and new tokens attend to those alone. The store still keeps every token.
+
+    Args:
+        kv_budget: Tokens kept of the history before each forward: a fraction in (0, 1] of the session's length
+            (``0.2`` is 80% sparsity), or a token count (an int >= 1). At least `sink_tokens` + 1 are kept.
+        sink_tokens: Leading tokens always kept (StreamingLLM's attention sinks).
+        recent_ratio: Share of the budget (after the sinks) given to the most recent tokens; the rest goes to
+            the most important ones. Ignored by ``"streaming"``, whose budget is all recent.
+        policy: ``"alisa"`` (importance = attention received from the last `score_window` queries, ALISA's
+            sparse window attention), ``"h2o"`` (attention received from every query so far, H2O's heavy
+            hitters) or ``"streaming"`` (sinks and recent tokens only, StreamingLLM).
+        score_window: How many recent queries the ``"alisa"`` importance sums over.
+
+    Example:
+        >>> SparseConfig(kv_budget=0.2).budget(1000)  # 80% sparsity
+        200
+        >>> SparseConfig(kv_budget=64).budget(1000), SparseConfig(kv_budget=64).budget(40)
+        (64, 40)
+    """
+
+    kv_budget: float | int
+    sink_tokens: int = 4
+    recent_ratio: float = 0.5
+    policy: str = "alisa"
+    score_window: int = 32
+
+    def __post_init__(self):
+        budget = self.kv_budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise ValueError(f"`kv_budget` must be a fraction in (0, 1] or a token count, got {budget!r}")
+        if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+            raise ValueError(f"`kv_budget` as a fraction must be in (0, 1], got {budget!r}; pass an int for a "
+                             "token count")
+        if isinstance(budget, int) and budget < 1:
+            raise ValueError(f"`kv_budget` as a token count must be >= 1, got {budget!r}")
+        if self.policy not in SPARSE_POLICIES:
+            raise ValueError(f"`policy`={self.policy!r} is unknown; choose one of {', '.join(SPARSE_POLICIES)}")
+        if not isinstance(self.sink_tokens, int) or isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
+            raise ValueError(f"`sink_tokens` must be a non-negative integer, got {self.sink_tokens!r}")
+        if not 0.0 <= float(self.recent_ratio) <= 1.0:
+            raise ValueError(f"`recent_ratio` must be in [0, 1], got {self.recent_ratio!r}")
+        if not isinstance(self.score_window, int) or isinstance(self.score_window, bool) or self.score_window < 1:
+            raise ValueError(f"`score_window` must be an integer >= 1, got {self.score_window!r}")
+
+    @property
+    def scored(self) -> bool:
+        """Whether the policy ranks tokens by importance (all but ``"streaming"``)."""
+        return self.policy != "streaming"
+
+    def budget(self, length: int) -> int:
+        """How many of a history of `length` tokens are kept."""
+        if isinstance(self.kv_budget, float):
+            keep = math.ceil(self.kv_budget * length)
+        else:
+            keep = self.kv_budget
+        return min(length, max(keep, self.sink_tokens + 1))
+
+    def split(self, keep: int, length: int) -> tuple[int, int]:
+        """Of `keep` kept tokens out of `length`: how many sinks and how many recent ones (the rest: important)."""
+        sinks = min(self.sink_tokens, keep)
+        rest = keep - sinks
+        recent = rest if not self.scored else math.ceil(self.recent_ratio * rest)
+        return sinks, min(recent, length - sinks)

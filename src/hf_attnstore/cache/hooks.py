@@ -56,7 +56,8 @@ def install_hooks(model: nn.Module) -> None:
         try:
             cache.turn.begin_forward(input_ids, kwargs.get("inputs_embeds"), kwargs.get("position_ids"))
             try:
-                output = original(*args, **kwargs)
+                with cache.turn.scoring():  # a turn that scores importance sees the attention (importance.py)
+                    output = original(*args, **kwargs)
             except ReuseFailed:
                 return cache.turn.recompute_forward(original, args, kwargs)
             cache.turn.end_forward()

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..store.state import SessionState
+from .config import SparseConfig
+from .sparse import select
 from .upstream import (
     DummyLayer,
     DynamicLayer,
@@ -62,6 +64,9 @@ class LayerLayout:
     # Per model layer, the sliding window of a sliding-attention KV layer (None elsewhere): such a layer keeps
     # on the device only the `window - 1` tokens its next query can attend to (the store keeps them all).
     windows: tuple[int | None, ...] = ()
+    # Per model layer, whether it is a full-attention KV layer (not sliding nor chunked): the layers a cache with
+    # `kv_budget` keeps sparse (a chunked layer's mask depends on its keys' positions, which sparse layers hide).
+    full: tuple[bool, ...] = ()
 
     @classmethod
     def of(cls, model) -> "LayerLayout":
@@ -73,7 +78,8 @@ class LayerLayout:
         config = model.config.get_text_config(decoder=True)
         if getattr(config, "layer_types", None) is None and not getattr(config, "sliding_window", None):
             return cls((KV,) * config.num_hidden_layers, (0,) * config.num_hidden_layers,
-                       config.model_type in LATENT_MODEL_TYPES, (None,) * config.num_hidden_layers)
+                       config.model_type in LATENT_MODEL_TYPES, (None,) * config.num_hidden_layers,
+                       (True,) * config.num_hidden_layers)
         types, kwargs = layer_types(config)
         windows = tuple(kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, kwargs))
         unknown = sorted({t for t in types if t not in _KINDS})
@@ -82,7 +88,8 @@ class LayerLayout:
                              "a cache AttnStoreCache cannot store; use DynamicCache for this model")
         kinds = tuple(_KINDS[t] for t in types)
         return cls(kinds, tuple(kw.get("number_of_states", 1) if k in (STATE, BOTH) else 0
-                                for k, kw in zip(kinds, kwargs)), config.model_type in LATENT_MODEL_TYPES, windows)
+                                for k, kw in zip(kinds, kwargs)), config.model_type in LATENT_MODEL_TYPES, windows,
+                   tuple(t == "full_attention" for t in types))
 
     @property
     def kv_layers(self) -> list[int]:
@@ -241,14 +248,80 @@ class AttnStoreHybridLayer(LinearAttentionLayer, AttnStoreLayer):
         DynamicLayer.reorder_cache(self, beam_idx)
 
 
+class AttnStoreSparseLayer(AttnStoreLayer):
+    """A full-attention KV layer kept sparse (store slot `slot`): see sparse.py for what it keeps and its masks.
+
+    Attributes:
+        total: The session's tokens so far (what `get_seq_length` reports).
+        columns: ``[kv_heads, K]`` session positions of the K keys the layer holds (per head).
+    """
+
+    def __init__(self, owner: "Turn", slot: int, reused: int, config: SparseConfig):
+        AttnStoreLayer.__init__(self, owner, slot, reused)
+        self.config = config
+        self.total = reused
+        self.columns: torch.Tensor | None = None
+
+    def get_seq_length(self) -> int:
+        return self.total
+
+    def _held(self) -> int:
+        return self.keys.shape[-2] if self.is_initialized else self._pending_reuse
+
+    def _target(self) -> int:
+        """How many of the held tokens the next forward keeps (the same in every sparse layer of the cache)."""
+        held = self._held()
+        if not self._owner.can_select(loaded=self.is_initialized):
+            return held  # no scores yet (a session resumed without them): its first forward is dense
+        return min(held, self.config.budget(self.total))
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kept = self._target()
+        return kept + query_length, self.total - kept
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            return AttnStoreLayer.update(self, key_states, value_states)  # raises the batch-size error
+        keep = self._target()
+        n = key_states.shape[-2]
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            held = self._pending_reuse
+            keys, values = self._owner.load_layer(self._layer_idx, held, key_states, value_states)
+            old_keys, old_values = keys[:, :, :held], values[:, :, :held]
+            columns = torch.arange(held, device=key_states.device).expand(key_states.shape[1], -1)
+            self.is_initialized = True
+        else:
+            old_keys, old_values, columns = self.keys, self.values, self.columns
+        if keep < old_keys.shape[-2]:
+            scores = self._owner.scores_for(self._layer_idx, columns) if self.config.scored else None
+            picked = select(columns, scores, keep, self.config)
+            columns = columns.gather(1, picked)
+            index = picked[None, :, :, None]
+            old_keys = old_keys.gather(2, index.expand(-1, -1, -1, old_keys.shape[-1]))
+            old_values = old_values.gather(2, index.expand(-1, -1, -1, old_values.shape[-1]))
+        new = torch.arange(self.total, self.total + n, device=key_states.device).expand(columns.shape[0], -1)
+        self.columns = torch.cat([columns, new], dim=1)
+        self.keys = torch.cat([old_keys, key_states], dim=-2)
+        self.values = torch.cat([old_values, value_states], dim=-2)
+        self.total += n
+        self._owner.record(self._layer_idx, key_states, value_states)
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a cache with `kv_budget` cannot be cropped (assisted decoding): use a dense cache")
+
+
 def build_layers(owner: "Turn", layout: LayerLayout, reused: int, state: SessionState | None,
-                 device: torch.device) -> list:
+                 device: torch.device, sparse=None) -> list:
     """The cache's layers for a turn that reuses `reused` tokens (and, for a hybrid model, `state`: the states
-    after exactly those tokens)."""
+    after exactly those tokens); with `sparse` (a SparseConfig), its full-attention layers are kept sparse."""
     layers, slot = [], 0
     for idx, (kind, n_states) in enumerate(zip(layout.kinds, layout.states)):
         if kind == KV and layout.windows and layout.windows[idx]:
             layers.append(AttnStoreSlidingLayer(owner, slot, reused, layout.latent, layout.windows[idx]))
+        elif kind == KV and sparse is not None and layout.full[idx]:
+            layers.append(AttnStoreSparseLayer(owner, slot, reused, sparse))
         elif kind == KV:
             layers.append(AttnStoreLayer(owner, slot, reused, layout.latent))
         elif kind == BOTH:
@@ -305,12 +378,14 @@ class TurnEnd:
     between forwards (a forward in progress, or one that failed, leaves layers that disagree).
     """
 
-    def __init__(self, writer, layers: list, has_state: bool):
-        self.writer, self.layers, self.has_state = writer, layers, has_state
+    def __init__(self, writer, layers: list, has_state: bool, extra=None):
+        # `extra(tokens)`: more tensors valid after exactly those tokens (importance scores), or {}.
+        self.writer, self.layers, self.extra = writer, layers, extra
+        self.has_state = has_state or extra is not None
         self.tokens, self.complete, self.done = 0, False, False
         # Re-entrant: the cache's finalizer may run (garbage collection) inside a publish on the same thread.
         self.lock = threading.RLock()
-        if writer is not None and has_state:
+        if writer is not None and self.has_state:
             writer.state_source = weakref.ref(self)
 
     def publish(self, end: bool = False) -> None:
@@ -322,6 +397,8 @@ class TurnEnd:
             state = None
             if self.has_state and self.complete and self.tokens:
                 tensors = state_tensors(self.layers)
+                if tensors is not None and self.extra is not None:
+                    tensors.update(self.extra(self.tokens))
                 try:
                     state = SessionState.capture(self.tokens, tensors) if tensors else None
                 except (TypeError, RuntimeError) as exc:  # e.g. out of memory: the next turn recomputes

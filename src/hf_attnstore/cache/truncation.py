@@ -64,7 +64,8 @@ def tokens_to_drop(length: int, cfg: TruncationConfig) -> int:
 
 
 def plan_reuse(
-    input_ids: torch.Tensor, stored_ids: torch.Tensor | None, cfg: TruncationConfig, *, has_rope: bool
+    input_ids: torch.Tensor, stored_ids: torch.Tensor | None, cfg: TruncationConfig, *, has_rope: bool,
+    importance: torch.Tensor | None = None,
 ) -> ReusePlan:
     """Plans which stored tokens to reuse for a new prompt.
 
@@ -73,6 +74,9 @@ def plan_reuse(
         stored_ids: The ids the session's stored KV covers (1-D), or ``None`` on a miss.
         cfg: Truncation settings.
         has_rope: Whether the model's keys can be re-positioned; without RoPE, truncation recomputes.
+        importance: ``"importance"`` mode: one score per stored token (cache/importance.py). Without scores
+            covering the reusable tokens, or when the tokens that may be dropped are too few, the oldest are
+            dropped (as ``"decoupled"``).
 
     Returns:
         A :class:`ReusePlan`. At least one token is always left to compute, so the model produces logits.
@@ -82,6 +86,16 @@ def plan_reuse(
     drop = tokens_to_drop(ids.numel(), cfg)
     k = cfg.keep_first
     mode = cfg.mode if has_rope else "recompute"
+    if drop and mode == "importance":
+        chosen = _least_important(importance, lcp, drop, cfg)
+        if chosen is not None:
+            kept = torch.ones(ids.numel(), dtype=torch.bool)
+            kept[chosen] = False
+            new_ids = ids[kept]
+            keep = kept[:lcp].nonzero().view(-1)[: new_ids.numel() - 1]
+            return ReusePlan(input_ids=new_ids.view(1, -1), keep=keep, key_positions=torch.arange(keep.numel()),
+                             dropped=drop, common_prefix=lcp)
+        mode = "decoupled"
     if drop:
         new_ids = torch.cat((ids[:k], ids[k + drop :]))
         if mode == "recompute" or lcp <= k + drop:
@@ -97,3 +111,17 @@ def plan_reuse(
     return ReusePlan(
         input_ids=new_ids.view(1, -1), keep=keep, key_positions=positions, dropped=drop, common_prefix=lcp
     )
+
+
+def _least_important(importance: torch.Tensor | None, lcp: int, drop: int, cfg: TruncationConfig):
+    """The `drop` least important reusable tokens (indices), sinks and the last `keep_recent` reusable ones
+    excepted; None when the scores do not cover the reusable tokens or too few may be dropped."""
+    if importance is None or importance.numel() < lcp:
+        return None
+    first, last = cfg.keep_first, lcp - cfg.keep_recent
+    if last - first < drop:
+        return None
+    scores = importance[first:last].float()
+    # Ties (e.g. tokens no recent query attended to) go to the oldest first: the decoupled order.
+    order = torch.argsort(scores, stable=True)
+    return order[:drop] + first

@@ -14,6 +14,7 @@ Layout of every KV tensor here: ``[batch=1, kv_heads, seq, head_dim]``; stored k
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import weakref
@@ -28,7 +29,8 @@ from ..store.encoded import copy_into, dense
 from ..store.format import prefix_digest
 from ..store.logs import OnceLogger
 from ..store.state import SessionState
-from .config import TruncationConfig
+from . import importance
+from .config import SparseConfig, TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint, salted_fingerprint
 from .hooks import ReuseFailed
 from .layers import LayerLayout, TurnEnd, build_layers
@@ -66,7 +68,8 @@ class Turn:
     """
 
     def __init__(self, cache, model: nn.Module, store: AttnStore, session_id: str, prompt: torch.Tensor,
-                 truncation: TruncationConfig, save: bool, cache_salt: str | None = None):
+                 truncation: TruncationConfig, save: bool, cache_salt: str | None = None,
+                 sparse: SparseConfig | None = None):
         self._cache = weakref.ref(cache)
         self.session_id, self.truncation = session_id, truncation
         self._rope = RopeAdapter(model)  # refuses a model whose KV cannot be reused exactly, saying why
@@ -100,6 +103,14 @@ class Turn:
         self._geometry = kv_geometry(model)
         self._layout = LayerLayout.of(model)
         self._windows = self._layout.slot_windows  # KV slot -> sliding window
+        self.sparse = sparse
+        # Importance scores: for a session kept sparse by importance, or truncated by it (importance.py). Scored
+        # layers: the full-attention ones (a sliding-window layer keeps its window, not a selection).
+        self._scored = (sparse is not None and sparse.scored) or truncation.mode == "importance"
+        self._slot_of = {idx: slot for slot, idx in enumerate(self._layout.kv_layers) if self._layout.full[idx]}
+        if sparse is not None or self._scored:
+            self._check_sparse(model)
+        self._stored_scores: dict[int, torch.Tensor] | None = None
         self.recomputed_head = 0  # leading tokens of a partially evicted session recomputed this turn
         self.shared_from: str | None = None  # the other session whose stored prefix this turn starts from
         self.plan, snapshot, state = self._plan(model, store, prompt)
@@ -133,10 +144,83 @@ class Turn:
         self._fwd_input_len = 0
         self._fwd_end = 0  # the sequence length after the current forward (its RoPE regime, see end_forward)
         self._device = model.device
+        self.scorer = self._new_scorer(self._initial_scores())
         self.layers = build_layers(self, self._layout, self.reused_tokens,
-                                   state if self.reused_tokens else None, self._device)
-        # A hybrid model's turn ends by keeping its states with the session, also when the cache is just dropped.
-        self.turn_end = TurnEnd(self._writer, self.layers, self._layout.has_state)
+                                   state if self.reused_tokens else None, self._device, sparse)
+        # A hybrid model's turn ends by keeping its states with the session, also when the cache is just dropped;
+        # a scored turn keeps its tokens' importance scores the same way.
+        self.turn_end = TurnEnd(self._writer, self.layers, self._layout.has_state,
+                                functools.partial(_score_tensors, self.scorer) if self.scorer else None)
+
+    def _check_sparse(self, model: nn.Module) -> None:
+        """Refuses, saying why, the models whose sessions cannot be kept sparse or scored."""
+        what = "`kv_budget`" if self.sparse is not None else "`truncation=\"importance\"`"
+        if self._layout.latent:
+            raise ValueError(f"{what} is not supported for multi-head latent attention ({self._rope.model_type}): "
+                             "its cache holds a compressed latent, not the keys the queries score")
+        if self._layout.has_state:
+            raise ValueError(f"{what} is not supported for hybrid models ({self._rope.model_type}): their "
+                             "recurrent states summarize every token, so dropping KV would disagree with them")
+        if not self._slot_of:
+            raise ValueError(f"{what} needs full-attention layers, and {self._rope.model_type} has none")
+        if self._scored:
+            importance.enable(model)  # raises unless the model runs SDPA
+
+    def _new_scorer(self, initial: dict[int, torch.Tensor] | None) -> "importance.Scorer | None":
+        if not self._scored:
+            return None
+        config = self.sparse if self.sparse is not None and self.sparse.scored else SparseConfig(1.0)
+        return importance.Scorer(self._slot_of, config.policy, config.score_window, self._columns, initial)
+
+    def _columns(self, slot: int) -> torch.Tensor | None:
+        """Session positions of the keys KV slot `slot` attends to now (None: all, in order)."""
+        return getattr(self.layers[self._layout.kv_layers[slot]], "columns", None)
+
+    def scoring(self):
+        """The context of a forward: the model's attention feeds this turn's scorer (importance.py)."""
+        return importance.scoring(self.scorer)
+
+    def can_select(self, loaded: bool) -> bool:
+        """Whether sparse layers may select tokens now: always by recency; by importance once scores exist."""
+        return self.sparse is not None and (not self.sparse.scored or self.scorer.has_scores)
+
+    def scores_for(self, slot: int, columns: torch.Tensor) -> torch.Tensor:
+        """The importance of the tokens at session positions `columns` in KV slot `slot` (see Scorer)."""
+        return self.scorer.scores_for(slot, columns)
+
+    def _read_scores(self, snapshot: SessionKV | None) -> dict[int, torch.Tensor] | None:
+        """The importance scores stored with this session's entry (slot -> ``[kv_heads, tokens]``), if they are
+        there and were computed for the snapshot's first tokens; None on any doubt (the turn then scores anew)."""
+        if snapshot is None:
+            return None
+        state = snapshot.state
+        if snapshot.loader is not None:
+            try:
+                snapshot.loader.wait_layer(0)  # the loader reads and verifies the state before the first layer
+            except LoadError:
+                return None
+            state = snapshot.source.state
+        if state is None or state.tokens > snapshot.length or state.key != (self.fingerprint, self.session_id) \
+                or state.prefix != prefix_digest(self.fingerprint, snapshot.token_ids[: state.tokens]):
+            return None
+        heads = self._geometry[1]
+        out = {}
+        for slot in self._slot_of.values():
+            t = state.tensors.get(f"I{slot:04d}")
+            if t is None or tuple(t.shape) != (heads, state.tokens):
+                return None
+            out[slot] = torch.nan_to_num(t.float(), nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0)
+        return out
+
+    def _initial_scores(self) -> dict[int, torch.Tensor] | None:
+        """The stored scores of the tokens this turn reuses, in the order it keeps them (on the device)."""
+        stored = self._stored_scores
+        if not stored or self.shared_from is not None or not self.reused_tokens:
+            return None
+        keep = self.plan.keep
+        if int(keep.max()) >= next(iter(stored.values())).shape[1]:
+            return None  # stored scores older than the KV: this turn scores anew
+        return {slot: s[:, keep].to(self._device) for slot, s in stored.items()}
 
     def _plan(self, model: nn.Module, store: AttnStore, prompt: torch.Tensor):
         """The turn's reuse plan, before any forward: which stored tokens `prompt` reuses (the longest common
@@ -147,9 +231,15 @@ class Turn:
         state = None
         if self._layout.has_state:
             snapshot, state = self._with_state(snapshot)
+        if self._scored:
+            self._stored_scores = self._read_scores(snapshot)
+        weights = None
+        if self.truncation.mode == "importance" and self._stored_scores:
+            weights = importance.token_importance(self._stored_scores, next(iter(self._stored_scores.values()))
+                                                  .shape[1])
         plan = plan_reuse(
             prompt, snapshot.token_ids[: state.tokens if state else None] if snapshot else None, self.truncation,
-            has_rope=self._rope.has_rope
+            has_rope=self._rope.has_rope, importance=weights
         )
         if state is not None and (plan.dropped or plan.reused != state.tokens):
             # A hybrid model reuses its states after exactly their tokens, or nothing: a prompt that diverges
@@ -372,15 +462,18 @@ class Turn:
             self._writer.close()
             self._writer = self.turn_end.writer = self._store.open_turn(self.session_id, self.fingerprint, None,
                                                                          torch.empty(0, dtype=torch.long))
-            if self._layout.has_state:  # the store asks this turn for its states (TurnEnd.publish)
+            if self.turn_end.has_state:  # the store asks this turn for its states (TurnEnd.publish)
                 self._writer.state_source = weakref.ref(self.turn_end)
-        self.layers = self.turn_end.layers = build_layers(self, self._layout, 0, None, self._device)
+        self.scorer = self._new_scorer(None)
+        self.turn_end.extra = functools.partial(_score_tensors, self.scorer) if self.scorer else None
+        self.layers = self.turn_end.layers = build_layers(self, self._layout, 0, None, self._device, self.sparse)
         self._cache().layers = self.layers
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "attention_mask", "cache_position")}
         kwargs["input_ids"] = self.input_ids[:, :total]
         args = ()
         self.begin_forward(kwargs["input_ids"], None, None)
-        output = original(*args, **kwargs)
+        with self.scoring():
+            output = original(*args, **kwargs)
         self.end_forward()
         # The caller asked for the last `fed` positions only.
         output.last_hidden_state = output.last_hidden_state[:, -fed:]
@@ -424,7 +517,7 @@ class Turn:
         if self._rope.has_rope and self._save:
             self._fwd_rope = self._inverse_rope(positions)
         self._pending = [None] * self._geometry[0]
-        if self._layout.has_state:
+        if self.turn_end.has_state:
             with self.turn_end.lock:
                 self.turn_end.complete = False  # until the forward completes, the layers' states disagree
 
@@ -482,7 +575,7 @@ class Turn:
             if stored:
                 self.saved_tokens += int(ids.numel())
         self._drop_superseded()  # after a complete forward: a turn that never runs changes nothing
-        if self._layout.has_state:
+        if self.turn_end.has_state:
             with self.turn_end.lock:
                 self.turn_end.tokens, self.turn_end.complete = self._cache().get_seq_length(), True
 
@@ -539,3 +632,17 @@ class Turn:
         self._fed_ids = [fed[: max(kept, 0)]]
         if self._writer is not None:
             self._writer.truncate(total)
+
+
+def _score_tensors(scorer: "importance.Scorer", tokens: int) -> dict[str, torch.Tensor]:
+    """The scores to keep with the session after `tokens` tokens, fp16, or none when some layer's scores do not
+    cover them (KV appended without scoring, e.g. by the batch runner): the next turn then scores anew."""
+    if not scorer.has_scores:
+        return {}
+    out = {}
+    for slot in scorer.slot_of.values():
+        scores = scorer.scores[slot]
+        if scores.shape[1] < tokens:
+            return {}
+        out[f"I{slot:04d}"] = scores[:, :tokens].clamp(0, 65504).half()
+    return out

@@ -46,7 +46,8 @@ __all__ = ["Cache", "DummyLayer", "DynamicCache", "DynamicLayer", "DynamicSlidin
            "LinearAttentionCacheLayerMixin", "LinearAttentionLayer", "CACHE_ARG", "CACHE_ARGS", "cache_kwargs",
            "cache_from", "output_cache", "base_model", "generic_prepare_inputs", "find_rotary", "rope_type",
            "rope_limit", "layer_types", "tested_range_warning", "warn_if_untested", "decoding_plan", "GENERATE_ARGS",
-           "response_template"]
+           "response_template", "register_attention", "sdpa_attention", "attention_implementation",
+           "set_attention_implementation", "eager_attention"]
 
 # The releases this package was tested with, oldest and newest (make test runs the lock's, CI also the newest
 # on the registry and the oldest here; setup.cfg's lower bound is the oldest).
@@ -240,3 +241,45 @@ def response_template(tokenizer, model_type: str | None = None) -> dict | None:
     except ImportError:  # moved or gone upstream: the tokenizer's own template (or a flag) is then needed
         return None
     return next((template for types, template in _RESPONSE_TEMPLATE_FALLBACKS.items() if model_type in types), None)
+
+
+# Attention: the importance scores of sparse window attention (importance.py) are computed beside SDPA, by an
+# attention function registered under our own name. `AttentionInterface` and `AttentionMaskInterface` are public
+# (transformers' "Attention interface" guide); `sdpa_attention_forward` and `sdpa_mask` are the functions they map
+# "sdpa" to, which ours calls and reuses as they are (checked by tests/cache/test_upstream.py).
+SDPA, EAGER = "sdpa", "eager"
+
+
+def register_attention(name: str, function, wraps: str = SDPA) -> None:
+    """Registers `function` as attention implementation `name` (it wraps `wraps`, ``"sdpa"`` or ``"eager"``) with
+    the masks `wraps` gets, so that ``model.set_attn_implementation(name)`` makes the model call it with them."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask if wraps == SDPA else eager_mask)
+
+
+def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention (`integrations.sdpa_attention.sdpa_attention_forward`): ``(output, None)``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def eager_attention(module: nn.Module):
+    """The eager attention of the module's model family: the `eager_attention_forward` of its modeling module
+    (each family has its own: gemma2's softcaps, gpt_oss's adds sinks), returning ``(output, weights)``."""
+    import sys
+
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def attention_implementation(model: nn.Module) -> str | None:
+    """The attention implementation the model's decoder runs (``config._attn_implementation``)."""
+    return getattr(model.config.get_text_config(decoder=True), "_attn_implementation", None)
+
+
+def set_attention_implementation(model: nn.Module, name: str) -> None:
+    """Switches the model to attention implementation `name` (`PreTrainedModel.set_attn_implementation`)."""
+    model.set_attn_implementation(name)

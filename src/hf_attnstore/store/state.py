@@ -13,7 +13,9 @@ per tensor; its *digest* hashes that metadata and is pinned by the manifest, lik
 whole file is validated and every checksum verified: any doubt is a FormatError (a clean miss). No pickle.
 
 Tensor names: ``L{layer:04d}.c{i}`` (conv state ``i`` of model layer ``layer``) and ``L{layer:04d}.r{i}``
-(recurrent state ``i``).
+(recurrent state ``i``). A session kept sparse (or truncated by importance) also keeps its tokens' importance
+scores this way, which are valid for the same tokens: ``I{slot:04d}`` (``[kv_heads, tokens]`` fp16 of KV slot
+``slot``, cache/importance.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from safetensors.torch import save as safetensors_save
 
 from .format import FORMAT, KV_DTYPES, STATE_PREFIX, FormatError, StateRef, checksum, metadata_digest, tensor_bytes
 
-_NAME = re.compile(r"L\d{4}\.[cr]\d{1,3}")
+_NAME = re.compile(r"L\d{4}\.[cr]\d{1,3}|I\d{4}")
 MAX_STATE_TENSORS = 4096
 
 

@@ -1,0 +1,224 @@
+"""Importance scores: how much attention each token of a session receives, computed beside SDPA.
+
+ALISA (ISCA'24) ranks a token by the attention weights it received from the most recent queries (the last
+`score_window` of them); H2O by the weights it received from every query so far. Both need attention weights,
+which SDPA never materializes. So the model runs an attention function of our own, registered through
+transformers' `AttentionInterface` (upstream.py): it calls SDPA for the output, unchanged, and, while a turn
+that scores is in its forward, also computes the softmax of the last `w` queries against every key the layer
+attends to, O(w·n) per layer where the attention is O(q·n). Outside such a forward it is exactly SDPA.
+
+Scores are kept per KV slot and per KV head, over the session's tokens (indexed by position in the session,
+whichever of them the device still holds): ``scores[slot]`` is ``[kv_heads, n]`` float32 on the device. A query
+head's weights count for the KV head it reads (grouped-query attention sums its group). They are persisted with
+the session, fp16 (2 bytes per token, layer and KV head), as tensors ``I{slot:04d}`` of its state (state.py),
+so a resumed session knows its important tokens before its first forward.
+
+Example:
+    >>> scorer = Scorer({0: 0}, policy="alisa", window=2)
+    >>> q, k = torch.zeros(1, 2, 3, 4), torch.zeros(1, 1, 3, 4)  # 2 query heads share 1 KV head
+    >>> scorer.observe(type("Attention", (), {"layer_idx": 0})(), q, k, None)
+    >>> scorer.scores[0]  # the last 2 queries spread their weights evenly over the keys each may see
+    tensor([[1.6667, 1.6667, 0.6667]])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from contextvars import ContextVar
+
+import torch
+from torch import nn
+
+from . import upstream
+
+ATTENTION_NAME, EAGER_NAME = "attnstore_sdpa", "attnstore_eager"
+# Queries scored per matrix product: bounds the temporary [heads, block, n] weights of H2O's full prefill.
+_QUERY_BLOCK = 256
+_active: ContextVar["Scorer | None"] = ContextVar("hf_attnstore_scorer", default=None)
+_registered = False
+
+
+def scored_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask, **kwargs):
+    """SDPA, plus importance scores for the active turn's scorer (if any): registered as ``attnstore_sdpa``."""
+    output = upstream.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+    scorer = _active.get()
+    if scorer is not None:
+        scorer.observe(module, query, key, kwargs.get("scaling"))
+    return output
+
+
+def scored_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask, **kwargs):
+    """The family's eager attention, whose weights (softcapping and all) are the scores: ``attnstore_eager``."""
+    output, weights = upstream.eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
+    scorer = _active.get()
+    if scorer is not None:
+        scorer.observe(module, query, key, kwargs.get("scaling"), weights)
+    return output, weights
+
+
+def enable(model: nn.Module) -> None:
+    """Makes `model` run :func:`scored_attention` if it runs SDPA, :func:`scored_eager_attention` if it runs
+    eager attention (families without SDPA, e.g. gemma2): the same attention while no scoring turn runs.
+
+    Raises:
+        ValueError: The model runs another attention (flash, flex): scores are computed beside SDPA or eager.
+    """
+    global _registered
+    if not _registered:
+        upstream.register_attention(ATTENTION_NAME, scored_attention, upstream.SDPA)
+        upstream.register_attention(EAGER_NAME, scored_eager_attention, upstream.EAGER)
+        _registered = True
+    implementation = upstream.attention_implementation(model)
+    if implementation in (ATTENTION_NAME, EAGER_NAME):
+        return
+    if implementation not in (upstream.SDPA, upstream.EAGER):
+        raise ValueError(f"importance scores are computed beside SDPA or eager attention, but the model runs "
+                         f"{implementation!r}: load it with `attn_implementation=\"sdpa\"` to use `kv_budget` or "
+                         "`truncation=\"importance\"`")
+    upstream.set_attention_implementation(model, ATTENTION_NAME if implementation == upstream.SDPA else EAGER_NAME)
+
+
+class Scorer:
+    """The importance of every token of one session, per KV slot and KV head (see the module docstring).
+
+    Args:
+        slot_of: Model layer index -> KV slot, for the layers that are scored (full attention).
+        policy: ``"alisa"`` (weights from the last `window` queries) or ``"h2o"`` (from every query).
+        window: ALISA's query window.
+        columns: Slot -> ``[kv_heads, K]`` session positions of the K keys that layer attends to in the current
+            forward, or None when they are simply ``0..K-1`` (a dense layer).
+        initial: Slot -> ``[kv_heads, n]`` scores the session had when this turn began (persisted).
+    """
+
+    def __init__(self, slot_of: dict[int, int], policy: str = "alisa", window: int = 32,
+                 columns: Callable[[int], torch.Tensor | None] | None = None,
+                 initial: dict[int, torch.Tensor] | None = None):
+        self.slot_of, self.policy, self.window = dict(slot_of), policy, int(window)
+        self._columns = columns or (lambda slot: None)
+        self.scores: dict[int, torch.Tensor] = {slot: s.float() for slot, s in (initial or {}).items()}
+        # ALISA: the rows in the window, oldest first: (weights [kv_heads, K], their columns or None, rows counted).
+        # A resumed session's initial scores are one entry counted as a whole window (they summed the last
+        # turn's last `window` queries), which leaves once `window` new queries have come.
+        self._rows: dict[int, deque] = {slot: deque([(s, None, self.window)]) for slot, s in self.scores.items()}
+        self._counted: dict[int, int] = {slot: self.window for slot in self.scores}
+
+    @property
+    def has_scores(self) -> bool:
+        """Whether every scored slot has scores (a resumed session's, or this turn's so far)."""
+        return bool(self.slot_of) and all(slot in self.scores for slot in self.slot_of.values())
+
+    def scores_for(self, slot: int, columns: torch.Tensor) -> torch.Tensor:
+        """The scores of the tokens at session positions `columns` (``[kv_heads, K]``); zero past the known."""
+        scores = self._grow(slot, int(columns.max()) + 1 if columns.numel() else 0)
+        return scores.gather(1, columns.to(scores.device))
+
+    def _grow(self, slot: int, length: int) -> torch.Tensor:
+        """Slot `slot`'s scores, extended with zeros to cover `length` tokens."""
+        scores = self.scores[slot]
+        if scores.shape[1] < length:
+            scores = torch.cat([scores, scores.new_zeros(scores.shape[0], length - scores.shape[1])], dim=1)
+            self.scores[slot] = scores
+        return scores
+
+    @torch.no_grad()
+    def observe(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None,
+                weights: torch.Tensor | None = None) -> None:
+        """Adds the weights this forward's queries give the layer's keys (``query`` ``[1, q_heads, q, d]``,
+        ``key`` ``[1, kv_heads, K, d]``, the last q keys being the queries' own; `weights`, ``[1, q_heads, q, K]``,
+        when the attention computed them: eager)."""
+        slot = self.slot_of.get(getattr(module, "layer_idx", None))
+        if slot is None or query.shape[0] != 1:
+            return
+        q, n_keys = query.shape[2], key.shape[2]
+        first = 0 if self.policy == "h2o" else max(q - self.window, 0)
+        columns = self._columns(slot)
+        heads = key.shape[1]
+        if columns is None:
+            columns_total = n_keys
+        else:
+            columns_total = int(columns.max()) + 1 if columns.numel() else 0
+        scores = self.scores.get(slot)
+        if scores is None or scores.shape[0] != heads:
+            scores = self.scores[slot] = torch.zeros(heads, columns_total, device=key.device)
+            self._rows[slot], self._counted[slot] = deque(), 0
+        scores = self._grow(slot, columns_total)
+        for start in range(first, q, _QUERY_BLOCK):
+            last = min(start + _QUERY_BLOCK, q)
+            if weights is not None:
+                rows = weights[0, :, start:last].float()
+                rows = rows.view(heads, -1, last - start, n_keys).sum(1)
+            else:
+                rows = self._weights(query, key, scaling, start, last)  # [kv_heads, m, K]
+            if self.policy == "h2o":
+                self._add(scores, rows.sum(1), columns)
+                continue
+            for i in range(rows.shape[1]):
+                row = rows[:, i]
+                self._add(scores, row, columns)
+                self._rows[slot].append((row, columns, 1))
+                self._counted[slot] += 1
+            self._age(slot, scores)
+
+    def _age(self, slot: int, scores: torch.Tensor) -> None:
+        """ALISA: drops the rows that left the window of the last `window` queries."""
+        rows = self._rows[slot]
+        while rows and self._counted[slot] - rows[0][2] >= self.window:
+            row, columns, counted = rows.popleft()
+            self._counted[slot] -= counted
+            self._add(scores, -row, columns)
+
+    @staticmethod
+    def _add(scores: torch.Tensor, row: torch.Tensor, columns: torch.Tensor | None) -> None:
+        if columns is None:
+            scores[:, : row.shape[1]] += row
+        else:
+            scores.scatter_add_(1, columns.to(scores.device), row)
+
+    @staticmethod
+    def _weights(query: torch.Tensor, key: torch.Tensor, scaling: float | None, first: int, last: int):
+        """Softmax weights of queries ``first..last-1`` (of the forward's q) over the K keys, causal, summed over
+        the query heads of each KV head: ``[kv_heads, last - first, K]``."""
+        _, q_heads, q, dim = query.shape
+        kv_heads, n_keys = key.shape[1], key.shape[2]
+        group = q_heads // kv_heads
+        m = last - first
+        queries = query[0, :, first:last].float().reshape(kv_heads, group * m, dim)
+        logits = torch.bmm(queries, key[0].float().transpose(1, 2))
+        logits = logits * (scaling if scaling is not None else dim ** -0.5)
+        logits = logits.view(kv_heads, group, m, n_keys)
+        # Query t of the forward sees every earlier key and the forward's own keys up to itself.
+        limit = n_keys - q + torch.arange(first, last, device=key.device) + 1
+        future = torch.arange(n_keys, device=key.device)[None, :] >= limit[:, None]
+        logits.masked_fill_(future[None, None], float("-inf"))
+        return logits.softmax(-1).sum(1)
+
+
+def scoring(scorer: Scorer | None):
+    """A context in which the model's scored attention feeds `scorer` (nothing when None)."""
+    if scorer is None:
+        return contextlib.nullcontext()
+    return _activated(scorer)
+
+
+@contextlib.contextmanager
+def _activated(scorer: Scorer):
+    token = _active.set(scorer)
+    try:
+        yield scorer
+    finally:
+        _active.reset(token)
+
+
+def token_importance(scores: dict[int, torch.Tensor], length: int) -> torch.Tensor:
+    """One score per token of the first `length`: each slot's scores, averaged over its KV heads and normalized
+    to sum 1 per slot, summed over slots (so that no layer's scale dominates). ``[length]`` float32, CPU."""
+    total = torch.zeros(length)
+    for s in scores.values():
+        per_token = s[:, :length].float().mean(0).cpu()
+        per_token = per_token / per_token.sum().clamp_min(1e-12)
+        total[: per_token.numel()] += per_token
+    return total
