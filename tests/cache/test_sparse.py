@@ -178,6 +178,34 @@ def test_alisa_scores_keep_a_window_of_queries_while_decoding():
     torch.testing.assert_close(cache.turn.scorer.scores[1], expected, rtol=1e-4, atol=1e-5)
 
 
+def test_a_resumed_window_ages_pro_rata_over_short_turns():
+    # A resumed session's scores summed the last `window` queries; their rows are gone, so each new query
+    # retires 1/window of them: turns shorter than the window must not keep them for good (H2O's sum).
+    from hf_attnstore.cache.importance import Scorer
+
+    window, kv_heads = 8, 2
+    initial = torch.rand(kv_heads, 6) * window
+    scorer = Scorer({0: 0}, "alisa", window, initial={0: initial.clone()})
+    layer = torch.nn.Module()
+    layer.layer_idx = 0
+    torch.manual_seed(0)
+    key = torch.randn(1, kv_heads, 9, 16)
+    query = torch.randn(1, 2 * kv_heads, 3, 16)  # 3 new queries: the last 3 keys are theirs
+    scorer.observe(layer, query, key, None)
+    new_rows = Scorer._weights(query, key, None, 0, 3).sum(1)
+    expected = torch.cat([initial * (window - 3) / window, torch.zeros(kv_heads, 3)], dim=1) + new_rows
+    torch.testing.assert_close(scorer.scores[0], expected)
+    for _ in range(3):  # 9 more queries: everything resumed has left the window
+        scorer.observe(layer, query, key, None)
+    torch.testing.assert_close(scorer.scores[0][:, :6], _window_sum(Scorer._weights(query, key, None, 0, 3), window)[:, :6])
+
+
+def _window_sum(rows: torch.Tensor, window: int) -> torch.Tensor:
+    """The last `window` of the repeated rows (``[kv_heads, m, K]``, fed four times) summed."""
+    repeated = torch.cat([rows] * 4, dim=1)
+    return repeated[:, -window:].sum(1)
+
+
 def test_a_whole_budget_is_the_dense_session_over_turns():
     model = make_tiny("llama")
     store, dense = AttnStore(host_bytes="64MiB"), AttnStore(host_bytes="64MiB")

@@ -166,10 +166,21 @@ class Scorer:
     def _age(self, slot: int, scores: torch.Tensor) -> None:
         """ALISA: drops the rows that left the window of the last `window` queries."""
         rows = self._rows[slot]
-        while rows and self._counted[slot] - rows[0][2] >= self.window:
-            row, columns, counted = rows.popleft()
-            self._counted[slot] -= counted
-            self._add(scores, -row, columns)
+        while rows and self._counted[slot] > self.window:
+            row, columns, counted = rows[0]
+            excess = self._counted[slot] - self.window
+            if counted <= excess:
+                rows.popleft()
+                self._counted[slot] -= counted
+                self._add(scores, -row, columns)
+            else:
+                # A resumed session's scores stand for `counted` queries whose rows were not kept: the oldest
+                # `excess` of them leave pro rata, so that short turns do not keep them for good (which would
+                # turn the window into H2O's sum over every query).
+                part = row * (excess / counted)
+                rows[0] = (row - part, columns, counted - excess)
+                self._counted[slot] -= excess
+                self._add(scores, -part, columns)
 
     @staticmethod
     def _add(scores: torch.Tensor, row: torch.Tensor, columns: torch.Tensor | None) -> None:

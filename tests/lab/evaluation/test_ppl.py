@@ -63,7 +63,7 @@ def test_recompute_mode_equals_token_truncation_by_hand(model):
 def test_without_overflow_every_mode_is_the_full_computation(model):
     ids = random_ids(60, 3)[0]
     full = sliding_perplexity(model, ids, context_window=100, chunk_tokens=7, mode="full", score_from=10)
-    for mode in ("recompute", "decoupled", "naive", "naive-rotated"):
+    for mode in ("recompute", "decoupled", "importance", "naive", "naive-rotated"):
         r = sliding_perplexity(model, ids, context_window=100, chunk_tokens=7, mode=mode, score_from=10)
         assert r.overflows == 0 and r.tokens == full.tokens == 50
         assert math.isclose(r.nll, full.nll, rel_tol=1e-5), mode
@@ -71,9 +71,10 @@ def test_without_overflow_every_mode_is_the_full_computation(model):
 
 def test_truncating_modes_differ_from_each_other(model):
     ids = random_ids(120, 4)[0]
-    results = {m: sliding_perplexity(model, ids, context_window=48, chunk_tokens=10, mode=m)
-               for m in ("recompute", "decoupled", "naive", "naive-rotated")}
-    assert len({round(r.nll, 4) for r in results.values()}) == 4
+    # keep_recent=8: the importance mode then chooses what to drop among most of the window.
+    results = {m: sliding_perplexity(model, ids, context_window=48, chunk_tokens=10, mode=m, keep_recent=8)
+               for m in ("recompute", "decoupled", "importance", "naive", "naive-rotated")}
+    assert len({round(r.nll, 4) for r in results.values()}) == 5
     assert all(r.overflows == results["recompute"].overflows and math.isfinite(r.ppl) for r in results.values())
 
 

@@ -8,6 +8,7 @@ truncation does to all later turns, not only to the turn that overflowed.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import math
@@ -26,9 +27,10 @@ from ...cache.upstream import cache_kwargs
 
 #: Truncation modes the evaluator understands: ``full`` never truncates (the upper bound, needs a model
 #: whose position range covers the whole text); ``recompute``, ``decoupled`` and ``naive`` are
-#: :class:`AttnStoreCache` modes; ``naive-rotated`` is an engine that caches keys after RoPE and drops the
-#: oldest entries on overflow, so the kept keys keep their stale positions for good.
-MODES = ("full", "recompute", "decoupled", "naive", "naive-rotated")
+#: :class:`AttnStoreCache` modes, and so is ``importance`` (decoupled, dropping the least important tokens by
+#: stored attention scores instead of the oldest, cache/importance.py); ``naive-rotated`` is an engine that
+#: caches keys after RoPE and drops the oldest entries on overflow, so the kept keys keep their stale positions.
+MODES = ("full", "recompute", "decoupled", "importance", "naive", "naive-rotated")
 
 
 @dataclass
@@ -56,7 +58,8 @@ class PerplexityResult:
 @torch.no_grad()
 def sliding_perplexity(model, ids, *, context_window: int, chunk_tokens: int = 128, mode: str = "decoupled",
                        keep_first: int = 4, truncation_ratio: float = 0.5,
-                       score_from: int | None = None, kv_codec: str | None = None) -> PerplexityResult:
+                       score_from: int | None = None, kv_codec: str | None = None,
+                       keep_recent: int = 64) -> PerplexityResult:
     """Scores a text read in turns of `chunk_tokens` through a window of `context_window` tokens.
 
     Each turn appends the next chunk to the (possibly already truncated) history and resumes from the
@@ -64,7 +67,8 @@ def sliding_perplexity(model, ids, *, context_window: int, chunk_tokens: int = 1
     (token truncation), ``naive`` reuses them at their stale positions in the overflowing turn (our store
     keeps keys pre-RoPE, so the next turn re-positions them: a lower bound on naive truncation's damage),
     ``naive-rotated`` keeps stale positions for good (a post-RoPE ``DynamicCache`` cropped at the front),
-    and ``full`` never truncates.
+    ``importance`` reuses like ``decoupled`` but drops the same number of the least important tokens (not the
+    oldest; the last 64 are always kept), and ``full`` never truncates.
 
     A chunk's first token is scored by the last logit of the previous turn, the others by this turn's
     forward, so each token is predicted from exactly the context the model had when it was fed.
@@ -82,6 +86,7 @@ def sliding_perplexity(model, ids, *, context_window: int, chunk_tokens: int = 1
         kv_codec: With a lossy codec (``"int8"``, ``"int4"``), the store keeps the history in a disk tier with
             that codec and evicts it from host memory after every turn: each turn resumes from the cold,
             lossy copy (store modes only).
+        keep_recent: ``importance`` only: the most recent tokens never dropped (`TruncationConfig.keep_recent`).
 
     Returns:
         A :class:`PerplexityResult` for this text.
@@ -103,7 +108,7 @@ def sliding_perplexity(model, ids, *, context_window: int, chunk_tokens: int = 1
     limit = getattr(model.config, "max_position_embeddings", None)
     if mode == "full" and limit is not None and ids.numel() > limit:
         raise ValueError(f"mode 'full' needs the whole text ({ids.numel()} tokens) in the model's {limit} positions")
-    config = TruncationConfig(context_window, truncation_ratio, keep_first, "recompute")
+    config = TruncationConfig(context_window, truncation_ratio, keep_first, "recompute", keep_recent)
     if mode == "naive-rotated":
         if kv_codec is not None:
             raise ValueError("`kv_codec` applies to the store's modes, not 'naive-rotated'")
@@ -111,12 +116,14 @@ def sliding_perplexity(model, ids, *, context_window: int, chunk_tokens: int = 1
     else:
         turn, close = _store_turns(model, config, mode, kv_codec)
     try:
-        return _score(turn, ids, chunk_tokens, score_from)
+        return score_turns(turn, ids, chunk_tokens, score_from)
     finally:
         close()
 
 
-def _score(turn, ids: torch.Tensor, chunk_tokens: int, score_from: int) -> PerplexityResult:
+def score_turns(turn, ids: torch.Tensor, chunk_tokens: int, score_from: int) -> PerplexityResult:
+    """Feeds `ids` in chunks to ``turn(chunk) -> (logits of the chunk's ids, tokens dropped)`` and sums the NLL of
+    the tokens from `score_from` on, each predicted by the logit of the forward that had the token before it."""
     result = PerplexityResult()
     last_logit = None
     for start in range(0, ids.numel(), chunk_tokens):
@@ -146,15 +153,15 @@ def _store_turns(model, config: TruncationConfig, mode: str, kv_codec: str | Non
     else:
         tmp = tempfile.TemporaryDirectory(prefix="attnstore-ppl-")
         store = AttnStore(host_bytes=2**62, disk_dir=tmp.name, kv_codec=kv_codec, fsync=False, idle_flush_s=0.05)
-    window = None if mode == "full" else config.context_window
-    cache_mode = "decoupled" if mode == "full" else mode
+    if mode == "full":
+        config = dataclasses.replace(config, context_window=None, mode="decoupled")
+    else:
+        config = dataclasses.replace(config, mode=mode)
     history = torch.empty(0, dtype=torch.long)
 
     def turn(chunk: torch.Tensor):
         nonlocal history
-        cache = AttnStoreCache(model, store, "ppl", torch.cat([history, chunk]), context_window=window,
-                               truncation=cache_mode, keep_first=config.keep_first,
-                               truncation_ratio=config.truncation_ratio)
+        cache = AttnStoreCache(model, store, "ppl", torch.cat([history, chunk]), truncation=config)
         assert cache.input_ids.shape[1] - cache.reused_tokens >= chunk.numel(), "the chunk is always computed"
         logits = model(cache.input_ids[:, cache.reused_tokens :], **cache_kwargs(cache)).logits[0].float()
         history = cache.input_ids[0].cpu()
@@ -192,7 +199,8 @@ def _rotated_turns(model, config: TruncationConfig):
 
 
 #: The rows of the report: (mode, keep_first); ``keep_first=0`` shows what the attention sinks are worth.
-VARIANTS = (("full", 4), ("recompute", 4), ("decoupled", 4), ("decoupled", 0), ("naive", 4), ("naive-rotated", 4))
+VARIANTS = (("full", 4), ("recompute", 4), ("decoupled", 4), ("decoupled", 0), ("importance", 4), ("naive", 4),
+            ("naive-rotated", 4))
 
 
 def perplexity_report(model, tokenizer, *, corpora=("sharegpt", "pydoc"), texts: int = 3, length: int = 3072,
