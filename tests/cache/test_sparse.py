@@ -36,7 +36,8 @@ def test_bad_budgets_are_refused(budget):
 
 def test_bad_options_are_refused():
     for kwargs, name in [({"policy": "lru"}, "policy"), ({"sink_tokens": -1}, "sink_tokens"),
-                         ({"recent_ratio": 2.0}, "recent_ratio"), ({"score_window": 0}, "score_window")]:
+                         ({"recent_ratio": 2.0}, "recent_ratio"),
+                         ({"recent_ratio": "0.5"}, "recent_ratio"), ({"score_window": 0}, "score_window")]:
         with pytest.raises(ValueError, match=name):
             SparseConfig(0.5, **kwargs)
 
@@ -274,12 +275,13 @@ def test_a_session_resumed_without_scores_is_dense_for_its_first_forward():
     assert cache.layers[0].keys.shape[2] == SparseConfig(0.2).budget(out.shape[1] - 2) + 1
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next", "mistral"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next", "mistral", "llama4_text"])
 def test_models_that_cannot_be_sparse_are_refused_with_the_reason(arch):
     """Latent attention caches no keys; a hybrid's states summarize every token; a model whose every layer
-    slides (the tiny mistral) has no full-attention layer to keep sparse."""
+    slides (the tiny mistral) has no full-attention layer to keep sparse; llama4's chunked layers share the
+    full-attention mask, which would not fit the sparse layers."""
     model = make_tiny(arch)
-    with pytest.raises(ValueError, match="latent attention|hybrid models|full-attention layers"):
+    with pytest.raises(ValueError, match="latent attention|hybrid models|full-attention layers|chunked"):
         AttnStoreCache(model, AttnStore(host_bytes="64MiB"), "r", random_ids(10, 1), kv_budget=0.5)
 
 
@@ -312,10 +314,10 @@ def test_scored_attention_is_sdpa_outside_a_scoring_turn():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "gpt_neox", "gemma2", "gemma3_text", "olmo3",
-                                  "smollm3", "llama4_text", "exaone4", "mixtral"])
+                                  "smollm3", "exaone4", "mixtral"])
 def test_families_keep_their_budget_and_a_whole_budget_is_dense(arch):
-    """Families with full-attention layers, SDPA or eager (gemma2), sliding layers beside (gemma3, olmo3),
-    NoPE layers (smollm3) or chunked attention (llama4)."""
+    """Families with full-attention layers, SDPA or eager (gemma2), sliding layers beside (gemma3, olmo3) or
+    NoPE layers (smollm3); then a resumed turn of several tokens selects from stored scores (masks that fit)."""
     model = make_tiny(arch)
     store, dense = AttnStore(host_bytes="64MiB"), AttnStore(host_bytes="64MiB")
     ids = random_ids(40, 13)
@@ -326,7 +328,13 @@ def test_families_keep_their_budget_and_a_whole_budget_is_dense(arch):
         b = model.generate(reference.input_ids, **cache_kwargs(reference), max_new_tokens=4, **GREEDY)
         assert torch.equal(a, b), f"{arch} turn {turn}"
         ids = torch.cat([a, random_ids(3, 20 + turn)], dim=1)
-    sparse = AttnStoreCache(model, AttnStore(host_bytes="64MiB"), "g", ids, kv_budget=0.3)
-    model.generate(sparse.input_ids, **cache_kwargs(sparse), max_new_tokens=4, **GREEDY)
+    kept = AttnStore(host_bytes="64MiB")
+    sparse = AttnStoreCache(model, kept, "g", ids, kv_budget=0.3)
+    out = model.generate(sparse.input_ids, **cache_kwargs(sparse), max_new_tokens=4, **GREEDY)
     full = [layer for layer in sparse.layers if hasattr(layer, "columns")]
     assert full and all(layer.keys.shape[2] < sparse.get_seq_length() for layer in full)
+    resumed = AttnStoreCache(model, kept, "g", torch.cat([out, random_ids(6, 30)], dim=1), kv_budget=0.3)
+    assert resumed.turn.scorer.has_scores and resumed.reused_tokens > 0
+    model.generate(resumed.input_ids, **cache_kwargs(resumed), max_new_tokens=3, **GREEDY)
+    full = [layer for layer in resumed.layers if hasattr(layer, "columns")]
+    assert all(layer.keys.shape[2] < resumed.get_seq_length() for layer in full)

@@ -265,6 +265,14 @@ def test_a_registered_attention_function_is_called_with_sdpa_masks():
     require(sorted(calls) == list(range(model.config.num_hidden_layers)), "AttentionInterface.register",
             f"the registered attention was not called once per layer ({calls})")
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # A multimodal model: only the decoder switches (a dict naming the text sub-config); the vision tower keeps
+    # the implementation its user chose.
+    multimodal = make_tiny("gemma3")
+    multimodal.set_attn_implementation({"vision_config": "eager"})
+    upstream.set_attention_implementation(multimodal, "hf_attnstore_test_spy")
+    require(upstream.attention_implementation(multimodal) == "hf_attnstore_test_spy"
+            and multimodal.config.vision_config._attn_implementation == "eager",
+            "PreTrainedModel.set_attn_implementation", "a dict of sub-config names is not honoured")
     gemma2 = make_tiny("gemma2")
     attention = gemma2.model.layers[0].self_attn
     require(callable(upstream.eager_attention(attention)), "modeling_gemma2.eager_attention_forward",

@@ -84,8 +84,9 @@ class AttnStoreCache(DynamicCache):
         kv_budget: Sparse window attention (ALISA): the history kept on the device, and attended to, before each
             forward: a fraction of the session's length (``0.2``: 80% sparsity) or a token count, or a whole
             :class:`SparseConfig` (policy, sinks, recent share). ``None`` (default): dense. The store still
-            keeps every token; the tokens' importance scores are kept with the session. Needs SDPA attention,
-            full-attention layers, and neither latent attention nor recurrent layers (cache/sparse.py).
+            keeps every token; the tokens' importance scores are kept with the session. Needs SDPA or eager
+            attention (``"streaming"``: any), full-attention layers, and neither chunked nor latent attention
+            nor recurrent layers (cache/sparse.py).
 
     With ``StoreConfig.share_prefixes`` (the default), a turn whose prompt begins with a longer stored prefix
     in another session than in its own (a shared system prompt, a regenerated or edited message, a branch)

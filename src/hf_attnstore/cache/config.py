@@ -101,7 +101,8 @@ class SparseConfig:
             raise ValueError(f"`policy`={self.policy!r} is unknown; choose one of {', '.join(SPARSE_POLICIES)}")
         if not isinstance(self.sink_tokens, int) or isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
             raise ValueError(f"`sink_tokens` must be a non-negative integer, got {self.sink_tokens!r}")
-        if not 0.0 <= float(self.recent_ratio) <= 1.0:
+        if isinstance(self.recent_ratio, bool) or not isinstance(self.recent_ratio, (int, float)) \
+                or not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError(f"`recent_ratio` must be in [0, 1], got {self.recent_ratio!r}")
         if not isinstance(self.score_window, int) or isinstance(self.score_window, bool) or self.score_window < 1:
             raise ValueError(f"`score_window` must be an integer >= 1, got {self.score_window!r}")

@@ -281,5 +281,11 @@ def attention_implementation(model: nn.Module) -> str | None:
 
 
 def set_attention_implementation(model: nn.Module, name: str) -> None:
-    """Switches the model to attention implementation `name` (`PreTrainedModel.set_attn_implementation`)."""
-    model.set_attn_implementation(name)
+    """Switches the model's decoder to attention implementation `name` (`PreTrainedModel.set_attn_implementation`);
+    a multimodal model's other towers (vision, audio) keep theirs (a dict names the text sub-config alone)."""
+    text = model.config.get_text_config(decoder=True)
+    if text is model.config:
+        model.set_attn_implementation(name)
+        return
+    keys = [key for key in getattr(model.config, "sub_configs", {}) if getattr(model.config, key, None) is text]
+    model.set_attn_implementation({keys[0]: name} if keys else name)
