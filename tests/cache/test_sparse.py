@@ -207,19 +207,24 @@ def _window_sum(rows: torch.Tensor, window: int) -> torch.Tensor:
     return repeated[:, -window:].sum(1)
 
 
-def test_a_whole_budget_is_the_dense_session_over_turns():
-    model = make_tiny("llama")
+def whole_budget_turns(model, ids: torch.Tensor, turns: int, new_tokens: int, seed: int) -> torch.Tensor:
+    """Runs `turns` turns with ``kv_budget=1.0`` beside dense ones, asserting the same greedy tokens and reuse;
+    returns the ids after the last turn."""
     store, dense = AttnStore(host_bytes="64MiB"), AttnStore(host_bytes="64MiB")
-    ids = random_ids(30, 4)
-    for turn in range(3):
+    for turn in range(turns):
         sparse_cache = AttnStoreCache(model, store, "x", ids, kv_budget=1.0)
         dense_cache = AttnStoreCache(model, dense, "x", ids)
-        a = model.generate(sparse_cache.input_ids, **cache_kwargs(sparse_cache), max_new_tokens=5, **GREEDY)
-        b = model.generate(dense_cache.input_ids, **cache_kwargs(dense_cache), max_new_tokens=5, **GREEDY)
+        a = model.generate(sparse_cache.input_ids, **cache_kwargs(sparse_cache), max_new_tokens=4, **GREEDY)
+        b = model.generate(dense_cache.input_ids, **cache_kwargs(dense_cache), max_new_tokens=4, **GREEDY)
         assert torch.equal(a, b), f"turn {turn}"
         if turn:
             assert sparse_cache.reused_tokens == dense_cache.reused_tokens > 0
-        ids = torch.cat([a, random_ids(4, 10 + turn)], dim=1)
+        ids = torch.cat([a, random_ids(new_tokens, seed + turn)], dim=1)
+    return ids
+
+
+def test_a_whole_budget_is_the_dense_session_over_turns():
+    whole_budget_turns(make_tiny("llama"), random_ids(30, 4), turns=3, new_tokens=4, seed=10)
 
 
 def test_decoding_keeps_the_budget_and_the_store_keeps_every_token():
@@ -319,15 +324,7 @@ def test_families_keep_their_budget_and_a_whole_budget_is_dense(arch):
     """Families with full-attention layers, SDPA or eager (gemma2), sliding layers beside (gemma3, olmo3) or
     NoPE layers (smollm3); then a resumed turn of several tokens selects from stored scores (masks that fit)."""
     model = make_tiny(arch)
-    store, dense = AttnStore(host_bytes="64MiB"), AttnStore(host_bytes="64MiB")
-    ids = random_ids(40, 13)
-    for turn in range(2):
-        whole = AttnStoreCache(model, store, "f", ids, kv_budget=1.0)
-        reference = AttnStoreCache(model, dense, "f", ids)
-        a = model.generate(whole.input_ids, **cache_kwargs(whole), max_new_tokens=4, **GREEDY)
-        b = model.generate(reference.input_ids, **cache_kwargs(reference), max_new_tokens=4, **GREEDY)
-        assert torch.equal(a, b), f"{arch} turn {turn}"
-        ids = torch.cat([a, random_ids(3, 20 + turn)], dim=1)
+    ids = whole_budget_turns(model, random_ids(40, 13), turns=2, new_tokens=3, seed=20)
     kept = AttnStore(host_bytes="64MiB")
     sparse = AttnStoreCache(model, kept, "g", ids, kv_budget=0.3)
     out = model.generate(sparse.input_ids, **cache_kwargs(sparse), max_new_tokens=4, **GREEDY)
