@@ -102,6 +102,12 @@ class LayerLayout:
         return {slot: self.windows[i] for slot, i in enumerate(self.kv_layers) if self.windows and self.windows[i]}
 
     @property
+    def chunked(self) -> list[int]:
+        """The chunked-attention KV layers (llama4): neither full nor sliding."""
+        return [i for i, kind in enumerate(self.kinds) if kind == KV and self.full and not self.full[i]
+                and not (self.windows and self.windows[i])]
+
+    @property
     def has_state(self) -> bool:
         """Whether some layer keeps recurrent or convolution states (a hybrid model)."""
         return any(kind in (STATE, BOTH) for kind in self.kinds)

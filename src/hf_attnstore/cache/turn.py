@@ -33,7 +33,7 @@ from . import importance
 from .config import SparseConfig, TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint, salted_fingerprint
 from .hooks import ReuseFailed
-from .layers import KV, LayerLayout, TurnEnd, build_layers
+from .layers import LayerLayout, TurnEnd, build_layers
 from .rope import RopeAdapter
 from .truncation import plan_reuse
 from .upstream import DynamicCache, cache_kwargs
@@ -163,9 +163,7 @@ class Turn:
                              "recurrent states summarize every token, so dropping KV would disagree with them")
         if not self._slot_of:
             raise ValueError(f"{what} needs full-attention layers, and {self._rope.model_type} has none")
-        layout = self._layout
-        chunked = [i for i, kind in enumerate(layout.kinds) if kind == KV and not layout.full[i]
-                   and not (layout.windows and layout.windows[i])]
+        chunked = self._layout.chunked
         if self.sparse is not None and chunked:
             # transformers builds the full-attention layers' one mask from the first non-sliding layer, a chunked
             # one here, whose keys are not the sparse layers' kept tokens: the mask would not fit them.

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache.cache import AttnStoreCache
+from ...cache.chat import ChatTokens, clip_text
 from ...cache.config import SparseConfig
 from ...cache.upstream import cache_kwargs
 from ...store import AttnStore
@@ -55,9 +56,8 @@ def recall_chats(tokenizer, trials: int, filler_turns: int, filler_tokens: int, 
     pairs = [pair for c in conversations for pair in c.turns]
     if len(pairs) < trials * filler_turns:
         raise ValueError(f"ShareGPT gave {len(pairs)} exchanges; {trials * filler_turns} are needed")
-
     def cut(text: str) -> str:
-        return tokenizer.decode(tokenizer(text)["input_ids"][:filler_tokens])
+        return clip_text(tokenizer, text, filler_tokens)
 
     chats = []
     for t in range(trials):
@@ -86,6 +86,7 @@ def recall_across_turns(model, tokenizer, variants: dict[str, SparseConfig | Non
         seed: Seeds the codes.
     """
     chats = recall_chats(tokenizer, trials, filler_turns, filler_tokens, seed)
+    chat = ChatTokens(tokenizer)  # token-level turns: the stored ids are never re-tokenized
     out = {}
     for name, config in variants.items():
         correct, nll = 0, 0.0
@@ -93,12 +94,14 @@ def recall_across_turns(model, tokenizer, variants: dict[str, SparseConfig | Non
             store = AttnStore(host_bytes=2**62)
             try:
                 session = f"recall-{i}"
-                for end in range(2, len(messages) + 1, 2):  # one turn per exchange, each saved to the session
-                    ids = _chat_ids(tokenizer, messages[:end], None)
+                # One turn per user message, each saved to the session; the recorded replies are teacher forced.
+                ids = chat.first_turn(messages[0]["content"])
+                for reply, user in zip(messages[1::2], [*messages[2::2], question]):
                     with AttnStoreCache(model, store, session, ids, kv_budget=config) as cache:
                         model(cache.input_ids[:, cache.reused_tokens :], **cache_kwargs(cache))
-                prompt = _chat_ids(tokenizer, [*messages, question], start)
-                answer = torch.tensor(tokenizer(f" {code}", add_special_tokens=False)["input_ids"]).view(1, -1)
+                    ids = chat.next_turn(torch.cat([ids, chat.reply_ids(reply["content"])], dim=1), user["content"])
+                prompt = torch.cat([ids, _ids(tokenizer, start)], dim=1)
+                answer = _ids(tokenizer, f" {code}")
                 scored = torch.cat([prompt, answer], dim=1)
                 cache = AttnStoreCache(model, store, session, scored, kv_budget=config, save=False)
                 logits = model(cache.input_ids[:, cache.reused_tokens :], **cache_kwargs(cache)).logits[0]
@@ -106,7 +109,7 @@ def recall_across_turns(model, tokenizer, variants: dict[str, SparseConfig | Non
                 nll += float(torch.nn.functional.cross_entropy(logits[-n - 1 : -1].float(), answer[0]))
                 cache = AttnStoreCache(model, store, session, prompt, kv_budget=config, save=False)
                 out_ids = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=8, do_sample=False,
-                                         pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+                                         pad_token_id=tokenizer.eos_token_id)
                 correct += code in tokenizer.decode(out_ids[0, prompt.shape[1] :])
             finally:
                 store.close()
@@ -114,9 +117,6 @@ def recall_across_turns(model, tokenizer, variants: dict[str, SparseConfig | Non
     return out
 
 
-def _chat_ids(tokenizer, messages: list[dict], answer_start: str | None) -> torch.Tensor:
-    """The chat's ids, ``[1, L]``; with `answer_start`, the assistant's turn is opened and begun with it."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=answer_start is not None)
-    if answer_start is not None:
-        text += answer_start
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]).view(1, -1)
+def _ids(tokenizer, text: str) -> torch.Tensor:
+    """`text`'s ids without special tokens, ``[1, n]``."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long).view(1, -1)
