@@ -21,6 +21,8 @@ def test_parser_knows_the_commands():
     assert (serve.max_batch_size, serve.max_batch_tokens) == (4, 256)
     assert parser.parse_args(["serve"]).max_batch_tokens is None  # whole prompts by default
     assert parser.parse_args(["serve"]).kv_codec == "none"  # lossless by default
+    assert parser.parse_args(["serve"]).recompute_by_cost is False  # stored sessions are loaded by default
+    assert parser.parse_args(["serve", "--recompute-by-cost"]).recompute_by_cost is True
     assert parser.parse_args(["chat", "--kv-codec", "int4"]).kv_codec == "int4"
     # A server starts with its remote tier down (a cache), unless told to fail fast.
     assert parser.parse_args(["serve"]).remote_required is False

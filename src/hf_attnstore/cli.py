@@ -186,7 +186,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
                       remote=args.remote, remote_required=args.remote_required, policy=args.policy,
-                      kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes)
+                      kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes,
+                      recompute_by_cost=args.recompute_by_cost)
     # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
     window = args.context_window or getattr(model.config, "max_position_embeddings", None)
     pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
@@ -269,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-share-prefixes", action="store_true",
                     help="a new conversation never starts from another one's stored prefix (a shared system prompt, "
                     "a regenerated reply): each recomputes and stores its own (default: shared, within a cache_salt)")
+    sv.add_argument("--recompute-by-cost", action="store_true",
+                    help="a session resumed from disk or the remote tier has the leading chunks recomputed that the "
+                    "measured load and prefill rates say are cheaper to recompute than to load (a GPU, a slow tier); "
+                    "default: always loaded")
     _codec_option(sv)
     sv.add_argument("--context-window", type=int, default=None,
                     help="tokens the model sees (default: the model's max_position_embeddings); longer "

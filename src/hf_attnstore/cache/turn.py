@@ -34,6 +34,7 @@ from .config import SparseConfig, TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint, salted_fingerprint
 from .hooks import ReuseFailed
 from .layers import LayerLayout, TurnEnd, build_layers
+from .prefill_clock import PrefillClock
 from .rope import RopeAdapter
 from .truncation import plan_reuse
 from .upstream import DynamicCache, cache_kwargs
@@ -90,7 +91,8 @@ class Turn:
         first = plan_reuse(prompt, None, self.truncation, has_rope=self._rope.has_rope).input_ids.shape[1]
         self.regime = self._rope.regime(first)
         # Memoized, but its change key walks every tensor: once per turn.
-        base = salted_fingerprint(model_fingerprint(model, store.config.namespace), cache_salt)
+        model_key = model_fingerprint(model, store.config.namespace)
+        base = salted_fingerprint(model_key, cache_salt)
         self.fingerprint = regime_fingerprint(base, self.regime or "")
         # What this turn's first stored forward deletes: the session's KV of this model in other regimes (the
         # session has one history; their KV would lag behind it). All of it when this turn cannot save.
@@ -111,7 +113,14 @@ class Turn:
         if sparse is not None or self._scored:
             self._check_sparse(model)
         self._stored_scores: dict[int, torch.Tensor] | None = None
-        self.recomputed_head = 0  # leading tokens of a partially evicted session recomputed this turn
+        self.recomputed_head = 0  # leading tokens recomputed this turn (partially evicted, or cheaper than loading)
+        # The model's prefills are reported to the store, which decides by them whether a resumed session's leading
+        # chunks are loaded or recomputed (`recompute_by_cost`). A turn may be handed such a head unless its model
+        # keeps states (they summarize every token) or its RoPE frequencies depend on the length (a head computed
+        # alone could fall in another regime, and the turn would then recompute everything).
+        self._clock = PrefillClock(functools.partial(store.costs.observe_prefill, model_key))
+        self._model_key = model_key
+        self._prefill_key = (model_key if not self._layout.has_state and not self._rope.length_dependent else None)
         self.shared_from: str | None = None  # the other session whose stored prefix this turn starts from
         self.plan, snapshot, state = self._plan(model, store, prompt)
         self.reused_tokens = self.plan.reused
@@ -233,7 +242,8 @@ class Turn:
         """The turn's reuse plan, before any forward: which stored tokens `prompt` reuses (the longest common
         prefix, after truncation), with the snapshot they come from and a hybrid model's states (both None on a
         miss). A partially evicted head is recomputed here (:meth:`_with_head`)."""
-        found = store.lookup(self.session_id, self.fingerprint) if self.regime is not None else None
+        found = (store.lookup(self.session_id, self.fingerprint, prefill_key=self._prefill_key)
+                 if self.regime is not None else None)
         snapshot = self._validated(found)
         state = None
         if self._layout.has_state:
@@ -342,6 +352,7 @@ class Turn:
         if self._rope.regime(need) != self.regime:
             return None  # a shorter forward would compute the head with other frequencies (longrope's short ones)
         ids = snapshot.token_ids[:need]
+        started = time.perf_counter()
         try:
             with torch.no_grad():
                 computed = DynamicCache()  # without the config: sliding layers would keep only their window
@@ -354,11 +365,12 @@ class Turn:
                     keys = self._unrotate(keys, self._inverse_rope(torch.arange(need, device=keys.device)))
                 dtype = snapshot.source.dtype
                 keys = [k.to("cpu", dtype) for k in keys.unbind(0)]
-                values = [v.to("cpu", dtype) for v in values]
+                values = [v.to("cpu", dtype) for v in values]  # (a synchronous copy: the clock is read after it)
         except Exception as exc:  # e.g. out of memory: the turn goes on without reuse (a miss, never an error)
             _once.warning("head", f"recomputing the evicted head of session {self.session_id!r} failed ({exc}): "
                           "the session is recomputed")
             return None
+        store.costs.observe_prefill(self._model_key, 0, need, time.perf_counter() - started)
         self.recomputed_head = need
         if need == head and store.fill_head(snapshot, keys, values):
             return dataclasses.replace(snapshot, head=0)  # the host copy holds the head now: read it there
@@ -501,6 +513,11 @@ class Turn:
         if batch != 1:
             raise ValueError(f"AttnStoreCache supports batch size 1, got a forward with batch {batch}")
         past = self._cache().get_seq_length()
+        self._clock.collect()
+        if self._snapshot is None and self.scorer is None and self.sparse is None:
+            self._clock.begin(x.device, past, length)  # computes without waiting for stored KV: a prefill sample
+        else:
+            self._clock.cancel()
         positions = torch.arange(past, past + length, device=x.device)
         self._fwd_end = past + length
         if position_ids is not None and not torch.equal(position_ids.reshape(-1).to(x.device), positions):
@@ -562,6 +579,7 @@ class Turn:
         and two copies per layer and token (decoding is dominated by such small operations).
         """
         pending, self._pending = self._pending, None
+        self._clock.end()
         if pending is None or all(p is None for p in pending):
             return  # e.g. use_cache=False: nothing was added (states, if any, did not change either)
         assert all(p is not None for p in pending), "every layer must update the cache in a forward"
@@ -631,6 +649,7 @@ class Turn:
         """Ends the turn: the store may demote the session again; later forwards are not saved."""
         self.turn_end()  # closes the writer, with a hybrid model's states
         self._save = False
+        self._clock.collect()
 
     def cropped(self, total: int) -> None:
         """The cache was cropped to `total` tokens (assisted decoding rejected some): the session follows."""

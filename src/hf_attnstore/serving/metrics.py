@@ -68,6 +68,21 @@ class StoreCollector:
             yield GaugeMetricFamily("attnstore_store_remote_up", "1 while the shared remote tier is reachable; 0 while "
                                     "it is down (its lookups are misses; reconnected in the background)",
                                     value=1 - s.remote_down)
+        # Load or recompute (`recompute_by_cost`): the decisions, and the inputs and estimates of the last one.
+        yield CounterMetricFamily("attnstore_store_resume_decisions", "Loads from a lower tier decided by measured "
+                                  "cost (recompute_by_cost)", value=s.resume_decisions)
+        yield CounterMetricFamily("attnstore_store_resume_recomputes", "Of those, the resumes that recomputed leading "
+                                  "chunks instead of loading them", value=s.resume_recomputes)
+        yield CounterMetricFamily("attnstore_store_resume_recomputed_tokens", "Tokens recomputed instead of loaded "
+                                  "by those choices", value=s.resume_recomputed_tokens)
+        last = GaugeMetricFamily("attnstore_store_resume_last", "The last load-or-recompute decision's inputs "
+                                 "(load_gbps: the tier's measured rate in GB/s of KV at the model's precision; "
+                                 "prefill_tokens_per_s: the model's measured rate) and estimates in seconds "
+                                 "(load_s: loading every stored chunk; chosen_s: the choice made)", labels=["value"])
+        for name, value in (("load_gbps", s.resume_load_gbps), ("prefill_tokens_per_s", s.resume_prefill_tokens_per_s),
+                            ("load_s", s.resume_load_estimate_s), ("chosen_s", s.resume_chosen_estimate_s)):
+            last.add_metric([name], value)
+        yield last
         yield CounterMetricFamily("attnstore_store_remote_restores", "Local copies kept after the longer remote copy "
                                   "meant to replace them failed to load", value=s.remote_restores)
 

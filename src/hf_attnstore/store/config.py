@@ -82,6 +82,16 @@ class StoreConfig:
             A turn resuming such a session recomputes the dropped head, exactly, while the rest loads.
             Sessions the scheduler queued (``policy="lookahead"``) are not shrunk. ``False`` (default):
             whole sessions leave, in the policy's order.
+        recompute_by_cost: Load or recompute, by measured cost (ALISA's third phase, Pensieve's partial hits).
+            When a turn resumes a session from the disk or remote tier, the store estimates how long loading
+            its chunks takes (the tier's measured read rate) and how long recomputing leading chunks takes
+            (the model's measured prefill rate), and the turn recomputes the leading chunks that are cheaper
+            to recompute, in one forward while the rest loads: exact, as a partially evicted head is. At least
+            the last chunk is loaded, and loading everything is the choice until both rates have been measured
+            (after one load from the tier and one prefill of 32 tokens or more) or when recomputing is not
+            estimated 5% faster. The decisions and their inputs are in `stats()` (``resume_*``). ``False``
+            (default): a stored session is always loaded, which keeps which path a turn takes independent of
+            timings; turn it on where prefill is fast next to the tier (a GPU, a remote or cold tier).
         share_prefixes: Whether a turn may start from another session's stored KV when that session's ids
             begin with the same tokens as the prompt (a shared system prompt, a regenerated or edited turn, a
             branch), as vLLM's automatic prefix caching does (default ``True``). Exact: the ids are compared
@@ -118,6 +128,7 @@ class StoreConfig:
     kv_codec_group: int = 32
     kv_codec_host: bool = True
     partial_eviction: bool = False
+    recompute_by_cost: bool = False
     share_prefixes: bool = True
     remote: str | None = None
     remote_ttl_s: float | None = None
@@ -150,6 +161,8 @@ class StoreConfig:
         make_policy(self.policy)  # validates the name
         if not isinstance(self.partial_eviction, bool):
             raise TypeError(f"`partial_eviction` must be True or False, got {self.partial_eviction!r}")
+        if not isinstance(self.recompute_by_cost, bool):
+            raise TypeError(f"`recompute_by_cost` must be True or False, got {self.recompute_by_cost!r}")
         if not isinstance(self.share_prefixes, bool):
             raise TypeError(f"`share_prefixes` must be True or False, got {self.share_prefixes!r}")
         self.codec  # validates `kv_codec` and `kv_codec_group`

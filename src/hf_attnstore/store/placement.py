@@ -141,3 +141,55 @@ def choose_head_drops(candidates: Iterable[tuple[Hashable, float, list[tuple[int
             value = recompute_cost(*units[i + 1][:2], attention_tokens) / max(idle, 1e-3)
             heapq.heappush(heap, (value, order, i + 1, key, idle, units))
     return chosen
+
+
+# A head is recomputed only when that is estimated this much faster than loading it: near a tie the measured
+# rates' noise would flip the choice from turn to turn for no gain.
+RECOMPUTE_MARGIN = 0.05
+
+
+def choose_recompute(units: list[tuple[int, int, int]], head: int, eligible: int, seconds_per_byte: float,
+                     seconds_per_unit: float, attention_tokens: int = ATTENTION_TOKENS) -> tuple[int, float, float]:
+    """Load or recompute (ALISA's third phase, Pensieve's partial hits): how many leading stored chunks of a
+    session a turn should recompute instead of loading.
+
+    The turn recomputes its head (a partially evicted one, plus the chunks chosen here) in one forward from
+    position 0 while the load thread reads the rest (the loader is not held back by the read buffer until the
+    turn's first layer asks for its KV, after the recompute), so resuming takes about ``max(recompute, load)``. Loading
+    everything is the choice unless recomputing is estimated `RECOMPUTE_MARGIN` faster.
+
+    Args:
+        units: The stored chunks after the head, in order, as ``(start, end, bytes)`` (token positions).
+        head: Tokens before them without stored KV (recomputed whatever is chosen).
+        eligible: How many of the first `units` may be recomputed (a rebased span may not: its stored KV was
+            computed after another history, and recomputing it would change what the session holds).
+        seconds_per_byte: The tier's measured load time per byte.
+        seconds_per_unit: The model's measured prefill time per :func:`recompute_cost` unit.
+
+    Returns:
+        ``(chunks, chosen_s, load_s)``: the chunks to recompute, the estimated time of that choice and of
+        loading every stored chunk.
+
+    Example:
+        >>> units = [(0, 256, 1000), (256, 512, 1000), (512, 768, 1000)]
+        >>> choose_recompute(units, 0, 2, seconds_per_byte=1e-6, seconds_per_unit=1e-3)[0]  # a fast tier
+        0
+        >>> choose_recompute(units, 0, 2, seconds_per_byte=1e-3, seconds_per_unit=1e-3)[0]  # a slow one
+        2
+    """
+    remaining = sum(b for _, _, b in units)
+
+    def estimate(end: int, left: int) -> float:
+        recompute = recompute_cost(0, end, attention_tokens) * seconds_per_unit if end else 0.0
+        return max(recompute, left * seconds_per_byte)
+
+    load_s = estimate(head, remaining)
+    best, best_s = 0, load_s
+    for k, (_, end, nbytes) in enumerate(units[: min(eligible, len(units))], start=1):
+        remaining -= nbytes
+        t = estimate(end, remaining)
+        if t < best_s:
+            best, best_s = k, t
+    if best and best_s > load_s * (1 - RECOMPUTE_MARGIN):
+        return 0, load_s, load_s
+    return best, best_s, load_s

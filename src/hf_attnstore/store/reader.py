@@ -27,9 +27,12 @@ import torch
 
 from .buffer import SessionBuffer
 from .codec import KVCodec, serves
+from .costs import ResumeCosts
 from .encoded import EncodedSegment
 from .format import FormatError, Manifest, check_chain, layer_names, prefix_digest
+from .geometry import bytes_per_token
 from .loader import LoadHandle
+from .placement import choose_recompute
 from .state import SessionState
 from .tier import ChunkReader, Tier
 
@@ -50,7 +53,7 @@ class LoadJob:
 
     key: tuple[str, str]
     handle: LoadHandle
-    manifest: Manifest
+    manifest: Manifest  # what is read: `origin`, less the leading chunks a turn recomputes (`recompute_by_cost`)
     buf: SessionBuffer
     priority: int
     tier: Tier | None = None  # where the session is read from
@@ -64,8 +67,10 @@ class LoadJob:
     layer: int = 0  # next layer to read
     nbytes: int = 0
     seconds: float = 0.0
+    read_seconds: float = 0.0  # opening, reading and verifying only (not waiting for the consumer): the tier's rate
     gated_since: float | None = None
     state: str = "queued"  # queued -> running -> (queued ->) done
+    origin: Manifest | None = None  # the entry's manifest (None: `manifest` itself)
 
 
 class LoadThread:
@@ -132,7 +137,9 @@ class LoadThread:
     def _step(self, job: LoadJob) -> bool:
         """Reads layers until the job is done (True) or its consumer's read buffer is full (False: parked)."""
         if not job.verified:
+            started = time.perf_counter()
             self._open_and_verify(job)
+            job.read_seconds += time.perf_counter() - started
         seg, manifest = job.buf.parts[0][0], job.manifest
         for layer in range(job.layer, job.buf.geometry[0]):
             # Wait for the consumer in short slices, so that a job submitted meanwhile is noticed; after the
@@ -145,6 +152,7 @@ class LoadThread:
                 if not self._queue.empty():
                     return False  # let other loads run; come back to this one
             job.gated_since = None
+            started = time.perf_counter()
             pos = manifest.head  # a partially evicted head is left for the turn to recompute
             for span in manifest.spans:
                 chunk = job.opened[span.chunk]
@@ -153,6 +161,7 @@ class LoadThread:
                     layer, span.start, span.end, seg.keys[layer][:, :, pos : pos + span.length],
                     seg.values[layer][:, :, pos : pos + span.length], keep)
                 pos += span.length
+            job.read_seconds += time.perf_counter() - started
             job.handle.layer_ready(layer)
             job.layer = layer + 1
         if job.keep_encoded:
@@ -226,8 +235,9 @@ class LoadPlanner:
     """
 
     def __init__(self, index: Index, eviction: Eviction, config: StoreConfig, lower: Tier, remote: Tier | None,
-                 done: Callable[[LoadJob, BaseException | None], None]):
+                 done: Callable[[LoadJob, BaseException | None], None], costs: ResumeCosts | None = None):
         self.index, self.eviction, self.config, self.lower, self.remote = index, eviction, config, lower, remote
+        self.costs = costs if costs is not None else ResumeCosts()
         self.wanted: list[tuple[str | None, str]] = []  # the last prefetch request, in order
         self.loader = LoadThread(done, config.io_timeout_s)
 
@@ -242,16 +252,20 @@ class LoadPlanner:
                     self.index.stats.prefetches += 1
         return started
 
-    def start(self, e: Entry, must_fit: bool = False) -> bool:
+    def start(self, e: Entry, must_fit: bool = False, prefill_key: str | None = None) -> bool:
         """Starts loading a session found only below host memory (on disk, else in the remote tier). A
         prefetch (`must_fit`) is skipped rather than overshooting the host limit; a load a turn waits for may
-        overshoot by this one session."""
+        overshoot by this one session. With `prefill_key` (the turn can recompute a head, and its model's
+        prefill rate is measured under that key) and `recompute_by_cost`, the leading chunks that are cheaper
+        to recompute are not read (:meth:`choose`)."""
         assert e.host is None and (e.manifest or e.remote) is not None, "only sessions below host are loaded"
-        manifest, tier = (e.manifest, self.lower) if e.manifest is not None else (e.remote, self.remote)
+        origin, tier = (e.manifest, self.lower) if e.manifest is not None else (e.remote, self.remote)
         if tier is self.remote and not tier.available():
             return False  # the remote tier failed moments ago: a miss now rather than a wait on a dead server
         geometry, dtype = e.layout
-        length = manifest.length
+        manifest, length = origin, origin.length
+        if prefill_key is not None and not must_fit and self.config.recompute_by_cost:
+            manifest = self.choose(origin, tier.name, prefill_key, bytes_per_token(geometry, dtype.itemsize))
         # Exactly the session's size: the next turn appends in a new segment, without copying this one.
         buf = self.index.host.for_load(geometry, dtype, length)
         if buf.nbytes > self.config.host_bytes:
@@ -267,12 +281,50 @@ class LoadPlanner:
         self.index.set_host(e, buf)
         self.index.loads_active += 1
         e.load_job = LoadJob(e.key, e.loading, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e,
-                             codec=self.config.codec, keep_encoded=self.config.kv_codec_host)
+                             codec=self.config.codec, keep_encoded=self.config.kv_codec_host, origin=origin)
         self.loader.submit(e.load_job)
         return True
 
+    def choose(self, manifest: Manifest, tier: str, prefill_key: str, token_bytes: int) -> Manifest:
+        """The manifest to read (lock held): `manifest`, or it less the leading chunks that the turn recomputes
+        faster than the tier delivers them (:func:`~hf_attnstore.store.placement.choose_recompute`, by the
+        measured rates of `ResumeCosts`; nothing is chosen before both are measured). Only chunks computed in
+        this history may be recomputed (not rebased ones), and at least the last chunk is read. The choice
+        and its inputs are counted in the stats (``resume_*``).
+
+        `token_bytes` is one token's KV at the model's precision: the rate is measured in those bytes whatever
+        the chunks' codec, so a tier that stores fewer bytes per token is measured faster.
+        """
+        load, prefill = self.costs.load_bytes_per_s(tier), self.costs.prefill_units_per_s(prefill_key)
+        if load is None or prefill is None or not manifest.spans or manifest.state is not None:
+            return manifest
+        units, pos = [], manifest.head
+        for span in manifest.spans:
+            units.append((pos, pos + span.length, span.length * token_bytes))
+            pos += span.length
+        eligible = 0
+        while eligible < len(manifest.spans) - 1 and not manifest.spans[eligible].rebased:
+            eligible += 1
+        if manifest.dropped and any(span.rebased for span in manifest.dropped):
+            eligible = 0  # a recomputed head must be this history's own KV from position 0
+        chunks, chosen_s, load_s = choose_recompute(units, manifest.head, eligible, 1 / load, 1 / prefill)
+        for _ in range(chunks):
+            manifest = manifest.drop_head_span()
+        stats = self.index.stats
+        stats.resume_decisions += 1
+        stats.resume_recomputes += chunks > 0
+        stats.resume_recomputed_tokens += units[chunks - 1][1] - units[0][0] if chunks else 0
+        stats.resume_load_gbps, stats.resume_prefill_tokens_per_s = load / 1e9, prefill
+        stats.resume_load_estimate_s, stats.resume_chosen_estimate_s = load_s, chosen_s
+        return manifest
+
     def finish(self, job: LoadJob, error: BaseException | None) -> None:
         """The load thread finished a job (see reader.py)."""
+        if error is None:
+            geometry, dtype = job.buf.geometry, job.buf.dtype
+            tokens = job.manifest.length - job.manifest.head
+            self.costs.observe_load(job.tier.name, tokens * bytes_per_token(geometry, dtype.itemsize),
+                                    job.read_seconds)
         with self.index.cond:
             e = job.entry
             e.pins -= 1
@@ -297,7 +349,7 @@ class LoadPlanner:
                                    "be recomputed", job.tier.name, e.key[1], error)
                 if self.index.entries.get(e.key) is e:
                     self.index.drop(e)
-            elif job.manifest is e.remote and self.index.entries.get(e.key) is e:
+            elif (job.origin or job.manifest) is e.remote and self.index.entries.get(e.key) is e:
                 # Found remotely, local now: written to disk behind the turn, like a session the turn computed.
                 e.remote = None
                 e.last_write = time.monotonic()

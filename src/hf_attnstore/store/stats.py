@@ -60,6 +60,17 @@ class StoreStats:
     host_bytes_limit: int = 0
     disk_bytes_used: int = 0
     disk_bytes_limit: int = 0
+    # Load or recompute (`recompute_by_cost`): loads decided by measured cost, those that left leading chunks for
+    # the turn to recompute, and those chunks' tokens; then the last decision's inputs (the tier's load rate in
+    # GB/s of KV at the model's precision, the model's prefill rate) and estimates (loading every stored chunk,
+    # and the choice made).
+    resume_decisions: int = 0
+    resume_recomputes: int = 0
+    resume_recomputed_tokens: int = 0
+    resume_load_gbps: float = 0.0
+    resume_prefill_tokens_per_s: float = 0.0
+    resume_load_estimate_s: float = 0.0
+    resume_chosen_estimate_s: float = 0.0
     loads_in_flight: int = 0
     saves_pending: int = 0
 

@@ -28,6 +28,7 @@ import torch
 from .buffer import SessionKV
 from .codec import serves
 from .config import StoreConfig
+from .costs import ResumeCosts
 from .disk import DiskTier
 from .entry import Entry, Key, Write, remote_signature, validate_session_id
 from .eviction import Eviction
@@ -117,17 +118,23 @@ class AttnStore:
         self._eviction = Eviction(self._index, config, self._disk, self._lower)
         self._turns = Turns(self._index, self._eviction, config, self._disk, self._lower)
         self._loads: LoadPlanner | None = None
+        self._costs = ResumeCosts()  # measured load and prefill rates (`recompute_by_cost`)
         if self._lower is not None:
-            self._loads = LoadPlanner(self._index, self._eviction, config, self._lower, self._remote, self._load_done)
+            self._loads = LoadPlanner(self._index, self._eviction, config, self._lower, self._remote, self._load_done,
+                                      self._costs)
             self._saves = SavePlanner(self._index, self._eviction, self._loads, config, self._lower, self._disk,
                                       mirror=self._remote if self._lower is self._disk else None)
             self._threads += [self._loads.loader.thread, self._saves.thread.thread]
 
-    def lookup(self, session_id: str, fingerprint: str) -> SessionKV | None:
+    def lookup(self, session_id: str, fingerprint: str, prefill_key: str | None = None) -> SessionKV | None:
         """A snapshot of the session's KV for this model, or ``None`` (a miss).
 
         A session found only below host memory starts loading into it at once; the snapshot's
-        :meth:`~SessionKV.layer_parts` waits for each layer as needed. With a remote tier, the session is
+        :meth:`~SessionKV.layer_parts` waits for each layer as needed. With `recompute_by_cost` and a
+        `prefill_key` (the caller can recompute a head, and reports its model's prefills under that key to
+        :attr:`costs`), leading chunks estimated faster to recompute than to load are left out of
+        the load: the snapshot's `head` tells how many tokens the caller recomputes (as for a partially
+        evicted session). With a remote tier, the session is
         also looked up there (one round trip): when it is missing here, or longer there (another server
         extended it), the remote copy is loaded. A remote copy replaces a local one only once its chunk headers
         are verified and it has loaded: any failure is a remote miss, and the local copy is served (now, or
@@ -158,7 +165,7 @@ class AttnStore:
                     self._loads.loader.promote(e.load_job)  # a prefetch this turn now waits for
                 return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation, key=key)
             tier = self._lower.name if e.manifest is not None else "remote"
-            started = self._loads.start(e)
+            started = self._loads.start(e, prefill_key=prefill_key)
             if not started and e.fallback is not None and self._restore_local(
                     e, refuse=e.remote if self._remote.available() else None):
                 # The remote copy cannot be loaded now (the tier just failed) or ever (it does not fit host
@@ -166,7 +173,7 @@ class AttnStore:
                 e = self._index.entries[key]
                 self._index.touch(e)
                 tier = self._lower.name
-                started = self._loads.start(e)
+                started = self._loads.start(e, prefill_key=prefill_key)
             if not started:
                 self._index.stats.misses += 1
                 return None
@@ -581,6 +588,19 @@ class AttnStore:
             if e.host is not None:
                 return e.host.snapshot().token_ids.clone()
             return (e.manifest or e.remote).token_ids.clone()
+
+    @property
+    def costs(self) -> ResumeCosts:
+        """The measured rates that `recompute_by_cost` decides by: each lower tier's load rate (measured by the
+        load thread) and each model's prefill rate (reported by `AttnStoreCache` under the `prefill_key` it
+        passes to `lookup`, through :meth:`ResumeCosts.observe_prefill`).
+
+        Example:
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> store.costs.load_bytes_per_s("disk") is None  # nothing loaded yet: nothing assumed
+            True
+        """
+        return self._costs
 
     def fill_head(self, snapshot: SessionKV, keys: list[torch.Tensor], values: list[torch.Tensor]) -> bool:
         """Gives a partially evicted session its recomputed head back in host memory (see `SessionKV.head`).
