@@ -257,13 +257,52 @@ def test_scores_persist_on_disk_and_drive_the_resumed_selection(tmp_path):
     cache = AttnStoreCache(model, reopened, "p", ids, kv_budget=config, save=False)
     assert cache.kv_source == "disk" and cache.turn.scorer.has_scores
     for slot, s in saved.items():
-        torch.testing.assert_close(cache.turn.scorer.scores[slot], s[:, :40].half().float())
+        assert torch.equal(cache.turn.scorer.scores[slot], s[:, :40])
     with torch.no_grad():
         model(cache.input_ids[:, 40:], **cache_kwargs(cache))
     scores = saved[0][:, :40]
-    expected = select(torch.arange(40).expand(2, -1), scores.half().float(), 12, config)
+    expected = select(torch.arange(40).expand(2, -1), scores, 12, config)
     assert torch.equal(cache.layers[0].columns[:, :12], expected)
     reopened.close()
+
+
+def test_stored_scores_keep_sums_beyond_fp16(tmp_path):
+    """H2O's sums over every query outgrow fp16's 65,504 within ~15k tokens: scores are stored in fp32."""
+    model = make_tiny("llama")
+    config = SparseConfig(12, policy="h2o")
+    store = AttnStore(host_bytes="64MiB", disk_dir=tmp_path)
+    ids = random_ids(40, 1)
+    with AttnStoreCache(model, store, "p", ids, kv_budget=config) as cache:
+        with torch.no_grad():
+            model(cache.input_ids, **cache_kwargs(cache))
+        for scores in cache.turn.scorer.scores.values():
+            scores[:, 0] += 1e6  # as a sink's sum after a long conversation
+        saved = {slot: scores.clone() for slot, scores in cache.turn.scorer.scores.items()}
+    store.close()
+    reopened = AttnStore(host_bytes="64MiB", disk_dir=tmp_path)
+    with AttnStoreCache(model, reopened, "p", torch.cat([ids, random_ids(3, 8)], 1), kv_budget=config,
+                        save=False) as cache:
+        assert cache.kv_source == "disk"
+        for slot, scores in saved.items():
+            assert torch.equal(cache.turn.scorer.scores[slot], scores)
+    reopened.close()
+
+
+@pytest.mark.parametrize("other", [SparseConfig(12, policy="h2o"), SparseConfig(12, policy="alisa", score_window=8)],
+                         ids=["h2o", "alisa-window-8"])
+def test_stored_scores_serve_only_their_own_policy_and_window(tmp_path, other):
+    """ALISA's scores sum the last 32 queries' weights, H2O's every query's: a turn of another policy or window
+    scores anew (its first forward dense) rather than rank tokens by a sum it did not make."""
+    model = make_tiny("llama")
+    config = SparseConfig(12, policy="alisa")
+    store = AttnStore(host_bytes="64MiB", disk_dir=tmp_path)
+    history = _history(model, store, "p", 40, config)
+    ids = torch.cat([history, random_ids(3, 8)], dim=1)
+    with AttnStoreCache(model, store, "p", ids, kv_budget=other, save=False) as cache:
+        assert cache.reused_tokens == 40 and not cache.turn.scorer.has_scores
+    with AttnStoreCache(model, store, "p", ids, kv_budget=config, save=False) as cache:
+        assert cache.turn.scorer.has_scores  # its own are there
+    store.close()
 
 
 def test_a_session_resumed_without_scores_is_dense_for_its_first_forward():

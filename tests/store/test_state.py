@@ -64,6 +64,11 @@ class TestFormat:
             SessionState.capture(3, {"L0000.c0": torch.zeros(2, dtype=torch.int64)})
         with pytest.raises(TypeError):
             SessionState.capture(3, {"../x": torch.zeros(2)})
+        # Importance scores: labelled by what they sum, or unlabelled as older versions wrote them (read, unused).
+        for name in ("I0001.alisa32", "I0001.h2o", "I0001"):
+            SessionState.capture(3, {name: torch.zeros(2, 3)})
+        with pytest.raises(TypeError):
+            SessionState.capture(3, {"I0001.snapkv": torch.zeros(2, 3)})
 
     def test_the_manifest_keeps_its_state_only_with_all_its_tokens_in_place(self):
         ref = sealed([1, 2, 3, 4]).ref

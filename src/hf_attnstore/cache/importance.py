@@ -10,8 +10,10 @@ attends to, O(w·n) per layer where the attention is O(q·n). Outside such a for
 Scores are kept per KV slot and per KV head, over the session's tokens (indexed by position in the session,
 whichever of them the device still holds): ``scores[slot]`` is ``[kv_heads, n]`` float32 on the device. A query
 head's weights count for the KV head it reads (grouped-query attention sums its group). They are persisted with
-the session, fp16 (2 bytes per token, layer and KV head), as tensors ``I{slot:04d}`` of its state (state.py),
-so a resumed session knows its important tokens before its first forward.
+the session, fp32 (4 bytes per token, layer and KV head: under 1% of SmolLM2's KV, and H2O's sums over every
+query outgrow fp16's 65,504 within ~15k tokens), as tensors of its state (state.py) named by what they sum
+(:func:`score_name`), so a resumed session knows its important tokens before its first forward, and a turn of
+another policy or window never takes them for its own.
 
 Example:
     >>> scorer = Scorer({0: 0}, policy="alisa", window=2)
@@ -206,6 +208,18 @@ class Scorer:
         future = torch.arange(n_keys, device=key.device)[None, :] >= limit[:, None]
         logits.masked_fill_(future[None, None], float("-inf"))
         return logits.softmax(-1).sum(1)
+
+
+def score_name(slot: int, policy: str, window: int) -> str:
+    """The state tensor that keeps KV slot `slot`'s scores: ``I{slot:04d}.h2o`` (weights from every query) or
+    ``I{slot:04d}.alisa{window}`` (from the last `window` queries). The label is what the scores sum: a turn
+    reads only scores of its own policy and window, and scores anew otherwise.
+
+    Example:
+        >>> score_name(3, "alisa", 32), score_name(3, "h2o", 32)
+        ('I0003.alisa32', 'I0003.h2o')
+    """
+    return f"I{slot:04d}." + ("h2o" if policy == "h2o" else f"alisa{window}")
 
 
 def scoring(scorer: Scorer | None):

@@ -109,6 +109,8 @@ class Turn:
         # Importance scores: for a session kept sparse by importance, or truncated by it (importance.py). Scored
         # layers: the full-attention ones (a sliding-window layer keeps its window, not a selection).
         self._scored = (sparse is not None and sparse.scored) or truncation.mode == "importance"
+        # What the scores sum (and are stored under): the sparse policy's, else importance truncation's (ALISA's).
+        self._score_config = sparse if sparse is not None and sparse.scored else SparseConfig(1.0)
         self._slot_of = {idx: slot for slot, idx in enumerate(self._layout.kv_layers) if self._layout.full[idx]}
         if sparse is not None or self._scored:
             self._check_sparse(model)
@@ -185,7 +187,7 @@ class Turn:
     def _new_scorer(self, initial: dict[int, torch.Tensor] | None) -> "importance.Scorer | None":
         if not self._scored:
             return None
-        config = self.sparse if self.sparse is not None and self.sparse.scored else SparseConfig(1.0)
+        config = self._score_config
         return importance.Scorer(self._slot_of, config.policy, config.score_window, self._columns, initial)
 
     def _columns(self, slot: int) -> torch.Tensor | None:
@@ -222,7 +224,9 @@ class Turn:
         heads = self._geometry[1]
         out = {}
         for slot in self._slot_of.values():
-            t = state.tensors.get(f"I{slot:04d}")
+            # Only scores of this turn's policy and window (another's sum other queries: not these scores).
+            t = state.tensors.get(importance.score_name(slot, self._score_config.policy,
+                                                        self._score_config.score_window))
             if t is None or tuple(t.shape) != (heads, state.tokens):
                 return None
             out[slot] = torch.nan_to_num(t.float(), nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0)
@@ -661,8 +665,9 @@ class Turn:
 
 
 def _score_tensors(scorer: "importance.Scorer", tokens: int) -> dict[str, torch.Tensor]:
-    """The scores to keep with the session after `tokens` tokens, fp16, or none when some layer's scores do not
-    cover them (KV appended without scoring, e.g. by the batch runner): the next turn then scores anew."""
+    """The scores to keep with the session after `tokens` tokens, fp32, named by what they sum, or none when some
+    layer's scores do not cover them (KV appended without scoring, e.g. by the batch runner): the next turn then
+    scores anew."""
     if not scorer.has_scores:
         return {}
     out = {}
@@ -670,5 +675,5 @@ def _score_tensors(scorer: "importance.Scorer", tokens: int) -> dict[str, torch.
         scores = scorer.scores[slot]
         if scores.shape[1] < tokens:
             return {}
-        out[f"I{slot:04d}"] = scores[:, :tokens].clamp(0, 65504).half()
+        out[importance.score_name(slot, scorer.policy, scorer.window)] = scores[:, :tokens].float()
     return out

@@ -14,8 +14,9 @@ whole file is validated and every checksum verified: any doubt is a FormatError 
 
 Tensor names: ``L{layer:04d}.c{i}`` (conv state ``i`` of model layer ``layer``) and ``L{layer:04d}.r{i}``
 (recurrent state ``i``). A session kept sparse (or truncated by importance) also keeps its tokens' importance
-scores this way, which are valid for the same tokens: ``I{slot:04d}`` (``[kv_heads, tokens]`` fp16 of KV slot
-``slot``, cache/importance.py).
+scores this way, which are valid for the same tokens: ``I{slot:04d}.alisa{window}`` or ``I{slot:04d}.h2o``
+(``[kv_heads, tokens]`` fp32 of KV slot ``slot``, named by what they sum, cache/importance.py). Files of older
+versions name them ``I{slot:04d}`` (fp16, without the label): they are read, and their scores not used.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from safetensors.torch import save as safetensors_save
 
 from .format import FORMAT, KV_DTYPES, STATE_PREFIX, FormatError, StateRef, checksum, metadata_digest, tensor_bytes
 
-_NAME = re.compile(r"L\d{4}\.[cr]\d{1,3}|I\d{4}")
+_NAME = re.compile(r"L\d{4}\.[cr]\d{1,3}|I\d{4}(?:\.h2o|\.alisa\d{1,6})?")
 MAX_STATE_TENSORS = 4096
 
 
