@@ -8,6 +8,7 @@ a million-token prefill in a millisecond), so which path a turn takes does not d
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
@@ -198,3 +199,71 @@ def test_the_remote_tier_is_decided_by_its_own_rate(tmp_path):
         assert cache.kv_source == "remote" and cache.recomputed_head == 64
         assert other.stats().resume_recomputes == 1
         other.close()
+
+
+def _remote_and_disk(tmp_path, server, model, name, **kw):
+    store = AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path / name), remote=server.url, **FAST, **kw)
+    if kw.get("recompute_by_cost"):
+        slow_tier(store, "remote")
+        fast_prefill(store, model)
+    return store
+
+
+def _equal_to_recomputation(model, store, ids):
+    with AttnStoreCache(model, store, "s", ids, save=False) as cache:
+        assert cache.reused_tokens > 0, cache.kv_source
+        out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=6, **GREEDY)
+    return torch.equal(out, model.generate(ids, **cache_kwargs(DynamicCache()), max_new_tokens=6, **GREEDY))
+
+
+@pytest.mark.parametrize("probe", [False, True], ids=["resumed", "probe-diverging-in-the-head"])
+def test_a_remote_copy_loaded_without_its_head_is_written_locally_only_once_whole(tmp_path, monkeypatch, probe):
+    """A store with a disk and a remote tier writes a session it loaded from the remote tier to its disk (and
+    mirrors it back): never before the turn has recomputed the head left out of the load, whatever the timing
+    (the recompute is made slow here), and never when no turn recomputes it (a read-only probe whose prompt
+    diverges inside the head): then the host copy is dropped, and the remote copy serves the next turn."""
+    model = make_tiny("llama")
+    with RedisServer(tmp_path / "redis") as server:
+        first = _remote_and_disk(tmp_path, server, model, "a")
+        with AttnStoreCache(model, first, "s", random_ids(70, 0)) as cache:
+            ids = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, **GREEDY)
+        first.flush()
+        first.close()
+        store = _remote_and_disk(tmp_path, server, model, "b", recompute_by_cost=True)
+        fill = store.fill_head
+
+        def slow_fill(*args, **kwargs):
+            time.sleep(0.3)  # a long recompute: the load has finished and the writer is idle meanwhile
+            return fill(*args, **kwargs)
+
+        monkeypatch.setattr(store, "fill_head", slow_fill)
+        prompt = torch.cat([ids[:, :30], random_ids(10, 5)], 1) if probe else torch.cat([ids, random_ids(6, 7)], 1)
+        with AttnStoreCache(model, store, "s", prompt, save=not probe) as cache:
+            assert cache.kv_source == ("miss" if probe else "remote")
+            assert cache.recomputed_head == (0 if probe else 64)
+            model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=2, **GREEDY)
+        store.flush(timeout=10)
+        store.evict("s")
+        store.flush(timeout=10)
+        assert store.stats().resume_recomputes == 1
+        if not probe:
+            assert store.tier_of("s", AttnStoreCache.fingerprint_of(model, store)) == "disk"
+        assert _equal_to_recomputation(model, store, ids)  # from its own disk copy, or the remote one
+        store.close()
+        other = AttnStore(host_bytes="16MiB", remote=server.url, **FAST)  # what the remote tier holds now
+        assert _equal_to_recomputation(model, other, ids)
+        other.close()
+
+
+def test_a_load_that_does_not_start_is_not_counted_as_a_decision(tmp_path):
+    model = make_tiny("llama")
+    store = AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), **FAST)
+    on_disk(model, store)
+    store.close()
+    small = AttnStore(host_bytes=20_000, disk_dir=str(tmp_path), recompute_by_cost=True, **FAST)
+    slow_tier(small)
+    fast_prefill(small, model)
+    key = AttnStoreCache.fingerprint_of(model, small)
+    assert small.lookup("s", key, prefill_key=key) is None  # larger than the host tier: a miss
+    assert small.stats().resume_decisions == 0
+    small.close()

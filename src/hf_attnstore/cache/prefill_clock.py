@@ -43,9 +43,11 @@ class PrefillClock:
         if tokens < MIN_PREFILL_TOKENS:
             return
         if device.type == "cuda":
+            # On the forward's device's stream (a model on cuda:1 is not timed by the current device's events).
+            stream = torch.cuda.current_stream(device)
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._running = (start, start + tokens, event)
+            event.record(stream)
+            self._running = (start, start + tokens, (event, stream))
         else:
             self._running = (start, start + tokens, time.perf_counter())
 
@@ -62,9 +64,10 @@ class PrefillClock:
         if isinstance(t0, float):
             self._report(start, end, time.perf_counter() - t0)
             return
+        first, stream = t0
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self._pending.append((start, end, t0, event))
+        event.record(stream)
+        self._pending.append((start, end, first, event))
 
     def collect(self) -> None:
         """Reports the CUDA forwards whose kernels have completed (a no-op on CPU)."""

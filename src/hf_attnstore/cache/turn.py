@@ -357,6 +357,7 @@ class Turn:
             return None  # a shorter forward would compute the head with other frequencies (longrope's short ones)
         ids = snapshot.token_ids[:need]
         started = time.perf_counter()
+        store.forward_started()  # a forward like any other: the store's writer yields to it
         try:
             with torch.no_grad():
                 computed = DynamicCache()  # without the config: sliding layers would keep only their window
@@ -374,6 +375,8 @@ class Turn:
             _once.warning("head", f"recomputing the evicted head of session {self.session_id!r} failed ({exc}): "
                           "the session is recomputed")
             return None
+        finally:
+            store.forward_finished()
         store.costs.observe_prefill(self._model_key, 0, need, time.perf_counter() - started)
         self.recomputed_head = need
         if need == head and store.fill_head(snapshot, keys, values):

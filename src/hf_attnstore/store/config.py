@@ -86,7 +86,8 @@ class StoreConfig:
             When a turn resumes a session from the disk or remote tier, the store estimates how long loading
             its chunks takes (the tier's measured read rate) and how long recomputing leading chunks takes
             (the model's measured prefill rate), and the turn recomputes the leading chunks that are cheaper
-            to recompute, in one forward while the rest loads: exact, as a partially evicted head is. At least
+            to recompute, in one forward while the rest loads: exact, as a partially evicted head is (with a
+            lossy `kv_codec`, more accurate than the dequantized chunks it replaces). At least
             the last chunk is loaded, and loading everything is the choice until both rates have been measured
             (after one load from the tier and one prefill of 32 tokens or more) or when recomputing is not
             estimated 5% faster. The decisions and their inputs are in `stats()` (``resume_*``). ``False``

@@ -66,7 +66,10 @@ class Eviction:
         self.index.apply_ended_turns()
         if e.pins or e.writers:
             return
-        if self.lower is None or e.write is Write.NEVER or e.length == 0:
+        # A host copy still missing a head its turn did not recompute, and not durable that far (a remote copy
+        # loaded without its head, `recompute_by_cost`), cannot be written: dropped (the remote copy stays).
+        unwritable = e.host is not None and e.host.missing_head > e.persisted
+        if self.lower is None or e.write is Write.NEVER or e.length == 0 or unwritable:
             self.index.drop(e)
             self.index.stats.host_drops += 1
         elif e.dirty:

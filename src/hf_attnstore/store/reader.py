@@ -263,14 +263,15 @@ class LoadPlanner:
         if tier is self.remote and not tier.available():
             return False  # the remote tier failed moments ago: a miss now rather than a wait on a dead server
         geometry, dtype = e.layout
-        manifest, length = origin, origin.length
-        if prefill_key is not None and not must_fit and self.config.recompute_by_cost:
-            manifest = self.choose(origin, tier.name, prefill_key, bytes_per_token(geometry, dtype.itemsize))
+        length = origin.length
         # Exactly the session's size: the next turn appends in a new segment, without copying this one.
         buf = self.index.host.for_load(geometry, dtype, length)
         if buf.nbytes > self.config.host_bytes:
             self.index.once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
             return False
+        manifest = origin  # (a demand load starts from here on: its choice is counted once, below)
+        if prefill_key is not None and not must_fit and self.config.recompute_by_cost:
+            manifest = self.choose(origin, tier.name, prefill_key, bytes_per_token(geometry, dtype.itemsize))
         position = self.index.host.position(e.key) if must_fit else None
         if not self.eviction.make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
             return False
@@ -351,7 +352,10 @@ class LoadPlanner:
                     self.index.drop(e)
             elif (job.origin or job.manifest) is e.remote and self.index.entries.get(e.key) is e:
                 # Found remotely, local now: written to disk behind the turn, like a session the turn computed.
+                # Not while leading chunks left to the turn are missing from the buffer: `AttnStore.fill_head`
+                # marks it for writing once they are there (writing it now would store whatever the buffer held).
                 e.remote = None
                 e.last_write = time.monotonic()
-                self.index.dirty.add(e.key)
+                if not job.buf.missing_head:
+                    self.index.dirty.add(e.key)
             self.index.cond.notify_all()

@@ -316,6 +316,10 @@ class SavePlanner:
                 continue  # backing off after a failure; flush() and demotions retry at once
             if e.pins or e.loading is not None:
                 continue
+            if e.host.missing_head > e.persisted:
+                # Tokens without KV in the buffer yet (a head the turn recomputes): never written, whatever the
+                # buffer holds there. `AttnStore.fill_head` marks the session again once they are filled.
+                continue
             idle = now - e.last_write >= self.config.idle_flush_s
             if not e.urgent and not self.compute_quiet(now):
                 continue  # write behind: wait for the gap after the turn (see `compute_quiet`)

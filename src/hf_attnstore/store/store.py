@@ -624,8 +624,14 @@ class AttnStore:
             with self._index.lock:
                 buf.head_claimed = False
             raise
-        with self._index.lock:
+        with self._index.cond:
             buf.missing_head = 0  # a truncation meanwhile only shortened it; the tokens kept are filled
+            e = self._index.entries.get(snapshot.key) if snapshot.key is not None else None
+            if e is not None and e.host is buf and e.remote is None and e.dirty:
+                # A remote copy loaded without its head (`recompute_by_cost`) is written locally now that it is
+                # whole (LoadPlanner.finish left it out of the dirty set until then).
+                self._index.dirty.add(e.key)
+                self._index.cond.notify_all()
         return True
 
     def tier_of(self, session_id: str, fingerprint: str) -> str | None:
