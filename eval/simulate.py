@@ -11,6 +11,8 @@ Sections:
              look-ahead + prefetch and LRU
   partial    partial eviction (leading chunks of cold sessions first, Pensieve) vs whole-session eviction,
              lossless and int4, vs disk capacity
+  recompute  load or recompute by cost (the store's `recompute_by_cost`) vs always loading, per SSD bandwidth,
+             LRU without prefetch and look-ahead + prefetch, 128G/2T (issue 33)
   shared     shared system prompts (`--system-prompts 500,1000,2000`, every conversation opens with one):
              prefix sharing on vs off, vs disk capacity (issue 31)
 
@@ -186,6 +188,25 @@ def main(argv=None):
                              f"{100 * (1 - r.prefill_tokens / re.prefill_tokens):.0f}% / {r.peak_disk_bytes / 1e12:.2f} TB / "
                              f"{1000 * statistics.mean(r.service_ttft_s):.0f} ms")
             print(f"| {'on' if share else 'off'} | " + " | ".join(cells) + " |", flush=True)
+    if "recompute" in sections:
+        print(f"\n## {profile.name}: load or recompute by cost vs always loading, 128 GB DRAM / 2 TB disk, by SSD read "
+              "bandwidth (cells: mean / p99 TTFT without queueing (load stall + prefill), mean TTFT with queueing, GPU "
+              "busy time, turns whose demand load left leading chunks to recompute)\n")
+        print("| SSD | policy | load | recompute by cost | tokens recomputed |\n| --- | --- | --- | --- | --- |")
+        for ssd in (1e9, 2e9, 5e9, 10e9):
+            for policy, prefetch in POLICIES[:2]:
+                cells, chosen = [], ""
+                for by_cost in (False, True):
+                    r = simulate(trace, profile, dataclasses.replace(base, disk_bytes=2e12, policy=policy,
+                                                                     prefetch=prefetch, ssd_read_bytes_per_s=ssd,
+                                                                     recompute_by_cost=by_cost))
+                    service = sorted(r.service_ttft_s)
+                    cells.append(f"{1000 * statistics.mean(service):.0f} / {1000 * service[int(0.99 * len(service))]:.0f}"
+                                 f" ms, {statistics.mean(r.ttft_s):.2f} s, GPU {r.gpu_busy_s / 3600:.1f} h, "
+                                 f"{r.recompute_choices:,} turns")
+                    chosen = f"{r.recompute_chosen_tokens / 1e6:.2f} M" if by_cost else chosen
+                print(f"| {ssd / 1e9:g} GB/s | {policy}{' + prefetch' if prefetch else ''} | " + " | ".join(cells)
+                      + f" | {chosen} |", flush=True)
     print(f"\nsimulated in {time.perf_counter() - started:.0f} s")
 
 

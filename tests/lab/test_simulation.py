@@ -158,3 +158,25 @@ def test_a_shared_prompt_leaves_a_tier_with_its_last_holder():
     r = simulate(trace, PROFILE, small, system)
     assert r.peak_host_bytes <= 300 and r.hit_rate == 1.0  # the disk holds everything
     assert r.prefix_hits >= 25  # a holder is always somewhere (host or disk)
+
+
+def test_load_or_recompute_by_cost_uses_the_stores_choice(monkeypatch):
+    # Demand loads from disk (one session fits in host memory, no prefetch), chunks of 10 tokens.
+    small = dataclasses.replace(BIG, host_bytes=50, policy="lru", prefetch=False, chunk_tokens=10)
+    for ssd, recomputes in ((1e6, False), (100.0, True)):  # reading 10 bytes: 10 us or 0.1 s; prefilling 10: 0.1 s
+        load = simulate(TRACE, PROFILE, dataclasses.replace(small, ssd_read_bytes_per_s=ssd))
+        by_cost = simulate(TRACE, PROFILE, dataclasses.replace(small, ssd_read_bytes_per_s=ssd, recompute_by_cost=True))
+        assert load.hits_disk > 0 and by_cost.hits_disk > 0 and load.recompute_choices == 0
+        if not recomputes:  # a fast disk: nothing is worth recomputing, and nothing changes
+            assert by_cost.recompute_choices == 0 and by_cost.service_ttft_s == load.service_ttft_s
+            continue
+        # A slow disk: the leading chunks are recomputed while the rest is read, and turns wait less.
+        assert 0 < by_cost.recompute_choices <= by_cost.hits_disk
+        assert by_cost.head_recompute_tokens == by_cost.recompute_chosen_tokens > 0
+        assert sum(by_cost.service_ttft_s) < sum(load.service_ttft_s)
+        assert by_cost.gpu_busy_s > load.gpu_busy_s  # what it costs: GPU time to recompute
+    calls = []
+    real = simulation.choose_recompute
+    monkeypatch.setattr(simulation, "choose_recompute", lambda *a, **k: calls.append(a) or real(*a, **k))
+    simulate(TRACE, PROFILE, dataclasses.replace(small, ssd_read_bytes_per_s=100.0, recompute_by_cost=True))
+    assert calls  # the simulator decides with the store's placement code

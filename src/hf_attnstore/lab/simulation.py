@@ -30,7 +30,8 @@ from itertools import islice
 
 from ..cache.config import TruncationConfig
 from ..store.policy import make_policy
-from ..store.placement import choose_head_drops, choose_victims, head_drop_candidates, lookahead_windows
+from ..store.placement import (choose_head_drops, choose_recompute, choose_victims, head_drop_candidates,
+                               lookahead_windows)
 from ..cache.truncation import tokens_to_drop
 
 
@@ -84,6 +85,10 @@ class SimConfig:
             ``partial_eviction``, with its victim choice); a resumed session recomputes its dropped head while
             the rest is read.
         chunk_tokens: Tokens per chunk (the unit partial eviction drops).
+        recompute_by_cost: A disk hit that a turn waits for has the leading chunks recomputed that the store's
+            choice (`placement.choose_recompute`, as the store's ``recompute_by_cost``) says are faster to
+            recompute at the profile's prefill rate than to read behind the SSD's queue; the rest is read meanwhile.
+            The simulator knows its rates exactly, where the store measures them.
         share_prefixes: Sessions that open with one system prompt (:func:`with_system_prompts`) share its KV in
             each tier and reuse it across sessions (see the module docstring). Partial eviction leaves such
             sessions' heads alone (their first chunks are the shared prompt).
@@ -107,6 +112,7 @@ class SimConfig:
     partial_eviction: bool = False
     chunk_tokens: int = 256
     share_prefixes: bool = False
+    recompute_by_cost: bool = False
 
 
 def codec_ratio(kv_codec: str | None, group: int = 32, dtype_bytes: int = 2) -> float:
@@ -142,6 +148,8 @@ class SimResult:
     prefetches: int = 0
     head_drops: int = 0  # chunks dropped by partial eviction
     partial_hits: int = 0  # disk hits whose head was recomputed
+    recompute_choices: int = 0  # demand loads that left leading chunks to recompute (recompute_by_cost)
+    recompute_chosen_tokens: int = 0
     head_recompute_tokens: int = 0
     history_tokens: int = 0  # tokens of resumed turns' histories (kept after truncation)
     reused_tokens: int = 0  # of those, reused from a tier rather than recomputed
@@ -176,8 +184,9 @@ class SimResult:
 class _Tiers:
     """Host and disk tiers as byte counts per session, placed by the store's policies and placement code."""
 
-    def __init__(self, cfg: SimConfig, result: SimResult):
+    def __init__(self, cfg: SimConfig, result: SimResult, prefill_s_per_token: float = 0.0):
         self.cfg, self.result = cfg, result
+        self.prefill_s_per_token = prefill_s_per_token
         ratio = codec_ratio(cfg.kv_codec, cfg.kv_codec_group)
         if cfg.codec_tiers not in ("disk", "all"):
             raise ValueError(f"`codec_tiers` must be 'disk' or 'all', got {cfg.codec_tiers!r}")
@@ -352,10 +361,29 @@ class _Tiers:
         if not self.make_host_room(room, exclude=key, keep_sooner_than=keep) and must_fit:
             return False
         self.set_host(key, nbytes)
+        if self.cfg.recompute_by_cost and not must_fit and not shared:
+            recomputed = self._recompute_head(now, n, head, read)
+            read_all -= read * (recomputed - head) / (n - head)
+            head = recomputed
         self.missing[key] = head
         self.ssd_free_at = max(self.ssd_free_at, now) + read_all / self.cfg.ssd_read_bytes_per_s
         self.ready_at[key] = self.ssd_free_at
         return True
+
+    def _recompute_head(self, now: float, n: int, head: int, read: float) -> int:
+        """The head a demand load leaves to the turn (`recompute_by_cost`): the store's choice, with the SSD's
+        queue ahead of the read as its latency, and the profile's linear prefill cost."""
+        bounds = list(range(head, n, self.cfg.chunk_tokens)) + [n]
+        per_token = read / (n - head)
+        units = [(a, b, (b - a) * per_token) for a, b in zip(bounds, bounds[1:])]
+        chunks, _, _ = choose_recompute(units, head, len(units) - 1, 1 / self.cfg.ssd_read_bytes_per_s,
+                                        self.prefill_s_per_token, attention_tokens=10**15,
+                                        latency_s=max(self.ssd_free_at, now) - now)
+        if not chunks:
+            return head
+        self.result.recompute_choices += 1
+        self.result.recompute_chosen_tokens += units[chunks - 1][1] - head
+        return units[chunks - 1][1]
 
     def forget(self, key) -> None:
         self.set_host(key, None)
@@ -390,7 +418,7 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
         raise ValueError(f"unknown truncation {cfg.truncation!r}: expected decoupled or invalidate")
     rng = random.Random(cfg.seed)
     result = SimResult()
-    tiers = _Tiers(cfg, result)
+    tiers = _Tiers(cfg, result, profile.prefill_s_per_token)
     window = TruncationConfig(profile.context_window, cfg.truncation_ratio, cfg.keep_first, "recompute")
     history = [0] * len(conversations)
     heads = [0] * len(conversations)  # each session's dropped head after its last turn
