@@ -353,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     mmlu.add_argument("--limit", type=int, default=500, help="questions (subjects interleaved); 0 for all 14,042")
     mmlu.add_argument("--window", type=int, default=1024, help="context window W (the filler fills it)")
     mmlu.add_argument("--keep-first", type=int, default=4)
-    mmlu.add_argument("--modes", default="none,recompute,decoupled,naive")
+    mmlu.add_argument("--modes", default="none,recompute,decoupled,naive",
+                      help="comma-separated truncation modes, or POLICY@BUDGET for the whole history attended sparsely "
+                      "(alisa@0.2, h2o@0.2, streaming@0.2: 80%% sparsity), compared with `none`")
     mmlu.set_defaults(func=_eval_mmlu)
     fid = ev_sub.add_parser("fidelity", help="resumed ShareGPT turns vs full recomputation: identical tokens, logits")
     fid.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")

@@ -83,6 +83,20 @@ def test_a_lossy_filler_is_read_back_from_its_cold_copy(parts):
     assert got != want and all(math.isclose(a, b, rel_tol=0.02, abs_tol=0.02) for a, b in zip(got, want))
 
 
+def test_the_history_is_attended_within_its_budget(parts):
+    """`kv_budget`: the requests attend to the stored filler sparsely, by the scores stored with it; the whole
+    budget is the dense history."""
+    dense = lm(parts, truncation="none")
+    want = [s for s, _ in dense._loglikelihood_tokens(requests_of(dense, PAIRS), disable_tqdm=True)]
+    for policy in ("alisa", "h2o"):
+        whole = lm(parts, truncation="none", kv_budget=1.0, sparse_policy=policy)
+        got = [s for s, _ in whole._loglikelihood_tokens(requests_of(whole, PAIRS), disable_tqdm=True)]
+        assert all(math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4) for a, b in zip(got, want))
+        sparse = lm(parts, truncation="none", kv_budget=0.2, sparse_policy=policy)
+        got = [s for s, _ in sparse._loglikelihood_tokens(requests_of(sparse, PAIRS), disable_tqdm=True)]
+        assert all(math.isfinite(a) for a in got) and got != want
+
+
 def test_a_context_longer_than_the_window_is_cut_from_the_left(parts):
     m = lm(parts, truncation="decoupled", context_window=64)
     long_ctx = "x" * 200

@@ -30,6 +30,7 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from ...cache.cache import AttnStoreCache
+from ...cache.config import SparseConfig
 from ...store import AttnStore
 from ...cache.upstream import cache_kwargs
 
@@ -75,13 +76,18 @@ class AttnStoreLM(TemplateLM):
             overflows.
         kv_codec: ``"int8"`` or ``"int4"``: the filler is stored in a disk tier with that lossy codec and
             every request reads it back from there (dequantized); default lossless, in host memory.
+        kv_budget: Sparse window attention over the filler (`AttnStoreCache(kv_budget=...)`): the fraction of
+            the history each request attends to (sinks, recent tokens and, by `sparse_policy`, the most important
+            ones by the scores stored with the filler). Default ``None``: dense.
+        sparse_policy: ``"alisa"``, ``"h2o"`` or ``"streaming"`` (see :class:`~hf_attnstore.SparseConfig`).
         batch_size: Accepted for lm-eval's CLI; requests run one at a time (one session per cache).
     """
 
     def __init__(self, pretrained=None, tokenizer=None, dtype: str = "float32", device: str | None = None,
                  truncation: str = "decoupled", context_window: int = 1024, keep_first: int = 4,
                  truncation_ratio: float = 0.5, filler_tokens: int | None = None, kv_codec: str | None = None,
-                 batch_size=1, max_batch_size=None, **kwargs):
+                 kv_budget: float | None = None, sparse_policy: str = "alisa", batch_size=1, max_batch_size=None,
+                 **kwargs):
         super().__init__()
         if truncation not in TRUNCATIONS:
             raise ValueError(f"unknown truncation {truncation!r}: expected one of {', '.join(TRUNCATIONS)}")
@@ -117,9 +123,12 @@ class AttnStoreLM(TemplateLM):
             # back (dequantized) by the first request; every request then reads the same lossy history.
             self._tmp = tempfile.TemporaryDirectory(prefix="attnstore-lm-eval-")
             self._store = AttnStore(host_bytes=2**62, disk_dir=self._tmp.name, kv_codec=kv_codec, fsync=False)
+        # The filler's first turn is dense (nothing before it to select from) and stores its scores for the requests.
+        self._sparse = None if kv_budget in (None, "", "none") else SparseConfig(float(kv_budget), policy=sparse_policy)
+        self._label = truncation if self._sparse is None else f"{sparse_policy}@{float(kv_budget):g}"
         self._truncated_requests = 0
         with torch.no_grad():
-            first = AttnStoreCache(self.model, self._store, "filler", self._filler)
+            first = AttnStoreCache(self.model, self._store, "filler", self._filler, kv_budget=self._sparse)
             self.model(first.input_ids, **cache_kwargs(first))
             first.close()
         if self._tmp is not None:
@@ -149,7 +158,8 @@ class AttnStoreLM(TemplateLM):
         mode = "decoupled" if self.truncation == "none" else self.truncation
         prompt = torch.cat([self._filler, torch.tensor(request_ids, dtype=torch.long)])
         return AttnStoreCache(self.model, self._store, "filler", prompt, context_window=window, truncation=mode,
-                              keep_first=self.keep_first, truncation_ratio=self.truncation_ratio, save=False)
+                              keep_first=self.keep_first, truncation_ratio=self.truncation_ratio, save=False,
+                              kv_budget=self._sparse)
 
     def _fit(self, context: list[int], continuation: list[int]) -> list[int]:
         """Cuts the context from the left so that the request fits the window beside the sinks."""
@@ -179,7 +189,7 @@ class AttnStoreLM(TemplateLM):
             key = (tuple(context),) if len(continuation) == 1 else (tuple(context), tuple(continuation))
             groups.setdefault(key, []).append(i)
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        for indices in tqdm(groups.values(), desc=f"attnstore ({self.truncation})", disable=disable_tqdm):
+        for indices in tqdm(groups.values(), desc=f"attnstore ({self._label})", disable=disable_tqdm):
             _, context, continuation = requests[indices[0]]
             context = self._fit(list(context), list(continuation))
             logprobs = self._logprobs(context, list(continuation))
@@ -203,7 +213,7 @@ class AttnStoreLM(TemplateLM):
     @torch.no_grad()
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         outputs = []
-        for request in tqdm(requests, desc=f"attnstore ({self.truncation})", disable=disable_tqdm):
+        for request in tqdm(requests, desc=f"attnstore ({self._label})", disable=disable_tqdm):
             context, gen_kwargs = request.args
             until = gen_kwargs.get("until") or [self.tok_decode([self.eot_token_id])]
             until = [until] if isinstance(until, str) else list(until)

@@ -1,8 +1,12 @@
-"""MMLU through lm-eval for each truncation mode, plus fidelity to token truncation.
+"""MMLU through lm-eval for each truncation mode (or sparse attention budget), plus fidelity to a reference.
 
 A 135M model is close to chance on MMLU, so accuracy alone says little about whether a truncation mode
-keeps the model's behaviour. Agreement (the same answer as ``recompute``) and the mean KL divergence of the
-4-choice answer distribution from ``recompute``'s measure fidelity whatever the model size.
+keeps the model's behaviour. Agreement (the same answer as the reference: ``recompute``, token truncation, when
+it runs, else ``none``, the whole history) and the mean KL divergence of the 4-choice answer distribution from
+the reference's measure fidelity whatever the model size.
+
+A mode is a truncation (``none``, ``recompute``, ``decoupled``, ``naive``) or ``POLICY@BUDGET`` (``alisa@0.2``,
+``h2o@0.2``, ``streaming@0.2``): the whole history, attended sparsely (`kv_budget`, 80% sparsity at 0.2).
 """
 
 from __future__ import annotations
@@ -65,22 +69,40 @@ def run_mmlu(model, tokenizer, *, modes=("none", "recompute", "decoupled", "naiv
     results: dict[str, ModeScores] = {}
     for mode in modes:
         started = time.perf_counter()
-        lm = AttnStoreLM(pretrained=model, tokenizer=tokenizer, truncation=mode, context_window=context_window,
-                         keep_first=keep_first)
+        lm = AttnStoreLM(pretrained=model, tokenizer=tokenizer, context_window=context_window, keep_first=keep_first,
+                         **mode_options(mode))
         out = simple_evaluate(model=lm, tasks=[task], limit=limit, log_samples=True, task_manager=manager,
                               bootstrap_iters=0)
         results[mode] = scores_from_samples(mode, out["samples"][task], time.perf_counter() - started)
     n = len(next(iter(results.values())).targets)
-    ref = results.get("recompute")
+    name = next((m for m in ("recompute", "none") if m in results), None)
+    ref = results.get(name)
     print_fn(f"\n{task}: {n} questions (0-shot), window {context_window}, filler {context_window - 1} tokens, "
              f"keep_first {keep_first}")
-    print_fn("| mode | accuracy | agreement with recompute | mean KL vs recompute | time |\n| --- | --- | --- | --- | --- |")
+    print_fn(f"| mode | accuracy | agreement with {name} | mean KL vs {name} | time |\n| --- | --- | --- | --- | --- |")
     for mode, s in results.items():
         agree = f"{100 * agreement(s, ref):.1f}%" if ref is not None else ""
         kl = f"{mean_kl(ref, s):.2e}" if ref is not None else ""
         print_fn(f"| {mode} | {100 * s.accuracy:.1f}% ± {100 * _stderr(s.accuracy, n):.1f} | {agree} | {kl} | "
                  f"{s.seconds:.0f} s |")
     return results
+
+
+def mode_options(mode: str) -> dict:
+    """The `AttnStoreLM` options of a mode: a truncation, or ``POLICY@BUDGET`` (the whole history, sparse).
+
+    Example:
+        >>> mode_options("decoupled"), mode_options("alisa@0.2")
+        ({'truncation': 'decoupled'}, {'truncation': 'none', 'kv_budget': 0.2, 'sparse_policy': 'alisa'})
+    """
+    if "@" not in mode:
+        return {"truncation": mode}
+    policy, _, budget = mode.partition("@")
+    try:
+        fraction = float(budget)
+    except ValueError:
+        raise ValueError(f"mode {mode!r}: the budget after '@' must be a fraction of the history, e.g. alisa@0.2")
+    return {"truncation": "none", "kv_budget": fraction, "sparse_policy": policy}
 
 
 def _stderr(p: float, n: int) -> float:
