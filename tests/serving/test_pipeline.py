@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
@@ -298,3 +299,29 @@ def test_a_lossy_store_keeps_chatting_sessions_encoded_between_turns(setup, tmp_
             encoded[host] = store.stats().host_encoded_tokens
     assert encoded[False] == 0 and encoded[True] >= 3 * 8
     assert replies[True] == replies[False]
+
+
+def test_a_recomputed_head_is_reported_as_prefilled_not_cached(setup, tmp_path):
+    """`recompute_by_cost` (here a slow disk tier): the batch runner's prefetch of a turn about to run is decided by
+    cost as the turn's own lookup would be, the turn recomputes the leading chunks left out, and its reply counts
+    them as prefilled, not reused (the usage's cached tokens); its text is that of loading everything."""
+    model, tok = setup
+    options = dict(host_bytes="64MiB", chunk_tokens=8, fsync=False, idle_flush_s=0.05)
+    with ChatPipeline(model, tok, AttnStore(disk_dir=str(tmp_path / "first"), **options), max_new_tokens=6,
+                      eos_token_id=None) as pipe:
+        pipe.chat("a", words(0, 30), timeout=60)
+        pipe.store.close()
+    replies, heads = {}, {}
+    for by_cost in (False, True):  # a restarted server: the session is on disk only
+        shutil.copytree(tmp_path / "first", tmp_path / str(by_cost))
+        store = AttnStore(disk_dir=str(tmp_path / str(by_cost)), recompute_by_cost=by_cost, **options)
+        store.costs.observe_load("disk", 1, 1000.0)
+        store.costs.observe_prefill(AttnStoreCache.fingerprint_of(model, store), 0, 10**6, 1e-3)
+        with ChatPipeline(model, tok, store, max_new_tokens=6, eos_token_id=None) as pipe:
+            replies[by_cost] = pipe.chat("a", words(1), timeout=60)
+        heads[by_cost] = store.stats().resume_recomputed_tokens
+        store.close()
+    assert heads[False] == 0 and heads[True] > 0
+    off, on = replies[False], replies[True]
+    assert off.reused_tokens > 0 and on.text == off.text and on.history_tokens == off.history_tokens
+    assert on.reused_tokens == off.reused_tokens - heads[True] and on.prefilled_tokens == off.prefilled_tokens + heads[True]

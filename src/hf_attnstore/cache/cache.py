@@ -18,7 +18,8 @@ from .config import SparseConfig, TruncationConfig
 from .fingerprint import model_fingerprint, salted_fingerprint
 from .hooks import install_generation_hook, install_hooks
 from .rope import RopeAdapter
-from .turn import Turn, regime_keys
+from .layers import LayerLayout
+from .turn import Turn, head_prefill_key, regime_keys
 from .upstream import Cache, DynamicCache
 
 
@@ -183,6 +184,24 @@ class AttnStoreCache(DynamicCache):
         """
         return salted_fingerprint(model_fingerprint(model, store.config.namespace if store is not None else None),
                                   cache_salt)
+
+    @staticmethod
+    def prefill_key_of(model: nn.Module, store: AttnStore) -> str | None:
+        """What a scheduler passes to ``store.prefetch(..., prefill_key=...)`` for a turn of `model` about to run,
+        so that the load is decided by cost as the turn's own lookup would be (`recompute_by_cost`): the key the
+        turn reports its prefills under, or None for models whose head cannot be recomputed alone (hybrids,
+        length-dependent RoPE).
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+            >>> store = AttnStore()
+            >>> AttnStoreCache.prefill_key_of(model, store) == AttnStoreCache.fingerprint_of(model, store)
+            True
+        """
+        return head_prefill_key(model_fingerprint(model, store.config.namespace), LayerLayout.of(model),
+                                RopeAdapter(model))
 
     @staticmethod
     def fingerprints_of(model: nn.Module, store: AttnStore | None = None, cache_salt: str | None = None) -> list[str]:

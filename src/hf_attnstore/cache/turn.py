@@ -55,6 +55,20 @@ def regime_keys(fingerprint: str, rope: RopeAdapter) -> list[str]:
                                                                      else [""])]
 
 
+def head_prefill_key(model_key: str, layout: LayerLayout, rope: RopeAdapter) -> str | None:
+    """The key under which a turn reports its model's prefills to the store and may be handed leading chunks to
+    recompute instead of loading them (`recompute_by_cost`): the model's fingerprint without `cache_salt`, or None
+    when a head cannot be recomputed alone: a model with states (they summarize every token) or whose RoPE
+    frequencies depend on the length (a head computed alone could fall into another regime, and the turn would
+    then recompute everything).
+
+    Example:
+        >>> head_prefill_key(fp, LayerLayout.of(model), RopeAdapter(model)) == fp  # doctest: +SKIP
+        True
+    """
+    return None if layout.has_state or rope.length_dependent else model_key
+
+
 class Turn:
     """The per-turn state and work of an :class:`~hf_attnstore.cache.AttnStoreCache` (see the module docstring).
 
@@ -117,12 +131,10 @@ class Turn:
         self._stored_scores: dict[int, torch.Tensor] | None = None
         self.recomputed_head = 0  # leading tokens recomputed this turn (partially evicted, or cheaper than loading)
         # The model's prefills are reported to the store, which decides by them whether a resumed session's leading
-        # chunks are loaded or recomputed (`recompute_by_cost`). A turn may be handed such a head unless its model
-        # keeps states (they summarize every token) or its RoPE frequencies depend on the length (a head computed
-        # alone could fall in another regime, and the turn would then recompute everything).
+        # chunks are loaded or recomputed (`recompute_by_cost`).
         self._clock = PrefillClock(functools.partial(store.costs.observe_prefill, model_key))
         self._model_key = model_key
-        self._prefill_key = (model_key if not self._layout.has_state and not self._rope.length_dependent else None)
+        self._prefill_key = head_prefill_key(model_key, self._layout, self._rope)
         self.shared_from: str | None = None  # the other session whose stored prefix this turn starts from
         self.plan, snapshot, state = self._plan(model, store, prompt)
         self.reused_tokens = self.plan.reused

@@ -94,6 +94,7 @@ class ChatPipeline:
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.chat_tokens = ChatTokens(tokenizer, system_prompt)
         self.prefetch_window, self.eviction_window = prefetch_window, eviction_window
+        self._prefill_key: str | None | bool = False  # AttnStoreCache.prefill_key_of, once known (prefetch_turn)
         self.generate_kwargs = {"do_sample": False, "pad_token_id": tokenizer.pad_token_id, **generate_kwargs,
                                 "max_new_tokens": max_new_tokens}
         # Each session's source of truth: its token ids (a turn of a session runs on one pipeline at a time).
@@ -352,7 +353,8 @@ class ChatPipeline:
         if self.store is None:
             return
         try:
-            self.store.prefetch([job.session_id], self._fingerprints(job.cache_salt))
+            # The turn runs next: its load is decided by cost (`recompute_by_cost`) as its own lookup's would be.
+            self.store.prefetch([job.session_id], self._fingerprints(job.cache_salt), prefill_key=self._head_key())
         except Exception as exc:  # noqa: BLE001 - a prefetch only speeds the turn up
             logger.warning("prefetching session %r failed (%s); it loads when its turn starts", job.session_id, exc)
 
@@ -371,8 +373,28 @@ class ChatPipeline:
         by_salt: dict[str | None, list[str]] = {}
         for session in ahead:
             by_salt.setdefault(salts.get(session), []).append(session)
+        if len(self._running) < self.max_batch_size and (key := self._head_key()) is not None:
+            # A free slot: the head of the queue starts at the next step, so its load is on its critical path and is
+            # decided by cost (`recompute_by_cost`) as its own lookup's would be; the rest are fetched whole, ahead.
+            first = ahead[0]
+            self.store.prefetch([first], self._fingerprints(salts.get(first)), prefill_key=key)
+            by_salt[salts.get(first)].remove(first)
         for salt, sessions in by_salt.items():
-            self.store.prefetch(sessions, self._fingerprints(salt))
+            if sessions:
+                self.store.prefetch(sessions, self._fingerprints(salt))
+
+    def _head_key(self) -> str | None:
+        """The `prefill_key` of this pipeline's turns (`AttnStoreCache.prefill_key_of`), or None when the store
+        does not decide loads by cost or the model's heads cannot be recomputed alone. Found once: the model's
+        weights do not change while it serves."""
+        if not self.store.config.recompute_by_cost:
+            return None
+        if self._prefill_key is False:
+            try:
+                self._prefill_key = AttnStoreCache.prefill_key_of(self.model, self.store)
+            except ValueError:  # a model whose KV cannot be reused: its turns say why
+                self._prefill_key = None
+        return self._prefill_key
 
     def prepare(self, job: Job) -> "Prepared":
         """A turn's prompt ids, its cache (the store's reuse plan) and its `generate` options."""
@@ -473,9 +495,13 @@ class ChatPipeline:
         job = p.job
         with self._cond:
             self._history[job.session_id] = out.cpu()
+        # A head the turn recomputed (partially evicted, or cheaper than loading) was computed, not reused: the
+        # usage's cached tokens and the metrics count it as prefilled.
+        head = p.cache.recomputed_head if self.store is not None else 0
         return Reply(session_id=job.session_id, text=text,
-                     history_tokens=int(p.prompt.shape[1]), reused_tokens=p.reused,
-                     prefilled_tokens=int(p.prompt.shape[1]) - p.reused, generated_tokens=int(generated.shape[1]),
+                     history_tokens=int(p.prompt.shape[1]), reused_tokens=p.reused - head,
+                     prefilled_tokens=int(p.prompt.shape[1]) - p.reused + head,
+                     generated_tokens=int(generated.shape[1]),
                      dropped_tokens=p.dropped, ttft_s=ttft, total_s=total, kv_source=p.source,
                      queued_s=p.started - job.submitted,
                      tier=None if self.store is None else p.cache.kv_source,

@@ -241,12 +241,12 @@ class LoadPlanner:
         self.wanted: list[tuple[str | None, str]] = []  # the last prefetch request, in order
         self.loader = LoadThread(done, config.io_timeout_s)
 
-    def retry_prefetch(self) -> int:
+    def retry_prefetch(self, prefill_key: str | None = None) -> int:
         started = 0
         for fingerprint, sid in self.wanted:
             for e in [e for k, e in self.index.entries.items() if k[1] == sid and (fingerprint is None or k[0] == fingerprint)]:
                 if e.host is None and (e.manifest or e.remote) is not None:
-                    if not self.start(e, must_fit=True):
+                    if not self.start(e, must_fit=True, prefill_key=prefill_key):
                         return started  # in order: a later session must not take the room of an earlier one
                     started += 1
                     self.index.stats.prefetches += 1
@@ -255,9 +255,9 @@ class LoadPlanner:
     def start(self, e: Entry, must_fit: bool = False, prefill_key: str | None = None) -> bool:
         """Starts loading a session found only below host memory (on disk, else in the remote tier). A
         prefetch (`must_fit`) is skipped rather than overshooting the host limit; a load a turn waits for may
-        overshoot by this one session. With `prefill_key` (the turn can recompute a head, and its model's
-        prefill rate is measured under that key) and `recompute_by_cost`, the leading chunks that are cheaper
-        to recompute are not read (:meth:`choose`)."""
+        overshoot by this one session. With `prefill_key` (a turn about to run can recompute a head, and its
+        model's prefill rate is measured under that key) and `recompute_by_cost`, the leading chunks that are
+        cheaper to recompute are not read (:meth:`choose`)."""
         assert e.host is None and (e.manifest or e.remote) is not None, "only sessions below host are loaded"
         origin, tier = (e.manifest, self.lower) if e.manifest is not None else (e.remote, self.remote)
         if tier is self.remote and not tier.available():
@@ -270,7 +270,7 @@ class LoadPlanner:
             self.index.once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
             return False
         manifest = origin  # (a demand load starts from here on: its choice is counted once, below)
-        if prefill_key is not None and not must_fit and self.config.recompute_by_cost:
+        if prefill_key is not None and self.config.recompute_by_cost:
             manifest = self.choose(origin, tier.name, prefill_key, bytes_per_token(geometry, dtype.itemsize))
         position = self.index.host.position(e.key) if must_fit else None
         if not self.eviction.make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:

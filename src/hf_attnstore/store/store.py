@@ -409,12 +409,16 @@ class AttnStore:
         weakref.finalize(writer, self._index.ended_turns.append, (key, writer.turn, None, True))
         return writer
 
-    def prefetch(self, session_ids, fingerprint: str | Sequence[str] | None = None) -> int:
+    def prefetch(self, session_ids, fingerprint: str | Sequence[str] | None = None,
+                 prefill_key: str | None = None) -> int:
         """Starts loading these sessions from lower tiers into host memory. Returns how many loads started.
 
         With `fingerprint` (or several: a model whose KV is keyed per RoPE regime, see
         ``AttnStoreCache.fingerprints_of``) and a remote tier, sessions are also looked up there (one round
         trip each and fingerprint). Without it, a session is prefetched under whichever model stored it.
+        With `prefill_key` (as `lookup` takes it: the loads are for turns about to run, which recompute what
+        is left out) and `recompute_by_cost`, each load is decided by cost as a turn's own would be; a
+        look-ahead prefetch, off the critical path, passes none and loads whole.
 
         Example:
             >>> import tempfile
@@ -443,7 +447,7 @@ class AttnStore:
             if self._loads is None:
                 return 0  # host memory only: nothing to load from
             self._loads.wanted = keys
-            return self._loads.retry_prefetch()
+            return self._loads.retry_prefetch(prefill_key)
 
     def set_schedule(self, session_ids: list[str]) -> None:
         """Tells a scheduler-aware policy (``policy="lookahead"``) the sessions of the waiting jobs, in order.
