@@ -20,8 +20,15 @@ of `--system-tokens` tokens of real prose (a ShareGPT conversation's text); firs
     python eval/bench_serve.py --users 8 --turns 2 --system-tokens 1000 \
         --systems attnstore,attnstore-noshare,transformers-cb
 
+Sessions kept in a shared Redis behind a slow link, loaded or partly recomputed by cost (issue 33; needs root):
+every attnstore server gets its own redis-server in a network namespace, reached over a veth link shaped to
+`--remote-mbit` Mbit/s (eval/bench_recompute.py), as its only tier below host memory:
+
+    python eval/bench_serve.py --users 4 --turns 4 --systems attnstore,attnstore-cost --host-bytes 64MiB \
+        --remote-mbit 200
+
 Systems: `attnstore` (continuous batching, `--max-batch-size 8`), `attnstore-noshare` (the same without prefix
-sharing, `--no-share-prefixes`), `attnstore-b1` (one turn at a time: the batch-1 pipeline), `transformers-cb` (`transformers serve --continuous-batching`), `transformers` (plain
+sharing, `--no-share-prefixes`), `attnstore-cost` (the same with `--recompute-by-cost`), `attnstore-b1` (one turn at a time: the batch-1 pipeline), `transformers-cb` (`transformers serve --continuous-batching`), `transformers` (plain
 `transformers serve`). Reported per system and concurrency: completed turns/s and generated tokens/s over the run's wall time;
 TTFT of resumed turns (a user's second turn on: time to the first streamed content, queueing included)
 p50 / p99; the share of prompt tokens the server reports as cached (`usage.prompt_tokens_details.
@@ -31,6 +38,7 @@ cached_tokens`, where the server reports it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -42,6 +50,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+
 def attnstore(port: int, args, batch: int) -> list[str]:
     cmd = [sys.executable, "-m", "hf_attnstore", "serve", "--port", str(port), "--max-tokens", str(args.max_tokens),
            "--max-batch-size", str(batch), "--max-pending", "256"]
@@ -49,6 +59,8 @@ def attnstore(port: int, args, batch: int) -> list[str]:
         cmd += ["--host-bytes", args.host_bytes]
     if args.disk_dir:  # a fresh folder per server: no session survives from an earlier run
         cmd += ["--disk-dir", tempfile.mkdtemp(prefix="attnstore-bench-", dir=args.disk_dir)]
+    if getattr(args, "remote_url", None):  # (bench_agents' arguments have none)
+        cmd += ["--remote", args.remote_url, "--remote-required"]
     return cmd
 
 
@@ -56,6 +68,7 @@ SYSTEMS = {
     "attnstore": lambda port, model_dir, args: attnstore(port, args, 8),
     "attnstore-b1": lambda port, model_dir, args: attnstore(port, args, 1),
     "attnstore-noshare": lambda port, model_dir, args: attnstore(port, args, 8) + ["--no-share-prefixes"],
+    "attnstore-cost": lambda port, model_dir, args: attnstore(port, args, 8) + ["--recompute-by-cost"],
     "transformers-cb": lambda port, model_dir, args: ["transformers", "serve", model_dir, "--port", str(port),
                                                       "--continuous-batching", "--dtype", "float32", "--device", "cpu"]
     + (["--cb-num-blocks", str(args.cb_num_blocks)] if args.cb_num_blocks else []),
@@ -138,9 +151,20 @@ def user(client, model: str, messages_in: list[str], args, records: list, lock: 
 
 
 def run(system: str, users: int, convs, model_dir: str, args) -> dict:
+    port = 8900 + hash((system, users)) % 500
+    with contextlib.ExitStack() as stack:
+        args.remote_url = None
+        if args.remote_mbit and system.startswith("attnstore"):  # a fresh, empty Redis for each server
+            from bench_recompute import shaped_redis
+
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="attnstore-redis-"))
+            args.remote_url = stack.enter_context(shaped_redis(args.remote_mbit, Path(folder)))
+        return measure(system, users, convs, model_dir, args, port)
+
+
+def measure(system: str, users: int, convs, model_dir: str, args, port: int) -> dict:
     import openai
 
-    port = 8900 + hash((system, users)) % 500
     proc = start(system, port, model_dir, args)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)
@@ -192,6 +216,8 @@ def main(argv=None) -> int:
     # Memory limits, for the many-sessions run: the sessions' KV does not fit in the servers' KV memory.
     p.add_argument("--host-bytes", default=None, help="attnstore's host tier (default: the server's)")
     p.add_argument("--disk-dir", default=None, help="give attnstore a disk tier (a fresh folder under this one)")
+    p.add_argument("--remote-mbit", type=int, default=None,
+                   help="give each attnstore server a Redis tier behind a link of this many Mbit/s (needs root)")
     p.add_argument("--cb-num-blocks", type=int, default=None,
                    help="transformers' continuous batching KV memory, in blocks of 256 tokens of every layer")
     args = p.parse_args(argv)

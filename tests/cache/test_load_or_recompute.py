@@ -267,3 +267,51 @@ def test_a_load_that_does_not_start_is_not_counted_as_a_decision(tmp_path):
     assert small.lookup("s", key, prefill_key=key) is None  # larger than the host tier: a miss
     assert small.stats().resume_decisions == 0
     small.close()
+
+
+def test_a_prefetch_for_a_turn_about_to_run_is_decided_but_counted_only_once_started(tmp_path):
+    """`store.prefetch(prefill_key=)` decides the first session's load by cost, the others load whole; a prefetch
+    refused for room (a running turn holds the host tier) decides nothing until room frees and it starts."""
+    model = make_tiny("llama")
+    options = dict(disk_dir=str(tmp_path), recompute_by_cost=True, **FAST)
+    store = AttnStore(host_bytes="16MiB", **options)
+    for sid in ("s", "t"):
+        on_disk(model, store, sid)
+    store.close()
+    for host, sessions in ((90_000, ["s"]), ("16MiB", ["s", "t"])):  # room for one session; for all
+        store = AttnStore(host_bytes=host, **options)
+        slow_tier(store)
+        fast_prefill(store, model)
+        key, fingerprints = AttnStoreCache.prefill_key_of(model, store), AttnStoreCache.fingerprints_of(model, store)
+        if len(sessions) == 1:
+            with AttnStoreCache(model, store, "running", random_ids(60, 2)) as busy:
+                model(busy.input_ids, **cache_kwargs(busy))  # a running turn pinned in host memory: no room now
+                assert store.prefetch(sessions, fingerprints, prefill_key=key) == 0
+                assert store.stats().resume_decisions == 0
+            store.evict("running")  # written out: room frees, and the wanted prefetch starts, decided by cost
+            store.flush()
+        else:
+            assert store.prefetch(sessions, fingerprints, prefill_key=key) == 2
+        s = store.stats()
+        assert (s.resume_decisions, s.resume_recomputes, s.resume_recomputed_tokens) == (1, 1, 64)  # "s" only
+        assert store.tier_of("s", fingerprints[0]) == "host"
+        store.close()
+
+
+def test_a_turn_that_switches_to_a_shared_prefix_reports_nothing_recomputed(tmp_path):
+    """The turn's own session is resumed with a head to recompute, then another session sharing a longer prefix is
+    reused instead: none of the reused tokens were recomputed."""
+    model = make_tiny("llama")
+    store = AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), recompute_by_cost=True, **FAST)
+    ids = random_ids(200, 3)
+    for sid, n in (("a", 80), ("b", 160)):
+        with AttnStoreCache(model, store, sid, ids[:, :n]) as cache:  # b starts from a's stored prefix
+            model(cache.input_ids[:, cache.reused_tokens:], **cache_kwargs(cache))
+        store.evict(sid)
+    store.flush()
+    slow_tier(store)
+    fast_prefill(store, model)
+    with AttnStoreCache(model, store, "a", ids[:, :170], save=False) as cache:
+        assert cache.shared_from == "b" and cache.reused_tokens == 160
+        assert cache.recomputed_head == cache.reused_recomputed == 0
+    store.close()

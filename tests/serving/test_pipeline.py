@@ -325,3 +325,27 @@ def test_a_recomputed_head_is_reported_as_prefilled_not_cached(setup, tmp_path):
     off, on = replies[False], replies[True]
     assert off.reused_tokens > 0 and on.text == off.text and on.history_tokens == off.history_tokens
     assert on.reused_tokens == off.reused_tokens - heads[True] and on.prefilled_tokens == off.prefilled_tokens + heads[True]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_every_turn_of_a_restarted_server_is_decided_by_cost(setup, tmp_path, batch):
+    """One turn at a time or batched, each turn's load is decided by cost (the worker's slot frees after each turn,
+    so the next submitted turn's prefetch is its own); and a turn truncated inside the recomputed head reports
+    only the kept tokens it recomputed, never a negative count."""
+    model, tok = setup
+    options = dict(host_bytes="64MiB", chunk_tokens=8, fsync=False, idle_flush_s=0.05)
+    with ChatPipeline(model, tok, AttnStore(disk_dir=str(tmp_path / "first"), **options), max_new_tokens=6,
+                      eos_token_id=None) as pipe:
+        for session in "abc":
+            pipe.chat(session, words(0, 30), timeout=60)
+        pipe.store.close()
+    store = AttnStore(disk_dir=str(tmp_path / "first"), recompute_by_cost=True, **options)
+    store.costs.observe_load("disk", 1, 1000.0)
+    store.costs.observe_prefill(AttnStoreCache.fingerprint_of(model, store), 0, 10**6, 1e-3)
+    with ChatPipeline(model, tok, store, max_new_tokens=6, eos_token_id=None, max_batch_size=batch,
+                      context_window=44) as pipe:
+        for n, session in enumerate("abc", start=1):
+            reply = pipe.chat(session, words(1), timeout=60)
+            assert store.stats().resume_decisions == n and reply.dropped_tokens > 0
+            assert 0 <= reply.reused_tokens and reply.reused_tokens + reply.prefilled_tokens == reply.history_tokens
+    store.close()

@@ -160,7 +160,10 @@ class AttnStoreCache(DynamicCache):
     dropped_tokens = _from_turn("dropped_tokens", "How many tokens truncation removed.")
     kv_source = _from_turn("kv_source", "Where the reused KV came from: host, disk, remote, or miss.")
     recomputed = _from_turn("recomputed", "Whether stored KV proved unreadable mid-forward and was recomputed.")
-    recomputed_head = _from_turn("recomputed_head", "Leading tokens of a partially evicted session recomputed.")
+    recomputed_head = _from_turn("recomputed_head", "Leading tokens recomputed instead of loaded: a partially evicted "
+                                 "head, or chunks cheaper to recompute (`recompute_by_cost`).")
+    reused_recomputed = _from_turn("reused_recomputed", "Of `reused_tokens`, those whose KV was recomputed this turn "
+                                   "(a head) rather than loaded: usage reports them as computed.")
     shared_from = _from_turn("shared_from", "The other session whose stored prefix this turn reuses (None: its own).")
     plan = _from_turn("plan", "The reuse plan (truncation.ReusePlan).")
     regime = _from_turn("regime", "The RoPE frequency regime of the turn (\"\" for static RoPE).")

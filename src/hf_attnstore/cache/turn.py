@@ -130,6 +130,7 @@ class Turn:
             self._check_sparse(model)
         self._stored_scores: dict[int, torch.Tensor] | None = None
         self.recomputed_head = 0  # leading tokens recomputed this turn (partially evicted, or cheaper than loading)
+        self.reused_recomputed = 0  # of `reused_tokens`, those whose KV that recompute made (not loaded)
         # The model's prefills are reported to the store, which decides by them whether a resumed session's leading
         # chunks are loaded or recomputed (`recompute_by_cost`).
         self._clock = PrefillClock(functools.partial(store.costs.observe_prefill, model_key))
@@ -284,6 +285,8 @@ class Turn:
                 plan = plan_reuse(prompt, None, self.truncation, has_rope=self._rope.has_rope)
         if not plan.dropped and self.regime is not None and not self._layout.has_state:
             plan, snapshot = self._shared(store, prompt, plan, snapshot)
+            if self.shared_from is not None:  # another session's KV: what was recomputed of this one is not used
+                self.recomputed_head = self.reused_recomputed = 0
         return plan, snapshot, state
 
     def _shared(self, store: AttnStore, prompt: torch.Tensor, plan, snapshot):
@@ -390,7 +393,7 @@ class Turn:
         finally:
             store.forward_finished()
         store.costs.observe_prefill(self._model_key, 0, need, time.perf_counter() - started)
-        self.recomputed_head = need
+        self.recomputed_head, self.reused_recomputed = need, int(kept.numel())
         if need == head and store.fill_head(snapshot, keys, values):
             return dataclasses.replace(snapshot, head=0)  # the host copy holds the head now: read it there
         return snapshot.with_head(Segment.adopt(ids.clone(), keys, values))
@@ -493,6 +496,7 @@ class Turn:
         fed = self._fwd_input_len
         total = self.reused_tokens + fed  # a load can only fail in the first forward of a turn
         self.reused_tokens, self.kv_source, self.recomputed = 0, "miss", True
+        self.reused_recomputed = 0
         self._snapshot = self._prefetcher = self._selected = None
         self._keep_is_prefix = True
         self._pending = None

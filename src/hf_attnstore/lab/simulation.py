@@ -87,8 +87,9 @@ class SimConfig:
         chunk_tokens: Tokens per chunk (the unit partial eviction drops).
         recompute_by_cost: A disk hit that a turn waits for has the leading chunks recomputed that the store's
             choice (`placement.choose_recompute`, as the store's ``recompute_by_cost``) says are faster to
-            recompute at the profile's prefill rate than to read behind the SSD's queue; the rest is read meanwhile.
-            The simulator knows its rates exactly, where the store measures them.
+            recompute at the profile's prefill rate than to read at the SSD's bandwidth; the rest is read meanwhile.
+            The simulator knows the rates exactly, where the store measures them; like the store, it does not count
+            the SSD's queue ahead of the read (the store's rate is of its reading alone).
         share_prefixes: Sessions that open with one system prompt (:func:`with_system_prompts`) share its KV in
             each tier and reuse it across sessions (see the module docstring). Partial eviction leaves such
             sessions' heads alone (their first chunks are the shared prompt).
@@ -362,7 +363,7 @@ class _Tiers:
             return False
         self.set_host(key, nbytes)
         if self.cfg.recompute_by_cost and not must_fit and not shared:
-            recomputed = self._recompute_head(now, n, head, read)
+            recomputed = self._recompute_head(n, head, read)
             read_all -= read * (recomputed - head) / (n - head)
             head = recomputed
         self.missing[key] = head
@@ -370,15 +371,14 @@ class _Tiers:
         self.ready_at[key] = self.ssd_free_at
         return True
 
-    def _recompute_head(self, now: float, n: int, head: int, read: float) -> int:
-        """The head a demand load leaves to the turn (`recompute_by_cost`): the store's choice, with the SSD's
-        queue ahead of the read as its latency, and the profile's linear prefill cost."""
+    def _recompute_head(self, n: int, head: int, read: float) -> int:
+        """The head a demand load leaves to the turn (`recompute_by_cost`): the store's choice with the SSD's
+        bandwidth and the profile's linear prefill cost (the queue ahead of the read unknown, as to the store)."""
         bounds = list(range(head, n, self.cfg.chunk_tokens)) + [n]
         per_token = read / (n - head)
         units = [(a, b, (b - a) * per_token) for a, b in zip(bounds, bounds[1:])]
         chunks, _, _ = choose_recompute(units, head, len(units) - 1, 1 / self.cfg.ssd_read_bytes_per_s,
-                                        self.prefill_s_per_token, attention_tokens=10**15,
-                                        latency_s=max(self.ssd_free_at, now) - now)
+                                        self.prefill_s_per_token, attention_tokens=10**15)
         if not chunks:
             return head
         self.result.recompute_choices += 1

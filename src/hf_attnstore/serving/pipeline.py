@@ -295,6 +295,9 @@ class ChatPipeline:
                 job.fail(exc)
             else:
                 job.future.set_result(result)
+            finally:
+                with self._cond:
+                    self._running = []  # idle: the next turn has a free slot (see `give_hints`)
 
     def _windows(self) -> tuple[int, int]:
         """The look-ahead windows for prefetching and eviction (see `placement.lookahead_windows`)."""
@@ -373,15 +376,12 @@ class ChatPipeline:
         by_salt: dict[str | None, list[str]] = {}
         for session in ahead:
             by_salt.setdefault(salts.get(session), []).append(session)
-        if len(self._running) < self.max_batch_size and (key := self._head_key()) is not None:
-            # A free slot: the head of the queue starts at the next step, so its load is on its critical path and is
-            # decided by cost (`recompute_by_cost`) as its own lookup's would be; the rest are fetched whole, ahead.
-            first = ahead[0]
-            self.store.prefetch([first], self._fingerprints(salts.get(first)), prefill_key=key)
-            by_salt[salts.get(first)].remove(first)
+        # With a free slot the head of the queue starts at the next step: its load is on its critical path and is
+        # decided by cost (`recompute_by_cost`) as its own lookup's would be (`prefill_key` applies to the first
+        # session of a prefetch); the rest are fetched whole, ahead, in order.
+        key = self._head_key() if len(self._running) < self.max_batch_size else None
         for salt, sessions in by_salt.items():
-            if sessions:
-                self.store.prefetch(sessions, self._fingerprints(salt))
+            self.store.prefetch(sessions, self._fingerprints(salt), prefill_key=key if ahead[0] in sessions else None)
 
     def _head_key(self) -> str | None:
         """The `prefill_key` of this pipeline's turns (`AttnStoreCache.prefill_key_of`), or None when the store
@@ -497,7 +497,7 @@ class ChatPipeline:
             self._history[job.session_id] = out.cpu()
         # A head the turn recomputed (partially evicted, or cheaper than loading) was computed, not reused: the
         # usage's cached tokens and the metrics count it as prefilled.
-        head = p.cache.recomputed_head if self.store is not None else 0
+        head = min(p.cache.reused_recomputed, p.reused) if self.store is not None else 0
         return Reply(session_id=job.session_id, text=text,
                      history_tokens=int(p.prompt.shape[1]), reused_tokens=p.reused - head,
                      prefilled_tokens=int(p.prompt.shape[1]) - p.reused + head,

@@ -149,8 +149,7 @@ RECOMPUTE_MARGIN = 0.05
 
 
 def choose_recompute(units: list[tuple[int, int, int]], head: int, eligible: int, seconds_per_byte: float,
-                     seconds_per_unit: float, attention_tokens: int = ATTENTION_TOKENS,
-                     latency_s: float = 0.0) -> tuple[int, float, float]:
+                     seconds_per_unit: float, attention_tokens: int = ATTENTION_TOKENS) -> tuple[int, float, float]:
     """Load or recompute (ALISA's third phase, Pensieve's partial hits): how many leading stored chunks of a
     session a turn should recompute instead of loading.
 
@@ -168,8 +167,6 @@ def choose_recompute(units: list[tuple[int, int, int]], head: int, eligible: int
         seconds_per_unit: The model's measured prefill time per :func:`recompute_cost` unit.
         attention_tokens: See :func:`recompute_cost` (the simulator, whose prefill cost is linear, passes a
             larger one).
-        latency_s: Time before the first byte arrives, whatever is read (the simulator's SSD queue; the store's
-            measured rate already includes each load's fixed costs).
 
     Returns:
         ``(chunks, chosen_s, load_s)``: the chunks to recompute, the estimated time of that choice and of
@@ -186,7 +183,7 @@ def choose_recompute(units: list[tuple[int, int, int]], head: int, eligible: int
 
     def estimate(end: int, left: int) -> float:
         recompute = recompute_cost(0, end, attention_tokens) * seconds_per_unit if end else 0.0
-        return max(recompute, latency_s + left * seconds_per_byte)
+        return max(recompute, left * seconds_per_byte)
 
     load_s = estimate(head, remaining)
     best, best_s = 0, load_s

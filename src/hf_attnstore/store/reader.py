@@ -239,14 +239,17 @@ class LoadPlanner:
         self.index, self.eviction, self.config, self.lower, self.remote = index, eviction, config, lower, remote
         self.costs = costs if costs is not None else ResumeCosts()
         self.wanted: list[tuple[str | None, str]] = []  # the last prefetch request, in order
+        self.wanted_key: str | None = None  # its `prefill_key`: the first session's load is decided by cost
         self.loader = LoadThread(done, config.io_timeout_s)
 
-    def retry_prefetch(self, prefill_key: str | None = None) -> int:
+    def retry_prefetch(self) -> int:
+        """Starts the wanted loads that fit now, in order (called by `prefetch`, and when a write-out frees room)."""
         started = 0
+        first = self.wanted[0][1] if self.wanted else None  # the session whose turn runs next, when keyed
         for fingerprint, sid in self.wanted:
             for e in [e for k, e in self.index.entries.items() if k[1] == sid and (fingerprint is None or k[0] == fingerprint)]:
                 if e.host is None and (e.manifest or e.remote) is not None:
-                    if not self.start(e, must_fit=True, prefill_key=prefill_key):
+                    if not self.start(e, must_fit=True, prefill_key=self.wanted_key if sid == first else None):
                         return started  # in order: a later session must not take the room of an earlier one
                     started += 1
                     self.index.stats.prefetches += 1
@@ -269,9 +272,9 @@ class LoadPlanner:
         if buf.nbytes > self.config.host_bytes:
             self.index.once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
             return False
-        manifest = origin  # (a demand load starts from here on: its choice is counted once, below)
+        manifest, decision = origin, None
         if prefill_key is not None and self.config.recompute_by_cost:
-            manifest = self.choose(origin, tier.name, prefill_key, bytes_per_token(geometry, dtype.itemsize))
+            manifest, decision = self.choose(origin, tier.name, prefill_key, bytes_per_token(geometry, dtype.itemsize))
         position = self.index.host.position(e.key) if must_fit else None
         if not self.eviction.make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
             return False
@@ -284,21 +287,29 @@ class LoadPlanner:
         e.load_job = LoadJob(e.key, e.loading, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e,
                              codec=self.config.codec, keep_encoded=self.config.kv_codec_host, origin=origin)
         self.loader.submit(e.load_job)
+        if decision is not None:  # counted once the load has started (a refused prefetch decided nothing)
+            stats = self.index.stats
+            stats.resume_decisions += 1
+            stats.resume_recomputes += decision[0] > 0
+            stats.resume_recomputed_tokens += decision[1]
+            stats.resume_load_gbps, stats.resume_prefill_tokens_per_s, stats.resume_load_estimate_s, \
+                stats.resume_chosen_estimate_s = decision[2:]
         return True
 
-    def choose(self, manifest: Manifest, tier: str, prefill_key: str, token_bytes: int) -> Manifest:
+    def choose(self, manifest: Manifest, tier: str, prefill_key: str, token_bytes: int) -> tuple[Manifest, tuple | None]:
         """The manifest to read (lock held): `manifest`, or it less the leading chunks that the turn recomputes
         faster than the tier delivers them (:func:`~hf_attnstore.store.placement.choose_recompute`, by the
         measured rates of `ResumeCosts`; nothing is chosen before both are measured). Only chunks computed in
-        this history may be recomputed (not rebased ones), and at least the last chunk is read. The choice
-        and its inputs are counted in the stats (``resume_*``).
+        this history may be recomputed (not rebased ones), and at least the last chunk is read. With it, the
+        decision for the stats (``resume_*``, counted once the load starts): ``(chunks, tokens, load GB/s,
+        prefill tokens/s, load estimate, chosen estimate)``, or None when nothing was decided.
 
         `token_bytes` is one token's KV at the model's precision: the rate is measured in those bytes whatever
         the chunks' codec, so a tier that stores fewer bytes per token is measured faster.
         """
         load, prefill = self.costs.load_bytes_per_s(tier), self.costs.prefill_units_per_s(prefill_key)
         if load is None or prefill is None or not manifest.spans or manifest.state is not None:
-            return manifest
+            return manifest, None
         units, pos = [], manifest.head
         for span in manifest.spans:
             units.append((pos, pos + span.length, span.length * token_bytes))
@@ -311,13 +322,8 @@ class LoadPlanner:
         chunks, chosen_s, load_s = choose_recompute(units, manifest.head, eligible, 1 / load, 1 / prefill)
         for _ in range(chunks):
             manifest = manifest.drop_head_span()
-        stats = self.index.stats
-        stats.resume_decisions += 1
-        stats.resume_recomputes += chunks > 0
-        stats.resume_recomputed_tokens += units[chunks - 1][1] - units[0][0] if chunks else 0
-        stats.resume_load_gbps, stats.resume_prefill_tokens_per_s = load / 1e9, prefill
-        stats.resume_load_estimate_s, stats.resume_chosen_estimate_s = load_s, chosen_s
-        return manifest
+        tokens = units[chunks - 1][1] - units[0][0] if chunks else 0
+        return manifest, (chunks, tokens, load / 1e9, prefill, load_s, chosen_s)
 
     def finish(self, job: LoadJob, error: BaseException | None) -> None:
         """The load thread finished a job (see reader.py)."""

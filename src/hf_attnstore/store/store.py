@@ -416,9 +416,9 @@ class AttnStore:
         With `fingerprint` (or several: a model whose KV is keyed per RoPE regime, see
         ``AttnStoreCache.fingerprints_of``) and a remote tier, sessions are also looked up there (one round
         trip each and fingerprint). Without it, a session is prefetched under whichever model stored it.
-        With `prefill_key` (as `lookup` takes it: the loads are for turns about to run, which recompute what
-        is left out) and `recompute_by_cost`, each load is decided by cost as a turn's own would be; a
-        look-ahead prefetch, off the critical path, passes none and loads whole.
+        With `prefill_key` (as `lookup` takes it) and `recompute_by_cost`, the load of the *first* session is
+        decided by cost as its turn's own lookup would be: it is for a turn about to run, which recomputes what is
+        left out. The others, and a look-ahead prefetch without a key, load whole: off the critical path.
 
         Example:
             >>> import tempfile
@@ -446,8 +446,8 @@ class AttnStore:
             # Remembered, in order: sessions that do not fit yet are fetched when a write-out frees room.
             if self._loads is None:
                 return 0  # host memory only: nothing to load from
-            self._loads.wanted = keys
-            return self._loads.retry_prefetch(prefill_key)
+            self._loads.wanted, self._loads.wanted_key = keys, prefill_key
+            return self._loads.retry_prefetch()
 
     def set_schedule(self, session_ids: list[str]) -> None:
         """Tells a scheduler-aware policy (``policy="lookahead"``) the sessions of the waiting jobs, in order.
