@@ -315,3 +315,29 @@ def test_a_turn_that_switches_to_a_shared_prefix_reports_nothing_recomputed(tmp_
         assert cache.shared_from == "b" and cache.reused_tokens == 160
         assert cache.recomputed_head == cache.reused_recomputed == 0
     store.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_measures_its_prefills_and_resumes_with_a_recomputed_head(tmp_path):
+    model = make_tiny("llama").cuda()
+    store = AttnStore(host_bytes="16MiB", disk_dir=str(tmp_path), recompute_by_cost=True, **FAST)
+    key = AttnStoreCache.fingerprint_of(model, store)
+    ids = random_ids(70, 0).cuda()
+    with AttnStoreCache(model, store, "s", ids) as cache:
+        ids = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, **GREEDY)
+    torch.cuda.synchronize()
+    with AttnStoreCache(model, store, "other", random_ids(40, 1).cuda()) as cache:  # its clock collects the first
+        model(cache.input_ids, **cache_kwargs(cache))
+    assert store.costs.prefill_units_per_s(key) > 0  # timed by CUDA events
+    store.evict("s")
+    store.flush()
+    slow_tier(store)
+    fast_prefill(store, model)
+    prompt = torch.cat([ids, random_ids(6, 99).cuda()], dim=1)
+    cache = AttnStoreCache(model, store, "s", prompt)
+    assert cache.kv_source == "disk" and cache.recomputed_head == 64
+    out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=5, **GREEDY)
+    assert torch.equal(out, model.generate(prompt, **cache_kwargs(DynamicCache()), max_new_tokens=5, **GREEDY))
+    cache.close()
+    store.close()
