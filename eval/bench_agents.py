@@ -10,7 +10,12 @@ documentation, as a documentation-lookup tool returns it; lengths drawn log-unif
 for every system). The conversation is kept inside SmolLM2's 8,192-token window: a tool result that would take
 it past `--budget` tokens is cut to fit, so no system truncates and all run the same prompts. Requests carry no
 `tools` field: the bundled model's chat template does not render tools (docs/serving.md, "Tools"), and the
-measure is the growing history, not the parsing. All agents start together; each system is a fresh server
+measure is the growing history, not the parsing. With `--remote-mbit`, each attnstore server keeps its sessions
+below host memory in a Redis of its own behind a shaped link (eval/bench_recompute.py), as in issue 33's run:
+
+    python eval/bench_agents.py --agents 4 --steps 6 --systems attnstore,attnstore-cost --host-bytes 384MiB \
+        --remote-mbit 400
+ All agents start together; each system is a fresh server
 process on the same machine, started and stopped by this script (eval/bench_serve.py's launcher).
 
 Reported per system: TTFT per step (time to the first streamed content, queueing included) p50/p99 over all
@@ -21,16 +26,19 @@ tokens the server reports as cached.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_recompute import shaped_redis  # noqa: E402  (a Redis behind a shaped link, for --remote-mbit)
 from bench_serve import start, stream_turn  # noqa: E402  (the chat benchmark's launcher, systems and turns)
 
 SYSTEM = ("You are an agent. To answer the user, you call tools; their results follow as tool messages. "
@@ -89,6 +97,15 @@ def agent(client, model: str, task: str, results: list[str], tokenizer, args, re
 
 
 def run(system: str, agents: int, convs, results, tokenizer, model_dir: str, args) -> dict:
+    with contextlib.ExitStack() as stack:
+        args.remote_url = None
+        if args.remote_mbit and system.startswith("attnstore"):  # a fresh, empty Redis for each server
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="attnstore-redis-"))
+            args.remote_url = stack.enter_context(shaped_redis(args.remote_mbit, Path(folder)))
+        return measure(system, agents, convs, results, tokenizer, model_dir, args)
+
+
+def measure(system: str, agents: int, convs, results, tokenizer, model_dir: str, args) -> dict:
     import openai
 
     port = 9400 + hash((system, agents)) % 400
@@ -146,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--host-bytes", default=None)
     p.add_argument("--disk-dir", default=None)
     p.add_argument("--cb-num-blocks", type=int, default=None)
+    p.add_argument("--remote-mbit", type=int, default=None,
+                   help="each attnstore server's only lower tier: a Redis behind a link of this many Mbit/s (root)")
     args = p.parse_args(argv)
     from hf_attnstore import load_default_model
 
