@@ -134,7 +134,6 @@ class Turn:
         # The model's prefills are reported to the store, which decides by them whether a resumed session's leading
         # chunks are loaded or recomputed (`recompute_by_cost`).
         self._clock = PrefillClock(functools.partial(store.costs.observe_prefill, model_key))
-        self._model_key = model_key
         self._prefill_key = head_prefill_key(model_key, self._layout, self._rope)
         self.shared_from: str | None = None  # the other session whose stored prefix this turn starts from
         self.plan, snapshot, state = self._plan(model, store, prompt)
@@ -371,8 +370,8 @@ class Turn:
         if self._rope.regime(need) != self.regime:
             return None  # a shorter forward would compute the head with other frequencies (longrope's short ones)
         ids = snapshot.token_ids[:need]
-        started = time.perf_counter()
         store.forward_started()  # a forward like any other: the store's writer yields to it
+        self._clock.begin(model.device, 0, need)  # a prefill sample: it waits for no stored KV
         try:
             with torch.no_grad():
                 computed = DynamicCache()  # without the config: sliding layers would keep only their window
@@ -385,14 +384,15 @@ class Turn:
                     keys = self._unrotate(keys, self._inverse_rope(torch.arange(need, device=keys.device)))
                 dtype = snapshot.source.dtype
                 keys = [k.to("cpu", dtype) for k in keys.unbind(0)]
-                values = [v.to("cpu", dtype) for v in values]  # (a synchronous copy: the clock is read after it)
+                values = [v.to("cpu", dtype) for v in values]
         except Exception as exc:  # e.g. out of memory: the turn goes on without reuse (a miss, never an error)
+            self._clock.cancel()
             _once.warning("head", f"recomputing the evicted head of session {self.session_id!r} failed ({exc}): "
                           "the session is recomputed")
             return None
         finally:
             store.forward_finished()
-        store.costs.observe_prefill(self._model_key, 0, need, time.perf_counter() - started)
+        self._clock.end()
         self.recomputed_head, self.reused_recomputed = need, int(kept.numel())
         if need == head and store.fill_head(snapshot, keys, values):
             return dataclasses.replace(snapshot, head=0)  # the host copy holds the head now: read it there

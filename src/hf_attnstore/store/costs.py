@@ -2,7 +2,7 @@
 
 ALISA's third phase and Pensieve's partial hits: a session below host memory can be loaded, or its leading
 tokens recomputed while the rest loads (a head: exact under causal attention, see `AttnStore.fill_head`).
-Which is faster depends on the machine: on this project's 2-core CPU a cold disk read of SmolLM2's KV is ~10x
+Which is faster depends on the machine: on this project's 2-core CPU a cold disk read of SmolLM2's KV is far
 faster than prefilling it, while a GPU prefills a small model faster than a slow tier delivers its KV. So the
 store measures both instead of assuming either, and `placement.choose_recompute` decides per resume.
 
