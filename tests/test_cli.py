@@ -29,6 +29,16 @@ def test_parser_knows_the_commands():
     assert parser.parse_args(["serve", "--remote-required"]).remote_required is True
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--kv-codec", "int3"])
+    # --kv-budget: a fraction (with a point) or a token count, checked as SparseConfig checks it.
+    assert parser.parse_args(["serve"]).kv_budget is None
+    served = parser.parse_args(["serve", "--kv-budget", "0.2", "--sparse-policy", "h2o"])
+    assert (served.kv_budget, served.sparse_policy) == (0.2, "h2o")
+    assert parser.parse_args(["serve", "--kv-budget", "512"]).kv_budget == 512
+    for bad in ("1.5", "0", "-3", "abc", "0.0"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--kv-budget", bad])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--sparse-policy", "tova"])
     sparse = parser.parse_args(["eval", "sparse", "--sparsities", "0.8", "--protocol", "turn"])
     assert (sparse.sparsities, sparse.protocol, sparse.chunk) == ("0.8", "turn", 32)
     with pytest.raises(SystemExit):

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from .cache.config import SPARSE_POLICIES, SparseConfig
+
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the id `attnstore serve` gives the bundled model
 
 
@@ -190,8 +192,15 @@ def _serve(args: argparse.Namespace) -> int:
                       recompute_by_cost=args.recompute_by_cost)
     # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
     window = args.context_window or getattr(model.config, "max_position_embeddings", None)
-    pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
-                        max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens)
+    try:
+        sparse = None if args.kv_budget is None else SparseConfig(args.kv_budget, policy=args.sparse_policy)
+        pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
+                            max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                            kv_budget=sparse)
+    except ValueError as exc:  # a model that cannot be kept sparse, a budget out of range
+        store.close()
+        print(f"attnstore serve: {exc}", file=sys.stderr)
+        return 2
     try:
         try:
             engine = ChatEngine(pipe, max_pending=args.max_pending, response_template=response_template)
@@ -207,6 +216,17 @@ def _serve(args: argparse.Namespace) -> int:
         pipe.close(timeout=args.request_timeout)
         store.close()
     return 0
+
+
+def _kv_budget(text: str) -> float | int:
+    """`--kv-budget`: a fraction in (0, 1] (with a decimal point) or a token count."""
+    try:
+        value = float(text) if any(c in text for c in ".eE") else int(text)
+        SparseConfig(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}" if "kv_budget" in str(exc) else
+                                         f"{text!r} is neither a fraction in (0, 1] nor a token count") from None
+    return value
 
 
 def _codec_option(parser: argparse.ArgumentParser) -> None:
@@ -278,6 +298,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--context-window", type=int, default=None,
                     help="tokens the model sees (default: the model's max_position_embeddings); longer "
                     "conversations are truncated, reported per response")
+    sv.add_argument("--kv-budget", type=_kv_budget, default=None,
+                    help="sparse window attention (ALISA) over every session: the history each turn attends to, a "
+                    "fraction (0.2: 80%% sparsity) or a token count (512); a batch row holds only that. The store "
+                    "keeps every token. Default: dense")
+    sv.add_argument("--sparse-policy", default="alisa", choices=SPARSE_POLICIES,
+                    help="with --kv-budget: which tokens beside sinks and recent ones are kept: alisa (attention from "
+                    "the last queries), h2o (from all queries), streaming (none: sinks and recent only)")
     sv.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets none")
     sv.add_argument("--max-batch-size", type=int, default=8,
                     help="turns of different sessions decoded together (continuous batching); 1: one at a time")

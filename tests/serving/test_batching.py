@@ -58,7 +58,7 @@ def test_sliding_window_models_batch_with_their_solo_tokens(arch):
 def test_a_model_that_cannot_be_batched_runs_one_turn_at_a_time(monkeypatch, caplog):
     import hf_attnstore.serving.batching as batching
 
-    monkeypatch.setattr(batching, "batchable", lambda model: (False, "a reason"))
+    monkeypatch.setattr(batching, "batchable", lambda model, sparse=None: (False, "a reason"))
     with ChatPipeline(make_tiny("llama"), char_tokenizer(), AttnStore("16MiB"), max_batch_size=4) as pipe:
         assert pipe.max_batch_size == 1
         assert pipe.chat("s", "hi", timeout=60).generated_tokens > 0
@@ -357,3 +357,93 @@ def test_a_turn_the_batch_cannot_decode_runs_alone_with_its_options(caplog):
         with pytest.raises(ValueError, match="num_beams=1"):
             pipe.submit_prompt("b", torch.arange(10, 30), num_beams=3).result(60)
         assert pipe.submit_prompt("g", torch.arange(10, 30)).result(60).generated_tokens == 5
+
+
+# -- sparse sessions (kv_budget) and importance scores in a batch ---------------------------------------------
+SPARSE_MESSAGES = {f"s{i}": [f"hello {i} " + "abc " * (3 * i + 5), f"then {i} " + "xy" * (3 * i), "and the third"]
+                   for i in range(6)}
+
+
+def run_sparse(model, batch, max_new, turns=3, **kw):
+    out = {}
+    with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_new_tokens=max_new, max_batch_size=batch,
+                      **kw) as pipe:
+        for k in range(turns):
+            futures = {s: pipe.submit(s, m[k]) for s, m in SPARSE_MESSAGES.items()}
+            for s, f in futures.items():
+                out[(s, k)] = f.result(60)
+        peak = dict(pipe.batch_runner.peak) if hasattr(pipe, "batch_runner") else None
+    return out, peak
+
+
+def test_a_sparse_member_joins_the_batch_with_the_tokens_its_next_forward_keeps():
+    """A member's row is its kept selection (`select_now`: what the solo turn's next forward keeps), so a reply of
+    two tokens is the solo one exactly; its row is the budget of its history, not the history."""
+    model = make_tiny("llama")
+    solo, _ = run_sparse(model, 1, 2, turns=2, kv_budget=0.3)
+    batched, peak = run_sparse(model, 6, 2, turns=2, kv_budget=0.3)
+    dense, dense_peak = run_sparse(model, 6, 2, turns=2)
+    # A first turn: the same selection at the join as at the solo turn's second forward. (Later turns resume with
+    # the scores the turn before kept, which solo decoding steps add to and batched ones do not.)
+    assert all(batched[k].generated_ids == r.generated_ids for k, r in solo.items() if k[1] == 0)
+    assert sum(dense[k].generated_ids != r.generated_ids for k, r in solo.items()) > 0  # the budget matters here
+    assert peak["rows"] == dense_peak["rows"] == 6
+    # The longest prompt sets the width of every row: 30% of it (and its sinks) against all of it.
+    longest = max(r.history_tokens for r in batched.values())
+    assert peak["live"] < 0.45 * dense_peak["live"], (peak, dense_peak, longest)
+
+
+def test_sparse_sessions_decode_in_a_batch_over_turns_and_keep_their_scores():
+    """Longer replies: a batch member does not re-select at every step (documented), so its tokens may differ
+    from the solo ones after the first; every turn still resumes its stored session, and the scores kept with it
+    cover it (the tokens decoded in the batch at zero), so its next turn starts sparse."""
+    model = make_tiny("llama")
+    solo, _ = run_sparse(model, 1, 7, kv_budget=0.3)
+    store = AttnStore("64MiB")
+    with ChatPipeline(model, char_tokenizer(), store, max_new_tokens=7, max_batch_size=4, kv_budget=0.3) as pipe:
+        for k in range(3):
+            futures = {s: pipe.submit(s, m[k]) for s, m in SPARSE_MESSAGES.items()}
+            batched = {s: f.result(60) for s, f in futures.items()}
+            for s, reply in batched.items():
+                assert reply.reused_tokens == solo[(s, k)].reused_tokens > (0 if k else -1)
+                assert reply.generated_tokens == 7
+    from hf_attnstore import AttnStoreCache
+
+    history = store.token_ids("s3", AttnStoreCache.fingerprint_of(model, store))
+    cache = AttnStoreCache(model, store, "s3", torch.cat([history, torch.tensor([40, 41])]), save=False,
+                           kv_budget=0.3)
+    assert cache.reused_tokens == history.numel()
+    assert cache.turn.scorer.has_scores  # stored with the session: its first forward attends to the budget
+    stored = next(iter(cache.turn.scorer.scores.values()))
+    assert stored.shape[1] == history.numel()  # every stored token
+    assert float(stored[:, -7:].abs().sum()) == 0.0  # the 7 tokens decoded (fed) in the batch: not scored
+    assert bool((stored[:, :-7].sum(dim=1) > 0).all())
+
+
+def test_importance_truncation_runs_batched():
+    """A scored turn in a batch ends with its KV appended from the batch: its end is the forward's, not the
+    cache layers' (whose tensors the batch took over), which failed every batched turn before."""
+    model = make_tiny("llama")
+    out, _ = run_sparse(model, 3, 5, context_window=100, truncation="importance")
+    assert all(r.generated_tokens == 5 for r in out.values())
+    assert sum(r.dropped_tokens > 0 for r in out.values()) > 0 and sum(r.reused_tokens > 0 for r in out.values()) > 6
+
+
+def test_kv_budget_is_checked_when_the_pipeline_is_made():
+    with pytest.raises(ValueError, match="pass a store"):
+        ChatPipeline(make_tiny("llama"), char_tokenizer(), None, kv_budget=0.2)
+    with pytest.raises(ValueError, match="fraction must be in"):
+        ChatPipeline(make_tiny("llama"), char_tokenizer(), AttnStore("16MiB"), kv_budget=1.5)
+    with pytest.raises(ValueError, match="hybrid models"):
+        ChatPipeline(make_tiny("lfm2"), char_tokenizer(), AttnStore("16MiB"), kv_budget=0.2)
+
+
+def test_a_sparse_model_with_sliding_layers_runs_one_turn_at_a_time(caplog):
+    """Its full-attention rows would hold a selection and its sliding rows a window: one row, two lengths."""
+    model = make_tiny("gemma3_text")
+    assert batchable(model)[0] and not batchable(model, object())[0]
+    with ChatPipeline(model, char_tokenizer(), AttnStore("16MiB"), max_batch_size=4, max_new_tokens=3,
+                      kv_budget=0.3) as pipe:
+        assert pipe.max_batch_size == 1
+        assert pipe.chat("s", "hello there", timeout=60).generated_tokens == 3
+    assert "sliding-window layers" in caplog.text

@@ -19,7 +19,7 @@ from .fingerprint import model_fingerprint, salted_fingerprint
 from .hooks import install_generation_hook, install_hooks
 from .rope import RopeAdapter
 from .layers import LayerLayout
-from .turn import Turn, head_prefill_key, regime_keys
+from .turn import Turn, check_scored, head_prefill_key, regime_keys
 from .upstream import Cache, DynamicCache
 
 
@@ -205,6 +205,30 @@ class AttnStoreCache(DynamicCache):
         """
         return head_prefill_key(model_fingerprint(model, store.config.namespace), LayerLayout.of(model),
                                 RopeAdapter(model))
+
+    @staticmethod
+    def sparse_config(model: nn.Module, kv_budget: float | int | SparseConfig | None,
+                      truncation: str = "decoupled") -> SparseConfig | None:
+        """Checks, before any turn, that caches of `model` can have this `kv_budget` (and `truncation`), as each
+        cache would: a server refuses at start what every request would fail on. Returns the SparseConfig (None:
+        dense).
+
+        Raises:
+            ValueError: A budget out of range, or a model that cannot be kept sparse (why is said).
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+            >>> AttnStoreCache.sparse_config(model, 0.2).budget(1000)
+            200
+        """
+        if kv_budget is not None and not isinstance(kv_budget, SparseConfig):
+            kv_budget = SparseConfig(kv_budget)
+        scored = (kv_budget is not None and kv_budget.scored) or truncation == "importance"
+        if kv_budget is not None or scored:
+            check_scored(model, LayerLayout.of(model), RopeAdapter(model).model_type, kv_budget, scored)
+        return kv_budget
 
     @staticmethod
     def fingerprints_of(model: nn.Module, store: AttnStore | None = None, cache_salt: str | None = None) -> list[str]:

@@ -299,19 +299,29 @@ class AttnStoreSparseLayer(AttnStoreLayer):
             self.is_initialized = True
         else:
             old_keys, old_values, columns = self.keys, self.values, self.columns
-        if keep < old_keys.shape[-2]:
-            scores = self._owner.scores_for(self._layer_idx, columns) if self.config.scored else None
-            picked = select(columns, scores, keep, self.config)
-            columns = columns.gather(1, picked)
-            index = picked[None, :, :, None]
-            old_keys = old_keys.gather(2, index.expand(-1, -1, -1, old_keys.shape[-1]))
-            old_values = old_values.gather(2, index.expand(-1, -1, -1, old_values.shape[-1]))
+        old_keys, old_values, columns = self._selected(old_keys, old_values, columns, keep)
         new = torch.arange(self.total, self.total + n, device=key_states.device).expand(columns.shape[0], -1)
         self.columns = torch.cat([columns, new], dim=1)
         self.keys = torch.cat([old_keys, key_states], dim=-2)
         self.values = torch.cat([old_values, value_states], dim=-2)
         self.total += n
         self._owner.record(self._layer_idx, key_states, value_states)
+        return self.keys, self.values
+
+    def _selected(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, keep: int):
+        """The `keep` of the held tokens the layer keeps (sparse.select), as (keys, values, columns)."""
+        if keep >= keys.shape[-2]:
+            return keys, values, columns
+        scores = self._owner.scores_for(self._layer_idx, columns) if self.config.scored else None
+        picked = select(columns, scores, keep, self.config)
+        index = picked[None, :, :, None]
+        return (keys.gather(2, index.expand(-1, -1, -1, keys.shape[-1])),
+                values.gather(2, index.expand(-1, -1, -1, values.shape[-1])), columns.gather(1, picked))
+
+    def select_now(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drops now the tokens the next forward would drop, and returns the kept KV ``[1, kv_heads, kept, d]``:
+        what a batch takes as this session's row (batching.py), the selection the turn's next forward makes."""
+        self.keys, self.values, self.columns = self._selected(self.keys, self.values, self.columns, self._target())
         return self.keys, self.values
 
     def crop(self, tokens_to_remove: int) -> None:

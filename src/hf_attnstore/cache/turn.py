@@ -69,6 +69,31 @@ def head_prefill_key(model_key: str, layout: LayerLayout, rope: RopeAdapter) -> 
     return None if layout.has_state or rope.length_dependent else model_key
 
 
+def check_scored(model: nn.Module, layout: LayerLayout, model_type: str, sparse: SparseConfig | None,
+                 scored: bool) -> None:
+    """Refuses, saying why, the models whose sessions cannot be kept sparse (`sparse`) or scored (`scored`:
+    importance truncation, or a sparse policy that ranks by importance); switches a scored model's attention to
+    the scoring one (importance.enable)."""
+    what = "`kv_budget`" if sparse is not None else "`truncation=\"importance\"`"
+    if layout.latent:
+        raise ValueError(f"{what} is not supported for multi-head latent attention ({model_type}): "
+                         "its cache holds a compressed latent, not the keys the queries score")
+    if layout.has_state:
+        raise ValueError(f"{what} is not supported for hybrid models ({model_type}): their "
+                         "recurrent states summarize every token, so dropping KV would disagree with them")
+    if not any(layout.full):
+        raise ValueError(f"{what} needs full-attention layers, and {model_type} has none")
+    chunked = layout.chunked
+    if sparse is not None and chunked:
+        # transformers builds the full-attention layers' one mask from the first non-sliding layer, a chunked
+        # one here, whose keys are not the sparse layers' kept tokens: the mask would not fit them.
+        raise ValueError(f"`kv_budget` is not supported for {model_type}: its chunked-attention "
+                         f"layers ({len(chunked)} of them) share the full-attention mask; use "
+                         "`truncation=\"importance\"` or a dense cache")
+    if scored:
+        importance.enable(model)  # raises unless the model runs SDPA
+
+
 class Turn:
     """The per-turn state and work of an :class:`~hf_attnstore.cache.AttnStoreCache` (see the module docstring).
 
@@ -127,7 +152,7 @@ class Turn:
         self._score_config = sparse if sparse is not None and sparse.scored else SparseConfig(1.0)
         self._slot_of = {idx: slot for slot, idx in enumerate(self._layout.kv_layers) if self._layout.full[idx]}
         if sparse is not None or self._scored:
-            self._check_sparse(model)
+            check_scored(model, self._layout, self._rope.model_type, sparse, self._scored)
         self._stored_scores: dict[int, torch.Tensor] | None = None
         self.recomputed_head = 0  # leading tokens recomputed this turn (partially evicted, or cheaper than loading)
         self.reused_recomputed = 0  # of `reused_tokens`, those whose KV that recompute made (not loaded)
@@ -174,27 +199,6 @@ class Turn:
         # a scored turn keeps its tokens' importance scores the same way.
         self.turn_end = TurnEnd(self._writer, self.layers, self._layout.has_state,
                                 functools.partial(_score_tensors, self.scorer) if self.scorer else None)
-
-    def _check_sparse(self, model: nn.Module) -> None:
-        """Refuses, saying why, the models whose sessions cannot be kept sparse or scored."""
-        what = "`kv_budget`" if self.sparse is not None else "`truncation=\"importance\"`"
-        if self._layout.latent:
-            raise ValueError(f"{what} is not supported for multi-head latent attention ({self._rope.model_type}): "
-                             "its cache holds a compressed latent, not the keys the queries score")
-        if self._layout.has_state:
-            raise ValueError(f"{what} is not supported for hybrid models ({self._rope.model_type}): their "
-                             "recurrent states summarize every token, so dropping KV would disagree with them")
-        if not self._slot_of:
-            raise ValueError(f"{what} needs full-attention layers, and {self._rope.model_type} has none")
-        chunked = self._layout.chunked
-        if self.sparse is not None and chunked:
-            # transformers builds the full-attention layers' one mask from the first non-sliding layer, a chunked
-            # one here, whose keys are not the sparse layers' kept tokens: the mask would not fit them.
-            raise ValueError(f"`kv_budget` is not supported for {self._rope.model_type}: its chunked-attention "
-                             f"layers ({len(chunked)} of them) share the full-attention mask; use "
-                             "`truncation=\"importance\"` or a dense cache")
-        if self._scored:
-            importance.enable(model)  # raises unless the model runs SDPA
 
     def _new_scorer(self, initial: dict[int, torch.Tensor] | None) -> "importance.Scorer | None":
         if not self._scored:
@@ -625,7 +629,9 @@ class Turn:
         self._drop_superseded()  # after a complete forward: a turn that never runs changes nothing
         if self.turn_end.has_state:
             with self.turn_end.lock:
-                self.turn_end.tokens, self.turn_end.complete = self._cache().get_seq_length(), True
+                # The forward's end, not the layers' length: KV appended from a batch (`append_computed`) is not in
+                # the layers, whose tensors the batch cache took over.
+                self.turn_end.tokens, self.turn_end.complete = self._fwd_end, True
 
     def leave_regime(self) -> None:
         """The turn's sequence grows past the length where length-dependent RoPE changes its frequencies: what
@@ -684,15 +690,16 @@ class Turn:
 
 
 def _score_tensors(scorer: "importance.Scorer", tokens: int) -> dict[str, torch.Tensor]:
-    """The scores to keep with the session after `tokens` tokens, fp32, named by what they sum, or none when some
-    layer's scores do not cover them (KV appended without scoring, e.g. by the batch runner): the next turn then
-    scores anew."""
+    """The scores to keep with the session after `tokens` tokens, fp32, named by what they sum (none before any
+    forward scored). Tokens no query scored (KV a batch decoded, `append_computed`: batched steps are not scored)
+    count zero, as the scorer counts them within a turn: the attention the scored queries, all before them, gave
+    them. The recent window keeps them at the next turn."""
     if not scorer.has_scores:
         return {}
     out = {}
     for slot in scorer.slot_of.values():
-        scores = scorer.scores[slot]
+        scores = scorer.scores[slot][:, :tokens].float()
         if scores.shape[1] < tokens:
-            return {}
-        out[importance.score_name(slot, scorer.policy, scorer.window)] = scores[:, :tokens].float()
+            scores = torch.cat([scores, scores.new_zeros(scores.shape[0], tokens - scores.shape[1])], dim=1)
+        out[importance.score_name(slot, scorer.policy, scorer.window)] = scores
     return out

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache.cache import AttnStoreCache
+from ..cache.layers import AttnStoreSparseLayer
 from .jobs import Job, Prepared, Tee, quietly, token_logprobs
 from ..cache.upstream import DynamicCache, DynamicLayer, cache_kwargs, decoding_plan
 
@@ -160,6 +161,13 @@ class BatchKV(DynamicCache):
     def rows(self) -> int:
         return self.layers[0].n if self.layers else 0
 
+    def nbytes(self) -> tuple[int, int]:
+        """Bytes of the slabs as allocated (every row, with headroom), and of the members' live KV (their rows'
+        columns, padding included)."""
+        allocated = sum(layer._k.nbytes + layer._v.nbytes for layer in self.layers)
+        live = sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
+        return allocated, live
+
     def keep_rows(self, rows: int) -> None:
         """Drops every row from `rows` on: undoes an `admit` that failed after writing some of its rows. The
         columns it made live on the left stay live, in every layer alike, as zeroed (masked) padding."""
@@ -186,10 +194,21 @@ class BatchKV(DynamicCache):
             layer._views()
 
 
-def _whole(layer, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A solo cache layer's KV over all `length` tokens: a sliding-window layer keeps only its window's tail,
-    so its past is filled with zeros, which the batch's sliding mask never lets a query see (and zeros, not
-    garbage: a masked NaN would still poison the softmax)."""
+def _row(layer, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A solo cache layer's KV as the member's row of the batch cache.
+
+    A sparse layer (``kv_budget``) gives its kept tokens: it selects now what its next forward would select
+    (`AttnStoreSparseLayer.select_now`), so the row holds the budget of the history and this turn's tokens, not
+    the whole history. Kept keys carry their own positions' rotation and each member's queries get their own
+    positions, so a row needs no columns for the dropped tokens. In the batch the row then grows by one token
+    per step: ALISA re-selects at every step, a batch member only when it joins (re-selecting would gather
+    every row at every step, and batched steps are not scored).
+
+    A sliding-window layer keeps only its window's tail, so its past is filled with zeros over all `length`
+    tokens, which the batch's sliding mask never lets a query see (and zeros, not garbage: a masked NaN would
+    still poison the softmax)."""
+    if isinstance(layer, AttnStoreSparseLayer):
+        return layer.select_now()
     keys, values = layer.keys, layer.values
     missing = length - keys.shape[2]
     if missing <= 0:
@@ -198,7 +217,7 @@ def _whole(layer, length: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.cat([values.new_zeros(*values.shape[:2], missing, values.shape[3]), values], dim=2))
 
 
-def batchable(model) -> tuple[bool, str]:
+def batchable(model, sparse=None) -> tuple[bool, str]:
     """Whether the model's turns can be batched here, and why not.
 
     Every model that AttnStoreCache supports is, sliding-window layers included: a sliding mask compares a
@@ -206,13 +225,19 @@ def batchable(model) -> tuple[bool, str]:
     distance is the positions' (tested: sliding models give their solo tokens batched, where dropping the
     window changes most turns' tokens). Chunked attention (llama4) is not: its chunks start at multiples of
     the chunk size, counted in columns, and left padding moves a row's positions off those boundaries; nor is
-    length-dependent RoPE, whose frequencies follow the batch's longest row."""
+    length-dependent RoPE, whose frequencies follow the batch's longest row. With `sparse` (a pipeline's
+    SparseConfig) every KV layer must be full attention (all kept sparse, so of one length)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     from ..cache.layers import LayerLayout
 
-    if LayerLayout.of(model).has_state:
+    layout = LayerLayout.of(model)
+    if layout.has_state:
         return False, ("a hybrid model's linear-attention states are per session, and the batch cache holds "
                        "attention KV only")
+    if sparse is not None and not all(layout.full[i] for i in layout.kv_layers):
+        return False, ("with `kv_budget` its full-attention layers keep a selection of the history and its "
+                       "sliding-window layers a window: rows of different lengths per layer, where a batch row has "
+                       "one length")
     if getattr(config, "attention_chunk_size", None):
         return False, "chunked attention's chunk boundaries count cache columns, which left padding shifts"
     from ..cache.rope import RopeAdapter
@@ -266,6 +291,8 @@ class BatchRunner:
         self.seconds = {"prefill": 0.0, "step": 0.0, "leave": 0.0, "rebuild": 0.0}
         self.steps = 0
         self.prefill_chunks = 0  # forwards that prefilled (part of) a joining turn
+        # The batch cache at its largest (after a join): bytes allocated, bytes of live KV, members then.
+        self.peak = {"allocated": 0, "live": 0, "rows": 0}
         self._hinted: list[str] | None = None  # the queue the last look-ahead hints were given for
         self.cache: BatchKV | None = None  # the decoding members' KV, row b for self.members[b]
 
@@ -417,7 +444,7 @@ class BatchRunner:
                 if n == left:
                     m.tee.put(prep.prompt.cpu())  # streamers expect the prompt first (skip_prompt)
                     self._accept(m, logits)
-                    m.kv = [_whole(layer, int(prep.prompt.shape[1])) for layer in prep.cache.layers]
+                    m.kv = [_row(layer, int(prep.prompt.shape[1])) for layer in prep.cache.layers]
             except BaseException as exc:  # this turn fails; the others go on
                 self.prefilling.popleft()
                 self._fail(m, exc)
@@ -503,6 +530,10 @@ class BatchRunner:
         started = time.perf_counter()
         if joining:
             joining = self._admit(in_cache, joining)
+            allocated, live = self.cache.nbytes()
+            if live > self.peak["live"]:
+                self.peak.update(live=live, rows=self.cache.rows)
+            self.peak["allocated"] = max(self.peak["allocated"], allocated)
         self.members = in_cache + joining
         if not self.members:
             self.cache = None  # free the slab: the store holds the sessions

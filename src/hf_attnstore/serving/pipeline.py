@@ -22,7 +22,7 @@ from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
 
 from ..cache.cache import AttnStoreCache
 from ..cache.chat import ChatTokens
-from ..cache.config import TruncationConfig
+from ..cache.config import SparseConfig, TruncationConfig
 from ..cache.fingerprint import salted_fingerprint
 from ..store import AttnStore
 from ..store.placement import lookahead_windows
@@ -44,6 +44,9 @@ class ChatPipeline:
             history every turn (the RE baseline: token truncation on overflow, no reuse).
         context_window: Maximum tokens the model sees; overflowing sessions are truncated (decoupled).
         truncation, truncation_ratio, keep_first: See :class:`AttnStoreCache`.
+        kv_budget: Sparse window attention over every session (ALISA, see :class:`AttnStoreCache`): a fraction of
+            the history (``0.2``: 80% sparsity), a token count, or a :class:`~hf_attnstore.cache.SparseConfig`.
+            In a batch, a member's row holds only its kept tokens and this turn's (batching.py). Needs a store.
         system_prompt: A system message placed first in every session.
         prefetch_window: Waiting jobs whose sessions are fetched ahead; default ``2 C_host / S_kv`` (twice
             the host capacity over the mean session KV size, measured as the store fills: an upper bound,
@@ -77,8 +80,14 @@ class ChatPipeline:
                  system_prompt: str | None = None, prefetch_window: int | None = None,
                  eviction_window: int | None = None, max_new_tokens: int = 256,
                  histories: MutableMapping[str, torch.Tensor] | None = None, max_batch_size: int = 1,
-                 max_batch_tokens: int | None = None, **generate_kwargs):
+                 max_batch_tokens: int | None = None, kv_budget: float | int | SparseConfig | None = None,
+                 **generate_kwargs):
         self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
+        if kv_budget is not None and store is None:
+            raise ValueError("`kv_budget` keeps a stored session sparse: pass a store (without one, every turn "
+                             "recomputes its whole history densely)")
+        # Checked once here, as each turn's cache would: a model that cannot be kept sparse fails now, not per turn.
+        self.sparse = AttnStoreCache.sparse_config(model, kv_budget, truncation) if store is not None else None
         for name, value in (("prefetch_window", prefetch_window), ("eviction_window", eviction_window)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"`{name}` must be a non-negative integer or None, got {value!r}")
@@ -107,7 +116,7 @@ class ChatPipeline:
         if max_batch_size > 1:
             from .batching import BatchRunner, batchable
 
-            ok, why = batchable(model)
+            ok, why = batchable(model, self.sparse)
             if ok:
                 self.batch_runner = BatchRunner(self, max_batch_size, max_batch_tokens)
                 run = self.batch_runner.run
@@ -424,7 +433,7 @@ class ChatPipeline:
             source = "truncated" if dropped else "recompute"
         else:
             cache = AttnStoreCache(self.model, self.store, job.session_id, ids, truncation=self.truncation,
-                                   cache_salt=job.cache_salt)
+                                   cache_salt=job.cache_salt, kv_budget=self.sparse)
             prompt, reused, dropped = cache.input_ids, cache.reused_tokens, cache.dropped_tokens
             source = "truncated" if dropped else cache.kv_source
         limit = self.position_limit
