@@ -10,7 +10,8 @@ history is computed sparsely). Then one measured turn of every session at once (
   * dense @ B:       ``max_batch_size=B``, every member's row holds its whole history;
   * sparse @ B:      the same with ``kv_budget`` (ALISA): a row holds the budget of its history and the turn;
   * sparse @ equal memory: the batch size whose rows fit the memory the dense batch of B took (B times the
-                     ratio of a dense row to a sparse one, measured above), at most `--sessions`.
+                     ratio of a dense row to a sparse one, measured above), at most `--sessions`;
+  * dense @ that size: what the same batch costs dense.
 
 Reported per variant: the batch cache's live KV at its largest (bytes, rows, per row), decode tokens/s (tokens
 of the batched decoding steps over their seconds), the measured turn's wall time and median TTFT (queueing
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
     if fits > args.batch:
         equal = measure(model, tokenizer, args, fits, sparse, convs)
         rows.append((f"{args.policy} {args.budget:g} @ {fits} (equal memory)", fits, equal))
+        rows.append((f"dense @ {fits}", fits, measure(model, tokenizer, args, fits, None, convs)))
     print(f"histories (tokens): {dense['lengths']}")
     print("| variant | batch | batch KV at its largest | rows then | per row | decode tok/s | decoding steps | "
           "turn wall | TTFT p50 |")

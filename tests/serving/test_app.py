@@ -196,7 +196,8 @@ def test_models_health_and_metrics():
     for line in ('attnstore_turns_total{kv_source="miss"} 1.0', 'attnstore_turns_total{kv_source="host"} 1.0',
                  'attnstore_store_hits_total{tier="host"} 1.0', "attnstore_ttft_seconds_count 2.0",
                  'attnstore_store_bytes_limit{tier="host"}', "attnstore_queue_depth 0.0",
-                 "attnstore_store_resume_decisions_total 0.0", 'attnstore_store_resume_last{value="chosen_s"} 0.0'):
+                 "attnstore_store_resume_decisions_total 0.0", 'attnstore_store_resume_last{value="chosen_s"} 0.0',
+                 "attnstore_batch_members 0.0", 'attnstore_batch_kv_bytes{kind="live"} 0.0'):
         assert line in text, line
     reused = next(float(x.split()[-1]) for x in text.splitlines() if x.startswith('attnstore_tokens_total{kind="reused"}'))
     assert reused > 0

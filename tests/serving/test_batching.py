@@ -447,3 +447,30 @@ def test_a_sparse_model_with_sliding_layers_runs_one_turn_at_a_time(caplog):
         assert pipe.max_batch_size == 1
         assert pipe.chat("s", "hello there", timeout=60).generated_tokens == 3
     assert "sliding-window layers" in caplog.text
+
+
+def test_batch_memory_reports_the_rows_decoding_now():
+    """`ChatPipeline.batch_memory` (and /metrics' attnstore_batch_*): the members and their KV bytes while they
+    decode, zeros once the batch is empty."""
+    seen = []
+
+    class Probe:
+        def __init__(self, pipe):
+            self.pipe = pipe
+
+        def put(self, value):
+            seen.append(self.pipe.batch_memory())
+
+        def end(self):
+            pass
+
+    with ChatPipeline(make_tiny("llama"), char_tokenizer(), AttnStore("64MiB"), max_new_tokens=12,
+                      max_batch_size=4) as pipe:
+        futures = [pipe.submit(f"s{i}", "hello " * (i + 1), Probe(pipe)) for i in range(4)]
+        for f in futures:
+            f.result(60)
+        assert max(m["rows"] for m in seen) >= 2
+        busy = max(seen, key=lambda m: m["live"])
+        assert busy["live"] > 0 and busy["allocated"] >= busy["live"]
+        pipe.close()
+        assert pipe.batch_memory() == {"allocated": 0, "live": 0, "rows": 0}

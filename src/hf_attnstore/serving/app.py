@@ -118,7 +118,7 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
                          "(--context-window)")
     app = FastAPI(title="attnstore serve")
     app.add_middleware(_BodyLimit, limit=limits.body_bytes)
-    metrics = ServerMetrics(engine.pipeline.store, engine.pending)
+    metrics = ServerMetrics(engine.pipeline.store, engine.pending, engine.pipeline.batch_memory)
     app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
     if responses is None:
         store = engine.pipeline.store

@@ -293,6 +293,8 @@ class BatchRunner:
         self.prefill_chunks = 0  # forwards that prefilled (part of) a joining turn
         # The batch cache at its largest (after a join): bytes allocated, bytes of live KV, members then.
         self.peak = {"allocated": 0, "live": 0, "rows": 0}
+        # The batch cache now, after the last iteration (read by /metrics from another thread: plain ints).
+        self.now = {"allocated": 0, "live": 0, "rows": 0}
         self._hinted: list[str] | None = None  # the queue the last look-ahead hints were given for
         self.cache: BatchKV | None = None  # the decoding members' KV, row b for self.members[b]
 
@@ -338,6 +340,8 @@ class BatchRunner:
                     self._fail(m, exc)
                 self.members, self.cache = [], None
             self.seconds["step"] += time.perf_counter() - started
+        allocated, live = self.cache.nbytes() if self.cache is not None else (0, 0)
+        self.now = {"allocated": allocated, "live": live, "rows": self.cache.rows if self.cache is not None else 0}
         pipe.set_running(self._sessions())
         return True
 

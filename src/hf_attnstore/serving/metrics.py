@@ -1,7 +1,7 @@
 """Prometheus metrics of `attnstore serve` (``GET /metrics``), on a registry of the app's own.
 
 Per request (updated by the app): turns by KV source, reused / prefilled / generated tokens, TTFT,
-queueing and turn time histograms, errors by HTTP status. Per store (read from `AttnStore.stats()` at
+queueing and turn time histograms, errors by HTTP status; the batch cache's bytes and members. Per store (read from `AttnStore.stats()` at
 each scrape): hits per tier, bytes used and limits per tier, bytes moved, evictions, I/O errors.
 """
 
@@ -90,7 +90,7 @@ class StoreCollector:
 class ServerMetrics:
     """The app's metrics. `registry` is what ``GET /metrics`` exposes."""
 
-    def __init__(self, store: AttnStore | None, queue_depth):
+    def __init__(self, store: AttnStore | None, queue_depth, batch_memory=None):
         self.registry = CollectorRegistry()
         r = self.registry
         self.turns = Counter("attnstore_turns", "Completed turns, by where their KV came from", ["kv_source"],
@@ -108,6 +108,13 @@ class ServerMetrics:
                                  registry=r)
         depth = Gauge("attnstore_queue_depth", "Requests admitted and not finished", registry=r)
         depth.set_function(queue_depth)
+        if batch_memory is not None:  # what a GPU's memory bounds: `kv_budget` makes each row its budget
+            batch = Gauge("attnstore_batch_kv_bytes", "The batch cache's KV: live (the decoding members' rows, padding "
+                          "included) and allocated (headroom included)", ["kind"], registry=r)
+            for kind in ("live", "allocated"):
+                batch.labels(kind).set_function(lambda kind=kind: batch_memory()[kind])
+            members = Gauge("attnstore_batch_members", "Turns decoding in the batch cache now", registry=r)
+            members.set_function(lambda: batch_memory()["rows"])
         r.register(StoreCollector(store))
 
     def observe(self, reply) -> None:

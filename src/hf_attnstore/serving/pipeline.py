@@ -230,6 +230,13 @@ class ChatPipeline:
         n = getattr(config, "max_position_embeddings", None)
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
+    def batch_memory(self) -> dict[str, int]:
+        """The batch cache now: ``rows`` (decoding members), ``live`` (bytes of their KV, padding included) and
+        ``allocated`` (bytes of the slabs, headroom included); zeros without batching or between batches."""
+        runner = getattr(self, "batch_runner", None)
+        return dict(runner.now) if runner is not None and self.max_batch_size > 1 else \
+            {"allocated": 0, "live": 0, "rows": 0}
+
     def queue_length(self) -> int:
         """Turns waiting to run (the running one not included)."""
         with self._cond:
