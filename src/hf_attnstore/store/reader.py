@@ -47,6 +47,18 @@ DEMAND, PREFETCH = 0, 1
 _PARK_S = 0.02  # how long a gated load waits before letting another job run
 
 
+@dataclass(frozen=True)
+class ResumeDecision:
+    """A load-or-recompute decision (`LoadPlanner.choose`), for the stats (``resume_*``) and the metrics."""
+
+    chunks: int  # leading chunks recomputed instead of loaded
+    tokens: int  # their tokens
+    load_gbps: float  # the tier's measured rate, GB/s of KV at the model's precision
+    prefill_tokens_per_s: float  # the model's measured prefill rate
+    load_s: float  # the estimate of loading every chunk
+    chosen_s: float  # the estimate of the choice made
+
+
 @dataclass(eq=False)
 class LoadJob:
     """One session being read: where from, where to, and how far it got."""
@@ -290,19 +302,19 @@ class LoadPlanner:
         if decision is not None:  # counted once the load has started (a refused prefetch decided nothing)
             stats = self.index.stats
             stats.resume_decisions += 1
-            stats.resume_recomputes += decision[0] > 0
-            stats.resume_recomputed_tokens += decision[1]
-            stats.resume_load_gbps, stats.resume_prefill_tokens_per_s, stats.resume_load_estimate_s, \
-                stats.resume_chosen_estimate_s = decision[2:]
+            stats.resume_recomputes += decision.chunks > 0
+            stats.resume_recomputed_tokens += decision.tokens
+            stats.resume_load_gbps, stats.resume_prefill_tokens_per_s = decision.load_gbps, decision.prefill_tokens_per_s
+            stats.resume_load_estimate_s, stats.resume_chosen_estimate_s = decision.load_s, decision.chosen_s
         return True
 
-    def choose(self, manifest: Manifest, tier: str, prefill_key: str, token_bytes: int) -> tuple[Manifest, tuple | None]:
+    def choose(self, manifest: Manifest, tier: str, prefill_key: str,
+               token_bytes: int) -> tuple[Manifest, ResumeDecision | None]:
         """The manifest to read (lock held): `manifest`, or it less the leading chunks that the turn recomputes
         faster than the tier delivers them (:func:`~hf_attnstore.store.placement.choose_recompute`, by the
         measured rates of `ResumeCosts`; nothing is chosen before both are measured). Only chunks computed in
         this history may be recomputed (not rebased ones), and at least the last chunk is read. With it, the
-        decision for the stats (``resume_*``, counted once the load starts): ``(chunks, tokens, load GB/s,
-        prefill tokens/s, load estimate, chosen estimate)``, or None when nothing was decided.
+        decision for the stats (``resume_*``, counted once the load starts), or None when nothing was decided.
 
         `token_bytes` is one token's KV at the model's precision: the rate is measured in those bytes whatever
         the chunks' codec, so a tier that stores fewer bytes per token is measured faster.
@@ -323,7 +335,7 @@ class LoadPlanner:
         for _ in range(chunks):
             manifest = manifest.drop_head_span()
         tokens = units[chunks - 1][1] - units[0][0] if chunks else 0
-        return manifest, (chunks, tokens, load / 1e9, prefill, load_s, chosen_s)
+        return manifest, ResumeDecision(chunks, tokens, load / 1e9, prefill, load_s, chosen_s)
 
     def finish(self, job: LoadJob, error: BaseException | None) -> None:
         """The load thread finished a job (see reader.py)."""
