@@ -222,10 +222,15 @@ def _kv_budget(text: str) -> float | int:
     """`--kv-budget`: a fraction in (0, 1] (with a decimal point) or a token count."""
     try:
         value = float(text) if any(c in text for c in ".eE") else int(text)
-        SparseConfig(value)
+        config = SparseConfig(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}" if "kv_budget" in str(exc) else
                                          f"{text!r} is neither a fraction in (0, 1] nor a token count") from None
+    if isinstance(value, int) and value <= config.sink_tokens:
+        # "1" reads as "all of it" but is a count of one token (clamped to the sinks and one more): refuse it.
+        raise argparse.ArgumentTypeError(f"{text!r} is a token count, and a count keeps at least "
+                                         f"{config.sink_tokens + 1} (the sinks and one more): pass a larger count, "
+                                         "or a fraction with a point (1.0 keeps the whole history)")
     return value
 
 
