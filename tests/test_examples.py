@@ -14,7 +14,7 @@ from hf_attnstore.store.redis_server import free_port
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = {
     "generate_with_cache.py": [],
-    "chat_pipeline.py": [],
+    "chat_pipeline.py": ["--kv-budget", "0.5"],  # sparse sessions, persisted and resumed (dense: tested elsewhere)
     "remote_tier.py": [],
     "lm_eval_mmlu.py": ["--limit", "3", "--window", "256"],
     "openai_server.py": ["--port", None],  # a free port, chosen at run time
