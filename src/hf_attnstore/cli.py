@@ -196,7 +196,7 @@ def _serve(args: argparse.Namespace) -> int:
         sparse = None if args.kv_budget is None else SparseConfig(args.kv_budget, policy=args.sparse_policy)
         pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
                             max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                            kv_budget=sparse)
+                            max_batch_kv_bytes=args.max_batch_kv, kv_budget=sparse)
     except ValueError as exc:  # a model that cannot be kept sparse, a budget out of range
         store.close()
         print(f"attnstore serve: {exc}", file=sys.stderr)
@@ -316,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch-tokens", type=int, default=None,
                     help="tokens one batch iteration computes at most: long prompts are prefilled in chunks "
                     "between decoding steps so running replies keep streaming (default: whole prompts)")
+    sv.add_argument("--max-batch-kv", default=None,
+                    help="bytes of KV the batch cache may hold (e.g. 2GiB): a turn joins only when the batch's rows "
+                    "and the tokens they may still decode fit, else it waits for members to leave (default: no limit "
+                    "but --max-batch-size); with --kv-budget rows are smaller, so more turns join")
     sv.add_argument("--max-pending", type=int, default=64, help="requests admitted at once; more get 429")
     sv.add_argument("--chat-template", default=None,
                     help="a Jinja chat template file to render messages with, instead of the tokenizer's (e.g. one "

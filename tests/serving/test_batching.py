@@ -474,3 +474,47 @@ def test_batch_memory_reports_the_rows_decoding_now():
         assert busy["live"] > 0 and busy["allocated"] >= busy["live"]
         pipe.close()
         assert pipe.batch_memory() == {"allocated": 0, "live": 0, "rows": 0}
+
+
+# -- a memory-bounded batch (max_batch_kv_bytes) --------------------------------------------------------------
+def _token_bytes(model) -> int:
+    config = model.config
+    dim = config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * dim * 4  # keys and values, fp32
+
+
+def test_a_memory_bound_batch_admits_what_fits_and_gives_the_solo_tokens():
+    """Rows as wide as the widest, with the tokens members may still decode: with room for two of the longest
+    rows, the batch never holds more than that (three shorter ones fit); the tokens are the solo ones (a waiting
+    turn only starts later)."""
+    model = make_tiny("llama")
+    prompt = max(len(m[0]) for m in SPARSE_MESSAGES.values()) + 10  # characters and the chat template's tokens
+    limit = 2 * (prompt + 8) * _token_bytes(model) + 1
+    solo, _ = run_sparse(model, 1, 7, turns=1)
+    bound, peak = run_sparse(model, 6, 7, turns=1, max_batch_kv_bytes=limit)
+    free, free_peak = run_sparse(model, 6, 7, turns=1)
+    assert all(bound[k].generated_ids == r.generated_ids for k, r in solo.items())
+    assert free_peak["rows"] == 6 and 2 <= peak["rows"] <= 3
+    assert peak["live"] <= limit < free_peak["live"]
+    assert peak["allocated"] <= limit < free_peak["allocated"]  # the slabs too: headroom is given up first
+
+
+def test_sparse_rows_let_more_turns_join_in_the_same_memory():
+    model = make_tiny("llama")
+    prompt = max(len(m[0]) for m in SPARSE_MESSAGES.values()) + 10
+    limit = 2 * (prompt + 8) * _token_bytes(model) + 1
+    _, dense = run_sparse(model, 6, 7, turns=1, max_batch_kv_bytes=limit)
+    _, sparse = run_sparse(model, 6, 7, turns=1, max_batch_kv_bytes=limit, kv_budget=0.3)
+    assert sparse["rows"] > dense["rows"] and sparse["allocated"] <= limit
+
+
+def test_a_turn_larger_than_the_bound_runs_alone_and_nothing_stalls():
+    out, peak = run_sparse(make_tiny("llama"), 6, 5, turns=1, max_batch_kv_bytes=1024)
+    assert all(r.generated_tokens == 5 for r in out.values()) and peak["rows"] == 1
+
+
+def test_max_batch_kv_bytes_is_checked():
+    for bad, error in (("lots", ValueError), (0, ValueError), (-5, ValueError), (True, TypeError)):
+        with pytest.raises(error, match="max_batch_kv_bytes"):
+            ChatPipeline(make_tiny("llama"), char_tokenizer(), AttnStore("16MiB"), max_batch_size=2,
+                         max_batch_kv_bytes=bad)

@@ -128,19 +128,24 @@ class BatchKV(DynamicCache):
     def pad(self, row: int) -> int:
         return self.first[row] - self.layers[0].start
 
-    def admit(self, kvs: list[list[tuple[torch.Tensor, torch.Tensor]]], rows: int, room: int) -> None:
+    def admit(self, kvs: list[list[tuple[torch.Tensor, torch.Tensor]]], rows: int, room: int,
+              max_bytes: int | None = None) -> None:
         """Adds members' KV (each per layer ``[1, h, L, d]``) as the last rows; `rows` is the most rows the batch
-        may have, `room` the columns its members may still add."""
+        may have, `room` the columns its members may still add, `max_bytes` (if given) the most bytes the slabs
+        may take (then headroom is given up before it is exceeded)."""
         length = max(kv[0][0].shape[2] for kv in kvs)
         old = self.layers[0] if self.layers else None
-        if old is None or old.n + len(kvs) > rows or old.end < length or old._k.shape[2] - old.end < room:
+        if old is None or old.n + len(kvs) > old._k.shape[0] or old.end < length or old._k.shape[2] - old.end < room:
             # Reallocate once for all joiners, with headroom on both sides: on the left a session's next turn
             # is longer; on the right every decoding step takes a column, and a later joiner needs `room` more.
             width = max(length, self.width)
-            end = width // 2 + width
+            end, columns = width // 2 + width, width // 2 + width + room + width // 2
+            if max_bytes is not None:
+                rows, end, columns = _bounded(kvs[0], rows, (old.n if old is not None else 0) + len(kvs), width,
+                                              room, end, columns, max_bytes)
             layers = []
             for i, (k, v) in enumerate(kvs[0]):
-                layer = _SlabLayer(k, v, rows, end + room + width // 2, end)
+                layer = _SlabLayer(k, v, rows, columns, end)
                 if old is not None:
                     layer.copy_from(self.layers[i])
                     layer.n, layer.start = old.n, end - self.width
@@ -192,6 +197,23 @@ class BatchKV(DynamicCache):
         for layer in self.layers:
             layer.start = start
             layer._views()
+
+
+def _token_bytes(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """One token's KV over every layer, in bytes (of a member's per-layer ``[1, h, L, d]`` keys and values)."""
+    return sum(k.shape[1] * k.shape[3] * k.element_size() + v.shape[1] * v.shape[3] * v.element_size() for k, v in kv)
+
+
+def _bounded(kv: list[tuple[torch.Tensor, torch.Tensor]], rows: int, needed: int, width: int, room: int, end: int,
+             columns: int, max_bytes: int) -> tuple[int, int, int]:
+    """The slab's (rows, end, columns) within `max_bytes`: the usual headroom if it fits, else rows for the
+    members only, else no headroom on the left either (exactly the `needed` rows of `width` plus `room`, which
+    the runner admitted only if they fit)."""
+    token = _token_bytes(kv)
+    for r, e, c in ((rows, end, columns), (needed, end, columns), (needed, width, width + room)):
+        if r * c * token <= max_bytes:
+            return r, e, c
+    return needed, width, width + room  # a turn alone larger than the bound: it runs anyway (`BatchRunner._fits`)
 
 
 def _row(layer, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,8 +300,12 @@ class _Member:
 class BatchRunner:
     """The worker of a ChatPipeline with ``max_batch_size > 1`` (see the module docstring)."""
 
-    def __init__(self, pipe: "ChatPipeline", max_batch_size: int, max_batch_tokens: int | None = None):
-        self.pipe, self.max, self.max_tokens = pipe, max_batch_size, max_batch_tokens
+    def __init__(self, pipe: "ChatPipeline", max_batch_size: int, max_batch_tokens: int | None = None,
+                 max_batch_kv_bytes: int | None = None):
+        self.pipe, self.max, self.max_tokens, self.max_kv_bytes = pipe, max_batch_size, max_batch_tokens, \
+            max_batch_kv_bytes
+        self.memory_waits = 0  # times the next joining turn waited for members to leave (`max_batch_kv_bytes`)
+        self._token_bytes: int | None = None  # one token's KV over every layer (known from the first member's)
         self.model = pipe.model
         self.members: list[_Member] = []  # decoding, in the batch cache
         # Joining, in order: their prompts are being prefilled. A turn is looked up in the store only when its
@@ -436,6 +462,9 @@ class BatchRunner:
                     self.prefilling.popleft().fail(exc)
                     continue
             prep = m.prep
+            if not m.prefilled and not self._fits(m):
+                self.memory_waits += 1
+                break  # it waits, first in line, for members to leave (`max_batch_kv_bytes`)
             start = prep.reused + m.prefilled
             left = int(prep.prompt.shape[1]) - start
             n = left if budget is None else min(left, budget)
@@ -449,6 +478,8 @@ class BatchRunner:
                     m.tee.put(prep.prompt.cpu())  # streamers expect the prompt first (skip_prompt)
                     self._accept(m, logits)
                     m.kv = [_row(layer, int(prep.prompt.shape[1])) for layer in prep.cache.layers]
+                    if self._token_bytes is None:
+                        self._token_bytes = _token_bytes(m.kv)
             except BaseException as exc:  # this turn fails; the others go on
                 self.prefilling.popleft()
                 self._fail(m, exc)
@@ -460,6 +491,25 @@ class BatchRunner:
                 self.members.append(m)
                 joined = True
         return joined
+
+    def _fits(self, m: _Member) -> bool:
+        """Whether the batch cache stays within `max_batch_kv_bytes` with `m` in it, until every member's reply
+        may end: each row as wide as the widest (rows end at one column) plus the columns the members may still
+        add (`_room`). A turn joins an empty batch whatever it needs (nothing would ever make room for it)."""
+        if self.max_kv_bytes is None or not self.members or self._token_bytes is None:
+            return True
+        rows = [self._row_tokens(m)] + [int(kv[0][0].shape[2]) for kv in (x.kv for x in self.members) if kv]
+        width = max([*rows, self.cache.width if self.cache is not None else 0])
+        needed = (len(self.members) + 1) * (width + self._room(self.members + [m])) * self._token_bytes
+        return needed <= self.max_kv_bytes
+
+    @staticmethod
+    def _row_tokens(m: _Member) -> int:
+        """The columns `m`'s row takes when it joins: its prompt, or for a sparse turn the budget of it (what
+        `select_now` keeps: at most the budget of the whole prompt)."""
+        tokens = int(m.prep.prompt.shape[1])
+        sparse = getattr(m.prep.cache, "sparse", None)
+        return min(tokens, sparse.budget(tokens)) if sparse is not None else tokens
 
     # -- a decoding step ---------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -557,7 +607,7 @@ class BatchRunner:
         self.cache = self.cache or BatchKV()
         rows = self.cache.rows
         try:
-            self.cache.admit([m.kv for m in joining], self.max, self._room(in_cache + joining))
+            self.cache.admit([m.kv for m in joining], self.max, self._room(in_cache + joining), self.max_kv_bytes)
             admitted = joining
         except BaseException as exc:
             logger.warning("%d turns could not join the batch cache together (%s: %s); trying each alone",
@@ -566,7 +616,7 @@ class BatchRunner:
             admitted = []
             for m in joining:
                 try:
-                    self.cache.admit([m.kv], self.max, self._room(in_cache + admitted + [m]))
+                    self.cache.admit([m.kv], self.max, self._room(in_cache + admitted + [m]), self.max_kv_bytes)
                 except BaseException as alone:
                     self.cache.keep_rows(rows + len(admitted))
                     logger.warning("a turn of %r could not join the batch cache: %s: %s", m.prep.job.session_id,

@@ -26,6 +26,7 @@ from ..cache.config import SparseConfig, TruncationConfig
 from ..cache.fingerprint import salted_fingerprint
 from ..store import AttnStore
 from ..store.placement import lookahead_windows
+from ..store.sizes import parse_bytes
 from ..store.entry import validate_session_id
 from .jobs import Cancelled, Job, PipelineClosed, Prepared, Reply, Tee, token_logprobs  # noqa: F401 (Reply, PipelineClosed: re-exported)
 from .timing import FirstTokenTimer
@@ -44,6 +45,11 @@ class ChatPipeline:
             history every turn (the RE baseline: token truncation on overflow, no reuse).
         context_window: Maximum tokens the model sees; overflowing sessions are truncated (decoupled).
         truncation, truncation_ratio, keep_first: See :class:`AttnStoreCache`.
+        max_batch_kv_bytes: With batching, the most bytes of KV the batch cache may hold (``"2GiB"`` or a count):
+            a turn joins only when every row, as wide as the widest, fits with the tokens the members may still
+            decode; otherwise it waits, first in line, for members to leave (a turn alone always runs). What a GPU's
+            memory bounds; with `kv_budget` rows are smaller, so more turns join. ``None`` (default): rows are
+            bounded by `max_batch_size` alone.
         kv_budget: Sparse window attention over every session (ALISA, see :class:`AttnStoreCache`): a fraction of
             the history (``0.2``: 80% sparsity), a token count, or a :class:`~hf_attnstore.cache.SparseConfig`.
             In a batch, a member's row holds only its kept tokens and this turn's (batching.py). Needs a store.
@@ -80,8 +86,8 @@ class ChatPipeline:
                  system_prompt: str | None = None, prefetch_window: int | None = None,
                  eviction_window: int | None = None, max_new_tokens: int = 256,
                  histories: MutableMapping[str, torch.Tensor] | None = None, max_batch_size: int = 1,
-                 max_batch_tokens: int | None = None, kv_budget: float | int | SparseConfig | None = None,
-                 **generate_kwargs):
+                 max_batch_tokens: int | None = None, max_batch_kv_bytes: int | str | None = None,
+                 kv_budget: float | int | SparseConfig | None = None, **generate_kwargs):
         self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
         if kv_budget is not None and store is None:
             raise ValueError("`kv_budget` keeps a stored session sparse: pass a store (without one, every turn "
@@ -100,6 +106,8 @@ class ChatPipeline:
             raise ValueError(f"`max_batch_tokens` must be None or an integer above `max_batch_size` "
                              f"({max_batch_size}): each iteration decodes one token per member and needs room "
                              f"to prefill; got {max_batch_tokens!r}")
+        if max_batch_kv_bytes is not None:
+            max_batch_kv_bytes = parse_bytes(max_batch_kv_bytes, "max_batch_kv_bytes")
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.chat_tokens = ChatTokens(tokenizer, system_prompt)
         self.prefetch_window, self.eviction_window = prefetch_window, eviction_window
@@ -118,7 +126,7 @@ class ChatPipeline:
 
             ok, why = batchable(model, self.sparse)
             if ok:
-                self.batch_runner = BatchRunner(self, max_batch_size, max_batch_tokens)
+                self.batch_runner = BatchRunner(self, max_batch_size, max_batch_tokens, max_batch_kv_bytes)
                 run = self.batch_runner.run
             else:
                 logger.warning("turns of %s run one at a time: %s", type(model).__name__, why)
