@@ -102,7 +102,7 @@ def test_a_sparse_forward_equals_dense_attention_with_the_dropped_tokens_masked(
     history = _history(model, store, "s", 50, config)
     ids = torch.cat([history, random_ids(6, 7)], dim=1)
     cache = AttnStoreCache(model, store, "s", ids, kv_budget=config, save=False)
-    assert cache.reused_tokens == 50 and cache.turn.can_select(False)
+    assert cache.reused_tokens == 50 and cache.turn.can_select(50)
     with torch.no_grad():
         logits = model(cache.input_ids[:, 50:], **cache_kwargs(cache)).logits
     layer = cache.layers[0]

@@ -37,6 +37,7 @@ def test_batched_turns_produce_the_tokens_of_solo_turns(arch):
     plain = run(model, None, 4)  # batched recomputation, no store
     for key, alone in solo.items():
         assert batched[key].generated_ids == alone.generated_ids == plain[key].generated_ids, key
+        assert batched[key].greedy_ids == alone.greedy_ids == alone.generated_ids, key  # (batched: () before)
         # The store holds what a solo turn stores: the next turn reuses exactly as much.
         assert batched[key].reused_tokens == alone.reused_tokens, key
         assert batched[key].kv_source == alone.kv_source, key
@@ -393,6 +394,17 @@ def test_a_sparse_member_joins_the_batch_with_the_tokens_its_next_forward_keeps(
     assert peak["live"] < 0.45 * dense_peak["live"], (peak, dense_peak, longest)
 
 
+@pytest.mark.parametrize("chunk", [3, 8])
+def test_a_sparse_prompt_prefilled_in_chunks_attends_as_in_one_forward(chunk):
+    """Chunked prefill (`max_batch_tokens`): the history is selected before the prompt's first chunk only, and
+    every later chunk attends to all of the prompt so far, as the one forward of a solo turn does. Before, each
+    chunk selected again and dropped tokens of the prompt itself: other tokens from the first on."""
+    model = make_tiny("llama")
+    solo, _ = run_sparse(model, 1, 2, turns=2, kv_budget=0.3)
+    chunked, _ = run_sparse(model, 4, 2, turns=2, kv_budget=0.3, max_batch_tokens=chunk + 4)
+    assert all(chunked[k].generated_ids == r.generated_ids for k, r in solo.items() if k[1] == 0)
+
+
 def test_sparse_sessions_decode_in_a_batch_over_turns_and_keep_their_scores():
     """Longer replies: a batch member does not re-select at every step (documented), so its tokens may differ
     from the solo ones after the first; every turn still resumes its stored session, and the scores kept with it
@@ -518,3 +530,29 @@ def test_max_batch_kv_bytes_is_checked():
         with pytest.raises(error, match="max_batch_kv_bytes"):
             ChatPipeline(make_tiny("llama"), char_tokenizer(), AttnStore("16MiB"), max_batch_size=2,
                          max_batch_kv_bytes=bad)
+
+
+def test_a_failure_of_the_loop_leaves_no_stale_batch_memory(monkeypatch):
+    from hf_attnstore.serving.batching import BatchRunner
+
+    settle, calls = BatchRunner._settle, []
+
+    def failing(self):
+        calls.append(1)
+        if len(calls) == 2:  # members are in the batch cache by now
+            raise RuntimeError("injected")
+        return settle(self)
+
+    monkeypatch.setattr(BatchRunner, "_settle", failing)
+    with ChatPipeline(make_tiny("llama"), char_tokenizer(), AttnStore("64MiB"), max_new_tokens=4,
+                      max_batch_size=4) as pipe:
+        futures = [pipe.submit(f"s{i}", "hello " * (i + 1)) for i in range(3)]
+        outcomes = []
+        for f in futures:
+            try:
+                outcomes.append(f.result(60).generated_tokens)
+            except RuntimeError as exc:
+                outcomes.append(str(exc))
+        assert "injected" in outcomes
+        assert pipe.batch_memory() == {"allocated": 0, "live": 0, "rows": 0}
+        assert pipe.chat("after", "still serving", timeout=60).generated_tokens == 4

@@ -277,8 +277,8 @@ class AttnStoreSparseLayer(AttnStoreLayer):
     def _target(self) -> int:
         """How many of the held tokens the next forward keeps (the same in every sparse layer of the cache)."""
         held = self._held()
-        if not self._owner.can_select(loaded=self.is_initialized):
-            return held  # no scores yet (a session resumed without them): its first forward is dense
+        if not self._owner.can_select(self.total):
+            return held  # no scores yet (a session resumed without them: its first forward is dense), or mid-prompt
         return min(held, self.config.budget(self.total))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

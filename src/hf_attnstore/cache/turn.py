@@ -214,9 +214,14 @@ class Turn:
         """The context of a forward: the model's attention feeds this turn's scorer (importance.py)."""
         return importance.scoring(self.scorer)
 
-    def can_select(self, loaded: bool) -> bool:
-        """Whether sparse layers may select tokens now: always by recency; by importance once scores exist."""
-        return self.sparse is not None and (not self.sparse.scored or self.scorer.has_scores)
+    def can_select(self, start: int) -> bool:
+        """Whether sparse layers select tokens before a forward that starts at session position `start` (between
+        forwards: the next one's): by recency always, by importance once scores exist; and never within the
+        prompt after its first forward, so that a prompt fed in chunks (a batch's chunked prefill) attends as the
+        one forward of a solo turn does: the history selected once, all of the prompt."""
+        if self.sparse is None or (self.sparse.scored and not self.scorer.has_scores):
+            return False
+        return start <= self.reused_tokens or start >= self.input_ids.shape[1]
 
     def scores_for(self, slot: int, columns: torch.Tensor) -> torch.Tensor:
         """The importance of the tokens at session positions `columns` in KV slot `slot` (see Scorer)."""

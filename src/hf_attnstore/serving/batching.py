@@ -335,6 +335,7 @@ class BatchRunner:
                 for m in (*self.members, *self.prefilling):
                     self._fail(m, exc) if isinstance(m, _Member) else m.fail(exc)
                 self.members, self.prefilling, self.cache = [], deque(), None
+                self.now = {"allocated": 0, "live": 0, "rows": 0}
                 self.pipe.set_running([])
                 time.sleep(0.1)  # should the failure repeat, do not spin
 
@@ -655,7 +656,7 @@ class BatchRunner:
         generated = torch.tensor([m.generated], dtype=torch.long)
         out = torch.cat([prep.prompt.cpu(), generated], dim=1)
         text = self.pipe.chat_tokens.reply_text(generated)
-        greedy = [] if m.sample is not None else list(m.generated)
+        greedy = [] if m.sample else list(m.generated)  # as the solo path: the generated ids of a greedy turn
         reply = self.pipe.finish(prep, out, generated, text, greedy, prep.timer.ttft,
                                  tuple(m.logprobs) if m.top_logprobs is not None else None)
         prep.job.future.set_result(reply)

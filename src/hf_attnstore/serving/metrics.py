@@ -87,6 +87,22 @@ class StoreCollector:
                                   "meant to replace them failed to load", value=s.remote_restores)
 
 
+class BatchCollector:
+    """The batch cache now (`ChatPipeline.batch_memory`), read once per scrape so that its values agree."""
+
+    def __init__(self, batch_memory):
+        self.batch_memory = batch_memory
+
+    def collect(self):
+        now = self.batch_memory()
+        kv = GaugeMetricFamily("attnstore_batch_kv_bytes", "The batch cache's KV: live (the decoding members' rows, "
+                               "padding included) and allocated (headroom included)", labels=["kind"])
+        for kind in ("live", "allocated"):
+            kv.add_metric([kind], now[kind])
+        yield kv
+        yield GaugeMetricFamily("attnstore_batch_members", "Turns decoding in the batch cache now", value=now["rows"])
+
+
 class ServerMetrics:
     """The app's metrics. `registry` is what ``GET /metrics`` exposes."""
 
@@ -109,12 +125,7 @@ class ServerMetrics:
         depth = Gauge("attnstore_queue_depth", "Requests admitted and not finished", registry=r)
         depth.set_function(queue_depth)
         if batch_memory is not None:  # what a GPU's memory bounds: `kv_budget` makes each row its budget
-            batch = Gauge("attnstore_batch_kv_bytes", "The batch cache's KV: live (the decoding members' rows, padding "
-                          "included) and allocated (headroom included)", ["kind"], registry=r)
-            for kind in ("live", "allocated"):
-                batch.labels(kind).set_function(lambda kind=kind: batch_memory()[kind])
-            members = Gauge("attnstore_batch_members", "Turns decoding in the batch cache now", registry=r)
-            members.set_function(lambda: batch_memory()["rows"])
+            r.register(BatchCollector(batch_memory))
         r.register(StoreCollector(store))
 
     def observe(self, reply) -> None:
