@@ -236,6 +236,14 @@ class AttnStoreCache(DynamicCache):
         for most models; two for `longrope`, whose KV is keyed by its frequency regime (short, long)."""
         return regime_keys(AttnStoreCache.fingerprint_of(model, store, cache_salt), RopeAdapter(model))
 
+    def batch_row(self, room: int):
+        """For a batch that decodes this session after its prompt (serving/batching.py) and scores the steps
+        (`importance.BatchScorer`): ``(scorer, columns_after)``, the turn's scorer (None when the turn does not
+        score, then ``columns_after`` is None too) and ``columns_after(fed)``, which gives per KV slot the session
+        positions of the row's keys in the step after `fed` fed tokens (None: ``0..K-1``). `room`: the most tokens
+        the batch may feed."""
+        return self.turn.batch_row(room)
+
     def append_computed(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor]) -> None:
         """Stores KV the model computed for this session outside this cache (a batched decoding step over

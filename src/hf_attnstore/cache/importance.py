@@ -38,7 +38,7 @@ from . import upstream
 ATTENTION_NAME, EAGER_NAME = "attnstore_sdpa", "attnstore_eager"
 # Queries scored per matrix product: bounds the temporary [heads, block, n] weights of H2O's full prefill.
 _QUERY_BLOCK = 256
-_active: ContextVar["Scorer | None"] = ContextVar("hf_attnstore_scorer", default=None)
+_active: ContextVar["Scorer | BatchScorer | None"] = ContextVar("hf_attnstore_scorer", default=None)
 _registered = False
 
 
@@ -128,16 +128,17 @@ class Scorer:
 
     @torch.no_grad()
     def observe(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None,
-                weights: torch.Tensor | None = None) -> None:
+                weights: torch.Tensor | None = None, columns_of: Callable[[int], torch.Tensor | None] | None = None):
         """Adds the weights this forward's queries give the layer's keys (``query`` ``[1, q_heads, q, d]``,
         ``key`` ``[1, kv_heads, K, d]``, the last q keys being the queries' own; `weights`, ``[1, q_heads, q, K]``,
-        when the attention computed them: eager)."""
+        when the attention computed them: eager). `columns_of`: the keys' session positions per slot, in place
+        of the turn's (a batch row's, :class:`BatchScorer`)."""
         slot = self.slot_of.get(getattr(module, "layer_idx", None))
         if slot is None or query.shape[0] != 1:
             return
         q, n_keys = query.shape[2], key.shape[2]
         first = 0 if self.policy == "h2o" else max(q - self.window, 0)
-        columns = self._columns(slot)
+        columns = (columns_of or self._columns)(slot)
         heads = key.shape[1]
         if columns is None:
             columns_total = n_keys
@@ -210,6 +211,28 @@ class Scorer:
         return logits.softmax(-1).sum(1)
 
 
+class BatchScorer:
+    """Scores a batched forward (a decoding step of several sessions, serving/batching.py): each row's queries and
+    keys go to that row's own :class:`Scorer`, so a session decoded in a batch gets the scores a solo turn's steps
+    would add. Rows are left-padded: row ``b``'s keys start at column ``first[b]``.
+
+    Args:
+        rows: Per row of the batch, ``(scorer, first, columns_of)``: the session's scorer (None: not scored), its
+            first live key column, and the session positions of its live keys per KV slot (a callable; it returns
+            None where they are simply ``0..K-1``).
+    """
+
+    def __init__(self, rows: list[tuple[Scorer | None, int, Callable[[int], torch.Tensor | None]]]):
+        self.rows = rows
+
+    def observe(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None,
+                weights: torch.Tensor | None = None) -> None:
+        for b, (scorer, first, columns_of) in enumerate(self.rows):
+            if scorer is not None:
+                scorer.observe(module, query[b : b + 1], key[b : b + 1, :, first:], scaling,
+                               None if weights is None else weights[b : b + 1, :, :, first:], columns_of)
+
+
 def score_name(slot: int, policy: str, window: int) -> str:
     """The state tensor that keeps KV slot `slot`'s scores: ``I{slot:04d}.h2o`` (weights from every query) or
     ``I{slot:04d}.alisa{window}`` (from the last `window` queries). The label is what the scores sum: a turn
@@ -222,7 +245,7 @@ def score_name(slot: int, policy: str, window: int) -> str:
     return f"I{slot:04d}." + ("h2o" if policy == "h2o" else f"alisa{window}")
 
 
-def scoring(scorer: Scorer | None):
+def scoring(scorer: "Scorer | BatchScorer | None"):
     """A context in which the model's scored attention feeds `scorer` (nothing when None)."""
     if scorer is None:
         return contextlib.nullcontext()
@@ -230,7 +253,7 @@ def scoring(scorer: Scorer | None):
 
 
 @contextlib.contextmanager
-def _activated(scorer: Scorer):
+def _activated(scorer: "Scorer | BatchScorer"):
     token = _active.set(scorer)
     try:
         yield scorer

@@ -223,6 +223,20 @@ class Turn:
             return False
         return start <= self.reused_tokens or start >= self.input_ids.shape[1]
 
+    def batch_row(self, room: int):
+        """How a batch scores this turn's decoding steps (see `AttnStoreCache.batch_row`), after its prompt."""
+        if self.scorer is None:
+            return None, None
+        end, tables = self._fwd_end, {}
+        for slot in self._slot_of.values():
+            kept = self._columns(slot)
+            if kept is None:  # dense layers: the row holds every position, in order
+                return self.scorer, lambda fed: (lambda slot: None)
+            ahead = torch.arange(end, end + room, device=kept.device).expand(kept.shape[0], -1)
+            tables[slot] = torch.cat([kept, ahead], dim=1)
+        width = next(iter(tables.values())).shape[1] - room
+        return self.scorer, lambda fed: (lambda slot: tables[slot][:, : width + fed + 1])
+
     def scores_for(self, slot: int, columns: torch.Tensor) -> torch.Tensor:
         """The importance of the tokens at session positions `columns` in KV slot `slot` (see Scorer)."""
         return self.scorer.scores_for(slot, columns)
@@ -695,16 +709,15 @@ class Turn:
 
 
 def _score_tensors(scorer: "importance.Scorer", tokens: int) -> dict[str, torch.Tensor]:
-    """The scores to keep with the session after `tokens` tokens, fp32, named by what they sum (none before any
-    forward scored). Tokens no query scored (KV a batch decoded, `append_computed`: batched steps are not scored)
-    count zero, as the scorer counts them within a turn: the attention the scored queries, all before them, gave
-    them. The recent window keeps them at the next turn."""
+    """The scores to keep with the session after `tokens` tokens, fp32, named by what they sum, or none when some
+    layer's scores do not cover them (KV appended without scoring): the next turn then scores anew. (A batch
+    scores its decoding steps, `importance.BatchScorer`.)"""
     if not scorer.has_scores:
         return {}
     out = {}
     for slot in scorer.slot_of.values():
-        scores = scorer.scores[slot][:, :tokens].float()
+        scores = scorer.scores[slot]
         if scores.shape[1] < tokens:
-            scores = torch.cat([scores, scores.new_zeros(scores.shape[0], tokens - scores.shape[1])], dim=1)
-        out[importance.score_name(slot, scorer.policy, scorer.window)] = scores
+            return {}
+        out[importance.score_name(slot, scorer.policy, scorer.window)] = scores[:, :tokens].float()
     return out

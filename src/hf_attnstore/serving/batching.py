@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..cache import importance
 from ..cache.cache import AttnStoreCache
 from ..cache.layers import AttnStoreSparseLayer
 from .jobs import Job, Prepared, Tee, quietly, token_logprobs
@@ -287,6 +288,8 @@ class _Member:
     prefilled: int = 0  # new prompt tokens (after the reused ones) computed so far
     fed: int = 0  # generated tokens fed back through the model (their KV is in the batch cache)
     kv: list | None = None  # per layer (keys, values) [1, h, L, d], until the member joins the batch cache
+    scorer: object = None  # its turn's importance scorer, fed by the batched steps (None: not scored)
+    columns_after: object = None  # AttnStoreCache.batch_row: its keys' session positions per slot, by fed tokens
     done: bool = False
     drain: bool = False  # done, but its last token is fed in one more step so that the store gets it
     failed: bool = False  # its future holds an exception: it leaves without storing anything
@@ -481,6 +484,8 @@ class BatchRunner:
                     m.kv = [_row(layer, int(prep.prompt.shape[1])) for layer in prep.cache.layers]
                     if self._token_bytes is None:
                         self._token_bytes = _token_bytes(m.kv)
+                    if isinstance(prep.cache, AttnStoreCache):
+                        m.scorer, m.columns_after = prep.cache.batch_row(m.max_new + 2)
             except BaseException as exc:  # this turn fails; the others go on
                 self.prefilling.popleft()
                 self._fail(m, exc)
@@ -522,7 +527,10 @@ class BatchRunner:
         mask = torch.ones(len(members), width + 1, dtype=torch.long, device=device)
         for b in range(len(members)):
             mask[b, : self.cache.pad(b)] = 0
-        with torch.no_grad():
+        # Scored sessions (kv_budget, importance truncation) get their rows' attention as a solo step would.
+        scorer = importance.BatchScorer([(m.scorer, self.cache.pad(b), m.columns_after(m.fed) if m.scorer else None)
+                                         for b, m in enumerate(members)]) if any(m.scorer for m in members) else None
+        with torch.no_grad(), importance.scoring(scorer):
             logits = self.model(tokens, attention_mask=mask, position_ids=positions, **cache_kwargs(self.cache),
                                 use_cache=True, logits_to_keep=1).logits[:, -1]
         for b, m in enumerate(members):
