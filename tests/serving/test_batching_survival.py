@@ -69,10 +69,10 @@ def test_a_member_that_cannot_join_the_batch_cache_fails_alone(monkeypatch):
     fails, the members already decoding and the one joining with it finish, later turns run."""
     real = batching.BatchKV.admit
 
-    def admit(self, kvs, rows, room):
+    def admit(self, kvs, rows, room, max_bytes=None):
         if any(kv[0][0].shape[2] == 23 for kv in kvs):  # the "bad" prompt's length
             raise MemoryError("injected: no memory for the batch cache")
-        return real(self, kvs, rows, room)
+        return real(self, kvs, rows, room, max_bytes)
 
     monkeypatch.setattr(batching.BatchKV, "admit", admit)
     model = make_tiny("llama")

@@ -335,11 +335,11 @@ class BatchRunner:
                     return
             except BaseException as exc:  # a failure of the loop itself: fail the turns in flight, go on serving
                 logger.exception("the batch loop failed; its running turns fail: %s", exc)
-                for m in (*self.members, *self.prefilling):
-                    self._fail(m, exc) if isinstance(m, _Member) else m.fail(exc)
-                self.members, self.prefilling, self.cache = [], deque(), None
-                self.now = {"allocated": 0, "live": 0, "rows": 0}
+                failed, self.members, self.prefilling, self.cache = [*self.members, *self.prefilling], [], deque(), None
+                self.now = {"allocated": 0, "live": 0, "rows": 0}  # before the futures wake their callers
                 self.pipe.set_running([])
+                for m in failed:
+                    self._fail(m, exc) if isinstance(m, _Member) else m.fail(exc)
                 time.sleep(0.1)  # should the failure repeat, do not spin
 
     def _iteration(self) -> bool:
