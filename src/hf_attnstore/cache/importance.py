@@ -225,12 +225,27 @@ class BatchScorer:
     def __init__(self, rows: list[tuple[Scorer | None, int, Callable[[int], torch.Tensor | None]]]):
         self.rows = rows
 
+    @torch.no_grad()
     def observe(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None,
                 weights: torch.Tensor | None = None) -> None:
+        if weights is None and query.shape[2] == 1:
+            weights = self._weights(query, key, scaling)  # every row's at once: one product, not one per row
         for b, (scorer, first, columns_of) in enumerate(self.rows):
             if scorer is not None:
                 scorer.observe(module, query[b : b + 1], key[b : b + 1, :, first:], scaling,
                                None if weights is None else weights[b : b + 1, :, :, first:], columns_of)
+
+    def _weights(self, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Softmax weights of a decoding step's queries ``[B, q_heads, 1, d]`` over each row's live keys (the
+        padding left of ``first`` masked): ``[B, q_heads, 1, K]``, as eager attention would return them."""
+        batch, q_heads, _, dim = query.shape
+        kv_heads, n_keys = key.shape[1], key.shape[2]
+        logits = torch.matmul(query.float().view(batch, kv_heads, q_heads // kv_heads, dim),
+                              key.float().transpose(2, 3)) * (scaling if scaling is not None else dim ** -0.5)
+        firsts = torch.tensor([first for _, first, _ in self.rows], device=key.device)
+        padding = torch.arange(n_keys, device=key.device)[None, :] < firsts[:, None]
+        logits.masked_fill_(padding[:, None, None, :], float("-inf"))
+        return logits.softmax(-1).view(batch, q_heads, 1, n_keys)
 
 
 def score_name(slot: int, policy: str, window: int) -> str:
