@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from hf_attnstore import AttnStore, SparseConfig
+from hf_attnstore import AttnStore, AttnStoreCache, SparseConfig
 from hf_attnstore.serving.batching import batchable
 from hf_attnstore.serving.pipeline import ChatPipeline
 
@@ -563,6 +563,56 @@ def test_max_batch_kv_bytes_is_checked():
         with pytest.raises(error, match="max_batch_kv_bytes"):
             ChatPipeline(make_tiny("llama"), char_tokenizer(), AttnStore("16MiB"), max_batch_size=2,
                          max_batch_kv_bytes=bad)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        ChatPipeline(make_tiny("llama"), char_tokenizer(), AttnStore("16MiB"), max_batch_kv_bytes="1MiB")
+
+
+def test_a_turn_cancelled_while_it_waits_for_memory_leaves_at_once():
+    """Claimed, looked up, waiting first in line for room: its cancel ends it before any prefill (CancelledError,
+    as a turn cancelled while queued), and the turns behind it go on."""
+    from concurrent.futures import CancelledError
+
+    released = threading.Event()
+
+    class Slow(LogitsProcessor):  # the running turn decodes slowly until the test releases it
+        def __call__(self, input_ids, scores):
+            released.wait(0.1)
+            return scores
+
+    tok = char_tokenizer()
+    with ChatPipeline(make_tiny("llama"), tok, AttnStore("64MiB"), max_new_tokens=200, max_batch_size=4,
+                      max_batch_kv_bytes=1024, eos_token_id=None) as pipe:
+        ids = torch.tensor(tok("hello there " * 3)["input_ids"])
+        running = pipe.submit_prompt("a", ids, logits_processor=LogitsProcessorList([Slow()]), max_new_tokens=200)
+        cancel = threading.Event()
+        waiting = pipe.submit_prompt("b", ids, cancel=cancel)
+        behind = pipe.submit_prompt("c", ids[:10], max_new_tokens=3)
+        for _ in range(600):
+            if pipe.batch_runner.memory_waits:
+                break
+            threading.Event().wait(0.05)
+        assert pipe.batch_runner.memory_waits == 1 and waiting.running()
+        cancel.set()
+        with pytest.raises(CancelledError):
+            waiting.result(10)  # at once: the running turn still holds its row
+        assert not running.done()  # (20 s of decoding left)
+        released.set()
+        assert running.result(60).generated_tokens == 200 and behind.result(60).generated_tokens == 3
+        assert pipe.store.token_ids("b", AttnStoreCache.fingerprint_of(pipe.model, pipe.store)) is None
+
+
+def test_a_prompt_prefilled_in_chunks_joins_within_the_bound():
+    """The running rows grow a column per iteration while a joining prompt is prefilled in chunks: the fit counts
+    those columns, so the slabs stay within the bound when it joins."""
+    model = make_tiny("llama")
+    bound = 330 * _token_bytes(model)
+    g = torch.Generator().manual_seed(0)
+    with ChatPipeline(model, char_tokenizer(), AttnStore("64MiB"), max_new_tokens=60, max_batch_size=2,
+                      max_batch_tokens=5, max_batch_kv_bytes=bound, eos_token_id=None) as pipe:
+        first = pipe.submit_prompt("a", torch.randint(10, 100, (100,), generator=g))
+        second = pipe.submit_prompt("b", torch.randint(10, 100, (90,), generator=g))
+        assert first.result(60).generated_tokens == second.result(60).generated_tokens == 60
+        assert pipe.batch_runner.peak["allocated"] <= bound
 
 
 def test_a_failure_of_the_loop_leaves_no_stale_batch_memory(monkeypatch):

@@ -128,11 +128,13 @@ class Scorer:
 
     @torch.no_grad()
     def observe(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None,
-                weights: torch.Tensor | None = None, columns_of: Callable[[int], torch.Tensor | None] | None = None):
+                weights: torch.Tensor | None = None, columns_of: Callable[[int], torch.Tensor | None] | None = None,
+                total: int | None = None):
         """Adds the weights this forward's queries give the layer's keys (``query`` ``[1, q_heads, q, d]``,
         ``key`` ``[1, kv_heads, K, d]``, the last q keys being the queries' own; `weights`, ``[1, q_heads, q, K]``,
         when the attention computed them: eager). `columns_of`: the keys' session positions per slot, in place
-        of the turn's (a batch row's, :class:`BatchScorer`)."""
+        of the turn's (a batch row's, :class:`BatchScorer`); `total`: one past the largest of them, when the
+        caller knows it (reading it from the columns waits for the device)."""
         slot = self.slot_of.get(getattr(module, "layer_idx", None))
         if slot is None or query.shape[0] != 1:
             return
@@ -142,6 +144,8 @@ class Scorer:
         heads = key.shape[1]
         if columns is None:
             columns_total = n_keys
+        elif total is not None:
+            columns_total = total
         else:
             columns_total = int(columns.max()) + 1 if columns.numel() else 0
         scores = self.scores.get(slot)
@@ -217,23 +221,29 @@ class BatchScorer:
     would add. Rows are left-padded: row ``b``'s keys start at column ``first[b]``.
 
     Args:
-        rows: Per row of the batch, ``(scorer, first, columns_of)``: the session's scorer (None: not scored), its
-            first live key column, and the session positions of its live keys per KV slot (a callable; it returns
-            None where they are simply ``0..K-1``).
+        rows: Per row of the batch, ``(scorer, first, columns_of, total)``: the session's scorer (None: not
+            scored), its first live key column, the session positions of its live keys per KV slot (a callable; it
+            returns None where they are simply ``0..K-1``) and one past the largest of them.
+        device: Where the forward runs (the rows' first columns are put there once, not per layer).
     """
 
-    def __init__(self, rows: list[tuple[Scorer | None, int, Callable[[int], torch.Tensor | None]]]):
+    def __init__(self, rows: list[tuple[Scorer | None, int, Callable[[int], torch.Tensor | None], int]],
+                 device: torch.device):
         self.rows = rows
+        self.slots = next(scorer.slot_of for scorer, *_ in rows if scorer is not None)  # one pipeline: one layout
+        self._firsts = torch.tensor([first for _, first, _, _ in rows], device=device)
 
     @torch.no_grad()
     def observe(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, scaling: float | None,
                 weights: torch.Tensor | None = None) -> None:
+        if getattr(module, "layer_idx", None) not in self.slots:
+            return  # a layer that is not scored (sliding window)
         if weights is None and query.shape[2] == 1:
             weights = self._weights(query, key, scaling)  # every row's at once: one product, not one per row
-        for b, (scorer, first, columns_of) in enumerate(self.rows):
+        for b, (scorer, first, columns_of, total) in enumerate(self.rows):
             if scorer is not None:
                 scorer.observe(module, query[b : b + 1], key[b : b + 1, :, first:], scaling,
-                               None if weights is None else weights[b : b + 1, :, :, first:], columns_of)
+                               None if weights is None else weights[b : b + 1, :, :, first:], columns_of, total)
 
     def _weights(self, query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Softmax weights of a decoding step's queries ``[B, q_heads, 1, d]`` over each row's live keys (the
@@ -242,8 +252,7 @@ class BatchScorer:
         kv_heads, n_keys = key.shape[1], key.shape[2]
         logits = torch.matmul(query.float().view(batch, kv_heads, q_heads // kv_heads, dim),
                               key.float().transpose(2, 3)) * (scaling if scaling is not None else dim ** -0.5)
-        firsts = torch.tensor([first for _, first, _ in self.rows], device=key.device)
-        padding = torch.arange(n_keys, device=key.device)[None, :] < firsts[:, None]
+        padding = torch.arange(n_keys, device=key.device)[None, :] < self._firsts[:, None]
         logits.masked_fill_(padding[:, None, None, :], float("-inf"))
         return logits.softmax(-1).view(batch, q_heads, 1, n_keys)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import InvalidStateError
+from concurrent.futures import CancelledError, InvalidStateError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -293,6 +293,7 @@ class _Member:
     done: bool = False
     drain: bool = False  # done, but its last token is fed in one more step so that the store gets it
     failed: bool = False  # its future holds an exception: it leaves without storing anything
+    waited: bool = False  # it waited for room in the batch cache (`max_batch_kv_bytes`)
 
     @property
     def length(self) -> int:
@@ -307,7 +308,7 @@ class BatchRunner:
                  max_batch_kv_bytes: int | None = None):
         self.pipe, self.max, self.max_tokens, self.max_kv_bytes = pipe, max_batch_size, max_batch_tokens, \
             max_batch_kv_bytes
-        self.memory_waits = 0  # times the next joining turn waited for members to leave (`max_batch_kv_bytes`)
+        self.memory_waits = 0  # turns that waited for members to leave before they joined (`max_batch_kv_bytes`)
         self._token_bytes: int | None = None  # one token's KV over every layer (known from the first member's)
         self.model = pipe.model
         self.members: list[_Member] = []  # decoding, in the batch cache
@@ -457,6 +458,7 @@ class BatchRunner:
         (it then joins the batch with its first token chosen)."""
         budget = None if self.max_tokens is None else self.max_tokens - len(self.members)
         joined = False
+        self._drop_cancelled()
         while self.prefilling and (budget is None or budget > 0):
             m = self.prefilling[0]
             if not isinstance(m, _Member):
@@ -467,7 +469,8 @@ class BatchRunner:
                     continue
             prep = m.prep
             if not m.prefilled and not self._fits(m):
-                self.memory_waits += 1
+                self.memory_waits += not m.waited
+                m.waited = True
                 break  # it waits, first in line, for members to leave (`max_batch_kv_bytes`)
             start = prep.reused + m.prefilled
             left = int(prep.prompt.shape[1]) - start
@@ -498,6 +501,16 @@ class BatchRunner:
                 joined = True
         return joined
 
+    def _drop_cancelled(self) -> None:
+        """Ends the joining turns cancelled before their prefill began (one waiting for memory, those behind it):
+        their futures raise CancelledError, as a turn cancelled while queued does, and nothing is stored."""
+        for m in [m for m in self.prefilling if isinstance(m, Job) or not m.prefilled]:
+            job = m if isinstance(m, Job) else m.prep.job
+            if job.cancel is not None and job.cancel.is_set():
+                self.prefilling.remove(m)
+                error = CancelledError("the turn was cancelled before it started")
+                self._fail(m, error) if isinstance(m, _Member) else m.fail(error)
+
     def _fits(self, m: _Member) -> bool:
         """Whether the batch cache stays within `max_batch_kv_bytes` with `m` in it, until every member's reply
         may end: each row as wide as the widest (rows end at one column) plus the columns the members may still
@@ -506,6 +519,10 @@ class BatchRunner:
             return True
         rows = [self._row_tokens(m)] + [int(kv[0][0].shape[2]) for kv in (x.kv for x in self.members) if kv]
         width = max([*rows, self.cache.width if self.cache is not None else 0])
+        # A prompt prefilled in chunks joins iterations later, the running rows a column wider for each.
+        if self.max_tokens is not None:
+            left = int(m.prep.prompt.shape[1]) - m.prep.reused
+            width += -(-left // max(self.max_tokens - self.max, 1))
         needed = (len(self.members) + 1) * (width + self._room(self.members + [m])) * self._token_bytes
         return needed <= self.max_kv_bytes
 
@@ -528,8 +545,9 @@ class BatchRunner:
         for b in range(len(members)):
             mask[b, : self.cache.pad(b)] = 0
         # Scored sessions (kv_budget, importance truncation) get their rows' attention as a solo step would.
-        scorer = importance.BatchScorer([(m.scorer, self.cache.pad(b), m.columns_after(m.fed) if m.scorer else None)
-                                         for b, m in enumerate(members)]) if any(m.scorer for m in members) else None
+        scorer = importance.BatchScorer(
+            [(m.scorer, self.cache.pad(b), m.columns_after(m.fed) if m.scorer else None, m.length + 1)
+             for b, m in enumerate(members)], device) if any(m.scorer for m in members) else None
         with torch.no_grad(), importance.scoring(scorer):
             logits = self.model(tokens, attention_mask=mask, position_ids=positions, **cache_kwargs(self.cache),
                                 use_cache=True, logits_to_keep=1).logits[:, -1]

@@ -48,8 +48,9 @@ class ChatPipeline:
         max_batch_kv_bytes: With batching, the most bytes of KV the batch cache may hold (``"2GiB"`` or a count):
             a turn joins only when every row, as wide as the widest, fits with the tokens the members may still
             decode; otherwise it waits, first in line, for members to leave (a turn alone always runs). What a GPU's
-            memory bounds; with `kv_budget` rows are smaller, so more turns join. ``None`` (default): rows are
-            bounded by `max_batch_size` alone.
+            memory bounds; with `kv_budget` rows are smaller, so more turns join. Not counted: while the batch cache
+            grows, its old and new slabs coexist for the copy (up to about twice the bound), and a joining turn's
+            own KV during its prefill. ``None`` (default): rows are bounded by `max_batch_size` alone.
         kv_budget: Sparse window attention over every session (ALISA, see :class:`AttnStoreCache`): a fraction of
             the history (``0.2``: 80% sparsity), a token count, or a :class:`~hf_attnstore.cache.SparseConfig`.
             In a batch, a member's row holds only its kept tokens and this turn's (batching.py). Needs a store.
@@ -108,6 +109,9 @@ class ChatPipeline:
                              f"to prefill; got {max_batch_tokens!r}")
         if max_batch_kv_bytes is not None:
             max_batch_kv_bytes = parse_bytes(max_batch_kv_bytes, "max_batch_kv_bytes")
+            if max_batch_size == 1:
+                raise ValueError("`max_batch_kv_bytes` bounds the batch cache of `max_batch_size` > 1; one turn at a "
+                                 "time has none (its KV is bounded by the context window)")
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.chat_tokens = ChatTokens(tokenizer, system_prompt)
         self.prefetch_window, self.eviction_window = prefetch_window, eviction_window
