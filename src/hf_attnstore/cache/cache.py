@@ -236,13 +236,12 @@ class AttnStoreCache(DynamicCache):
         for most models; two for `longrope`, whose KV is keyed by its frequency regime (short, long)."""
         return regime_keys(AttnStoreCache.fingerprint_of(model, store, cache_salt), RopeAdapter(model))
 
-    def batch_row(self, room: int):
-        """For a batch that decodes this session after its prompt (serving/batching.py) and scores the steps
-        (`importance.BatchScorer`): ``(scorer, columns_after)``, the turn's scorer (None when the turn does not
-        score, then ``columns_after`` is None too) and ``columns_after(fed)``, which gives per KV slot the session
-        positions of the row's keys in the step after `fed` fed tokens (None: ``0..K-1``). `room`: the most tokens
-        the batch may feed."""
-        return self.turn.batch_row(room)
+    def batch_row(self):
+        """What a batch that decodes this session after its prompt needs (serving/batching.py): ``(scorer, columns,
+        slot_of)``, the turn's importance scorer (None when it does not score), the session positions of the keys
+        each KV slot holds (``{slot: [kv_heads, K]}``, for a cache kept sparse; None when every layer holds every
+        position in order), and which model layer is which slot among the full-attention ones."""
+        return self.turn.batch_row()
 
     def append_computed(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor]) -> None:

@@ -223,19 +223,10 @@ class Turn:
             return False
         return start <= self.reused_tokens or start >= self.input_ids.shape[1]
 
-    def batch_row(self, room: int):
-        """How a batch scores this turn's decoding steps (see `AttnStoreCache.batch_row`), after its prompt."""
-        if self.scorer is None:
-            return None, None
-        end, tables = self._fwd_end, {}
-        for slot in self._slot_of.values():
-            kept = self._columns(slot)
-            if kept is None:  # dense layers: the row holds every position, in order
-                return self.scorer, lambda fed: (lambda slot: None)
-            ahead = torch.arange(end, end + room, device=kept.device).expand(kept.shape[0], -1)
-            tables[slot] = torch.cat([kept, ahead], dim=1)
-        width = next(iter(tables.values())).shape[1] - room
-        return self.scorer, lambda fed: (lambda slot: tables[slot][:, : width + fed + 1])
+    def batch_row(self):
+        """What a batch needs to decode this turn after its prompt (see `AttnStoreCache.batch_row`)."""
+        columns = {slot: self._columns(slot) for slot in self._slot_of.values()}
+        return self.scorer, (None if any(c is None for c in columns.values()) else columns), dict(self._slot_of)
 
     def scores_for(self, slot: int, columns: torch.Tensor) -> torch.Tensor:
         """The importance of the tokens at session positions `columns` in KV slot `slot` (see Scorer)."""

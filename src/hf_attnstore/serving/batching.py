@@ -8,6 +8,10 @@ member's own positions (its keys were rotated for them already, so padding shift
 as soon as it is done (end of turn, `max_new_tokens`, a stop string, a cancelled request), and a queued turn
 joins at the next step into a free row of the batch cache (see `BatchKV`).
 
+A sparse session (``kv_budget``) joins with its kept tokens and re-selects before every step, as alone
+(sparse_rows.py); the batch scores its rows' steps for the sessions that keep importance scores
+(`importance.BatchScorer`).
+
 A member's decoded KV is handed to its session's cache when it leaves (`AttnStoreCache.append_computed`),
 so the store gets what a solo turn would have stored: the prompt, then every generated token that was fed
 back. A reply cut by `max_new_tokens` stays one more step, so its last token is fed and stored too (the
@@ -42,6 +46,7 @@ from ..cache import importance
 from ..cache.cache import AttnStoreCache
 from ..cache.layers import AttnStoreSparseLayer
 from .jobs import Job, Prepared, Tee, quietly, token_logprobs
+from .sparse_rows import SparseRow
 from ..cache.upstream import DynamicCache, DynamicLayer, cache_kwargs, decoding_plan
 
 if TYPE_CHECKING:
@@ -96,6 +101,15 @@ class _SlabLayer(DynamicLayer):
         self._v[row, :, first : self.end] = values[0]
         self._k[row, :, self.start : first] = 0
         self._v[row, :, self.start : first] = 0
+
+    def keep_in_row(self, row: int, first: int, picked: torch.Tensor) -> None:
+        """Keeps row `row`'s columns ``first + picked`` (per head) right-aligned at `end`; zeroes the rest."""
+        keep = picked.shape[1]
+        index = picked.to(self._k.device)[:, :, None]
+        for slab in (self._k, self._v):
+            kept = slab[row, :, first : self.end].gather(1, index.expand(-1, -1, slab.shape[-1]))
+            slab[row, :, self.end - keep : self.end] = kept
+            slab[row, :, first : self.end - keep] = 0
 
     def move(self, src: int, dst: int) -> None:
         self._k[dst, :, self.start : self.end] = self._k[src, :, self.start : self.end]
@@ -184,6 +198,19 @@ class BatchKV(DynamicCache):
             layer._views()
         del self.first[rows:]
 
+    def keep_in_row(self, row: int, picks: list[torch.Tensor]) -> None:
+        """Keeps, in every layer, the row's keys and values at `picks[layer]` (``[kv_heads, keep]`` indices into
+        the row's live columns, ascending), right-aligned; the columns freed on its left become masked padding
+        (a sparse row's re-selection, sparse_rows.py)."""
+        first, keep = self.first[row], picks[0].shape[1]
+        for layer, picked in zip(self.layers, picks):
+            layer.keep_in_row(row, first, picked)
+        self.first[row] = self.layers[0].end - keep
+        start = min(self.first)
+        for layer in self.layers:
+            layer.start = start
+            layer._views()
+
     def remove(self, row: int) -> None:
         """Drops a row; the last row takes its place."""
         last = self.layers[0].n - 1
@@ -221,11 +248,9 @@ def _row(layer, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A solo cache layer's KV as the member's row of the batch cache.
 
     A sparse layer (``kv_budget``) gives its kept tokens: it selects now what its next forward would select
-    (`AttnStoreSparseLayer.select_now`), so the row holds the budget of the history and this turn's tokens, not
-    the whole history. Kept keys carry their own positions' rotation and each member's queries get their own
-    positions, so a row needs no columns for the dropped tokens. In the batch the row then grows by one token
-    per step: ALISA re-selects at every step, a batch member only when it joins (re-selecting would gather
-    every row at every step, and batched steps are not scored).
+    (`AttnStoreSparseLayer.select_now`), so the row holds the budget of the session, not its history. Kept keys
+    carry their own positions' rotation and each member's queries get their own positions, so a row needs no
+    columns for the dropped tokens. In the batch the row re-selects before every step (sparse_rows.py).
 
     A sliding-window layer keeps only its window's tail, so its past is filled with zeros over all `length`
     tokens, which the batch's sliding mask never lets a query see (and zeros, not garbage: a masked NaN would
@@ -289,7 +314,7 @@ class _Member:
     fed: int = 0  # generated tokens fed back through the model (their KV is in the batch cache)
     kv: list | None = None  # per layer (keys, values) [1, h, L, d], until the member joins the batch cache
     scorer: object = None  # its turn's importance scorer, fed by the batched steps (None: not scored)
-    columns_after: object = None  # AttnStoreCache.batch_row: its keys' session positions per slot, by fed tokens
+    sparse: SparseRow | None = None  # a sparse session's kept columns, re-selected before each step
     done: bool = False
     drain: bool = False  # done, but its last token is fed in one more step so that the store gets it
     failed: bool = False  # its future holds an exception: it leaves without storing anything
@@ -488,7 +513,9 @@ class BatchRunner:
                     if self._token_bytes is None:
                         self._token_bytes = _token_bytes(m.kv)
                     if isinstance(prep.cache, AttnStoreCache):
-                        m.scorer, m.columns_after = prep.cache.batch_row(m.max_new + 2)
+                        m.scorer, columns, slot_of = prep.cache.batch_row()
+                        if prep.cache.sparse is not None:
+                            m.sparse = SparseRow(prep.cache.sparse, m.scorer, columns, slot_of)
             except BaseException as exc:  # this turn fails; the others go on
                 self.prefilling.popleft()
                 self._fail(m, exc)
@@ -538,20 +565,25 @@ class BatchRunner:
     def _step(self) -> None:
         members = self.members
         device = self.model.device
-        width = self.cache.width
         tokens = torch.tensor([[m.generated[-1]] for m in members], device=device)
         positions = torch.tensor([[m.length] for m in members], device=device)
+        for b, m in enumerate(members):
+            if m.sparse is not None:  # keeps its budget, as the solo turn's layers before each forward
+                m.sparse.before_step(self.cache, b, m.length)
+        width = self.cache.width
         mask = torch.ones(len(members), width + 1, dtype=torch.long, device=device)
         for b in range(len(members)):
             mask[b, : self.cache.pad(b)] = 0
         # Scored sessions (kv_budget, importance truncation) get their rows' attention as a solo step would.
         scorer = importance.BatchScorer(
-            [(m.scorer, self.cache.pad(b), m.columns_after(m.fed) if m.scorer else None, m.length + 1)
+            [(m.scorer, self.cache.pad(b), m.sparse.columns_of if m.sparse else _in_order, m.length + 1)
              for b, m in enumerate(members)], device) if any(m.scorer for m in members) else None
         with torch.no_grad(), importance.scoring(scorer):
             logits = self.model(tokens, attention_mask=mask, position_ids=positions, **cache_kwargs(self.cache),
                                 use_cache=True, logits_to_keep=1).logits[:, -1]
         for b, m in enumerate(members):
+            if m.sparse is not None:
+                m.sparse.after_step(self.cache, b)
             m.fed += 1
             if m.drain:
                 m.drain = False  # its last token is fed: it leaves now
@@ -670,10 +702,13 @@ class BatchRunner:
         try:
             if isinstance(prep.cache, AttnStoreCache) and m.fed and b is not None:
                 prompt_len = int(prep.prompt.shape[1])
-                keys = [layer.keys[b : b + 1, :, -m.fed:] for layer in self.cache.layers]
-                # Copies: the store may adopt long value tensors as they are, and a view would keep the whole
-                # batch cache alive with them.
-                values = [layer.values[b : b + 1, :, -m.fed:].clone() for layer in self.cache.layers]
+                if m.sparse is not None:  # its row dropped tokens as it went: the copies it kept of each step
+                    keys, values = m.sparse.decoded_kv()
+                else:
+                    keys = [layer.keys[b : b + 1, :, -m.fed:] for layer in self.cache.layers]
+                    # Copies: the store may adopt long value tensors as they are, and a view would keep the whole
+                    # batch cache alive with them.
+                    values = [layer.values[b : b + 1, :, -m.fed:].clone() for layer in self.cache.layers]
                 positions = torch.arange(prompt_len, prompt_len + m.fed, device=keys[0].device)
                 prep.cache.append_computed(torch.tensor(m.generated[: m.fed]), positions, keys, values)
         finally:
@@ -703,6 +738,11 @@ class BatchRunner:
                 future.set_exception(exc)
             except InvalidStateError:
                 pass
+
+
+def _in_order(slot: int) -> None:
+    """A dense row's keys: every position of its session, in order (`importance.BatchScorer`)."""
+    return None
 
 
 def _id_set(ids) -> set:
