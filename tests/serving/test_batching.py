@@ -230,55 +230,6 @@ def test_members_of_different_reply_lengths_leave_from_any_row_and_others_join_i
     assert runner.steps < sum(lengths.values())  # decoded together
 
 
-def test_batch_kv_keeps_each_rows_kv_right_aligned_through_joins_and_leaves():
-    from hf_attnstore.serving.batching import BatchKV
-
-    def kv(length, value):
-        return [(torch.full((1, 2, length, 4), float(value)), torch.full((1, 2, length, 4), -float(value)))] * 3
-
-    cache = BatchKV()
-    expected = []  # per row: (length, value)
-
-    def check():
-        assert cache.layers[0].keys.shape[0] == len(expected)
-        for b, (length, value) in enumerate(expected):
-            for layer in cache.layers:
-                row = layer.keys[b]
-                assert cache.width - cache.pad(b) == length
-                assert torch.all(row[:, cache.pad(b):] == value) and torch.all(layer.values[b, :, cache.pad(b):] == -value)
-                assert torch.isfinite(row).all() and torch.isfinite(layer.values[b]).all()
-
-    for length, value in ((5, 1), (3, 2), (9, 3)):  # the third is longer than the free columns: reallocated
-        cache.admit([kv(length, value)], rows=4, room=6)
-        expected.append((length, value))
-        check()
-    slab = cache.layers[0]._k
-    for layer in cache.layers:  # one decoding step for every row
-        layer.update(torch.full((3, 2, 1, 4), 7.0), torch.full((3, 2, 1, 4), -7.0))
-    cache.remove(0)  # the last row (value 3) moves to row 0
-    expected = [(10, 3), (4, 2)]
-    assert cache.width == 10
-    for layer in cache.layers:
-        assert torch.all(layer.keys[:, :, -1] == 7)
-        layer.keys[:, :, -1] = layer.keys[:, :, -2]  # make the check below uniform
-        layer.values[:, :, -1] = layer.values[:, :, -2]
-    check()
-    for layer in cache.layers:  # whatever is not live may hold anything (the slab is allocated uninitialized)
-        for t in (layer._k, layer._v):
-            t[layer.n:] = float("nan")
-            t[:, :, : layer.start] = float("nan")
-    cache.admit([kv(8, 4)], rows=4, room=2)  # fits: written in place, into a row that held garbage
-    expected.append((8, 4))
-    check()
-    cache.admit([kv(12, 8)], rows=4, room=2)  # in place, longer than the batch: older rows get zeroed padding
-    assert cache.layers[0]._k is slab
-    expected.append((12, 8))
-    check()
-    cache.admit([kv(2, 5), kv(20, 6)], rows=6, room=2)  # several at once: one reallocation for the longest
-    expected += [(2, 5), (20, 6)]
-    check()
-
-
 def test_every_running_member_leads_the_eviction_schedule():
     """The store keeps the sessions of the whole running batch (their write buffers) last in line for
     eviction, ahead of the waiting queue, not just one of them."""

@@ -197,7 +197,7 @@ def test_a_failure_of_the_batch_loop_itself_fails_the_turns_in_flight_and_the_lo
 
 
 def test_an_admission_that_fails_half_way_is_undone():
-    from hf_attnstore.serving.batching import BatchKV
+    from hf_attnstore.serving.batch_cache import BatchKV
 
     def kv(length, value, heads=2):
         return [(torch.full((1, heads, length, 4), float(value)), torch.full((1, heads, length, 4), -float(value)))] * 3
