@@ -53,7 +53,8 @@ class ChatPipeline:
             own KV during its prefill. ``None`` (default): rows are bounded by `max_batch_size` alone.
         kv_budget: Sparse window attention over every session (ALISA, see :class:`AttnStoreCache`): a fraction of
             the history (``0.2``: 80% sparsity), a token count, or a :class:`~hf_attnstore.cache.SparseConfig`.
-            In a batch, a member's row holds only its kept tokens and this turn's (batching.py). Needs a store.
+            In a batch, a member's row holds only its budget, re-selected before every step (sparse_rows.py). Needs
+            a store.
         system_prompt: A system message placed first in every session.
         prefetch_window: Waiting jobs whose sessions are fetched ahead; default ``2 C_host / S_kv`` (twice
             the host capacity over the mean session KV size, measured as the store fills: an upper bound,
