@@ -239,8 +239,13 @@ def test_decoding_keeps_the_budget_and_the_store_keeps_every_token():
     assert cache.layers[0].keys.shape[2] == SparseConfig(0.25).budget(n - 1) + 1
     cache.close()
     store.flush()
-    dense = AttnStoreCache(model, store, "b", torch.cat([out, random_ids(3, 6)], dim=1))
-    assert dense.reused_tokens == n  # a later dense turn reuses the whole session
+    later = torch.cat([out, random_ids(3, 6)], dim=1)
+    sparse = AttnStoreCache(model, store, "b", later, kv_budget=0.25, save=False)
+    assert sparse.reused_tokens == n  # the store kept every token
+    # The replies' KV was computed attending to a selection: a dense turn reuses the prompt (computed over its whole
+    # history) and recomputes the rest, rather than take sparse KV for its own.
+    dense = AttnStoreCache(model, store, "b", later)
+    assert dense.reused_tokens == 40
 
 
 def test_scores_persist_on_disk_and_drive_the_resumed_selection(tmp_path):

@@ -397,6 +397,23 @@ def test_sparse_sessions_decode_in_a_batch_over_turns_and_keep_their_scores():
     assert bool((stored[:, -7:] > 0).all())  # the 7 tokens decoded (fed) in the batch: scored by its steps
 
 
+def test_sparse_rows_label_the_kv_they_decode_as_solo_turns_do():
+    """A row that attends to a selection decodes KV that is not the dense one: the session stores it labelled
+    inexact from the same token as a solo turn does, so no dense turn reuses it."""
+    model = make_tiny("llama")
+    exact = {}
+    for batch in (1, 4):
+        store = AttnStore("64MiB")
+        with ChatPipeline(model, char_tokenizer(), store, max_new_tokens=12, max_batch_size=batch,
+                          kv_budget=12) as pipe:
+            futures = {s: pipe.submit(s, m[0]) for s, m in SPARSE_MESSAGES.items()}
+            replies = {s: f.result(60) for s, f in futures.items()}
+        fingerprint = AttnStoreCache.fingerprint_of(model, store)
+        exact[batch] = {s: store.lookup(s, fingerprint).exact_prefix() for s in replies}
+        assert all(exact[batch][s] == r.history_tokens for s, r in replies.items())  # the prompt, not the reply
+    assert exact[1] == exact[4]
+
+
 def _stored_scores(model, store, session, **cache_kw) -> dict:
     from hf_attnstore import AttnStoreCache
 

@@ -85,7 +85,9 @@ class AttnStoreCache(DynamicCache):
         kv_budget: Sparse window attention (ALISA): the history kept on the device, and attended to, before each
             forward: a fraction of the session's length (``0.2``: 80% sparsity) or a token count, or a whole
             :class:`SparseConfig` (policy, sinks, recent share). ``None`` (default): dense. The store still
-            keeps every token; the tokens' importance scores are kept with the session. Needs SDPA or eager
+            keeps every token; the tokens' importance scores are kept with the session. Tokens computed
+            attending to a selection are stored labelled inexact: a later sparse turn reuses them, a dense turn
+            reuses the tokens before them and recomputes the rest (its reuse stays exact). Needs SDPA or eager
             attention (``"streaming"``: any), full-attention layers, and neither chunked nor latent attention
             nor recurrent layers (cache/sparse.py).
 
@@ -244,10 +246,10 @@ class AttnStoreCache(DynamicCache):
         return self.turn.batch_row()
 
     def append_computed(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
-                        values: list[torch.Tensor]) -> None:
+                        values: list[torch.Tensor], sparse_from: int | None = None) -> None:
         """Stores KV the model computed for this session outside this cache (a batched decoding step over
         several sessions), exactly as a forward through the cache would store it: see `Turn.append_computed`."""
-        self.turn.append_computed(token_ids, positions, keys, values)
+        self.turn.append_computed(token_ids, positions, keys, values, sparse_from)
 
     def close(self) -> None:
         """Ends the turn: the store may demote the session again. Later forwards through this cache are not

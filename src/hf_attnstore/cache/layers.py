@@ -300,6 +300,8 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         else:
             old_keys, old_values, columns = self.keys, self.values, self.columns
         old_keys, old_values, columns = self._selected(old_keys, old_values, columns, keep)
+        if columns.shape[1] < self.total:  # the new tokens attend to a selection: their KV is not the dense one
+            self._owner.attended_sparse(self.total)
         new = torch.arange(self.total, self.total + n, device=key_states.device).expand(columns.shape[0], -1)
         self.columns = torch.cat([columns, new], dim=1)
         self.keys = torch.cat([old_keys, key_states], dim=-2)
@@ -322,6 +324,8 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         """Drops now the tokens the next forward would drop, and returns the kept KV ``[1, kv_heads, kept, d]``:
         what a batch takes as this session's row (batching.py), the selection the turn's next forward makes."""
         self.keys, self.values, self.columns = self._selected(self.keys, self.values, self.columns, self._target())
+        if self.columns.shape[1] < self.total:
+            self._owner.attended_sparse(self.total)
         return self.keys, self.values
 
     def crop(self, tokens_to_remove: int) -> None:

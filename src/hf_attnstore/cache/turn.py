@@ -191,6 +191,9 @@ class Turn:
         self.save_seconds = 0.0  # time this turn spent un-rotating keys and handing KV to the store
         self._fwd_input_len = 0
         self._fwd_end = 0  # the sequence length after the current forward (its RoPE regime, see end_forward)
+        # The session position of the first token this turn computed under sparse attention (a forward that attended
+        # to a selection of the history, `kv_budget`): it and every later token are stored labelled inexact.
+        self.sparse_from: int | None = None
         self._device = model.device
         self.scorer = self._new_scorer(self._initial_scores())
         self.layers = build_layers(self, self._layout, self.reused_tokens,
@@ -284,10 +287,8 @@ class Turn:
         if self.truncation.mode == "importance" and self._stored_scores:
             weights = importance.token_importance(self._stored_scores, next(iter(self._stored_scores.values()))
                                                   .shape[1])
-        plan = plan_reuse(
-            prompt, snapshot.token_ids[: state.tokens if state else None] if snapshot else None, self.truncation,
-            has_rope=self._rope.has_rope, importance=weights
-        )
+        plan = plan_reuse(prompt, self._reusable_ids(snapshot, state.tokens if state else None), self.truncation,
+                          has_rope=self._rope.has_rope, importance=weights)
         if state is not None and (plan.dropped or plan.reused != state.tokens):
             # A hybrid model reuses its states after exactly their tokens, or nothing: a prompt that diverges
             # earlier, or a truncation, is recomputed (the states cannot be cut or re-positioned).
@@ -302,6 +303,15 @@ class Turn:
                 self.recomputed_head = self.reused_recomputed = 0
         return plan, snapshot, state
 
+    def _reusable_ids(self, snapshot: SessionKV | None, end: int | None) -> torch.Tensor | None:
+        """The ids of the snapshot's first `end` tokens (None: all) whose KV this turn may reuse: a dense turn stops
+        before the first token computed under sparse attention (labelled inexact, `SessionKV.exact_prefix`), since
+        its KV is not what this turn's attention computes; a sparse turn (``kv_budget``) reuses them."""
+        if snapshot is None:
+            return None
+        end = snapshot.length if end is None else min(end, snapshot.length)
+        return snapshot.token_ids[: end if self.sparse is not None else snapshot.exact_prefix(end)]
+
     def _shared(self, store: AttnStore, prompt: torch.Tensor, plan, snapshot):
         """The plan and snapshot of another session that begins with a longer prefix of the prompt than this
         session's own stored history (a shared system prompt, a regenerated or edited turn, a branch), or the
@@ -315,7 +325,7 @@ class Turn:
         other = self._validated(store.lookup(found[0], self.fingerprint))
         if other is None or other.head:
             return plan, snapshot
-        shared = plan_reuse(prompt, other.token_ids[: found[1]], self.truncation, has_rope=self._rope.has_rope)
+        shared = plan_reuse(prompt, self._reusable_ids(other, found[1]), self.truncation, has_rope=self._rope.has_rope)
         if shared.dropped or shared.reused <= plan.reused:
             return plan, snapshot
         self.shared_from = found[0]
@@ -632,7 +642,9 @@ class Turn:
             n = keys.shape[-2]
             # A long prefill's values are kept as they are (adopted without a copy); short steps are stacked.
             values = torch.stack([p[1] for p in pending]) if n < 64 else [p[1] for p in pending]
-            stored = self._writer.append(ids, keys, values)
+            first = self._fwd_end - n
+            inexact_at = None if self.sparse_from is None else max(0, self.sparse_from - first)
+            stored = self._writer.append(ids, keys, values, inexact_at if inexact_at is None or inexact_at < n else None)
             self.save_seconds += time.perf_counter() - started
             if stored:
                 self.saved_tokens += int(ids.numel())
@@ -662,8 +674,12 @@ class Turn:
             self._store.delete(self.session_id, fingerprint)
         self._superseded = []
 
+    def attended_sparse(self, position: int) -> None:
+        """A sparse layer's forward from session position `position` attends to a selection of the history."""
+        self.sparse_from = position if self.sparse_from is None else min(self.sparse_from, position)
+
     def append_computed(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
-                        values: list[torch.Tensor]) -> None:
+                        values: list[torch.Tensor], sparse_from: int | None = None) -> None:
         """Stores KV the model computed for this session outside this cache (a batched decoding step over
         several sessions), exactly as a forward through the cache would store it.
 
@@ -672,7 +688,11 @@ class Turn:
             positions: Their positions, ``[n]`` (the keys are rotated for these).
             keys, values: Per layer, ``[1, kv_heads, n, head_dim]``, as the model's layers cached them (keys still
                 rotated; for multi-head latent attention, the latent and the rotated key part).
+            sparse_from: The position of the first of them computed attending to a selection of the history
+                (a sparse row, serving/sparse_rows.py), or None: they and what follows are labelled inexact.
         """
+        if sparse_from is not None:
+            self.attended_sparse(sparse_from)
         if len(keys) != self._geometry[0] or len(values) != self._geometry[0]:
             raise ValueError(f"expected KV of {self._geometry[0]} layers, got {len(keys)}")
         if self._layout.latent:  # the store's keys are the rotated tensor (layers.LayerLayout.latent)

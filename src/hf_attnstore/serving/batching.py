@@ -522,7 +522,8 @@ class BatchRunner:
                     # batch cache alive with them.
                     values = [layer.values[b : b + 1, :, -m.fed:].clone() for layer in self.cache.layers]
                 positions = torch.arange(prompt_len, prompt_len + m.fed, device=keys[0].device)
-                prep.cache.append_computed(torch.tensor(m.generated[: m.fed]), positions, keys, values)
+                prep.cache.append_computed(torch.tensor(m.generated[: m.fed]), positions, keys, values,
+                                           m.sparse.sparse_from if m.sparse is not None else None)
         finally:
             if isinstance(prep.cache, AttnStoreCache):
                 prep.cache.close()

@@ -36,6 +36,9 @@ class SparseRow:
         self.config, self.scorer, self.slot_of = config, scorer, dict(slot_of)
         self.columns = {slot: c.clone() for slot, c in columns.items()}
         self.decoded: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per fed token, per layer (k, v)
+        # The first step whose token attended to fewer than all the tokens before it: its KV and all after are
+        # stored labelled inexact (`AttnStoreCache.append_computed`).
+        self.sparse_from: int | None = None
 
     def before_step(self, cache, row: int, length: int) -> None:
         """Keeps the budget of `length` tokens (the session before this step's token) in `row` of the batch
@@ -52,6 +55,8 @@ class SparseRow:
                 self.columns[slot] = columns.gather(1, picked)
                 picks.append(picked)
             cache.keep_in_row(row, picks)
+        if self.sparse_from is None and min(c.shape[1] for c in self.columns.values()) < length:
+            self.sparse_from = length
         for slot, columns in self.columns.items():
             step = torch.full((columns.shape[0], 1), length, dtype=columns.dtype, device=columns.device)
             self.columns[slot] = torch.cat([columns, step], dim=1)

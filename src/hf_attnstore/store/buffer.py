@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .codec import KVCodec, least_accurate
-from .encoded import EncodedSegment, dense
+from .encoded import NOT_INEXACT, EncodedSegment, dense
 from .geometry import Geometry, bytes_per_token, make_geometry, shapes
 from .loader import LoadHandle
 from .state import SessionState
@@ -35,6 +35,10 @@ class Segment:
     # again, they must be labelled lossy (format.encode_chunk's `derived`). Appended tokens are exact.
     lossy: KVCodec | None = None
     lossy_upto: int = 0
+    # Tokens [inexact_from, ...) hold KV computed under sparse attention (a `kv_budget` forward that attended to a
+    # selection of the history), or after such KV: not what the model computes over the whole history, so a
+    # dense cache never reuses them (see SessionKV.exact_prefix). NOT_INEXACT: every token is exact.
+    inexact_from: int = NOT_INEXACT
 
     def __init__(self, geometry: Geometry, dtype: torch.dtype, capacity: int, pin_memory: bool):
         layers, (kh, kd), (vh, vd) = shapes(geometry)
@@ -80,6 +84,10 @@ class Segment:
     def lossy_between(self, a: int, b: int) -> KVCodec | None:
         """The codec some of tokens ``[a, b)`` were dequantized from, or None if all of them are exact."""
         return self.lossy if a < self.lossy_upto and a < b else None
+
+    def mark_inexact(self, start: int) -> None:
+        """Records that tokens ``[start, ...)`` hold KV computed under sparse attention, or after such KV."""
+        self.inexact_from = min(self.inexact_from, start)
 
 
 def _geometry_of(seg: Segment) -> Geometry:
@@ -200,6 +208,17 @@ class SessionKV:
             pos += b - a
         return worst
 
+    def exact_prefix(self, end: int | None = None) -> int:
+        """How many leading tokens (of the first `end`) hold KV the model computes over the whole history: all
+        but those from the first token computed under sparse attention (``kv_budget``) on. Under causal attention
+        every token after an inexact one is inexact too, whatever its segment says.
+
+        Example:
+            >>> snap.exact_prefix() == snap.length  # doctest: +SKIP
+            True
+        """
+        return exact_prefix(self.parts, self.length if end is None else end)
+
     def select(self, keep: torch.Tensor) -> list[Part]:
         """The parts holding tokens `keep` (sorted indices), in order; no data is copied."""
         bounds, pos = [], 0
@@ -213,6 +232,18 @@ class SessionKV:
                 if x < y:
                     out.append((seg, a + x - start, a + y - start))
         return out
+
+
+def exact_prefix(parts, end: int) -> int:
+    """The leading tokens of `parts` (of the first `end`) before the first inexact one (SessionKV.exact_prefix)."""
+    pos = 0
+    for seg, a, b in parts:
+        if pos >= end:
+            break
+        if seg.inexact_from < b:
+            return min(end, pos + max(0, seg.inexact_from - a))
+        pos += b - a
+    return end
 
 
 def _sync(parts) -> None:
@@ -299,13 +330,17 @@ class SessionBuffer:
         # would each reserve 300 tokens for a 30-token question.
         return _round(max(tokens, (self.length - self.selected_tokens) // 4))
 
-    def append(self, token_ids: torch.Tensor, keys, values) -> None:
+    def append(self, token_ids: torch.Tensor, keys, values, inexact_at: int | None = None) -> None:
         """Appends ``len(token_ids)`` tokens (device tensors are copied to host).
 
         `keys` and `values` are per-layer lists of ``[1, kv_heads, n, head_dim]`` tensors or stacked
-        ``[layers, 1, kv_heads, n, head_dim]`` tensors (copied in one operation).
+        ``[layers, 1, kv_heads, n, head_dim]`` tensors (copied in one operation). `inexact_at`: the appended
+        tokens from this one on were computed under sparse attention (Segment.inexact_from); tokens appended
+        after inexact ones are inexact whatever it says.
         """
         n = int(token_ids.numel())
+        if exact_prefix(self.parts, self.length) < self.length:
+            inexact_at = 0
         layers, (kh, kd), (vh, vd) = shapes(self.geometry)
         assert len(keys) == len(values) == layers, "one key/value tensor per layer is required"
         on_gpu = keys[0].is_cuda
@@ -315,7 +350,10 @@ class SessionBuffer:
             keys, values = list(keys), list(values)  # a stacked tensor's per-layer views share its storage
             assert all(t.shape == (1, kh, n, kd) for t in keys) and all(t.shape == (1, vh, n, vd) for t in values), \
                 "KV shape mismatch"
-            self.parts.append((Segment.adopt(token_ids.view(-1), keys, values), 0, n))
+            seg = Segment.adopt(token_ids.view(-1), keys, values)
+            if inexact_at is not None:
+                seg.mark_inexact(inexact_at)
+            self.parts.append((seg, 0, n))
             self.length += n
             return
         if n <= self._tail_room():
@@ -338,6 +376,8 @@ class SessionBuffer:
                     assert t.shape == (1, heads, n, dim), f"expected {(1, heads, n, dim)}, got {tuple(t.shape)}"
                     d[:, :, b : b + n].copy_(t, non_blocking=from_gpu)
         seg.filled = b + n
+        if inexact_at is not None:
+            seg.mark_inexact(b + inexact_at)
         if from_gpu:
             event = torch.cuda.Event()
             event.record()
@@ -431,6 +471,8 @@ class SessionBuffer:
         copy, pos = self.new_segment(n), 0
         for seg, a, b in run:
             copy.mark_lossy(seg.lossy_between(a, b), pos + b - a)  # the copy is as exact as what it copies
+            if seg.inexact_from < b:
+                copy.mark_inexact(pos + max(0, seg.inexact_from - a))
             copy.token_ids[pos : pos + b - a].copy_(seg.token_ids[a:b])
             for dst, src in ((copy.keys, seg.keys), (copy.values, seg.values)):
                 for d, t in zip(dst, src):

@@ -23,6 +23,8 @@ import torch
 from .codec import KVCodec
 from .geometry import Geometry, shapes
 
+NOT_INEXACT = 1 << 62  # `inexact_from` of a segment whose tokens are all exact (buffer.Segment.inexact_from)
+
 
 @dataclass(frozen=True)
 class EncodedSlice:
@@ -107,6 +109,7 @@ class EncodedSegment:
         assert all(b.numel() == codec.nbytes(vh, n, vd, False) for b in values), "value blob size mismatch"
         self.codec, self.dtype = codec, dtype
         self.capacity = self.filled = n  # full: never appended to
+        self.inexact_from = NOT_INEXACT  # see buffer.Segment.inexact_from
         self.event = None  # written on the host by the save thread: no device copy to wait for
         self.token_ids, self.keys, self.values = token_ids, list(keys), list(values)
         self._key_shape, self._value_shape = (kh, kd), (vh, vd)
@@ -121,6 +124,10 @@ class EncodedSegment:
     def lossy_between(self, a: int, b: int) -> KVCodec:
         """Every token of an encoded segment is lossy (see buffer.Segment.lossy_between)."""
         return self.codec
+
+    def mark_inexact(self, start: int) -> None:
+        """Records that tokens ``[start, ...)`` were computed under sparse attention (buffer.Segment.inexact_from)."""
+        self.inexact_from = min(self.inexact_from, start)
 
     def pinned(self) -> "EncodedSegment":
         """This segment with its blobs in page-locked memory (for asynchronous copies to CUDA)."""

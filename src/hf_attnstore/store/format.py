@@ -106,6 +106,9 @@ class ChunkMeta:
     # Stored lossless (in `dtype`), but holding KV dequantized from this codec: as accurate as it, no more
     # (a lossy store's chunk its codec could not encode, rewritten over tokens it had loaded lossy).
     derived: KVCodec | None = None
+    # Its tokens from this one on hold KV computed under sparse attention (`kv_budget`), or after such KV: never
+    # reused by a cache that attends to the whole history. None: every token is exact.
+    inexact_from: int | None = None
 
     @property
     def accuracy(self) -> KVCodec | None:
@@ -138,14 +141,15 @@ def encode_kv(keys: list[torch.Tensor], values: list[torch.Tensor], codec: KVCod
 def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: list[torch.Tensor],
                  values: list[torch.Tensor], prefix: str, previous: str,
                  codec: KVCodec | None = None, blobs: tuple[list, list] | None = None,
-                 derived: KVCodec | None = None) -> tuple[bytes, str]:
+                 derived: KVCodec | None = None, inexact_from: int | None = None) -> tuple[bytes, str]:
     """Serializes one chunk to safetensors bytes; returns them and the chunk's digest.
 
     With a `codec`, keys and values are quantized (codec.py; `blobs`: their encoding by :func:`encode_kv`, when
     the caller has it already); KV the codec cannot represent (non-finite, out of fp16's range) is written
     lossless instead, and the chunk says which it is. `derived`: some of the KV was dequantized from that
     codec (loaded from a lossy copy): a chunk then written lossless says so, so that no store that asks for
-    exact KV ever serves it (a label must be true of every token it covers).
+    exact KV ever serves it (a label must be true of every token it covers). `inexact_from`: the chunk's tokens
+    from this one on were computed under sparse attention (buffer.Segment.inexact_from).
     """
     tensors = {"ids": ids.detach().to("cpu", torch.int64).contiguous()}
     if codec is not None and blobs is None:
@@ -174,6 +178,8 @@ def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: lis
         meta["codec"] = codec.describe()
     elif derived is not None:
         meta["derived"] = derived.describe()
+    if inexact_from is not None:  # absent otherwise: chunks of dense turns are what they always were
+        meta["inexact_from"] = str(inexact_from)
     return safetensors_save(tensors, metadata=meta), metadata_digest(meta)
 
 
@@ -216,6 +222,9 @@ def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerpr
             raise FormatError(f"keys and values of dtype {meta['dtype']!r}")
         codec = KVCodec.parse(meta["codec"]) if "codec" in meta else None
         derived = KVCodec.parse(meta["derived"]) if "derived" in meta else None
+        inexact_from = int(meta["inexact_from"]) if "inexact_from" in meta else None
+        if inexact_from is not None and not 0 <= inexact_from < n:
+            raise FormatError(f"inexact_from {inexact_from} out of range for a chunk of {n} tokens")
         sums = json.loads(meta["checksums"])
         prefix, previous = str(meta["prefix"]), str(meta["previous"])
         digest = metadata_digest(meta)
@@ -230,7 +239,7 @@ def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerpr
     except Exception as exc:  # a damaged field of any type
         raise FormatError(f"unreadable header: {exc}") from exc
     return ChunkMeta(fingerprint, session_id, n, geometry, dtype, offsets, sums, prefix, previous, digest, codec,
-                     derived)
+                     derived, inexact_from)
 
 
 def _validate_layout(header: dict, sums: dict, n: int, geometry: tuple, dtype: torch.dtype, codec: KVCodec | None,
@@ -372,6 +381,14 @@ class Manifest:
     next_chunk: int  # chunk names are never reused, even after a restart
     dropped: tuple[Span, ...] = ()
     state: StateRef | None = None  # a hybrid model's states after the first `state.tokens` tokens (state.py)
+    # Leading tokens whose KV is exact; the rest was computed under sparse attention (`kv_budget`), or after such
+    # KV, and its chunks say so (`ChunkMeta.inexact_from`). None: every token (what manifests always said).
+    exact: int | None = None
+
+    @property
+    def exact_tokens(self) -> int:
+        """How many leading tokens a cache that attends to the whole history may reuse."""
+        return self.length if self.exact is None else self.exact
 
     @property
     def length(self) -> int:
@@ -386,7 +403,7 @@ class Manifest:
         """The manifest after partial eviction of its first stored span (its chunk's file can then go)."""
         assert self.spans, "nothing left to drop"
         return Manifest(self.fingerprint, self.session_id, self.token_ids, self.spans[1:], self.next_chunk,
-                        self.dropped + self.spans[:1], self.state)
+                        self.dropped + self.spans[:1], self.state, self.exact)
 
     def select(self, ranges: list[tuple[int, int]]) -> "Manifest":
         """The manifest of the logical token ranges `ranges` (in order), without touching any data.
@@ -424,8 +441,12 @@ class Manifest:
         # A state summarizes exactly its first tokens: it stays only if they are kept, in place.
         state = self.state if self.state is not None and ranges and ranges[0][0] == 0 \
             and ranges[0][1] >= self.state.tokens else None
+        # The selected tokens before the first inexact one stay exact; every token after it stays inexact.
+        exact = None
+        if self.exact is not None:
+            exact = min(token_ids.numel(), sum(max(0, min(b, self.exact) - a) for a, b in ranges))
         return Manifest(self.fingerprint, self.session_id, token_ids, tuple(spans), self.next_chunk, tuple(dropped),
-                        state)
+                        state, exact if exact is not None and exact < token_ids.numel() else None)
 
     def encode(self) -> bytes:
         body = {
@@ -440,6 +461,8 @@ class Manifest:
             body["dropped"] = [_span_fields(s) for s in self.dropped]
         if self.state is not None:  # only hybrid models' sessions have one
             body["state"] = self.state.encode()
+        if self.exact is not None:  # only sessions kept sparse have inexact tokens
+            body["exact"] = self.exact
         text = json.dumps(body, sort_keys=True)
         return json.dumps({"body": text, "xxh64": checksum(text.encode())}).encode()
 
@@ -458,8 +481,11 @@ class Manifest:
             ids = torch.frombuffer(bytearray(raw), dtype=torch.int64).clone() if raw else torch.empty(0, dtype=torch.long)
             spans, dropped = (tuple(_span(fields) for fields in body.get(k, ())) for k in ("spans", "dropped"))
             state = StateRef.decode(body["state"]) if "state" in body else None
+            exact = body.get("exact")
+            if exact is not None and (isinstance(exact, bool) or not isinstance(exact, int)):
+                raise FormatError(f"manifest field `exact` must be an integer, got {exact!r}")
             manifest = cls(str(body["fingerprint"]), str(body["session_id"]), ids, spans, int(body["next_chunk"]),
-                           dropped, state)
+                           dropped, state, exact)
         except FormatError:
             raise
         except Exception as exc:
@@ -471,6 +497,8 @@ class Manifest:
             raise FormatError("manifest spans do not cover its tokens")
         if manifest.state is not None and manifest.state.tokens > manifest.length:
             raise FormatError("the manifest's state covers more tokens than the manifest")
+        if manifest.exact is not None and not 0 <= manifest.exact < manifest.length:
+            raise FormatError("the manifest's exact prefix is out of range")
         return manifest
 
 

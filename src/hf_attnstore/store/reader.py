@@ -191,6 +191,8 @@ class LoadThread:
                     names = [layer_names(i) for i in range(buf.geometry[0])]
                     seg = EncodedSegment(chunk.meta.codec, buf.geometry, chunk.ids(), [blobs[k] for k, _ in names],
                                          [blobs[v] for _, v in names], buf.dtype)
+                    if chunk.meta.inexact_from is not None:
+                        seg.mark_inexact(chunk.meta.inexact_from)
                     made[span.chunk] = seg.pinned() if buf.pin_memory else seg
                 out.append((pos, (made[span.chunk], span.start, span.end)))
             pos += span.length
@@ -213,6 +215,11 @@ class LoadThread:
             ids = chunk.ids()[span.start : span.end]
             if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
                 raise FormatError("chunk ids disagree with the manifest")
+            inexact = chunk.meta.inexact_from
+            if inexact is not None and inexact < span.end and pos + max(0, inexact - span.start) < manifest.exact_tokens:
+                # The manifest would let a dense cache reuse KV computed under sparse attention: doubt, so a miss.
+                raise FormatError(f"chunk {span.chunk} holds KV computed under sparse attention where the manifest "
+                                  "says exact")
             pos += span.length
             # The load dequantizes lossy chunks into the buffer: a later write of these tokens is labelled so.
             buf.parts[0][0].mark_lossy(chunk.meta.accuracy, pos)
@@ -292,6 +299,8 @@ class LoadPlanner:
             return False
         buf.parts[0][0].token_ids[:length].copy_(manifest.token_ids)
         buf.missing_head = manifest.head  # a partially evicted head: left for the turn to recompute
+        if manifest.exact is not None:  # KV computed under sparse attention from there on (Segment.inexact_from)
+            buf.parts[0][0].mark_inexact(manifest.exact)
         e.loading = LoadHandle(geometry[0], self.config.read_buffer_layers, self.config.io_timeout_s)
         e.pins += 1
         self.index.set_host(e, buf)

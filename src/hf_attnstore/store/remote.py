@@ -280,7 +280,7 @@ class RemoteTier(Tier):
                               for part in (manifest.spans, manifest.dropped))
             # A state file is named by its digest already ("s-<digest>"), stored like a chunk under it.
             data = Manifest(manifest.fingerprint, manifest.session_id, manifest.token_ids, spans, 0, dropped,
-                            manifest.state).encode()
+                            manifest.state, manifest.exact).encode()
             target = self.key_of(key, "m")
             shared = [self._chunk_key(key, s) for s in spans if s.owner]
         else:

@@ -136,6 +136,9 @@ class SaveThread:
             # Each chunk is chained to its history: the digest of every id before it, and the previous chunk.
             history = prefix_hasher(fp)
             history.update(tensor_bytes(job.snap.token_ids[:start]))
+            # Tokens from `exact` on were computed under sparse attention (`kv_budget`): their chunks say so, and so
+            # does the manifest (the durable prefix kept from `base` keeps its own label).
+            exact = min(job.snap.exact_prefix(job.end), job.end if job.base.exact is None else job.base.exact)
             for a in range(start, job.end, self.chunk_tokens):
                 self.planner.yield_for_save(job.entry)
                 b = min(a + self.chunk_tokens, job.end)
@@ -145,11 +148,12 @@ class SaveThread:
                 # Tokens loaded from a lossy copy hold dequantized KV, and the KV computed after them depends on
                 # it: a chunk written lossless over such tokens (the codec refused their range) says so, and no
                 # store that asks for exact KV serves it.
+                inexact = max(0, exact - a) if exact < b else None
                 data, digest = encode_chunk(fp, sid, ids, keys, values, history.hexdigest(), previous,
                                             self.codec if blobs is not None else None, blobs,
-                                            derived=job.snap.lossy_before(b))
+                                            derived=job.snap.lossy_before(b), inexact_from=inexact)
                 if self.keep_encoded and blobs is not None and b - a == self.chunk_tokens:
-                    encoded.append((a, (self._host_copy(job, ids, blobs), 0, b - a)))
+                    encoded.append((a, (self._host_copy(job, ids, blobs, inexact), 0, b - a)))
                 name = digest if self.tier.content_addressed else f"{next_chunk:08d}"
                 next_chunk += 1
                 reserved += self.planner.reserve(job.entry, len(data))
@@ -163,7 +167,7 @@ class SaveThread:
             for name, tokens, future in pending:
                 new_chunks[name] = (future.result(self.timeout_s), tokens)
             manifest = Manifest(fp, sid, job.snap.token_ids[: job.end].clone(), tuple(spans), next_chunk,
-                                job.base.dropped, state)
+                                job.base.dropped, state, exact if exact < job.end else None)
             manifest_bytes = manifest.encode()
             reserved += self.planner.reserve(job.entry, len(manifest_bytes))
             manifest_size = self.tier.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
@@ -188,9 +192,12 @@ class SaveThread:
         result.keep = keep
         return result
 
-    def _host_copy(self, job: SaveJob, ids: torch.Tensor, blobs: tuple[list, list]) -> EncodedSegment:
+    def _host_copy(self, job: SaveJob, ids: torch.Tensor, blobs: tuple[list, list],
+                   inexact: int | None) -> EncodedSegment:
         source = job.snap.source
         seg = EncodedSegment(self.codec, source.geometry, ids, *blobs, source.dtype)
+        if inexact is not None:
+            seg.mark_inexact(inexact)
         return seg.pinned() if source.pin_memory else seg
 
     def _write_state(self, job: SaveJob, pending: list, copies: list | None) -> tuple[StateRef | None, int]:
@@ -387,7 +394,9 @@ class SavePlanner:
             links, pos = [], 0
             for span in manifest.spans:
                 whole = span.start == 0 and span.end == chunk and other.chunks.get(span.chunk, (0, 0))[1] == chunk
+                # (An inexact chunk, computed under sparse attention, is not what this session's exact KV is.)
                 if not whole or span.rebased or span.chunk not in other.files or pos + chunk > ids.numel() \
+                        or pos + chunk > manifest.exact_tokens \
                         or not torch.equal(manifest.token_ids[pos: pos + chunk], ids[pos: pos + chunk]):
                     break
                 links.append((key, span))

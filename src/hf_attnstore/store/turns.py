@@ -57,7 +57,7 @@ class Turns:
                     and length < e.host.length:
                 self.index.cut(e, length)
 
-    def append(self, writer: "TurnWriter", token_ids, keys, values) -> bool:
+    def append(self, writer: "TurnWriter", token_ids, keys, values, inexact_at: int | None = None) -> bool:
         with self.index.cond:
             if self.index.closed:  # closed during a turn (shutdown): the turn goes on, it is just not stored
                 writer.dead = True
@@ -120,7 +120,7 @@ class Turns:
                                     writer.key[1])
                     writer.dead = True
                     return False
-            buf.append(token_ids, keys, values)
+            buf.append(token_ids, keys, values, inexact_at)
             if self.config.share_prefixes and buf.length // BLOCK > e.prefix_blocks and not buf.missing_head:
                 # Offered for sharing as soon as a whole new block is stored, not only when the turn ends: turns
                 # that arrive together (a batch over one system prompt) share the first one's prompt once it is

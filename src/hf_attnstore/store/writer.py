@@ -31,9 +31,13 @@ class TurnWriter:
         # store when it needs the states of a turn that is still open (`Index.publish_states`).
         self.state_source = None
 
-    def append(self, token_ids: torch.Tensor, keys, values) -> bool:
+    def append(self, token_ids: torch.Tensor, keys, values, inexact_at: int | None = None) -> bool:
         """Appends tokens with their pre-RoPE keys and values: per-layer lists of ``[1, kv_heads, n, head_dim]``
         tensors, or stacked ``[layers, 1, kv_heads, n, head_dim]`` tensors (one copy for all layers).
+
+        `inexact_at`: the tokens from this index on (of the `n` appended) were computed under sparse attention
+        (``kv_budget``: a forward that attended to a selection of the history): they are labelled so, and a cache
+        that attends to the whole history never reuses them.
 
         Large CPU appends are kept without copying: do not modify the tensors afterwards.
         Returns whether the data was stored (False when the session is too large, was taken over, or the
@@ -63,7 +67,10 @@ class TurnWriter:
                 self.base.loader.wait_all()  # never wait under the store's lock
             except LoadError:
                 self.base, self.keep = None, self.keep[:0]
-        return self.sink.append(self, token_ids.detach().to("cpu", torch.long).view(-1), keys, values)
+        if inexact_at is not None and not 0 <= inexact_at <= n:
+            raise ValueError(f"`inexact_at` must lie in [0, {n}], got {inexact_at}")
+        return self.sink.append(self, token_ids.detach().to("cpu", torch.long).view(-1), keys, values,
+                                inexact_at if inexact_at is None or inexact_at < n else None)
 
     def close(self, state: SessionState | None = None) -> None:
         """Ends the turn: the session may leave host memory again. Idempotent; later appends are dropped.
