@@ -267,12 +267,21 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         self.config = config
         self.total = reused
         self.columns: torch.Tensor | None = None
+        # The reused tokens that have KV, per head (`present`): a session loaded from sparse cold copies. None: all.
+        self._present: torch.Tensor | None = None
+
+    def present(self, columns: torch.Tensor) -> None:
+        """Starts from the reused tokens at session positions `columns` (``[kv_heads, P]``) alone: the others have
+        no KV (a sparse cold copy, store/sparse_copies.py), so no forward may attend to them."""
+        self._present = columns
 
     def get_seq_length(self) -> int:
         return self.total
 
     def _held(self) -> int:
-        return self.keys.shape[-2] if self.is_initialized else self._pending_reuse
+        if self.is_initialized:
+            return self.keys.shape[-2]
+        return self._pending_reuse if self._present is None else self._present.shape[1]
 
     def _target(self) -> int:
         """How many of the held tokens the next forward keeps (the same in every sparse layer of the cache)."""
@@ -296,6 +305,11 @@ class AttnStoreSparseLayer(AttnStoreLayer):
             keys, values = self._owner.load_layer(self._layer_idx, held, key_states, value_states)
             old_keys, old_values = keys[:, :, :held], values[:, :, :held]
             columns = torch.arange(held, device=key_states.device).expand(key_states.shape[1], -1)
+            if self._present is not None:  # only the tokens with KV (the load holds zeros for the others)
+                columns = self._present.to(key_states.device)
+                index = columns[None, :, :, None]
+                old_keys = old_keys.gather(2, index.expand(-1, -1, -1, old_keys.shape[-1]))
+                old_values = old_values.gather(2, index.expand(-1, -1, -1, old_values.shape[-1]))
             self.is_initialized = True
         else:
             old_keys, old_values, columns = self.keys, self.values, self.columns
@@ -327,6 +341,11 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         if self.columns.shape[1] < self.total:
             self._owner.attended_sparse(self.total)
         return self.keys, self.values
+
+    @property
+    def held_slot(self) -> int:
+        """The layer's KV slot in the store."""
+        return self._layer_idx
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError("a cache with `kv_budget` cannot be cropped (assisted decoding): use a dense cache")
@@ -399,7 +418,8 @@ class TurnEnd:
     """
 
     def __init__(self, writer, layers: list, has_state: bool, extra=None):
-        # `extra(tokens)`: more tensors valid after exactly those tokens (importance scores), or {}.
+        # `extra(tokens, layers)`: more tensors valid after exactly those tokens (importance scores, the selection of
+        # a sparse session), or {}.
         self.writer, self.layers, self.extra = writer, layers, extra
         self.has_state = has_state or extra is not None
         self.tokens, self.complete, self.done = 0, False, False
@@ -418,7 +438,7 @@ class TurnEnd:
             if self.has_state and self.complete and self.tokens:
                 tensors = state_tensors(self.layers)
                 if tensors is not None and self.extra is not None:
-                    tensors.update(self.extra(self.tokens))
+                    tensors.update(self.extra(self.tokens, self.layers))
                 try:
                     state = SessionState.capture(self.tokens, tensors) if tensors else None
                 except (TypeError, RuntimeError) as exc:  # e.g. out of memory: the next turn recomputes

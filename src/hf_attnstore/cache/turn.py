@@ -28,14 +28,15 @@ from ..store.cuda import CudaLayerPrefetcher
 from ..store.encoded import copy_into, dense
 from ..store.format import prefix_digest
 from ..store.logs import OnceLogger
-from ..store.state import SessionState
+from ..store.state import SessionState, selection_name
 from . import importance
 from .config import SparseConfig, TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint, salted_fingerprint
 from .hooks import ReuseFailed
-from .layers import LayerLayout, TurnEnd, build_layers
+from .layers import AttnStoreSparseLayer, LayerLayout, TurnEnd, build_layers
 from .prefill_clock import PrefillClock
 from .rope import RopeAdapter
+from .sparse import select
 from .truncation import plan_reuse
 from .upstream import DynamicCache, cache_kwargs
 
@@ -198,10 +199,22 @@ class Turn:
         self.scorer = self._new_scorer(self._initial_scores())
         self.layers = build_layers(self, self._layout, self.reused_tokens,
                                    state if self.reused_tokens else None, self._device, sparse)
+        # The reused tokens with KV per KV slot, ``[kv_heads, P]`` (a session loaded from sparse cold copies; empty: all
+        # of them), set by `_start_from_present`: what the session's next turn selects from, with this turn's tokens.
+        self._present: dict[int, torch.Tensor] = {}
+        if sparse is not None and self._snapshot is not None:
+            self._start_from_present(self._snapshot)
         # A hybrid model's turn ends by keeping its states with the session, also when the cache is just dropped;
         # a scored turn keeps its tokens' importance scores the same way.
-        self.turn_end = TurnEnd(self._writer, self.layers, self._layout.has_state,
-                                functools.partial(_score_tensors, self.scorer) if self.scorer else None)
+        self.turn_end = TurnEnd(self._writer, self.layers, self._layout.has_state, self._extra())
+
+    def _extra(self):
+        """What the turn keeps with the session beside a hybrid model's states (layers.TurnEnd): its tokens'
+        importance scores, and for a sparse session the selection its next turn keeps (`_kept_tensors`)."""
+        if self.scorer is None:
+            return None
+        sparse = self.sparse if self.sparse is not None and self.sparse.scored else None
+        return functools.partial(_kept_tensors, self.scorer, sparse, self._present, self.reused_tokens)
 
     def _new_scorer(self, initial: dict[int, torch.Tensor] | None) -> "importance.Scorer | None":
         if not self._scored:
@@ -289,6 +302,14 @@ class Turn:
                                                   .shape[1])
         plan = plan_reuse(prompt, self._reusable_ids(snapshot, state.tokens if state else None), self.truncation,
                           has_rope=self._rope.has_rope, importance=weights)
+        if self.sparse is not None and snapshot is not None and not torch.equal(plan.keep, torch.arange(plan.reused)):
+            absent = snapshot.absent()
+            if absent is not None and bool(absent[:, :, plan.keep].any()):
+                # A truncation keeps some tokens of sparse cold copies, and other counts per head than one tensor
+                # holds: it reuses only what lies before the first of them (the rest is recomputed).
+                first = int(absent.any(dim=0).any(dim=0).nonzero()[0])
+                plan = plan_reuse(prompt, snapshot.token_ids[:first], self.truncation, has_rope=self._rope.has_rope,
+                                  importance=weights)
         if state is not None and (plan.dropped or plan.reused != state.tokens):
             # A hybrid model reuses its states after exactly their tokens, or nothing: a prompt that diverges
             # earlier, or a truncation, is recomputed (the states cannot be cut or re-positioned).
@@ -310,7 +331,27 @@ class Turn:
         if snapshot is None:
             return None
         end = snapshot.length if end is None else min(end, snapshot.length)
-        return snapshot.token_ids[: end if self.sparse is not None else snapshot.exact_prefix(end)]
+        if self.sparse is None:
+            return snapshot.token_ids[: snapshot.exact_prefix(end)]
+        if snapshot.loader is not None:
+            try:  # which tokens have no KV is known once the loader has verified the chunks, before layer 0
+                snapshot.loader.wait_layer(0)
+            except LoadError:
+                return None  # a failed load: a miss
+        return snapshot.token_ids[: _rectangular_prefix(snapshot.absent(end), end)]
+
+    def _start_from_present(self, snapshot: SessionKV) -> None:
+        """Hands each sparse layer the reused tokens that have KV (a session loaded from sparse cold copies): the
+        same count per KV head and slot (the plan's `_rectangular_prefix`), the others never attended to."""
+        absent = snapshot.absent(self.reused_tokens)
+        if absent is None or not bool(absent.any()):
+            return
+        heads = absent.shape[1]
+        for layer in self.layers:
+            if isinstance(layer, AttnStoreSparseLayer):
+                slot = layer.held_slot
+                self._present[slot] = torch.nonzero(~absent[slot])[:, 1].view(heads, -1)
+                layer.present(self._present[slot])
 
     def _shared(self, store: AttnStore, prompt: torch.Tensor, plan, snapshot):
         """The plan and snapshot of another session that begins with a longer prefix of the prompt than this
@@ -531,7 +572,9 @@ class Turn:
             if self.turn_end.has_state:  # the store asks this turn for its states (TurnEnd.publish)
                 self._writer.state_source = weakref.ref(self.turn_end)
         self.scorer = self._new_scorer(None)
-        self.turn_end.extra = functools.partial(_score_tensors, self.scorer) if self.scorer else None
+        self._present = {}
+        self.sparse_from = None  # what a sparse layer reported before the load failed: the recompute starts over
+        self.turn_end.extra = self._extra()
         self.layers = self.turn_end.layers = build_layers(self, self._layout, 0, None, self._device, self.sparse)
         self._cache().layers = self.layers
         kwargs = {k: v for k, v in kwargs.items() if k not in ("position_ids", "attention_mask", "cache_position")}
@@ -693,6 +736,7 @@ class Turn:
         """
         if sparse_from is not None:
             self.attended_sparse(sparse_from)
+
         if len(keys) != self._geometry[0] or len(values) != self._geometry[0]:
             raise ValueError(f"expected KV of {self._geometry[0]} layers, got {len(keys)}")
         if self._layout.latent:  # the store's keys are the rotated tensor (layers.LayerLayout.latent)
@@ -717,6 +761,39 @@ class Turn:
         self._fed_ids = [fed[: max(kept, 0)]]
         if self._writer is not None:
             self._writer.truncate(total)
+
+
+def _rectangular_prefix(absent: torch.Tensor | None, end: int) -> int:
+    """The longest prefix of `end` tokens in which every KV slot and head has KV for the same number of tokens
+    (`absent`: ``[slots, heads, end]``, tokens loaded from sparse cold copies without KV): what a sparse layer can
+    hold as one tensor. Chunks keep one count each (store/sparse_copies.py), so this ends at a chunk boundary at
+    worst."""
+    if absent is None or not bool(absent.any()):
+        return end
+    counts = (~absent).cumsum(dim=2).view(-1, end)
+    even = (counts == counts[:1]).all(dim=0).nonzero()
+    return int(even[-1]) + 1 if even.numel() else 0
+
+
+def _kept_tensors(scorer: "importance.Scorer", sparse: SparseConfig | None, present: dict, reused: int, tokens: int,
+                  layers: list) -> dict[str, torch.Tensor]:
+    """The scores to keep with the session after `tokens` tokens (`_score_tensors`) and, for a session kept sparse
+    by importance (`sparse`), the selection its next turn's first forward makes: ``S{slot:04d}``, ``[kv_heads,
+    budget]`` session positions (int64), chosen by these scores among every token with KV (all but those `present`
+    leaves out of the `reused` ones), as a resumed layer chooses. A store with sparse cold copies keeps those tokens
+    alone (`StoreConfig.sparse_copies`)."""
+    out = _score_tensors(scorer, tokens)
+    if sparse is None or not out:
+        return out
+    keep = sparse.budget(tokens)
+    for slot in scorer.slot_of.values():
+        heads = scorer.scores[slot].shape[0]
+        columns = torch.arange(tokens).expand(heads, -1)
+        if slot in present:
+            columns = torch.cat([present[slot].cpu(), torch.arange(reused, tokens).expand(heads, -1)], dim=1)
+        picked = select(columns, scorer.scores_for(slot, columns).cpu(), keep, sparse)
+        out[selection_name(slot)] = columns.gather(1, picked).to(torch.int64)
+    return out
 
 
 def _score_tensors(scorer: "importance.Scorer", tokens: int) -> dict[str, torch.Tensor]:

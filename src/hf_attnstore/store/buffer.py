@@ -39,6 +39,10 @@ class Segment:
     # selection of the history), or after such KV: not what the model computes over the whole history, so a
     # dense cache never reuses them (see SessionKV.exact_prefix). NOT_INEXACT: every token is exact.
     inexact_from: int = NOT_INEXACT
+    # Loaded from sparse cold copies (`StoreConfig.sparse_copies`): True where a token has no KV in a layer and KV
+    # head, ``[layers, heads, capacity]`` (its memory holds zeros). Such tokens are inexact too: only a sparse
+    # cache reads them, and it never attends to an absent one (SessionKV.absent). None: every token has KV.
+    absent: torch.Tensor | None = None
 
     def __init__(self, geometry: Geometry, dtype: torch.dtype, capacity: int, pin_memory: bool):
         layers, (kh, kd), (vh, vd) = shapes(geometry)
@@ -88,6 +92,15 @@ class Segment:
     def mark_inexact(self, start: int) -> None:
         """Records that tokens ``[start, ...)`` hold KV computed under sparse attention, or after such KV."""
         self.inexact_from = min(self.inexact_from, start)
+
+    def mark_absent(self, start: int, absent: torch.Tensor) -> None:
+        """Records that tokens ``[start, start + n)`` lack KV where `absent` ``[layers, heads, n]`` is True."""
+        if self.absent is None:
+            self.absent = torch.zeros(absent.shape[0], absent.shape[1], self.capacity, dtype=torch.bool)
+        self.absent[:, :, start : start + absent.shape[2]] |= absent
+        first = torch.nonzero(absent.any(dim=(0, 1)))
+        if first.numel():
+            self.mark_inexact(start + int(first[0]))
 
 
 def _geometry_of(seg: Segment) -> Geometry:
@@ -218,6 +231,22 @@ class SessionKV:
             True
         """
         return exact_prefix(self.parts, self.length if end is None else end)
+
+    def absent(self, end: int | None = None) -> torch.Tensor | None:
+        """Where the first `end` tokens lack KV, ``[layers, heads, end]`` (loaded from sparse cold copies), or None
+        when every one of them has KV."""
+        end = self.length if end is None else end
+        shape = next((seg.absent.shape[:2] for seg, _, _ in self.parts if seg.absent is not None), None)
+        if shape is None:
+            return None
+        pieces, pos = [], 0
+        for seg, a, b in self.parts:
+            if pos >= end:
+                break
+            b = min(b, a + end - pos)
+            pieces.append(seg.absent[:, :, a:b] if seg.absent is not None else torch.zeros(*shape, b - a, dtype=torch.bool))
+            pos += b - a
+        return torch.cat(pieces, dim=2) if pieces else torch.zeros(*shape, 0, dtype=torch.bool)
 
     def select(self, keep: torch.Tensor) -> list[Part]:
         """The parts holding tokens `keep` (sorted indices), in order; no data is copied."""
@@ -473,6 +502,8 @@ class SessionBuffer:
             copy.mark_lossy(seg.lossy_between(a, b), pos + b - a)  # the copy is as exact as what it copies
             if seg.inexact_from < b:
                 copy.mark_inexact(pos + max(0, seg.inexact_from - a))
+            if seg.absent is not None:
+                copy.mark_absent(pos, seg.absent[:, :, a:b])
             copy.token_ids[pos : pos + b - a].copy_(seg.token_ids[a:b])
             for dst, src in ((copy.keys, seg.keys), (copy.values, seg.values)):
                 for d, t in zip(dst, src):

@@ -75,6 +75,14 @@ class StoreConfig:
             once the turn has ended, and are dequantized on the device that computes with them, see
             :mod:`hf_attnstore.store.encoded`). ``False``: host copies stay at the model's precision, and a
             session resumed from host memory is exact; only a load from disk or the remote tier is lossy.
+        sparse_copies: Sparse cold copies (ALISA): the disk and remote copies of a session kept sparse by its
+            caches (``kv_budget``, a policy that ranks by importance) hold, of each whole chunk, only the tokens the
+            session's next turn would keep, per layer and KV head (the selection its turn stored with it), padded
+            to one count per chunk with each head's next most important tokens. Lossy, like a codec, and
+            combinable with one: each chunk records what it keeps, only a store with this option serves such a
+            chunk (any other: a miss), and only to a sparse cache; a dense cache reuses the tokens before its
+            first missing one (the chunk is labelled inexact from there) and recomputes the rest. A sparse turn
+            resumed from it keeps what it would keep from the whole copy. ``False`` (default): every token.
         partial_eviction: When the disk tier is full, cold sessions lose their leading chunks first, the
             rest staying (Pensieve): chunks go in order of retention value, recompute cost ÷ time since the
             session's last use (:func:`~hf_attnstore.store.placement.choose_head_drops`), so an idle
@@ -128,6 +136,7 @@ class StoreConfig:
     kv_codec: str | None = None
     kv_codec_group: int = 32
     kv_codec_host: bool = True
+    sparse_copies: bool = False
     partial_eviction: bool = False
     recompute_by_cost: bool = False
     share_prefixes: bool = True
@@ -169,6 +178,11 @@ class StoreConfig:
         self.codec  # validates `kv_codec` and `kv_codec_group`
         if not isinstance(self.kv_codec_host, bool):
             raise TypeError(f"`kv_codec_host` must be True or False, got {self.kv_codec_host!r}")
+        if not isinstance(self.sparse_copies, bool):
+            raise TypeError(f"`sparse_copies` must be True or False, got {self.sparse_copies!r}")
+        if self.sparse_copies and self.disk_dir is None and self.remote is None:
+            raise ValueError("`sparse_copies` thins the copies the store writes to a disk or remote tier, and this "
+                             "store has neither: set `disk_dir` or `remote`, or leave `sparse_copies` False")
         if self.kv_codec is not None and self.disk_dir is None and self.remote is None:
             raise ValueError(f"`kv_codec={self.kv_codec!r}` encodes the copies the store writes to a disk or remote "
                              "tier, and this store has neither: set `disk_dir` or `remote`, or leave `kv_codec` None")

@@ -19,6 +19,7 @@ import torch
 import xxhash
 
 from .format import (
+    read_kept,
     ChunkMeta,
     FormatError,
     Manifest,
@@ -74,6 +75,9 @@ class DiskChunk(ChunkReader):
 
     def read_layer_into(self, layer, start, end, keys_out, values_out, keep=None) -> int:
         return self.tier.read_layer_into(self.fd, self.meta, layer, start, end, keys_out, values_out, keep)
+
+    def kept(self) -> torch.Tensor:
+        return read_kept(file_reader(self.fd), self.meta)
 
     def close(self) -> None:
         fd, self.fd = self.fd, -1
@@ -271,7 +275,7 @@ class DiskTier(Tier):
         nbytes = 0
         for name, out in zip(layer_names(layer), (keys_out, values_out)):
             begin, stop = meta.offsets[name]
-            if meta.codec is None and start == 0 and end == meta.n_tokens:
+            if meta.codec is None and start == 0 and end == meta.kv_tokens:
                 views = [memoryview(_numpy(out[0, h])).cast("B") for h in range(out.shape[1])]
                 got = os.preadv(fd, views, begin)
                 if got != stop - begin:
@@ -310,14 +314,14 @@ class DiskTier(Tier):
             for tmp in folder.glob(TMP_PREFIX + "*"):
                 self._remove(tmp)  # a crash's leftovers (the lock says no other store is writing)
             try:
-                manifest, sizes, layout, codecs, inodes = self._validate(folder)
+                manifest, sizes, layout, codecs, inodes, sparse = self._validate(folder)
             except (OSError, FormatError) as exc:
                 logger.warning("disk tier: removing damaged session folder %s (%s)", folder.name, exc)
                 self._remove(folder)
                 continue
             self.collect_garbage(manifest.fingerprint, manifest.session_id, set(sizes))
             stat = (folder / MANIFEST).stat()
-            found.append(Found(manifest, sizes, layout, stat.st_mtime, stat.st_size, codecs, inodes))
+            found.append(Found(manifest, sizes, layout, stat.st_mtime, stat.st_size, codecs, inodes, sparse))
         found.sort(key=lambda item: item.mtime)
         yield from found
 
@@ -328,13 +332,14 @@ class DiskTier(Tier):
         manifest = Manifest.decode(path.read_bytes())
         if session_dirname(manifest.fingerprint, manifest.session_id) != folder.name:
             raise FormatError("manifest does not belong to this folder")
-        sizes, pos, layouts, metas, codecs, inodes = {}, manifest.head, set(), [], set(), {}
+        sizes, pos, layouts, metas, codecs, inodes, sparse = {}, manifest.head, set(), [], set(), {}, False
         for span in manifest.spans:
             fd, meta = self.open_chunk(manifest.fingerprint, manifest.session_id, span.chunk, span.owner)
             try:
                 metas.append(meta)
                 layouts.add((meta.geometry, meta.dtype))
                 codecs.add(meta.accuracy)  # a derived chunk counts as lossy
+                sparse |= meta.kept is not None
                 if span.end > meta.n_tokens:
                     raise FormatError("span beyond the chunk's tokens")
                 ids = self.read_ids(fd, meta)[span.start : span.end]
@@ -355,7 +360,7 @@ class DiskTier(Tier):
             if not path.is_file() or path.is_symlink():
                 raise FormatError("the manifest's state file is missing")
             sizes[manifest.state.name] = (path.stat().st_size, 0)
-        return manifest, sizes, layouts.pop(), frozenset(codecs), inodes
+        return manifest, sizes, layouts.pop(), frozenset(codecs), inodes, sparse
 
     @staticmethod
     def _remove(path: Path) -> None:

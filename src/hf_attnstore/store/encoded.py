@@ -110,6 +110,7 @@ class EncodedSegment:
         self.codec, self.dtype = codec, dtype
         self.capacity = self.filled = n  # full: never appended to
         self.inexact_from = NOT_INEXACT  # see buffer.Segment.inexact_from
+        self.absent = None  # every token has KV (sparse cold copies are never kept encoded)
         self.event = None  # written on the host by the save thread: no device copy to wait for
         self.token_ids, self.keys, self.values = token_ids, list(keys), list(values)
         self._key_shape, self._value_shape = (kh, kd), (vh, vd)

@@ -109,6 +109,14 @@ class ChunkMeta:
     # Its tokens from this one on hold KV computed under sparse attention (`kv_budget`), or after such KV: never
     # reused by a cache that attends to the whole history. None: every token is exact.
     inexact_from: int | None = None
+    # A sparse cold copy (`StoreConfig.sparse_copies`): per layer and KV head only `kept` of the chunk's tokens have
+    # KV, at the chunk positions its "kept" tensor ``[layers, heads, kept]`` lists (read_kept). None: every token.
+    kept: int | None = None
+
+    @property
+    def kv_tokens(self) -> int:
+        """How many tokens each stored key and value tensor holds."""
+        return self.n_tokens if self.kept is None else self.kept
 
     @property
     def accuracy(self) -> KVCodec | None:
@@ -121,10 +129,10 @@ class ChunkMeta:
         the blob under `name`)."""
         if self.codec is None:
             heads, dim = shape_of(self.geometry, name.endswith(".k"))
-            out.copy_(bytes_to_tensor(data, self.dtype, [1, heads, self.n_tokens, dim])[:, :, start : start + out.shape[2]])
+            out.copy_(bytes_to_tensor(data, self.dtype, [1, heads, self.kv_tokens, dim])[:, :, start : start + out.shape[2]])
         else:
             blob = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            self.codec.decode_into(blob, self.n_tokens, out, name.endswith(".k"), start)
+            self.codec.decode_into(blob, self.kv_tokens, out, name.endswith(".k"), start)
             if keep is not None:
                 keep[name] = blob
 
@@ -141,7 +149,8 @@ def encode_kv(keys: list[torch.Tensor], values: list[torch.Tensor], codec: KVCod
 def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: list[torch.Tensor],
                  values: list[torch.Tensor], prefix: str, previous: str,
                  codec: KVCodec | None = None, blobs: tuple[list, list] | None = None,
-                 derived: KVCodec | None = None, inexact_from: int | None = None) -> tuple[bytes, str]:
+                 derived: KVCodec | None = None, inexact_from: int | None = None,
+                 kept: torch.Tensor | None = None) -> tuple[bytes, str]:
     """Serializes one chunk to safetensors bytes; returns them and the chunk's digest.
 
     With a `codec`, keys and values are quantized (codec.py; `blobs`: their encoding by :func:`encode_kv`, when
@@ -149,7 +158,9 @@ def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: lis
     lossless instead, and the chunk says which it is. `derived`: some of the KV was dequantized from that
     codec (loaded from a lossy copy): a chunk then written lossless says so, so that no store that asks for
     exact KV ever serves it (a label must be true of every token it covers). `inexact_from`: the chunk's tokens
-    from this one on were computed under sparse attention (buffer.Segment.inexact_from).
+    from this one on were computed under sparse attention (buffer.Segment.inexact_from). `kept`: a sparse cold copy,
+    ``[layers, heads, m]`` ascending chunk positions whose KV `keys` and `values` ``[1, heads, m, dim]`` hold (the
+    chunk has ``len(ids)`` tokens; the others have none, so it must be labelled inexact from the first of them).
     """
     tensors = {"ids": ids.detach().to("cpu", torch.int64).contiguous()}
     if codec is not None and blobs is None:
@@ -161,7 +172,9 @@ def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: lis
             tensors[kn], tensors[vn] = k.detach().contiguous().cpu(), v.detach().contiguous().cpu()
         else:
             tensors[kn], tensors[vn] = blobs[0][layer], blobs[1][layer]
-    n = keys[0].shape[2]
+    n = int(ids.numel())
+    if kept is not None:
+        tensors["kept"] = kept.detach().to("cpu", torch.int64).contiguous()
     geometry = make_geometry(len(keys), (keys[0].shape[1], keys[0].shape[3]), (values[0].shape[1], values[0].shape[3]))
     meta = {
         "format": FORMAT,
@@ -180,6 +193,8 @@ def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: lis
         meta["derived"] = derived.describe()
     if inexact_from is not None:  # absent otherwise: chunks of dense turns are what they always were
         meta["inexact_from"] = str(inexact_from)
+    if kept is not None:
+        meta["kept"] = str(kept.shape[-1])
     return safetensors_save(tensors, metadata=meta), metadata_digest(meta)
 
 
@@ -225,6 +240,9 @@ def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerpr
         inexact_from = int(meta["inexact_from"]) if "inexact_from" in meta else None
         if inexact_from is not None and not 0 <= inexact_from < n:
             raise FormatError(f"inexact_from {inexact_from} out of range for a chunk of {n} tokens")
+        kept = int(meta["kept"]) if "kept" in meta else None
+        if kept is not None and not (1 <= kept < n and inexact_from is not None):
+            raise FormatError(f"a sparse chunk of {n} tokens keeps {kept} and must be labelled inexact")
         sums = json.loads(meta["checksums"])
         prefix, previous = str(meta["prefix"]), str(meta["previous"])
         digest = metadata_digest(meta)
@@ -233,19 +251,25 @@ def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerpr
     except Exception as exc:  # any malformed field: the header is damaged
         raise FormatError(f"unreadable header: {exc}") from exc
     try:
-        offsets = _validate_layout(header, sums, n, geometry, dtype, codec, 8 + header_len, file_size)
+        offsets = _validate_layout(header, sums, n, geometry, dtype, codec, 8 + header_len, file_size, kept)
     except FormatError:
         raise
     except Exception as exc:  # a damaged field of any type
         raise FormatError(f"unreadable header: {exc}") from exc
     return ChunkMeta(fingerprint, session_id, n, geometry, dtype, offsets, sums, prefix, previous, digest, codec,
-                     derived, inexact_from)
+                     derived, inexact_from, kept)
 
 
 def _validate_layout(header: dict, sums: dict, n: int, geometry: tuple, dtype: torch.dtype, codec: KVCodec | None,
-                     data_start: int, file_size: int) -> dict[str, tuple[int, int]]:
+                     data_start: int, file_size: int, kept: int | None = None) -> dict[str, tuple[int, int]]:
     """Checks names, dtypes, shapes and offsets of every tensor; returns absolute byte ranges."""
     expected = {"ids": ("I64", [n])}
+    if kept is not None:
+        heads = shape_of(geometry, True)[0]
+        if shape_of(geometry, False)[0] != heads:
+            raise FormatError("a sparse chunk needs as many value heads as key heads")
+        expected["kept"] = ("I64", [geometry[0], heads, kept])
+        n = kept  # the tokens each key and value tensor holds
     for layer in range(geometry[0]):
         for name, is_key in zip(layer_names(layer), (True, False)):
             heads, dim = shape_of(geometry, is_key)
@@ -290,6 +314,21 @@ def chunk_digest(data: bytes) -> str:
         raise
     except Exception as exc:
         raise FormatError(f"unreadable header: {exc}") from exc
+
+
+def read_kept(pread: Callable[[int, int], bytes], meta: ChunkMeta) -> torch.Tensor:
+    """A sparse chunk's kept positions ``[layers, heads, kept]`` (checksum verified, strictly ascending within the
+    chunk). Raises FormatError on any doubt."""
+    begin, end = meta.offsets["kept"]
+    kept = bytes_to_tensor(read_range(pread, begin, end, "kept", meta), torch.int64, [*_kept_shape(meta)])
+    if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= meta.n_tokens
+                         or not bool((kept[..., 1:] > kept[..., :-1]).all())):
+        raise FormatError("a sparse chunk's kept positions are out of range or not ascending")
+    return kept
+
+
+def _kept_shape(meta: ChunkMeta) -> tuple[int, int, int]:
+    return meta.geometry[0], shape_of(meta.geometry, True)[0], meta.kept
 
 
 def read_range(pread: Callable[[int, int], bytes], begin: int, end: int, name: str, meta: ChunkMeta) -> bytes:

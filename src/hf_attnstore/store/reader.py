@@ -71,6 +71,8 @@ class LoadJob:
     tier: Tier | None = None  # where the session is read from
     codec: KVCodec | None = None  # the store's codec: chunks it does not serve are refused (codec.serves)
     keep_encoded: bool = False  # hand lossy chunks' blobs back as the host copy of them (encoded.py)
+    sparse_copies: bool = False  # the store serves sparse cold copies (StoreConfig.sparse_copies); else refused
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)  # sparse chunk -> its kept positions, verified
     blobs: dict[str, dict] = field(default_factory=dict)  # lossy chunk -> tensor name -> blob, as read
     encoded: list = field(default_factory=list)  # (start, part) built from `blobs` once every layer is read
     entry: object = None  # the store's index entry (opaque here)
@@ -168,10 +170,13 @@ class LoadThread:
             pos = manifest.head  # a partially evicted head is left for the turn to recompute
             for span in manifest.spans:
                 chunk = job.opened[span.chunk]
-                keep = job.blobs.setdefault(span.chunk, {}) if job.keep_encoded and chunk.meta.codec else None
-                job.nbytes += chunk.read_layer_into(
-                    layer, span.start, span.end, seg.keys[layer][:, :, pos : pos + span.length],
-                    seg.values[layer][:, :, pos : pos + span.length], keep)
+                keys_out = seg.keys[layer][:, :, pos : pos + span.length]
+                values_out = seg.values[layer][:, :, pos : pos + span.length]
+                if chunk.meta.kept is not None:
+                    job.nbytes += _read_sparse(chunk, job.kept[span.chunk][layer], layer, span, keys_out, values_out)
+                else:
+                    keep = job.blobs.setdefault(span.chunk, {}) if job.keep_encoded and chunk.meta.codec else None
+                    job.nbytes += chunk.read_layer_into(layer, span.start, span.end, keys_out, values_out, keep)
                 pos += span.length
             job.read_seconds += time.perf_counter() - started
             job.handle.layer_ready(layer)
@@ -179,6 +184,23 @@ class LoadThread:
         if job.keep_encoded:
             job.encoded = self._encoded_parts(job)
         return True
+
+    @staticmethod
+    def _open_sparse(job: LoadJob, span, chunk: ChunkReader, pos: int) -> None:
+        """Checks a sparse cold copy (`StoreConfig.sparse_copies`) before any KV is read, and records which of the
+        span's tokens have no KV (Segment.absent): only a store that asked for such copies serves them."""
+        if not job.sparse_copies:
+            raise FormatError(f"chunk {span.chunk} is a sparse cold copy (it keeps {chunk.meta.kept} of "
+                              f"{chunk.meta.n_tokens} tokens), and this store does not serve them (`sparse_copies`)")
+        if span.chunk not in job.kept:
+            job.kept[span.chunk] = chunk.kept()
+        kept = job.kept[span.chunk]
+        absent = torch.ones(*kept.shape[:2], chunk.meta.n_tokens, dtype=torch.bool)
+        absent.scatter_(2, kept, False)
+        first = int(torch.nonzero(absent.any(dim=(0, 1)))[0])  # a sparse chunk keeps fewer than all (format.py)
+        if first < chunk.meta.inexact_from:
+            raise FormatError(f"chunk {span.chunk} lacks KV where it says it is exact")
+        job.buf.parts[0][0].mark_absent(pos, absent[:, :, span.start : span.end])
 
     @staticmethod
     def _encoded_parts(job: LoadJob) -> list:
@@ -220,6 +242,8 @@ class LoadThread:
                 # The manifest would let a dense cache reuse KV computed under sparse attention: doubt, so a miss.
                 raise FormatError(f"chunk {span.chunk} holds KV computed under sparse attention where the manifest "
                                   "says exact")
+            if chunk.meta.kept is not None:
+                self._open_sparse(job, span, chunk, pos)
             pos += span.length
             # The load dequantizes lossy chunks into the buffer: a later write of these tokens is labelled so.
             buf.parts[0][0].mark_lossy(chunk.meta.accuracy, pos)
@@ -232,6 +256,23 @@ class LoadThread:
                 raise FormatError("the state was computed after another history")
             buf.state = state
         job.verified = True
+
+
+def _read_sparse(chunk: ChunkReader, kept: torch.Tensor, layer: int, span, keys_out: torch.Tensor,
+                 values_out: torch.Tensor) -> int:
+    """Reads one layer of a sparse chunk into a span's dense destination: its kept tokens where they belong,
+    zeros where a token has no KV (recorded as absent, never read by a dense cache)."""
+    heads, m = kept.shape
+    full_k = keys_out.new_zeros(1, heads, chunk.meta.n_tokens, keys_out.shape[-1])
+    full_v = values_out.new_zeros(1, heads, chunk.meta.n_tokens, values_out.shape[-1])
+    k, v = keys_out.new_empty(1, heads, m, keys_out.shape[-1]), values_out.new_empty(1, heads, m, values_out.shape[-1])
+    nbytes = chunk.read_layer_into(layer, 0, m, k, v)
+    index = kept[None, :, :, None]
+    full_k.scatter_(2, index.expand_as(k), k)
+    full_v.scatter_(2, index.expand(-1, -1, -1, v.shape[-1]), v)
+    keys_out.copy_(full_k[:, :, span.start : span.end])
+    values_out.copy_(full_v[:, :, span.start : span.end])
+    return nbytes
 
 
 class LoadPlanner:
@@ -306,7 +347,8 @@ class LoadPlanner:
         self.index.set_host(e, buf)
         self.index.loads_active += 1
         e.load_job = LoadJob(e.key, e.loading, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e,
-                             codec=self.config.codec, keep_encoded=self.config.kv_codec_host, origin=origin)
+                             codec=self.config.codec, keep_encoded=self.config.kv_codec_host, origin=origin,
+                             sparse_copies=self.config.sparse_copies)
         self.loader.submit(e.load_job)
         if decision is not None:  # counted once the load has started (a refused prefetch decided nothing)
             stats = self.index.stats

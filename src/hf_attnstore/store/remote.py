@@ -35,6 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 import torch
 
 from .format import (
+    read_kept,
     FORMAT,
     ChunkMeta,
     FormatError,
@@ -135,6 +136,9 @@ class RemoteChunk(ChunkReader):
             self.meta.decode_into(name, verified(data, name, self.meta), out, start, keep)
             nbytes += len(data)
         return nbytes
+
+    def kept(self) -> torch.Tensor:
+        return read_kept(self._pread, self.meta)
 
     def close(self) -> None:
         pass  # nothing held: the connection goes back to the pool after each call

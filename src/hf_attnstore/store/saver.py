@@ -24,6 +24,7 @@ from .entry import Entry, Write
 from .eviction import Eviction, NoDiskRoom
 from .encoded import EncodedSegment
 from .format import Manifest, Span, StateRef, encode_chunk, encode_kv, prefix_hasher, tensor_bytes
+from .sparse_copies import first_missing, gather, kept_positions
 from .tier import CHUNK_SUFFIX, MANIFEST, Key, Tier
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class SaveThread:
         self.codec = planner.config.codec  # of every chunk it writes (None: lossless)
         # Whole chunks it encodes are handed back as the session's host copy of them (encoded.py).
         self.keep_encoded = self.codec is not None and planner.config.kv_codec_host
+        self.sparse_copies = planner.config.sparse_copies  # whole chunks keep the session's selection (sparse_copies.py)
         self.thread = threading.Thread(target=self._run, name="attnstore-save", daemon=True)
         self.thread.start()
 
@@ -139,11 +141,16 @@ class SaveThread:
             # Tokens from `exact` on were computed under sparse attention (`kv_budget`): their chunks say so, and so
             # does the manifest (the durable prefix kept from `base` keeps its own label).
             exact = min(job.snap.exact_prefix(job.end), job.end if job.base.exact is None else job.base.exact)
+            absent = job.snap.absent(job.end)  # tokens loaded without KV (sparse copies): they stay absent
             for a in range(start, job.end, self.chunk_tokens):
                 self.planner.yield_for_save(job.entry)
                 b = min(a + self.chunk_tokens, job.end)
                 ids, keys, values = job.snap.tensors(a, b)
                 previous = (spans or job.base.dropped or [Span("", 0, 0)])[-1].digest
+                kept = self._kept(job, a, b, absent, keys, values)
+                if kept is not None:  # a sparse cold copy: the chunk lacks KV from its first token some head drops
+                    keys, values = gather(keys, kept), gather(values, kept)
+                    exact = min(exact, a + first_missing(kept, b - a))
                 blobs = encode_kv(keys, values, self.codec) if self.codec is not None else None
                 # Tokens loaded from a lossy copy hold dequantized KV, and the KV computed after them depends on
                 # it: a chunk written lossless over such tokens (the codec refused their range) says so, and no
@@ -151,8 +158,8 @@ class SaveThread:
                 inexact = max(0, exact - a) if exact < b else None
                 data, digest = encode_chunk(fp, sid, ids, keys, values, history.hexdigest(), previous,
                                             self.codec if blobs is not None else None, blobs,
-                                            derived=job.snap.lossy_before(b), inexact_from=inexact)
-                if self.keep_encoded and blobs is not None and b - a == self.chunk_tokens:
+                                            derived=job.snap.lossy_before(b), inexact_from=inexact, kept=kept)
+                if self.keep_encoded and blobs is not None and b - a == self.chunk_tokens and kept is None:
                     encoded.append((a, (self._host_copy(job, ids, blobs, inexact), 0, b - a)))
                 name = digest if self.tier.content_addressed else f"{next_chunk:08d}"
                 next_chunk += 1
@@ -191,6 +198,19 @@ class SaveThread:
                                      sid, exc)
         result.keep = keep
         return result
+
+    def _kept(self, job: SaveJob, a: int, b: int, absent: torch.Tensor | None, keys: list, values: list):
+        """The positions a sparse cold copy of tokens ``[a, b)`` keeps (sparse_copies.py), or None: all of them.
+        Whole chunks of a session that stored its selection; and any chunk holding tokens loaded without KV."""
+        chunk_absent = absent[:, :, a:b] if absent is not None and bool(absent[:, :, a:b].any()) else None
+        selection = scores = None
+        state = job.snap.state
+        if self.sparse_copies and b - a == self.chunk_tokens and state is not None and state.tokens >= b:
+            selection = {int(name[1:]): t for name, t in state.tensors.items() if name.startswith("S")} or None
+            scores = {int(name[1:5]): t for name, t in state.tensors.items() if name.startswith("I")}
+        if (selection is None and chunk_absent is None) or keys[0].shape[1] != values[0].shape[1]:
+            return None
+        return kept_positions(selection, scores, chunk_absent, a, b, keys[0].shape[1])
 
     def _host_copy(self, job: SaveJob, ids: torch.Tensor, blobs: tuple[list, list],
                    inexact: int | None) -> EncodedSegment:

@@ -16,7 +16,9 @@ Tensor names: ``L{layer:04d}.c{i}`` (conv state ``i`` of model layer ``layer``) 
 (recurrent state ``i``). A session kept sparse (or truncated by importance) also keeps its tokens' importance
 scores this way, which are valid for the same tokens: ``I{slot:04d}.alisa{window}`` or ``I{slot:04d}.h2o``
 (``[kv_heads, tokens]`` fp32 of KV slot ``slot``, named by what they sum, cache/importance.py). Files of older
-versions name them ``I{slot:04d}`` (fp16, without the label): they are read, and their scores not used.
+versions name them ``I{slot:04d}`` (fp16, without the label): they are read, and their scores not used. A session
+kept sparse also keeps the selection its next turn starts from, ``S{slot:04d}`` (``[kv_heads, kept]`` int64 session
+positions, ascending): what sparse cold copies keep (`StoreConfig.sparse_copies`).
 """
 
 from __future__ import annotations
@@ -32,8 +34,19 @@ from safetensors.torch import save as safetensors_save
 
 from .format import FORMAT, KV_DTYPES, STATE_PREFIX, FormatError, StateRef, checksum, metadata_digest, tensor_bytes
 
-_NAME = re.compile(r"L\d{4}\.[cr]\d{1,3}|I\d{4}(?:\.h2o|\.alisa\d{1,6})?")
+_NAME = re.compile(r"L\d{4}\.[cr]\d{1,3}|I\d{4}(?:\.h2o|\.alisa\d{1,6})?|S\d{4}")
 MAX_STATE_TENSORS = 4096
+
+
+def selection_name(slot: int) -> str:
+    """The name of KV slot `slot`'s selection: the positions a sparse session's next turn keeps (module docstring)."""
+    return f"S{slot:04d}"
+
+
+def _allowed(name: str, t: torch.Tensor) -> bool:
+    if not _NAME.fullmatch(name):
+        return False
+    return t.dtype == torch.int64 and t.dim() == 2 if name.startswith("S") else t.dtype in KV_DTYPES
 
 
 @dataclass(frozen=True)
@@ -63,7 +76,7 @@ class SessionState:
         """Copies `tensors` (any device) to host memory and checksums them: the model may change its own."""
         copies = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
         for name, t in copies.items():
-            if not _NAME.fullmatch(name) or t.dtype not in KV_DTYPES:
+            if not _allowed(name, t):
                 raise TypeError(f"state tensor {name!r} of dtype {t.dtype} cannot be stored")
         return cls(int(tokens), copies, {name: checksum(tensor_bytes(t)) for name, t in copies.items()})
 
@@ -123,7 +136,7 @@ class SessionState:
         if set(tensors) != set(state.checksums) or len(tensors) > MAX_STATE_TENSORS:
             raise FormatError("state tensors disagree with their checksums")
         for name, t in tensors.items():
-            if not _NAME.fullmatch(name) or t.dtype not in KV_DTYPES:
+            if not _allowed(name, t):
                 raise FormatError(f"unexpected state tensor {name!r}")
             if checksum(tensor_bytes(t)) != state.checksums[name]:
                 raise FormatError(f"checksum mismatch in state tensor {name}")

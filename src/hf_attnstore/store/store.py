@@ -211,7 +211,8 @@ class AttnStore:
                 return None  # nothing stored but a dropped head: nothing to reuse
             if local is None:
                 with remote.get(key, manifest.spans[0].chunk, manifest.spans[0].owner) as chunk:
-                    if not serves(self.config.codec, chunk.meta.accuracy):
+                    if not serves(self.config.codec, chunk.meta.accuracy) or \
+                            (chunk.meta.kept is not None and not self.config.sparse_copies):
                         return None  # written by a store with a less accurate codec: a miss (the load checks all)
                     return manifest, (chunk.meta.geometry, chunk.meta.dtype), False
             if not self._verify_remote(remote, key, manifest, local.layout):
@@ -241,8 +242,8 @@ class AttnStore:
             if meta is None:
                 with remote.get(key, span.chunk, span.owner) as chunk:  # checks the header against `key`
                     meta = seen[span.chunk] = chunk.meta
-            if not serves(self.config.codec, meta.accuracy):  # a derived chunk counts as lossy
-                return False
+            if not serves(self.config.codec, meta.accuracy) or (meta.kept is not None and not self.config.sparse_copies):
+                return False  # (a derived chunk counts as lossy; a sparse one is served where asked for)
             if (meta.geometry, meta.dtype) != layout:
                 raise FormatError("the remote copy's shapes or dtype differ from the local copy's")
             if span.end > meta.n_tokens:
@@ -744,6 +745,11 @@ class AttnStore:
                 # store): never served, so its files go rather than hold disk space nothing counts.
                 self._index.once.warning("codec", "disk tier: sessions stored with a less accurate codec than "
                                    "kv_codec=%r are removed (recomputed when used)", self.config.kv_codec)
+                self._disk.remove((manifest.fingerprint, manifest.session_id))
+                continue
+            if found.sparse and not self.config.sparse_copies:  # likewise: sparse cold copies, not asked for
+                self._index.once.warning("sparse", "disk tier: sessions kept as sparse cold copies are removed "
+                                         "(`sparse_copies` is off; recomputed when used)")
                 self._disk.remove((manifest.fingerprint, manifest.session_id))
                 continue
             e = Entry(key=(manifest.fingerprint, manifest.session_id), layout=found.layout)

@@ -58,6 +58,14 @@ class ChunkReader(abc.ABC):
         """
 
     @abc.abstractmethod
+    def kept(self) -> torch.Tensor:
+        """A sparse chunk's kept positions ``[layers, heads, kept]`` (`ChunkMeta.kept`; format.read_kept).
+
+        Raises:
+            FormatError: The bytes are damaged, or the positions out of range.
+        """
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Releases the chunk (a file descriptor, a connection). Idempotent."""
 
@@ -80,6 +88,7 @@ class Found:
     codecs: frozenset = frozenset()  # the codecs of its chunks (None: lossless)
     # Chunk files with other names too (hard links of a shared prefix, `Tier.link`) -> their file's identity.
     inodes: dict = field(default_factory=dict)
+    sparse: bool = False  # some chunk is a sparse cold copy (`StoreConfig.sparse_copies`)
 
 
 # The names of a session's files, as `put`, `read_file` and `delete` take them.
