@@ -34,6 +34,8 @@ def test_parser_knows_the_commands():
     served = parser.parse_args(["serve", "--kv-budget", "0.2", "--sparse-policy", "h2o"])
     assert (served.kv_budget, served.sparse_policy) == (0.2, "h2o")
     assert parser.parse_args(["serve", "--kv-budget", "512"]).kv_budget == 512
+    assert parser.parse_args(["serve", "--sparse-copies"]).sparse_copies is True
+    assert parser.parse_args(["serve"]).sparse_copies is False
     assert parser.parse_args(["serve", "--kv-budget", "1.0"]).kv_budget == 1.0
     for bad in ("1.5", "0", "-3", "abc", "0.0", "nan", "inf", "1", "4"):  # "1": a count of one, not "all"
         with pytest.raises(SystemExit):

@@ -186,10 +186,14 @@ def _serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"attnstore serve: cannot read a template: {exc}", file=sys.stderr)
         return 2
-    store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
-                      remote=args.remote, remote_required=args.remote_required, policy=args.policy,
-                      kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes,
-                      recompute_by_cost=args.recompute_by_cost)
+    try:
+        store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
+                          remote=args.remote, remote_required=args.remote_required, policy=args.policy,
+                          kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes,
+                          recompute_by_cost=args.recompute_by_cost, sparse_copies=args.sparse_copies)
+    except ValueError as exc:  # options that contradict each other (a codec or sparse copies without a lower tier)
+        print(f"attnstore serve: {exc}", file=sys.stderr)
+        return 2
     # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
     window = args.context_window or getattr(model.config, "max_position_embeddings", None)
     try:
@@ -310,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--sparse-policy", default="alisa", choices=SPARSE_POLICIES,
                     help="with --kv-budget: which tokens beside sinks and recent ones are kept: alisa (attention from "
                     "the last queries), h2o (from all queries), streaming (none: sinks and recent only)")
+    sv.add_argument("--sparse-copies", action="store_true",
+                    help="with --kv-budget (alisa or h2o) and --disk-dir or --remote: the disk and remote copies of a "
+                    "session keep only the tokens its next turn keeps (lossy, like --kv-codec; combinable with it). "
+                    "Default: every token")
     sv.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets none")
     sv.add_argument("--max-batch-size", type=int, default=8,
                     help="turns of different sessions decoded together (continuous batching); 1: one at a time")
