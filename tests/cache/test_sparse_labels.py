@@ -88,3 +88,17 @@ def test_a_dense_turn_never_starts_from_another_sessions_inexact_prefix():
     assert dense.shared_from in (None, "a") and dense.reused_tokens <= 80
     sparse = AttnStoreCache(model, store, "c", prompt, kv_budget=8, save=False)
     assert sparse.shared_from == "a" and sparse.reused_tokens > 80
+
+
+def test_a_dense_turn_shares_the_prefix_with_the_most_exact_tokens():
+    """Of two sessions over the same history, a sparse one (longer match, few exact tokens) and a dense one (shorter
+    match, all exact), a dense turn starts from the dense one."""
+    model = make_tiny("llama")
+    store = AttnStore("64MiB")
+    out, _ = sparse_turn(model, store, "a", random_ids(70, 1), 8, new=90)  # exact: its 70-token prompt
+    dense = AttnStoreCache(model, store, "c", out[:, :140])
+    assert dense.shared_from == "a" and dense.reused_tokens == 70  # a's exact tokens
+    model(dense.input_ids[:, dense.reused_tokens :], **cache_kwargs(dense))
+    dense.close()
+    later = AttnStoreCache(model, store, "b", torch.cat([out, random_ids(3, 2)], dim=1), save=False)
+    assert later.shared_from == "c" and later.reused_tokens == 140

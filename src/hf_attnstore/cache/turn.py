@@ -360,7 +360,7 @@ class Turn:
         snapshot's ids). Not for prompts that overflow the context window (their reuse is this session's own
         truncated history) nor for hybrid models (their states belong to one history)."""
         found = store.lookup_prefix(self.fingerprint, prompt.view(-1), exclude=self.session_id,
-                                    longer_than=plan.reused)
+                                    longer_than=plan.reused, exact=self.sparse is None)
         if found is None:
             return plan, snapshot
         other = self._validated(store.lookup(found[0], self.fingerprint))

@@ -333,13 +333,15 @@ class AttnStore:
         self._loads.finish(job, error)
 
     def lookup_prefix(self, fingerprint: str, token_ids: torch.Tensor, exclude: str | None = None,
-                      longer_than: int = 0) -> tuple[str, int] | None:
+                      longer_than: int = 0, exact: bool = False) -> tuple[str, int] | None:
         """The stored session (other than `exclude`) whose ids begin with the longest prefix of `token_ids`
         under this fingerprint, and that prefix's length; ``None`` when none shares more than `longer_than`
         tokens, or ``share_prefixes`` is off. Candidates come from the prefix table (whole blocks of 64 tokens,
         prefixes.py); their real ids are compared here, so the length is exact and may end inside a block.
         Sessions whose leading chunks were evicted (partial eviction) are not offered. Pass the session to
         :meth:`lookup` to get its KV, and that snapshot to :meth:`open_turn` as the base of a new history.
+        `exact`: only tokens whose KV is exact count (not those computed under sparse attention, `kv_budget`): what a
+        dense turn may reuse.
 
         Example:
             >>> store = AttnStore(host_bytes="1MiB")
@@ -366,12 +368,13 @@ class AttnStore:
                 if e.host is not None:
                     if e.host.missing_head:
                         continue
-                    stored = e.host.snapshot().token_ids
+                    snap = e.host.snapshot()
+                    stored = snap.token_ids[: snap.exact_prefix() if exact else None]
                 else:
                     durable = e.manifest or e.remote
                     if durable is None or durable.head:
                         continue
-                    stored = durable.token_ids
+                    stored = durable.token_ids[: durable.exact_tokens if exact else None]
                 n = min(stored.numel(), ids.numel())
                 differ = (stored[:n] != ids[:n]).nonzero()
                 n = int(differ[0]) if differ.numel() else n
