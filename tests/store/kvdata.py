@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import struct
+from pathlib import Path
+
 import torch
 
 from hf_attnstore.store.encoded import dense
@@ -41,3 +45,15 @@ def layer_of(snapshot, idx: int) -> tuple[torch.Tensor, torch.Tensor]:
     cpu, dtype = torch.device("cpu"), snapshot.source.dtype  # parts kept encoded are dequantized (encoded.py)
     return (torch.cat([dense(k, cpu, dtype) for k, _ in parts], dim=2),
             torch.cat([dense(v, cpu, dtype) for _, v in parts], dim=2))
+
+
+def chunk_metadata(root: Path) -> list[dict]:
+    """The metadata of every chunk file below `root` (what each chunk says of itself: codec, labels, sizes)."""
+    out = []
+    for path in sorted(Path(root).rglob("*.safetensors")):
+        raw = path.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        meta = json.loads(raw[8 : 8 + n]).get("__metadata__", {})
+        if "n_tokens" in meta:
+            out.append(meta)
+    return out

@@ -8,10 +8,6 @@ the folder then reused it.
 
 from __future__ import annotations
 
-import json
-import struct
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -20,6 +16,7 @@ from hf_attnstore.store.codec import KVCodec, least_accurate
 from hf_attnstore.cache.upstream import cache_kwargs
 
 from ..conftest import make_tiny, random_ids
+from .kvdata import chunk_metadata
 
 HUGE = 5  # the token whose layer-0 values the codecs cannot encode (|v| > 65504)
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=8)
@@ -45,17 +42,6 @@ def _ids(n: int, seed: int, huge_at: list[int]) -> torch.Tensor:
     return ids
 
 
-def _chunk_labels(root: Path) -> list[dict]:
-    out = []
-    for path in sorted(root.rglob("*.safetensors")):
-        raw = path.read_bytes()
-        (n,) = struct.unpack("<Q", raw[:8])
-        meta = json.loads(raw[8 : 8 + n]).get("__metadata__", {})
-        if "n_tokens" in meta:
-            out.append(meta)
-    return out
-
-
 @pytest.mark.parametrize("codec", ["int4", "int8"])
 def test_a_rewritten_chunk_over_dequantized_tokens_is_never_served_as_lossless(tmp_path, codec):
     model = _model_with_huge_values()
@@ -71,7 +57,7 @@ def test_a_rewritten_chunk_over_dequantized_tokens_is_never_served_as_lossless(t
                 assert cache.kv_source == "disk" and cache.reused_tokens == 12
                 model(cache.input_ids[:, 12:], **cache_kwargs(cache))
             lossy.flush()
-        labels = [(int(m["n_tokens"]), m.get("codec"), m.get("derived")) for m in _chunk_labels(tmp_path)]
+        labels = [(int(m["n_tokens"]), m.get("codec"), m.get("derived")) for m in chunk_metadata(tmp_path)]
         # The rewritten chunk holds 4 dequantized tokens and 4 exact ones it could not encode: stored lossless
         # but labelled with the codec it was partly dequantized from.
         assert any(n == 8 and c is None and d is not None and KVCodec.parse(d).name == codec for n, c, d in labels), labels

@@ -8,7 +8,6 @@ The store only carries the label; which caches may reuse such KV is the cache's 
 from __future__ import annotations
 
 import json
-import struct
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from hf_attnstore.store import AttnStore
 from hf_attnstore.store.format import FormatError, Manifest, Span
 from hf_attnstore.store.redis_server import RedisServer
 
-from .kvdata import FP, expect, kv
+from .kvdata import FP, chunk_metadata, expect, kv
 
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=8)
 
@@ -26,17 +25,6 @@ def write(store, session, ids, inexact_at=None, keep_from=None, seed=0.0):
     keep = torch.arange(keep_from.length) if keep_from is not None else torch.arange(0)
     with store.open_turn(session, FP, keep_from, keep) as writer:
         assert writer.append(torch.tensor(ids), *kv(ids, seed), inexact_at=inexact_at)
-
-
-def _chunk_metas(root) -> list[dict]:
-    out = []
-    for path in sorted(root.rglob("*.safetensors")):
-        raw = path.read_bytes()
-        (n,) = struct.unpack("<Q", raw[:8])
-        meta = json.loads(raw[8 : 8 + n]).get("__metadata__", {})
-        if "n_tokens" in meta:
-            out.append(meta)
-    return out
 
 
 def test_the_host_copy_knows_its_exact_prefix():
@@ -66,8 +54,8 @@ def test_labels_are_written_per_chunk_and_in_the_manifest_and_survive_a_restart(
         write(store, "s", list(range(20)), inexact_at=11)
         store.flush()
     # Chunks [0, 8) exact, [8, 16) inexact from its 4th token, [16, 20) inexact from its first.
-    labels = {int(m["n_tokens"]): m.get("inexact_from") for m in _chunk_metas(tmp_path)}
-    assert sorted(m.get("inexact_from", "-") for m in _chunk_metas(tmp_path)) == ["-", "0", "3"]
+    labels = {int(m["n_tokens"]): m.get("inexact_from") for m in chunk_metadata(tmp_path)}
+    assert sorted(m.get("inexact_from", "-") for m in chunk_metadata(tmp_path)) == ["-", "0", "3"]
     assert labels[4] == "0"
     with AttnStore("64MiB", tmp_path, **FAST) as store:
         snap = store.lookup("s", FP)
@@ -84,7 +72,7 @@ def test_an_exact_session_writes_what_it_always_wrote(tmp_path):
     with AttnStore("64MiB", tmp_path, **FAST) as store:
         write(store, "s", list(range(20)))
         store.flush()
-    assert all("inexact_from" not in m for m in _chunk_metas(tmp_path))
+    assert all("inexact_from" not in m for m in chunk_metadata(tmp_path))
     manifest = next(tmp_path.rglob("manifest*"))
     assert b"exact" not in manifest.read_bytes()
 
