@@ -302,14 +302,7 @@ class Turn:
                                                   .shape[1])
         plan = plan_reuse(prompt, self._reusable_ids(snapshot, state.tokens if state else None), self.truncation,
                           has_rope=self._rope.has_rope, importance=weights)
-        if self.sparse is not None and snapshot is not None and not torch.equal(plan.keep, torch.arange(plan.reused)):
-            absent = snapshot.absent()
-            if absent is not None and bool(absent[:, :, plan.keep].any()):
-                # A truncation keeps some tokens of sparse cold copies, and other counts per head than one tensor
-                # holds: it reuses only what lies before the first of them (the rest is recomputed).
-                first = int(absent.any(dim=0).any(dim=0).nonzero()[0])
-                plan = plan_reuse(prompt, snapshot.token_ids[:first], self.truncation, has_rope=self._rope.has_rope,
-                                  importance=weights)
+        plan = self._fit_present(prompt, plan, snapshot, weights)
         if state is not None and (plan.dropped or plan.reused != state.tokens):
             # A hybrid model reuses its states after exactly their tokens, or nothing: a prompt that diverges
             # earlier, or a truncation, is recomputed (the states cannot be cut or re-positioned).
@@ -338,13 +331,38 @@ class Turn:
                 snapshot.loader.wait_layer(0)
             except LoadError:
                 return None  # a failed load: a miss
-        return snapshot.token_ids[: _rectangular_prefix(snapshot.absent(end), end)]
+        return snapshot.token_ids[:end]
+
+    def _fit_present(self, prompt: torch.Tensor, plan, snapshot: SessionKV | None, weights):
+        """The plan, cut so that a sparse turn's reused tokens hold one tensor per layer: when some were loaded from
+        sparse cold copies without KV, every KV slot and head must keep the same number of them. A prefix is cut
+        to the longest such prefix (`_rectangular_prefix`: a chunk boundary at worst); a truncated history that
+        keeps tokens without KV, to what lies before the first of them. The rest is recomputed."""
+        absent = snapshot.absent() if self.sparse is not None and snapshot is not None else None
+        if absent is None:
+            return plan
+        for _ in range(3):  # each cut leaves fewer tokens; the second always fits
+            kept = absent[:, :, plan.keep]
+            if not plan.reused or not bool(kept.any()):
+                return plan
+            if torch.equal(plan.keep, torch.arange(plan.reused)):
+                end = _rectangular_prefix(kept, plan.reused)
+                if end == plan.reused:
+                    return plan
+            else:
+                end = int(absent.any(dim=0).any(dim=0).nonzero()[0])
+            plan = plan_reuse(prompt, snapshot.token_ids[:end], self.truncation, has_rope=self._rope.has_rope,
+                              importance=weights)
+        return plan_reuse(prompt, None, self.truncation, has_rope=self._rope.has_rope)
 
     def _start_from_present(self, snapshot: SessionKV) -> None:
         """Hands each sparse layer the reused tokens that have KV (a session loaded from sparse cold copies): the
-        same count per KV head and slot (the plan's `_rectangular_prefix`), the others never attended to."""
-        absent = snapshot.absent(self.reused_tokens)
-        if absent is None or not bool(absent.any()):
+        same count per KV head and slot (`_fit_present`), the others never attended to."""
+        absent = snapshot.absent()
+        if absent is None:
+            return
+        absent = absent[:, :, self.plan.keep]
+        if not bool(absent.any()):
             return
         heads = absent.shape[1]
         for layer in self.layers:
@@ -367,6 +385,7 @@ class Turn:
         if other is None or other.head:
             return plan, snapshot
         shared = plan_reuse(prompt, self._reusable_ids(other, found[1]), self.truncation, has_rope=self._rope.has_rope)
+        shared = self._fit_present(prompt, shared, other, None)
         if shared.dropped or shared.reused <= plan.reused:
             return plan, snapshot
         self.shared_from = found[0]
@@ -770,7 +789,7 @@ def _rectangular_prefix(absent: torch.Tensor | None, end: int) -> int:
     worst."""
     if absent is None or not bool(absent.any()):
         return end
-    counts = (~absent).cumsum(dim=2).view(-1, end)
+    counts = (~absent).to(torch.int32).cumsum(dim=2, dtype=torch.int32).view(-1, end)
     even = (counts == counts[:1]).all(dim=0).nonzero()
     return int(even[-1]) + 1 if even.numel() else 0
 

@@ -82,7 +82,8 @@ class StoreConfig:
             combinable with one: each chunk records what it keeps, only a store with this option serves such a
             chunk (any other: a miss), and only to a sparse cache; a dense cache reuses the tokens before its
             first missing one (the chunk is labelled inexact from there) and recomputes the rest. A sparse turn
-            resumed from it keeps what it would keep from the whole copy. ``False`` (default): every token.
+            resumed from it that extends the stored session keeps what it would keep from the whole copy (a
+            regenerated or edited turn may differ). ``False`` (default): every token.
         partial_eviction: When the disk tier is full, cold sessions lose their leading chunks first, the
             rest staying (Pensieve): chunks go in order of retention value, recompute cost ÷ time since the
             session's last use (:func:`~hf_attnstore.store.placement.choose_head_drops`), so an idle

@@ -195,12 +195,11 @@ class LoadThread:
         if span.chunk not in job.kept:
             job.kept[span.chunk] = chunk.kept()
         kept = job.kept[span.chunk]
-        absent = torch.ones(*kept.shape[:2], chunk.meta.n_tokens, dtype=torch.bool)
-        absent.scatter_(2, kept, False)
-        first = int(torch.nonzero(absent.any(dim=(0, 1)))[0])  # a sparse chunk keeps fewer than all (format.py)
-        if first < chunk.meta.inexact_from:
+        # The tokens every slot and head keeps before the first one some drops: the chunk says it is exact there.
+        leading = int((kept == torch.arange(kept.shape[-1])).all(dim=(0, 1)).long().cumprod(0).sum())
+        if leading < chunk.meta.inexact_from:
             raise FormatError(f"chunk {span.chunk} lacks KV where it says it is exact")
-        job.buf.parts[0][0].mark_absent(pos, absent[:, :, span.start : span.end])
+        job.buf.parts[0][0].mark_absent(pos, _span_absent(kept, span.start, span.end))
 
     @staticmethod
     def _encoded_parts(job: LoadJob) -> list:
@@ -263,16 +262,26 @@ def _read_sparse(chunk: ChunkReader, kept: torch.Tensor, layer: int, span, keys_
     """Reads one layer of a sparse chunk into a span's dense destination: its kept tokens where they belong,
     zeros where a token has no KV (recorded as absent, never read by a dense cache)."""
     heads, m = kept.shape
-    full_k = keys_out.new_zeros(1, heads, chunk.meta.n_tokens, keys_out.shape[-1])
-    full_v = values_out.new_zeros(1, heads, chunk.meta.n_tokens, values_out.shape[-1])
     k, v = keys_out.new_empty(1, heads, m, keys_out.shape[-1]), values_out.new_empty(1, heads, m, values_out.shape[-1])
     nbytes = chunk.read_layer_into(layer, 0, m, k, v)
-    index = kept[None, :, :, None]
-    full_k.scatter_(2, index.expand_as(k), k)
-    full_v.scatter_(2, index.expand(-1, -1, -1, v.shape[-1]), v)
-    keys_out.copy_(full_k[:, :, span.start : span.end])
-    values_out.copy_(full_v[:, :, span.start : span.end])
+    # Only the span is written (the chunk may hold many more tokens than the span uses): a kept token outside it
+    # goes to one spare column past its end, which is dropped.
+    n = span.end - span.start
+    inside = (kept >= span.start) & (kept < span.end)
+    index = torch.where(inside, kept - span.start, n)[None, :, :, None]
+    for src, out in ((k, keys_out), (v, values_out)):
+        full = out.new_zeros(1, heads, n + 1, out.shape[-1])
+        full.scatter_(2, index.expand_as(src), src)
+        out.copy_(full[:, :, :n])
     return nbytes
+
+
+def _span_absent(kept: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """``[layers, heads, end - start]``: True where a token of the span has no KV in a sparse chunk."""
+    n = end - start
+    absent = torch.ones(*kept.shape[:2], n + 1, dtype=torch.bool)
+    absent.scatter_(2, torch.where((kept >= start) & (kept < end), kept - start, n), False)
+    return absent[:, :, :n]
 
 
 class LoadPlanner:

@@ -142,9 +142,10 @@ class SaveThread:
             # does the manifest (the durable prefix kept from `base` keeps its own label).
             exact = min(job.snap.exact_prefix(job.end), job.end if job.base.exact is None else job.base.exact)
             absent = job.snap.absent(job.end)  # tokens loaded without KV (sparse copies): they stay absent
-            for a in range(start, job.end, self.chunk_tokens):
+            a = start
+            while a < job.end:
                 self.planner.yield_for_save(job.entry)
-                b = min(a + self.chunk_tokens, job.end)
+                b = self._chunk_end(a, job.end, absent)
                 ids, keys, values = job.snap.tensors(a, b)
                 previous = (spans or job.base.dropped or [Span("", 0, 0)])[-1].digest
                 kept = self._kept(job, a, b, absent, keys, values)
@@ -169,6 +170,7 @@ class SaveThread:
                     copies.append((digest, self.mirror.put(key, name + CHUNK_SUFFIX, data)))
                 history.update(tensor_bytes(ids))
                 spans.append(Span(name, 0, b - a, digest))
+                a = b
             state, size = self._write_state(job, pending, copies if mirroring else None)
             reserved += size
             for name, tokens, future in pending:
@@ -198,6 +200,15 @@ class SaveThread:
                                      sid, exc)
         result.keep = keep
         return result
+
+    def _chunk_end(self, a: int, end: int, absent: torch.Tensor | None) -> int:
+        """Where the chunk from token `a` ends: `chunk_tokens` later, or further while some slot and head has no KV
+        in it at all (tokens of a sparse copy cut into chunks of another size, after a restart with another
+        `chunk_tokens`): a thin chunk needs at least one token per slot and head."""
+        b = min(a + self.chunk_tokens, end)
+        while absent is not None and b < end and bool(absent[:, :, a:b].all(dim=-1).any()):
+            b = min(b + self.chunk_tokens, end)
+        return b
 
     def _kept(self, job: SaveJob, a: int, b: int, absent: torch.Tensor | None, keys: list, values: list):
         """The positions a sparse cold copy of tokens ``[a, b)`` keeps (sparse_copies.py), or None: all of them.

@@ -8,8 +8,10 @@ the others padded with their next most important tokens (a superset of the selec
 lost). A chunk whose selection covers every token is written whole.
 
 Why the selection and not a budget of the store's own: the cache owns the policy (budget, sinks, recent share),
-and with its own selection kept, a sparse turn resumed from the thin copy keeps what it would keep from the whole
-one: the tokens it drops at its first forward are the ones missing (tests/store/test_sparse_copies.py).
+and with its own selection kept, a sparse turn resumed from the thin copy that extends the stored session keeps
+what it would keep from the whole one: the tokens it drops at its first forward are the ones missing
+(tests/cache/test_sparse_copies.py). A turn that leaves the history earlier (regenerated, edited) may differ: its
+recent window moves onto tokens the copy dropped.
 
 Tokens loaded without KV (an earlier sparse copy) stay absent: they are never chosen, and a chunk holding some
 is written sparse even without a selection.
@@ -48,7 +50,10 @@ def kept_positions(selection: dict[int, torch.Tensor] | None, scores: dict[int, 
     if selection is not None and (set(selection) != set(range(slots)) or any(
             t.dim() != 2 or t.shape[0] != heads for t in selection.values())
             or (absent is not None and absent.shape[0] != slots)):
-        return None  # a selection that does not fit the KV: not this session's to trust; keep everything
+        # A selection that does not fit the KV: not this session's to trust. Keep everything there is.
+        if absent is None:
+            return None
+        selection, slots = None, absent.shape[0]
     chosen = torch.zeros(slots, heads, n, dtype=torch.bool)
     rank = torch.arange(n, dtype=torch.float64).expand(slots, heads, n).clone()  # no scores: the latest first
     for slot in range(slots):
