@@ -418,8 +418,8 @@ class TurnEnd:
     """
 
     def __init__(self, writer, layers: list, has_state: bool, extra=None):
-        # `extra(tokens, layers)`: more tensors valid after exactly those tokens (importance scores, the selection of
-        # a sparse session), or {}.
+        # `extra(tokens)`: more tensors valid after exactly those tokens (importance scores, the selection of a sparse
+        # session), or {}.
         self.writer, self.layers, self.extra = writer, layers, extra
         self.has_state = has_state or extra is not None
         self.tokens, self.complete, self.done = 0, False, False
@@ -438,7 +438,7 @@ class TurnEnd:
             if self.has_state and self.complete and self.tokens:
                 tensors = state_tensors(self.layers)
                 if tensors is not None and self.extra is not None:
-                    tensors.update(self.extra(self.tokens, self.layers))
+                    tensors.update(self.extra(self.tokens))
                 try:
                     state = SessionState.capture(self.tokens, tensors) if tensors else None
                 except (TypeError, RuntimeError) as exc:  # e.g. out of memory: the next turn recomputes

@@ -755,7 +755,6 @@ class Turn:
         """
         if sparse_from is not None:
             self.attended_sparse(sparse_from)
-
         if len(keys) != self._geometry[0] or len(values) != self._geometry[0]:
             raise ValueError(f"expected KV of {self._geometry[0]} layers, got {len(keys)}")
         if self._layout.latent:  # the store's keys are the rotated tensor (layers.LayerLayout.latent)
@@ -794,8 +793,8 @@ def _rectangular_prefix(absent: torch.Tensor | None, end: int) -> int:
     return int(even[-1]) + 1 if even.numel() else 0
 
 
-def _kept_tensors(scorer: "importance.Scorer", sparse: SparseConfig | None, present: dict, reused: int, tokens: int,
-                  layers: list) -> dict[str, torch.Tensor]:
+def _kept_tensors(scorer: "importance.Scorer", sparse: SparseConfig | None, present: dict, reused: int,
+                  tokens: int) -> dict[str, torch.Tensor]:
     """The scores to keep with the session after `tokens` tokens (`_score_tensors`) and, for a session kept sparse
     by importance (`sparse`), the selection its next turn's first forward makes: ``S{slot:04d}``, ``[kv_heads,
     budget]`` session positions (int64), chosen by these scores among every token with KV (all but those `present`
