@@ -541,9 +541,13 @@ class AttnStore:
             self._index.cond.notify_all()
 
             def settled() -> bool:  # every pending write has completed or failed again, every deletion is done
-                return self._index.closed or (self._index.deletions == 0 and all(
+                if self._index.closed:
+                    return True
+                if any(e.loading is not None and e.remote is not None for e in self._index.entries.values()):
+                    return False  # a session found in the remote tier is loading: once local, it is written too
+                return self._index.deletions == 0 and all(
                     self._index.entries.get(k) is None or self._index.entries[k].write is Write.FAILED
-                    for k in self._index.dirty))
+                    for k in self._index.dirty)
 
             if not self._index.cond.wait_for(settled, timeout):
                 raise TimeoutError(f"the {self._lower.name} tier did not become durable within {timeout} s")
