@@ -36,6 +36,17 @@ def test_table_proposes_the_longest_whole_block_prefix_newest_first():
     assert table.candidates(FP, system) == [] and len(table) == 1  # the other model's
 
 
+def test_every_depth_also_proposes_sessions_that_share_less_deepest_first():
+    table = PrefixTable()
+    system = torch.arange(3 * BLOCK)
+    table.add((FP, "a"), system)
+    table.add((FP, "b"), system[: 2 * BLOCK])
+    table.add((FP, "c"), system[:BLOCK])
+    assert table.candidates(FP, system) == [((FP, "a"), 3 * BLOCK)]
+    assert table.candidates(FP, system, every_depth=True) == [((FP, "a"), 3 * BLOCK), ((FP, "b"), 2 * BLOCK),
+                                                              ((FP, "c"), BLOCK)]
+
+
 def test_lookup_prefix_is_exact_and_may_end_inside_a_block():
     store = AttnStore(host_bytes="16MiB")
     system = torch.randint(0, 1000, (150,))

@@ -66,17 +66,27 @@ class PrefixTable:
                     del self._sessions[(key[0], h)]
 
     def candidates(self, fingerprint: str, token_ids: torch.Tensor, exclude: Key | None = None,
-                   limit: int = 4) -> list[tuple[Key, int]]:
+                   limit: int = 4, every_depth: bool = False) -> list[tuple[Key, int]]:
         """Up to `limit` sessions sharing the longest whole-block prefix with `token_ids`, newest first, each with
-        the tokens that prefix covers (a lower bound: the store extends it by comparing ids)."""
-        best: list[tuple[Key, int]] = []
+        the tokens that prefix covers (a lower bound: the store extends it by comparing ids). `every_depth`: also
+        up to `limit` of those sharing each shorter prefix, deepest first (for a caller that may use less of a
+        session than it shares: a dense turn reuses a session's exact tokens only)."""
+        levels: list[list[tuple[Key, int]]] = []
         for k, h in enumerate(block_hashes(token_ids)):
             users = self._sessions.get((fingerprint, h))
             found = [key for key in reversed(users or {}) if key != exclude]
             if not found:
                 break
-            best = [(key, (k + 1) * BLOCK) for key in found[:limit]]
-        return best
+            levels.append([(key, (k + 1) * BLOCK) for key in found[:limit]])
+        if not every_depth:
+            return levels[-1] if levels else []
+        out, seen = [], set()
+        for level in reversed(levels):
+            for key, tokens in level:
+                if key not in seen:
+                    seen.add(key)
+                    out.append((key, tokens))
+        return out
 
     def __len__(self) -> int:
         return len(self._hashes)

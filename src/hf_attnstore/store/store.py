@@ -361,7 +361,7 @@ class AttnStore:
             self._index.check_open()
             self._index.apply_ended_turns()
             best = None
-            for key, _ in self._index.prefixes.candidates(fingerprint, ids, (fingerprint, exclude)):
+            for key, _ in self._index.prefixes.candidates(fingerprint, ids, (fingerprint, exclude), every_depth=exact):
                 e = self._index.entries.get(key)
                 if e is None or e.length <= longer_than:
                     continue
