@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--kv-budget", type=_kv_budget, default=None,
                     help="sparse window attention (ALISA) over every session: the history each turn attends to, a "
                     "fraction (0.2: 80%% sparsity) or a token count (512); a batch row holds only that. The store "
-                    "keeps every token. Default: dense")
+                    "keeps every token (on disk and Redis too, unless --sparse-copies). Default: dense")
     sv.add_argument("--sparse-policy", default="alisa", choices=SPARSE_POLICIES,
                     help="with --kv-budget: which tokens beside sinks and recent ones are kept: alisa (attention from "
                     "the last queries), h2o (from all queries), streaming (none: sinks and recent only)")

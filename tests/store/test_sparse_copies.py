@@ -58,7 +58,7 @@ def test_a_selection_that_does_not_fit_the_kv_keeps_everything():
 
 def test_first_missing_and_gather():
     kept = torch.tensor([[[0, 1, 3], [0, 1, 2]]])
-    assert first_missing(kept, 4) == 2
+    assert first_missing(kept) == 2
     x = torch.arange(8.0).view(1, 2, 4, 1)
     assert gather([x], kept)[0].view(2, 3).tolist() == [[0, 1, 3], [4, 5, 6]]
 

@@ -705,8 +705,8 @@ class Turn:
             # A long prefill's values are kept as they are (adopted without a copy); short steps are stacked.
             values = torch.stack([p[1] for p in pending]) if n < 64 else [p[1] for p in pending]
             first = self._fwd_end - n
-            inexact_at = None if self.sparse_from is None else max(0, self.sparse_from - first)
-            stored = self._writer.append(ids, keys, values, inexact_at if inexact_at is None or inexact_at < n else None)
+            inexact_at = None if self.sparse_from is None else min(max(0, self.sparse_from - first), n)
+            stored = self._writer.append(ids, keys, values, inexact_at)
             self.save_seconds += time.perf_counter() - started
             if stored:
                 self.saved_tokens += int(ids.numel())

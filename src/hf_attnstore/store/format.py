@@ -320,15 +320,12 @@ def read_kept(pread: Callable[[int, int], bytes], meta: ChunkMeta) -> torch.Tens
     """A sparse chunk's kept positions ``[layers, heads, kept]`` (checksum verified, strictly ascending within the
     chunk). Raises FormatError on any doubt."""
     begin, end = meta.offsets["kept"]
-    kept = bytes_to_tensor(read_range(pread, begin, end, "kept", meta), torch.int64, [*_kept_shape(meta)])
+    shape = [meta.geometry[0], shape_of(meta.geometry, True)[0], meta.kept]
+    kept = bytes_to_tensor(read_range(pread, begin, end, "kept", meta), torch.int64, shape)
     if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= meta.n_tokens
                          or not bool((kept[..., 1:] > kept[..., :-1]).all())):
         raise FormatError("a sparse chunk's kept positions are out of range or not ascending")
     return kept
-
-
-def _kept_shape(meta: ChunkMeta) -> tuple[int, int, int]:
-    return meta.geometry[0], shape_of(meta.geometry, True)[0], meta.kept
 
 
 def read_range(pread: Callable[[int, int], bytes], begin: int, end: int, name: str, meta: ChunkMeta) -> bytes:

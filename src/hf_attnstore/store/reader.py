@@ -32,6 +32,7 @@ from .encoded import EncodedSegment
 from .format import FormatError, Manifest, check_chain, layer_names, prefix_digest
 from .geometry import bytes_per_token
 from .loader import LoadHandle
+from .sparse_copies import first_missing
 from .placement import choose_recompute
 from .state import SessionState
 from .tier import ChunkReader, Tier
@@ -195,9 +196,7 @@ class LoadThread:
         if span.chunk not in job.kept:
             job.kept[span.chunk] = chunk.kept()
         kept = job.kept[span.chunk]
-        # The tokens every slot and head keeps before the first one some drops: the chunk says it is exact there.
-        leading = int((kept == torch.arange(kept.shape[-1])).all(dim=(0, 1)).long().cumprod(0).sum())
-        if leading < chunk.meta.inexact_from:
+        if first_missing(kept) < chunk.meta.inexact_from:  # the chunk says it is exact where it lacks KV
             raise FormatError(f"chunk {span.chunk} lacks KV where it says it is exact")
         job.buf.parts[0][0].mark_absent(pos, _span_absent(kept, span.start, span.end))
 

@@ -25,6 +25,7 @@ from .eviction import Eviction, NoDiskRoom
 from .encoded import EncodedSegment
 from .format import Manifest, Span, StateRef, encode_chunk, encode_kv, prefix_hasher, tensor_bytes
 from .sparse_copies import first_missing, gather, kept_positions
+from .state import by_slot
 from .tier import CHUNK_SUFFIX, MANIFEST, Key, Tier
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ class SaveThread:
                 kept = self._kept(job, a, b, absent, keys, values)
                 if kept is not None:  # a sparse cold copy: the chunk lacks KV from its first token some head drops
                     keys, values = gather(keys, kept), gather(values, kept)
-                    exact = min(exact, a + first_missing(kept, b - a))
+                    exact = min(exact, a + first_missing(kept))
                 blobs = encode_kv(keys, values, self.codec) if self.codec is not None else None
                 # Tokens loaded from a lossy copy hold dequantized KV, and the KV computed after them depends on
                 # it: a chunk written lossless over such tokens (the codec refused their range) says so, and no
@@ -217,8 +218,7 @@ class SaveThread:
         selection = scores = None
         state = job.snap.state
         if self.sparse_copies and b - a == self.chunk_tokens and state is not None and state.tokens >= b:
-            selection = {int(name[1:]): t for name, t in state.tensors.items() if name.startswith("S")} or None
-            scores = {int(name[1:5]): t for name, t in state.tensors.items() if name.startswith("I")}
+            selection, scores = by_slot(state, "S") or None, by_slot(state, "I")
         if (selection is None and chunk_absent is None) or keys[0].shape[1] != values[0].shape[1]:
             return None
         return kept_positions(selection, scores, chunk_absent, a, b, keys[0].shape[1])

@@ -80,11 +80,10 @@ def kept_positions(selection: dict[int, torch.Tensor] | None, scores: dict[int, 
     return key.topk(m, dim=-1).indices.sort(dim=-1).values
 
 
-def first_missing(kept: torch.Tensor, n: int) -> int:
-    """The first chunk position some slot or head does not keep (the chunk is inexact from there)."""
-    missing = torch.ones(*kept.shape[:2], n, dtype=torch.bool)
-    missing.scatter_(2, kept, False)
-    return int(torch.nonzero(missing.any(dim=(0, 1)))[0])
+def first_missing(kept: torch.Tensor) -> int:
+    """The first chunk position some slot or head does not keep (the chunk is inexact from there): the count of
+    leading positions every slot and head keeps (`kept` ascending, fewer than the chunk's tokens)."""
+    return int((kept == torch.arange(kept.shape[-1])).all(dim=0).all(dim=0).long().cumprod(0).sum())
 
 
 def gather(tensors: list[torch.Tensor], kept: torch.Tensor) -> list[torch.Tensor]:

@@ -43,6 +43,11 @@ def selection_name(slot: int) -> str:
     return f"S{slot:04d}"
 
 
+def by_slot(state: "SessionState", kind: str) -> dict[int, torch.Tensor]:
+    """A state's selections (`kind` ``"S"``) or importance scores (``"I"``, of whatever policy), by KV slot."""
+    return {int(name[1:5]): t for name, t in state.tensors.items() if name.startswith(kind)}
+
+
 def _allowed(name: str, t: torch.Tensor) -> bool:
     if not _NAME.fullmatch(name):
         return False
