@@ -45,13 +45,14 @@ def expect_tail(snapshot, ids, head):
 
 def fill(kvdir, names, tokens=12, **kw):
     """Writes `names` (oldest first) to disk, then reopens with a disk tier that holds all of them but one
-    chunk less than needed for one more session of `tokens` tokens."""
+    chunk less than needed for one more session of `tokens` tokens (and the room a head drop's new manifest takes
+    while it is written beside the old one)."""
     with make(kvdir) as store:
         for i, name in enumerate(names):
             write_turn(store, name, list(range(100 * i, 100 * i + tokens)))
             time.sleep(0.02)  # distinct last-use times
     total = sum(session_bytes(kvdir, n) for n in names)
-    return make(kvdir, disk_bytes=total + 2 * 4096, partial_eviction=True, **kw)
+    return make(kvdir, disk_bytes=total + 3 * 4096, partial_eviction=True, **kw)
 
 
 # -- the victim choice (shared with the simulator) --------------------------------------------------------

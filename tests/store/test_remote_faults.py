@@ -295,33 +295,7 @@ def test_another_history_while_the_old_copy_is_still_loading_keeps_it_until_save
         expect(store.lookup("s", FP), LOCAL)
 
 
-def test_another_history_on_a_full_disk_lets_the_old_copy_go_first_and_never_exceeds_the_limit(tmp_path,
-                                                                                             monkeypatch):
-    """Room for one copy of the session only: the old copy's files go (manifest first) as the last room
-    there is, rather than the new history failing to be written; the limit holds at every write."""
-    from hf_attnstore.store import disk as disk_module
-
-    limit = 12 * 4096  # 30 tokens in chunks of 4: 8 chunk files and a manifest, 9 blocks; two copies: 18
-    kvdir = tmp_path / "kv"
-    with local(kvdir, disk_bytes=limit) as store:
-        write_turn(store, "s", LOCAL)
-    peak, real = [0], disk_module._write_bytes
-
-    def write(fd, data):
-        real(fd, data)
-        peak[0] = max(peak[0], disk_usage(kvdir))
-
-    monkeypatch.setattr(disk_module, "_write_bytes", write)
-    other = list(range(100, 130))
-    with local(kvdir, disk_bytes=limit) as store:
-        write_turn(store, "s", other)
-        store.flush()  # no StoreIOError: it fits once the old copy is gone
-        s = store.stats()
-        assert s.rejected_too_large == 0 and s.write_errors == 0
-        assert s.disk_bytes_used == disk_usage(kvdir) <= limit
-    assert 0 < peak[0] <= limit
-    with local(kvdir, disk_bytes=limit) as store:
-        expect(store.lookup("s", FP), other)
+# (A new history on a disk with room for one copy only: tests/store/test_durable.py, the old copy stays.)
 
 
 # -- starting while Redis is down -----------------------------------------------------------------------

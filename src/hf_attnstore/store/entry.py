@@ -82,6 +82,9 @@ class Entry:
     # The local durable copy this remote copy is to replace, once loaded (its files, moved to this entry, stay
     # on disk meanwhile): put back in the index if the remote copy fails to load (`AttnStore._restore_local`).
     fallback: "Entry | None" = None
+    # Another history's durable copy this entry was handed (`Index.hand_over`) and keeps on disk until its own copy
+    # is durable: what the session is again if the new history's host copy goes first (`Index.release_host`).
+    predecessor: Manifest | None = None
     refused: tuple | None = None  # a remote copy that failed to verify or load (`remote_signature`): not retried
     mirrored: set = field(default_factory=set)  # digests of chunks this store put in the remote tier
     layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads

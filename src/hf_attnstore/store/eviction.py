@@ -70,7 +70,7 @@ class Eviction:
         # loaded without its head, `recompute_by_cost`), cannot be written: dropped (the remote copy stays).
         unwritable = e.host is not None and e.host.missing_head > e.persisted
         if self.lower is None or e.write is Write.NEVER or e.length == 0 or unwritable:
-            self.index.drop(e)
+            self.index.release_host(e)  # its durable copy, if any, stays
             self.index.stats.host_drops += 1
         elif e.dirty:
             e.write = Write.DEMOTE
@@ -87,8 +87,12 @@ class Eviction:
         runs them before writing)."""
         limit = self.config.disk_bytes
         entries = self.index.entries
-        if self.config.partial_eviction and self.index.disk_used - self.index.deleting > limit:
+        while self.config.partial_eviction and self.index.disk_used - self.index.deleting > limit:
+            # (Again while it frees something: the room a head drop's new manifest takes counts only once chosen.)
+            queued = len(self.index.deletes)
             self.drop_disk_heads(current, self.index.disk_used - self.index.deleting - limit)
+            if len(self.index.deletes) == queued:
+                break
         for key in choose_victims(self.index.disk_policy.victims(), lambda key: entries[key].disk_bytes,
                                   lambda key: entries[key] is not current and entries[key].pins == 0,
                                   self.index.disk_used - self.index.deleting - limit):
@@ -152,42 +156,61 @@ class Eviction:
         # A shared file frees its bytes only with its last name (`Index.set_files` says how many).
         nbytes = blocks(size) if size is not None and gone not in e.linked else 0
         nbytes += self.index.set_files(e, files, e.manifest_size)
+        # The new manifest is written beside the old one (a temporary file, then a rename) before the chunk goes:
+        # room for the largest such temporary is counted until the queued deletions have run (`run_deletes`; they
+        # run one at a time), so `disk_bytes` holds while they do.
+        room = blocks(len(manifest.encode()))
+        if room > self.index.manifest_room:
+            self.index.disk_used += room - self.index.manifest_room
+            self.index.manifest_room = room
         self.index.queue_delete(e.key, nbytes, (manifest, gone))
         self.index.stats.head_drops += 1
         self.index.stats.head_dropped_tokens += old.spans[0].length
 
-    def reserve_disk(self, e: Entry, nbytes: int) -> int:
-        """Makes room for a file of `nbytes` before it is written (save thread), so the files on disk never
-        exceed `disk_bytes`: other sessions' copies are dropped first and their folders deleted now.
+    def reserve_disk(self, e: Entry, nbytes: int, exact: bool = False) -> int:
+        """Makes room for `nbytes` before they are written (save thread), so the files on disk never exceed
+        `disk_bytes`: other sessions' copies are dropped first and their folders deleted now. A file is counted
+        in 4 KiB blocks; `exact`: `nbytes` is already a sum of such blocks (a job's bound, `SaveThread`).
+
+        Whether the bytes can fit at all is asked first: when not even dropping every other session's copy that
+        may go would make room, nothing is dropped (a refusal loses nothing else). The session's own durable
+        copy is never dropped for it either: it stays until its successor is durable (`Index.hand_over`).
 
         Raises:
             NoDiskRoom: The session alone would not fit.
         """
         if self.disk is None:
             return 0  # saved to the remote tier: its memory is Redis's to limit (maxmemory), not `disk_bytes`
-        size = blocks(nbytes)
+        size = nbytes if exact else blocks(nbytes)
         with self.index.cond:
-            self.index.disk_used += size
-            fits = self.enforce_disk(e)
-            if not fits and e.manifest is None and e.files and self.index.entries.get(e.key) is e:
-                # The older copy this first save replaces (`Index.hand_over`) goes now, as the last room there is.
-                self.drop_handed_over(e)
+            fits = self.index.disk_used - self.index.deleting + size - self.evictable_bytes(e) \
+                <= self.config.disk_bytes
+            if fits:
+                self.index.disk_used += size
                 fits = self.enforce_disk(e)
-            if not fits:
-                self.index.disk_used -= size
+                if not fits:  # (sessions pinned meanwhile: what was dropped went in good faith)
+                    self.index.disk_used -= size
             deletes = self.index.take_deletes()
         self.run_deletes(deletes)
         if not fits:
-            raise NoDiskRoom(f"session {e.key[1]!r} is larger than the disk tier")
+            raise NoDiskRoom(f"session {e.key[1]!r} is larger than the disk tier (`disk_bytes` "
+                             f"{self.config.disk_bytes}) next to the sessions that cannot leave it")
         return size
 
-    def drop_handed_over(self, e: Entry) -> None:
-        """Queues the deletion of the older copy's files an entry was handed (`Index.hand_over`): its manifest first,
-        then its chunk and state files, leaving the files the entry's own save is writing (lock held)."""
-        nbytes, names = e.disk_bytes, tuple(e.files)
-        nbytes += self.index.set_files(e, {}, 0)
-        e.chunks = {}
-        self.index.queue_delete(e.key, nbytes, (None, names))
+    def evictable_bytes(self, current: Entry) -> int:
+        """The disk bytes dropping every other session's copy that may go now would free (lock held): copies
+        that are not pinned, and shared files all of whose names are in them."""
+        entries, gone = self.index.entries, set()
+        total = 0
+        for key in self.index.disk_policy.victims():
+            e = entries.get(key)
+            if e is not None and e is not current and e.pins == 0:
+                total += e.disk_bytes
+                gone.add(key)
+        for nbytes, names in self.index.linked.values():
+            if names and all(key in gone for key, _ in names):
+                total += nbytes
+        return total
 
     def run_deletes(self, deletes: list[tuple[Key, int, tuple | None]]) -> None:
         """Runs queued deletions (save thread, without the lock; see `Index.deletes`). A deletion that fails (EACCES,
@@ -206,6 +229,9 @@ class Eviction:
                     self.index.disk_used -= nbytes
                     self.index.deleting -= nbytes
                     self.index.deletions -= len(deletes)
+                    if not self.index.deletes:  # no head drop left to write a manifest beside its old one
+                        self.index.disk_used -= self.index.manifest_room
+                        self.index.manifest_room = 0
                     self.index.cond.notify_all()  # a flush() may be waiting for them
 
     def run_delete(self, key: Key, nbytes: int, head: tuple | None) -> None:
@@ -213,9 +239,6 @@ class Eviction:
             self.disk.remove(key)
             return
         manifest, chunk = head
-        if manifest is None:  # an older copy's files (`drop_handed_over`): the manifest first
-            self.disk.delete(key, [MANIFEST, *(name + CHUNK_SUFFIX for name in chunk)])
-            return
         try:
             # Now, on this thread: behind the tier's write queue it would wait for every chunk queued before
             # it (a timeout there would drop a copy whose manifest still lands later).

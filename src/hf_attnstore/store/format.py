@@ -34,7 +34,7 @@ import xxhash
 from safetensors.torch import save as safetensors_save
 
 from .codec import CodecRangeError, KVCodec
-from .geometry import make_geometry, parse_geometry, shape_of
+from .geometry import make_geometry, parse_geometry, shape_of, shapes
 
 FORMAT = "hf_attnstore/2"
 MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -78,6 +78,24 @@ def metadata_digest(meta: dict) -> str:
 
 def layer_names(layer: int) -> tuple[str, str]:
     return f"L{layer:04d}.k", f"L{layer:04d}.v"
+
+
+def chunk_payload_bytes(geometry, dtype: torch.dtype, n: int, codec: KVCodec | None) -> int:
+    """The bytes of the tensors of a chunk of `n` tokens (:func:`encode_chunk`: ids, keys and values, encoded with
+    `codec` if given), without its header. A save adds the header size it measured on its first chunk (the
+    headers of one session's chunks differ only in digits) to bound what it writes before it writes it."""
+    layers, (kh, kd), (vh, vd) = shapes(geometry)
+    if codec is None:
+        kv = layers * (kh * kd + vh * vd) * n * torch.tensor([], dtype=dtype).element_size()
+    else:
+        kv = layers * (codec.nbytes(kh, n, kd, True) + codec.nbytes(vh, n, vd, False))
+    return 8 * n + kv
+
+
+def manifest_bytes_bound(tokens: int, spans: int, session_id: str) -> int:
+    """An upper bound of an encoded :class:`Manifest`'s bytes: the ids in base64, the spans, the session id escaped
+    (twice: the body is JSON inside JSON)."""
+    return 1024 + 4 * -(-8 * tokens // 3) + 192 * spans + 12 * len(session_id.encode("utf-8"))
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

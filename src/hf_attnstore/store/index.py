@@ -61,14 +61,14 @@ class Index:
         # file system keeps the bytes as long, so deleting one session never takes a chunk another manifest names.
         self.linked: dict[tuple, list] = {}
         self.dirty: set[Key] = set()
+        self.remirror: set[Key] = set()  # sessions to copy again to a mirror tier that lost its data (refill.py)
         self.next_chunk: dict[Key, int] = {}  # per session, only ever grows
         # Deletions for the save thread, in order: (key, bytes freed, None) deletes a session's folder;
         # (key, bytes freed, (manifest, chunk)) writes the manifest of a partially evicted session, then
-        # deletes `chunk` (if not None); (key, bytes freed, (None, names)) deletes the manifest, then the files
-        # `names`, of an older copy handed over to a new entry (`hand_over`). Their bytes stay counted in
-        # `disk_used` until done (`deleting`).
+        # deletes `chunk` (if not None). Their bytes stay counted in `disk_used` until done (`deleting`).
         self.deletes: list[tuple[Key, int, tuple | None]] = []
         self.deleting = 0
+        self.manifest_room = 0  # counted in `disk_used` for the new manifest a queued head drop writes (eviction.py)
         self.deletions = 0  # queued or running (some free no counted bytes): what a flush() waits for
         # Closed writers and hybrid models' states: (key, turn, state or None, whether the turn ended), appended
         # without the lock (a writer's finalizer may run anywhere) and applied under it.
@@ -206,6 +206,34 @@ class Index:
             n.chunks = dict(e.chunks)  # an entry that was handed an older copy itself, and never saved
         n.files, n.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
         n.linked, e.linked = e.linked, {}
+        n.predecessor = e.manifest if e.manifest is not None else e.predecessor
+
+    def inherit(self, n: Entry, manifest: Manifest | None, made: dict, manifest_size: int, kept: set) -> None:
+        """A save of the entry `n` replaced (`hand_over`) finished after the hand-over: the files it made that stay
+        (`kept`) are `n`'s to count and collect, and if its `manifest` landed, that is the older copy `n` keeps
+        (lock held)."""
+        files = {**n.files, **{name: size for name, (size, _) in made.items() if name in kept}}
+        if manifest is not None and n.manifest is None:
+            n.chunks = {name: made.get(name) or n.chunks.get(name, (files.get(name, 0), 0))
+                        for name in {s.chunk for s in manifest.spans} | ({manifest.state.name} if manifest.state else set())}
+            n.predecessor = manifest
+        self.set_files(n, files, manifest_size if manifest is not None else n.manifest_size)
+
+    def release_host(self, e: Entry) -> None:
+        """The session's host copy goes (it outgrew the host tier, or could not be written): what is durable stays,
+        its own durable prefix or the older copy it was handed (`hand_over`), which becomes the session again;
+        with neither, the session goes (lock held). The one way a host copy is given up without a deletion of
+        what a flush() acknowledged."""
+        if e.manifest is None and e.predecessor is not None and self.entries.get(e.key) is e:
+            e.generation += 1  # a save of the new history in flight must not commit over it
+            self.set_manifest(e, e.predecessor, e.chunks)
+            e.predecessor = None
+            if not e.manifest.head:
+                self.prefixes.add(e.key, e.manifest.token_ids)
+        if e.manifest is not None:
+            self.set_host(e, None)
+        else:
+            self.drop(e)
 
     def reindex(self, e: Entry) -> None:
         """Replaces an entry whose load failed by a fresh one holding the same durable copy (lock held)."""

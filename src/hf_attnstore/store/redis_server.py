@@ -105,12 +105,25 @@ class RedisServer:
                      "--cluster-node-timeout", "2000"]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
-        while not self.socket.exists():
+        while not self._answers():  # the socket appears before the server accepts commands
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"redis-server did not start within {timeout} s")
             time.sleep(0.01)
         return self
+
+    def _answers(self) -> bool:
+        import redis  # the `redis` client is only needed with a remote tier
+
+        if not self.socket.exists():
+            return False
+        client = redis.Redis(unix_socket_path=str(self.socket), password=self.password, socket_timeout=1)
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
 
     def stop(self) -> None:
         """Kills the server (SIGKILL: what a crash looks like to clients)."""

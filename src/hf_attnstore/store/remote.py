@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -67,6 +68,17 @@ class RemoteUnavailableError(RuntimeError):
     def __init__(self, message: str, transient: bool = False):
         super().__init__(message)
         self.transient = transient
+
+
+class MissingChunks(RuntimeError):
+    """A manifest was to be written that names chunks the remote tier no longer holds (expired, evicted, or lost
+    with a restart): it is not written. `digests`: the missing ones (the caller puts them again, or rewrites the
+    session)."""
+
+    def __init__(self, digests: list[str]):
+        super().__init__(f"the remote tier no longer holds {len(digests)} chunk(s) the manifest names "
+                         f"({', '.join(d[:12] for d in digests[:3])}{' ...' if len(digests) > 3 else ''})")
+        self.digests = digests
 
 
 class _Disconnected:
@@ -179,9 +191,11 @@ class RemoteTier(Tier):
         self._state = threading.Lock()  # connecting (the background thread) vs closing
         self._stop = threading.Event()
         self._reconnector: threading.Thread | None = None
+        self._epoch: bytes | None = None  # the marker this store saw in the server (see `lost`)
         try:
             self.client, self.cluster = self._connect()
             self.connected = True
+            self.lost()  # sets the marker (nothing was lost yet: this store wrote nothing)
         except RemoteUnavailableError as exc:
             if required or not exc.transient:
                 raise
@@ -256,6 +270,25 @@ class RemoteTier(Tier):
         circuit breaker)."""
         return self.connected and time.monotonic() >= self._down_until
 
+    def lost(self) -> bool:
+        """Whether the server lost its data since this store last asked: a restart of a Redis without persistence
+        (the usual cache Redis), a FLUSHALL, or an eviction of the marker itself (then sessions are written again:
+        a cost, never a loss). A marker key holds a random value that the first store to find it missing sets
+        (SET NX): every store sharing the server sees the same value until the next loss. False while the server
+        cannot be reached (nothing is known; asked again later).
+        """
+        if not self.available():
+            return False
+        name = PREFIX + "epoch"
+        try:
+            self._call(self.client.set, name, secrets.token_hex(8), None, None, True)  # NX
+            epoch = self._call(self.client.get, name)
+        except RemoteUnavailableError:
+            return False
+        changed = self._epoch is not None and epoch != self._epoch
+        self._epoch = epoch
+        return changed
+
     def _call(self, fn, *args):
         """One Redis call; any failure of the server or the connection is a RemoteUnavailableError."""
         try:
@@ -287,6 +320,15 @@ class RemoteTier(Tier):
                             manifest.state, manifest.exact).encode()
             target = self.key_of(key, "m")
             shared = [self._chunk_key(key, s) for s in spans if s.owner]
+            # What the server holds now, not what it held: a manifest naming chunks it lost is never written.
+            names = [self._chunk_key(key, s) for s in spans] + \
+                ([self.key_of(key, "c:" + manifest.state.digest)] if manifest.state is not None else [])
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            missing = [n.rsplit(":", 1)[-1] for n, here in zip(names, self._call(pipe.execute)) if not here]
+            if missing:
+                raise MissingChunks(missing)
         else:
             target, shared = self.key_of(key, "c:" + chunk_digest(data)), []
         if len(data) > MAX_VALUE_BYTES:

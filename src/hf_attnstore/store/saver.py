@@ -20,10 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from .buffer import SessionKV
-from .entry import Entry, Write
+from .entry import Entry, Write, blocks
 from .eviction import Eviction, NoDiskRoom
 from .encoded import EncodedSegment
-from .format import Manifest, Span, StateRef, encode_chunk, encode_kv, prefix_hasher, tensor_bytes
+from .refill import MirrorJob, MirrorResult, Refill
+from .remote import MissingChunks
+from .format import (Manifest, Span, StateRef, chunk_payload_bytes, encode_chunk, encode_kv, manifest_bytes_bound,
+                     prefix_hasher, tensor_bytes)
 from .sparse_copies import first_missing, gather, kept_positions
 from .state import by_slot
 from .tier import CHUNK_SUFFIX, MANIFEST, Key, Tier
@@ -92,11 +95,29 @@ class SaveThread:
                     return
                 deletes, job = work
                 self.planner.run_deletes(deletes)
-                if job is not None:
+                if isinstance(job, MirrorJob):
+                    self.planner.refill.finish(job, self._mirror_again(job))
+                elif job is not None:
+                    self.check_lost()  # what a remote tier holds is what it says now, not what it held
                     self.planner.finish_save(job, self._write(job))
             except Exception as exc:  # a bug must not stop every later write: count it, report it, go on
                 logger.exception("the save thread hit an unexpected error (%s); it keeps running", exc)
                 self.planner.thread_error(exc)
+
+    def check_lost(self) -> None:
+        """Asks the remote tier (mirror or lower) whether it lost its data since it was last asked (refill.py)."""
+        for tier in (self.tier, self.mirror):
+            if tier is not None and tier.lost():
+                self.planner.refill.lost()
+
+    def _mirror_again(self, job: MirrorJob) -> MirrorResult:
+        """Copies a session's disk copy to the mirror tier that lost it (refill.py)."""
+        result = SaveResult(job.manifest, {}, 0, set(), 0, 0.0, None)
+        if self.mirror.available():
+            self._copy_to_mirror(job, job.manifest, job.manifest.encode(), [], result)
+        else:
+            result.mirror_error = OSError("the remote tier is down")
+        return MirrorResult(result.mirrored, result.mirror_bytes, result.mirror_error)
 
     def _link(self, job: SaveJob, spans: list, linked: dict) -> int:
         """Links the job's shared chunks (`SaveJob.links`) as the session's first spans; returns the first name
@@ -125,10 +146,22 @@ class SaveThread:
             return job.first_chunk
         return next_chunk
 
+    def _bound(self, job: SaveJob, start: int, spans: int, header: int) -> int:
+        """An upper bound of the disk bytes the job writes from token `start` (its chunks and the manifest), in
+        4 KiB blocks: reserved before anything is evicted for it (`_Budget`). `header`: the header bytes of its
+        first chunk (the others differ in digits only: 256 bytes of slack)."""
+        source, chunk = job.snap.source, self.chunk_tokens
+        full, rest = divmod(max(0, job.end - start), chunk)
+        per = [blocks(chunk_payload_bytes(source.geometry, source.dtype, n, self.codec) + header + 256)
+               for n in (chunk, rest)]
+        return full * per[0] + (per[1] if rest else 0) \
+            + blocks(manifest_bytes_bound(job.end, spans + full + 1, job.entry.key[1]))
+
     def _write(self, job: SaveJob) -> SaveResult:
         fp, sid = key = job.entry.key
         spans, pending = list(job.base.spans), []
-        new_chunks, reserved, manifest, manifest_bytes, manifest_size, error = {}, 0, None, None, 0, None
+        new_chunks, manifest, manifest_bytes, manifest_size, error = {}, None, None, 0, None
+        budget = _Budget(self.planner, job.entry)
         encoded, linked = [], {}
         mirroring = self.mirror is not None and self.mirror.available()
         copies = []  # (digest, future) of chunks put in the mirror tier
@@ -165,21 +198,26 @@ class SaveThread:
                     encoded.append((a, (self._host_copy(job, ids, blobs, inexact), 0, b - a)))
                 name = digest if self.tier.content_addressed else f"{next_chunk:08d}"
                 next_chunk += 1
-                reserved += self.planner.reserve(job.entry, len(data))
+                if a == start:
+                    # All of it is reserved first: a session that cannot fit even once every other copy that may go
+                    # has gone is refused (NoDiskRoom) before anything is evicted for it.
+                    payload = chunk_payload_bytes(job.snap.source.geometry, job.snap.source.dtype, b - a,
+                                                  self.codec if blobs is not None else None)
+                    budget.prepay(self._bound(job, start, len(spans), max(0, len(data) - payload)))
+                budget.take(len(data))
                 pending.append((name, b - a, self.tier.put(key, name + CHUNK_SUFFIX, data)))
                 if mirroring and digest not in job.mirrored:  # the same bytes, on the mirror's writer thread
                     copies.append((digest, self.mirror.put(key, name + CHUNK_SUFFIX, data)))
                 history.update(tensor_bytes(ids))
                 spans.append(Span(name, 0, b - a, digest))
                 a = b
-            state, size = self._write_state(job, pending, copies if mirroring else None)
-            reserved += size
+            state = self._write_state(job, pending, copies if mirroring else None, budget)
             for name, tokens, future in pending:
                 new_chunks[name] = (future.result(self.timeout_s), tokens)
             manifest = Manifest(fp, sid, job.snap.token_ids[: job.end].clone(), tuple(spans), next_chunk,
                                 job.base.dropped, state, exact if exact < job.end else None)
             manifest_bytes = manifest.encode()
-            reserved += self.planner.reserve(job.entry, len(manifest_bytes))
+            budget.take(len(manifest_bytes))
             manifest_size = self.tier.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
         except Exception as exc:  # this session's failure (full disk, I/O error, bad data): reported, not fatal
             error, manifest = exc, None
@@ -188,7 +226,7 @@ class SaveThread:
                 if size is not None:
                     new_chunks[name] = (size, tokens)
         seconds = time.perf_counter() - started
-        result = SaveResult(manifest, new_chunks, manifest_size, set(), reserved, seconds, error,
+        result = SaveResult(manifest, new_chunks, manifest_size, set(), budget.reserved, seconds, error,
                             encoded=encoded if manifest is not None else [], linked=linked)
         if mirroring:
             self._copy_to_mirror(job, manifest, manifest_bytes if manifest is not None else None, copies, result)
@@ -231,50 +269,83 @@ class SaveThread:
             seg.mark_inexact(inexact)
         return seg.pinned() if source.pin_memory else seg
 
-    def _write_state(self, job: SaveJob, pending: list, copies: list | None) -> tuple[StateRef | None, int]:
-        """The state the new manifest names (a hybrid model's, state.py), and the disk bytes reserved for it:
-        the host copy's if the job's tokens cover it (its file is put now, unless the durable copy has it
-        already), else the durable copy's."""
+    def _write_state(self, job: SaveJob, pending: list, copies: list | None, budget: "_Budget") -> StateRef | None:
+        """The state the new manifest names (a hybrid model's, state.py): the host copy's if the job's tokens
+        cover it (its file is put now, its bytes reserved, unless the durable copy has it already), else the
+        durable copy's."""
         state, base = job.snap.state, job.base.state
         if state is None or state.tokens > job.end:
-            return (base if base is not None and base.tokens <= job.end else None), 0
+            return base if base is not None and base.tokens <= job.end else None
         ref = state.ref
         if base is not None and base.digest == ref.digest:
-            return base, 0
+            return base
         data = state.encode()
-        reserved = self.planner.reserve(job.entry, len(data))
+        budget.take(len(data))
         pending.append((ref.name, 0, self.tier.put(job.entry.key, ref.name + CHUNK_SUFFIX, data)))
         if copies is not None and ref.digest not in job.mirrored:
             copies.append((ref.digest, self.mirror.put(job.entry.key, ref.name + CHUNK_SUFFIX, data)))
-        return ref, reserved
+        return ref
 
     def _copy_to_mirror(self, job: SaveJob, manifest: Manifest | None, manifest_bytes: bytes | None,
                         copies: list, result: SaveResult) -> None:
         """Completes the mirror's copy of the session: chunks it lacks (read back from `tier`), then the
         manifest once every chunk it names is there. A failure is counted, never the session's failure."""
         key = job.entry.key
+        files = {}
+        if manifest is not None:
+            files = {span.digest: (span.chunk, span.owner) for span in manifest.spans}
+            if manifest.state is not None:
+                files[manifest.state.digest] = (manifest.state.name, "")
+
+        def copy(digests) -> None:  # chunks read back from `tier`, put in the mirror
+            for digest in digests:
+                name, owner = files[digest]
+                data = self.tier.read_file(key, name + CHUNK_SUFFIX)
+                # A shared prefix's chunk lies once in the mirror, under the session that wrote it.
+                where = (key[0], owner) if owner else key
+                copies.append((digest, self.mirror.put(where, name + CHUNK_SUFFIX, data)))
+
         try:
-            if manifest is not None:
-                # Chunks of earlier saves that the mirror does not have yet (it was down, or is new).
-                files = [(span.chunk, span.digest, span.owner) for span in manifest.spans]
-                if manifest.state is not None:
-                    files.append((manifest.state.name, manifest.state.digest, ""))
-                for name, digest, owner in files:
-                    if digest not in job.mirrored | {d for d, _ in copies}:
-                        data = self.tier.read_file(key, name + CHUNK_SUFFIX)
-                        # A shared prefix's chunk lies once in the mirror, under the session that wrote it.
-                        where = (key[0], owner) if owner else key
-                        copies.append((digest, self.mirror.put(where, name + CHUNK_SUFFIX, data)))
+            # Chunks of earlier saves that the mirror does not have yet (it was down, or is new).
+            copy([d for d in files if d not in job.mirrored | {d for d, _ in copies}])
             for digest, future in copies:
                 result.mirror_bytes += future.result(self.timeout_s)
                 result.mirrored.add(digest)
             if manifest is not None:
-                result.mirror_bytes += self.mirror.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
+                try:
+                    result.mirror_bytes += self.mirror.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
+                except MissingChunks as exc:
+                    # The mirror lost chunks it had (a restart, an eviction): copied again, then the manifest.
+                    copies.clear()
+                    copy([d for d in exc.digests if d in files])
+                    for digest, future in copies:
+                        result.mirror_bytes += future.result(self.timeout_s)
+                        result.mirrored.add(digest)
+                    result.mirror_bytes += self.mirror.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
         except Exception as exc:  # the mirror is a copy: the session stays durable on `tier`
             result.mirror_error = exc
             for digest, future in copies:
                 if _settle(future, self.timeout_s) is not None:
                     result.mirrored.add(digest)
+
+
+class _Budget:
+    """The disk bytes a save job reserved (`SavePlanner.reserve`): its bound up front, then each file drawn from
+    it as it is written; a file past the bound (a chunk the codec refused, written lossless) reserves more."""
+
+    def __init__(self, planner: "SavePlanner", entry: Entry):
+        self.planner, self.entry, self.left, self.reserved = planner, entry, 0, 0
+
+    def prepay(self, nbytes: int) -> None:
+        self.reserved += self.planner.reserve(self.entry, nbytes, exact=True)
+        self.left += nbytes
+
+    def take(self, nbytes: int) -> None:
+        size = blocks(nbytes)
+        if size <= self.left:
+            self.left -= size
+        else:
+            self.reserved += self.planner.reserve(self.entry, nbytes)
 
 
 def _names(manifest: Manifest | None) -> set[str]:
@@ -305,15 +376,20 @@ class SavePlanner:
                  disk: Tier | None, mirror: Tier | None):
         self.index, self.eviction, self.loads, self.config = index, eviction, loads, config
         self.lower, self.disk = lower, disk
+        self.refill = Refill(index, mirror=mirror is not None)
         self.thread = SaveThread(self, lower, config.chunk_tokens, config.io_timeout_s, mirror=mirror)
+
+    def check_lost(self) -> None:
+        """Whether a remote tier lost its data, asked now (a flush, on its caller's thread): see refill.py."""
+        self.thread.check_lost()
 
     def run_deletes(self, deletes: list) -> None:
         """Runs deletions taken with the next work (save thread, without the lock)."""
         self.eviction.run_deletes(deletes)
 
-    def reserve(self, e: Entry, nbytes: int) -> int:
-        """Disk bytes reserved for a file of `nbytes` the save thread is about to write (`Eviction.reserve_disk`)."""
-        return self.eviction.reserve_disk(e, nbytes)
+    def reserve(self, e: Entry, nbytes: int, exact: bool = False) -> int:
+        """Disk bytes reserved for files of `nbytes` the save thread is about to write (`Eviction.reserve_disk`)."""
+        return self.eviction.reserve_disk(e, nbytes, exact)
 
     def warn(self, kind: str, message: str, *args) -> None:
         """Logs a warning of this kind once per store."""
@@ -328,9 +404,12 @@ class SavePlanner:
                 deletes = self.index.take_deletes()
                 e = self.next_save()
                 job = self.save_job(e) if e is not None else None
+                if job is None:
+                    job = self.refill.next_job()  # sessions to copy again to a mirror that lost them
                 if deletes or job is not None:
                     return deletes, job
                 if self.index.closed and (not self.index.dirty or e is None):
+                    self.index.remirror.clear()
                     return None  # closed, with nothing (or only failed writes, close(flush=False)) left
                 self.index.cond.wait(timeout=self.config.idle_flush_s / 2)
                 self.index.expire()
@@ -438,15 +517,22 @@ class SavePlanner:
         return best, mirrored
 
     def files_to_keep(self, job: SaveJob, manifest: Manifest | None) -> tuple[set[str], bool]:
-        """The session's chunks that must stay after a save, and whether the session is still indexed (a
-        removed one's folder goes entirely). If the session was cut or truncated meanwhile, its in-memory
-        manifest (a selection of the old one) still uses old chunks."""
+        """The session's files that must stay after a save, and whether any may be kept at all (False: the session
+        was removed, and its folder goes entirely).
+
+        The durable copy stays until its successor is durable: a failed save keeps the copy it was to replace; a
+        session cut or truncated meanwhile keeps the chunks its in-memory manifest (a selection of the old one)
+        uses; a session replaced meanwhile by another history (`Index.hand_over`) keeps every file its new entry
+        was handed, which this save's manifest (if it landed) now names too (`finish_save`)."""
         with self.index.lock:
             e = job.entry
             keep = _names(manifest)
             if manifest is None or e.generation != job.generation:
                 keep |= set(e.chunks) | _names(e.manifest)
-            return keep, self.index.entries.get(e.key) is e
+            successor = self.index.entries.get(e.key)
+            if successor is not None and successor is not e:
+                keep |= set(successor.files) | set(successor.chunks)
+            return keep, successor is not None
 
     def thread_error(self, exc: BaseException) -> None:
         with self.index.cond:
@@ -474,6 +560,11 @@ class SavePlanner:
                         # A shared file whose other names were deleted meanwhile (`delete`) is counted now: room.
                         self.eviction.enforce_disk(e)
                 e.mirrored |= result.mirrored
+            elif self.disk is not None and self.index.entries.get(e.key) is not None:
+                # Replaced by another history while this save ran: what it made durable is the older copy the new
+                # entry keeps until its own is durable (a crash meanwhile leaves this one).
+                made = {**result.new_chunks, **{n: link[:2] for n, link in result.linked.items()}}
+                self.index.inherit(self.index.entries[e.key], result.manifest, made, result.manifest_size, result.keep)
             self.index.stats.remote_bytes_written += result.mirror_bytes
             if result.mirror_error is not None:
                 self.index.stats.remote_errors += 1
@@ -489,17 +580,25 @@ class SavePlanner:
             e.pins -= 1
             current = self.index.entries.get(e.key) is e
             if isinstance(error, NoDiskRoom):
-                # Larger than the whole disk tier: kept in host memory only (or dropped if it was on its way out).
+                # Larger than the disk tier can hold next to what cannot leave it: refused before anything was
+                # evicted for it. The rest stays in host memory only (flush() says so); its durable copy stays.
                 self.index.stats.rejected_too_large += 1
-                self.index.once.warning("disk_too_large", "session %r is larger than the disk tier: it is kept in memory "
-                                "only", e.key[1])
+                self.index.once.warning("disk_too_large", "session %r is larger than the disk tier: what is not durable "
+                                        "is kept in memory only", e.key[1])
                 self.index.dirty.discard(e.key)
                 demoting = e.write is Write.DEMOTE
                 if current:
-                    self.eviction.drop_disk_copy(e)  # -> Write.NEVER
+                    e.write, e.last_error = Write.NEVER, error  # not retried until its next turn
                     if demoting and e.pins == 0 and not e.writers:
                         self.index.stats.host_drops += 1
-                        self.index.drop(e)
+                        self.index.release_host(e)
+            elif isinstance(error, MissingChunks) and e.failures < 2:
+                # The remote tier (below host memory) lost chunks of the session's copy: it is written whole again
+                # at once, not backed off (twice at most in a row: a server evicting as fast as we write fails).
+                self.index.stats.remote_errors += 1
+                e.failures += 1
+                if current:
+                    self.refill.forget(e)
             elif error is not None:
                 self.index.stats.write_errors += 1
                 self.index.once.warning("write", "%s tier: writing session %r failed (%s); it stays in host memory, its "
@@ -514,10 +613,7 @@ class SavePlanner:
                     # (appends would wait for room that never comes). Fall back to its durable prefix, if any.
                     if current and e.pins == 0 and not e.writers:
                         self.index.stats.host_drops += 1
-                        if e.persisted:
-                            self.index.set_host(e, None)
-                        else:
-                            self.index.drop(e)
+                        self.index.release_host(e)
             else:
                 if self.disk is not None:
                     self.index.stats.bytes_written += sum(size for size, _ in new_chunks.values())
@@ -529,6 +625,7 @@ class SavePlanner:
                     e.write = Write.BEHIND
                 if current and e.generation == generation:
                     self.index.set_manifest(e, manifest, {**e.chunks, **new_chunks, **(linked or {})})
+                    e.predecessor = None  # its own copy is durable: the one it was handed is collected
                     if not e.dirty:
                         self.index.dirty.discard(e.key)
                         demoting, e.write = e.write is Write.DEMOTE, Write.BEHIND

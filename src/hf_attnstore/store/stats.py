@@ -48,6 +48,7 @@ class StoreStats:
     remote_read_seconds: float = 0.0
     remote_bytes_written: int = 0
     remote_errors: int = 0  # failed remote calls (lookups, loads, copies): each one a miss or a skipped copy
+    remote_restarts: int = 0  # times the remote tier was found to have lost its data (refill.py): sessions rewritten
     remote_restores: int = 0  # local copies put back after the longer remote copy meant to replace them failed
     # 1 while the remote tier is down: not reachable since the store started (reconnected in the background), or
     # a call failed in the last few seconds (the circuit breaker); its lookups are misses meanwhile. 0 when it is

@@ -31,7 +31,7 @@ from .config import StoreConfig
 from .costs import ResumeCosts
 from .disk import DiskTier
 from .entry import Entry, Key, Write, remote_signature, validate_session_id
-from .eviction import Eviction
+from .eviction import Eviction, NoDiskRoom
 from .format import FormatError, Manifest, check_chain
 from .index import Index
 from .reader import LoadPlanner
@@ -532,6 +532,7 @@ class AttnStore:
             return
         timeout = self.config.io_timeout_s if timeout is None else timeout
         self._index.publish_states(None)
+        self._saves.check_lost()  # a remote tier that lost its data is written again before this returns
         with self._index.cond:
             self._index.apply_ended_turns()  # end-of-turn states are part of what becomes durable
             for key in list(self._index.dirty):
@@ -545,13 +546,16 @@ class AttnStore:
                     return True
                 if any(e.loading is not None and e.remote is not None for e in self._index.entries.values()):
                     return False  # a session found in the remote tier is loading: once local, it is written too
-                return self._index.deletions == 0 and all(
+                return self._index.deletions == 0 and not self._index.remirror and all(
                     self._index.entries.get(k) is None or self._index.entries[k].write is Write.FAILED
                     for k in self._index.dirty)
 
             if not self._index.cond.wait_for(settled, timeout):
                 raise TimeoutError(f"the {self._lower.name} tier did not become durable within {timeout} s")
             failed = [self._index.entries[k] for k in self._index.dirty if self._index.entries.get(k) is not None]
+            # Sessions refused as larger than the disk tier (`NoDiskRoom`): kept in host memory only, not durable.
+            failed += [e for e in self._index.entries.values() if e.write is Write.NEVER and e.host is not None
+                       and e.host.length > e.persisted and isinstance(e.last_error, NoDiskRoom)]
         if failed:
             names = ", ".join(repr(e.key[1]) for e in failed[:5]) + (" ..." if len(failed) > 5 else "")
             raise StoreIOError(f"{len(failed)} session(s) are not durable in the {self._lower.name} tier ({names}): "

@@ -173,6 +173,11 @@ class Tier(abc.ABC):
         """Whether the tier answers now (a remote tier that failed moments ago does not, until it is retried)."""
         return True
 
+    def lost(self) -> bool:
+        """Whether the tier lost what it held since it was last asked (a Redis restarted empty, or flushed): the
+        store then writes its sessions again. Never for a tier whose files stay (the disk)."""
+        return False
+
     @abc.abstractmethod
     def remove(self, key: Key, keep: set[str] | None = None) -> None:
         """Deletes the session (``keep=None``) or only its chunks whose names are not in `keep`."""

@@ -85,11 +85,9 @@ class Turns:
                                 self.config.host_bytes)
                 writer.dead = True
                 e.writers.discard(writer.turn)
-                if e.persisted and e.pins == 0:
+                if e.pins == 0:
                     e.write = Write.BEHIND
-                    self.index.set_host(e, None)
-                elif e.pins == 0:
-                    self.index.drop(e)
+                    self.index.release_host(e)
                 return False
             room = needed - buf.nbytes
             if not self.eviction.make_host_room(room, exclude=e):
@@ -164,14 +162,16 @@ class Turns:
         else:
             old = e
             if old is not None:
-                # (Pinned only by a load, which leaves files alone when it finds its entry gone; a save in flight
-                # pins it too, and deletes the whole folder when it finds its entry gone: saver.py.)
-                if self.disk is not None and old.pins == (old.loading is not None):
+                if self.disk is not None:
                     # Another history replaces the session (a recomputed turn, an edited conversation): its disk
                     # copy stays until the new one is durable (`Index.hand_over`), so a crash in between, or a failed
-                    # write, still leaves the older copy rather than nothing.
+                    # write, still leaves the older copy rather than nothing. Also while a load or a save of the old
+                    # entry is in flight: a load leaves files alone when it finds its entry gone, and a save hands
+                    # what it made durable to the new entry (`SavePlanner.finish_save`).
                     self.index.unindex(old)
                 else:
+                    # No disk tier: the old entry's copy in the remote tier stays until the new manifest replaces
+                    # it (`RemoteTier.remove` deletes nothing of a session that is still indexed, saver.py).
                     self.index.drop(old)
                     old = None
             if base is not None and n:
