@@ -517,7 +517,7 @@ def scenario_soak(model, turns: int) -> Row:
 
 
 SCENARIOS = ["kill", "corruption", "openers", "ids", "full", "capacity", "threads", "soak", "codec", "sizes", "badids", "remote",
-             "shared"]
+             "shared", "durable"]
 
 
 def run(only: list[str], quick: bool, seed: int = 0) -> list[dict]:
@@ -562,6 +562,14 @@ def run(only: list[str], quick: bool, seed: int = 0) -> list[dict]:
 
             rows.append(scenario_kill_shared(model, 2 if quick else 10, rng))
             rows.append(scenario_damaged_shared(model, 3 if quick else 20, rng))
+        elif name == "durable":  # acknowledged sessions never lost (issue 43): eval/faults_durable.py
+            from faults_durable import (scenario_new_history_in_flight, scenario_partial_limit, scenario_redis_restart,
+                                        scenario_too_large)
+
+            rows.append(scenario_new_history_in_flight(3 if quick else 20, rng))
+            rows.append(scenario_redis_restart(2 if quick else 10, rng))
+            rows.append(scenario_too_large(2 if quick else 10, rng))
+            rows.append(scenario_partial_limit(1 if quick else 5, rng))
         print(f"[{name}] {time.monotonic() - started:.1f} s", file=sys.stderr)
     return [r.as_dict() for r in rows]
 
