@@ -291,3 +291,23 @@ def test_the_openai_client_sends_explicit_nulls_and_is_answered(server):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model="tiny", input="hi", tool_choice="required")
     assert err.value.body["param"] == "tool_choice", err.value.body
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"functions": [WEATHER["function"]]}, "functions"),
+    ({"function_call": {"name": "get_weather"}}, "function_call"),
+    ({"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"]}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+])
+def test_openai_fields_that_would_change_the_answer_are_refused_not_ignored(server, fields, param):
+    """Deprecated function calling and audio output were ignored: the client got a text reply it did not ask
+    for. Null, empty or "none"/"auto" ask for nothing and are served."""
+    http, _ = server
+    path, base, _, _ = ROUTES["chat"]
+    r = http.post(path, json={**base, **fields})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "not supported" in r.json()["error"]["message"]
+    for harmless in ({"functions": []}, {"function_call": "none"}, {"function_call": "auto"}, {"modalities": ["text"]},
+                     {"audio": None, "modalities": None, "functions": None, "function_call": None}):
+        r = http.post(path, json={**base, **harmless})
+        assert r.status_code == 200, (harmless, r.text)

@@ -186,6 +186,11 @@ class ChatCompletionRequest(OpenAIRequest):
     top_k: int | None = Field(default=None, ge=1)  # vLLM's and llama.cpp's extension (sampling only)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range; needs `logprobs`
     response_format: dict | None = None
+    # OpenAI's fields that would change the answer and are not implemented: typed, and refused (`unsupported`).
+    functions: list[dict] | None = None  # deprecated function calling (`tools` replaced it)
+    function_call: Literal["none", "auto"] | dict | None = None
+    audio: dict | None = None  # audio output
+    modalities: list[Literal["text", "audio"]] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -207,6 +212,11 @@ class ChatCompletionRequest(OpenAIRequest):
             return "n", "`n` > 1 with `stream`"
         if self.tools and self.tool_choice not in (None, "auto", "none"):
             return "tool_choice", FORCING_TOOL_CHOICE
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            field = "functions" if self.functions else "function_call"
+            return field, f"`{field}` (deprecated function calling; send the functions as `tools`)"
+        if self.audio is not None or "audio" in (self.modalities or ()):
+            return ("audio" if self.audio is not None else "modalities"), "audio output"
         return None
 
     def json_schema(self) -> tuple[bool, dict | None]:
