@@ -31,6 +31,7 @@ from .handling import (APIError, chat_logprobs, more_samples, parse_whole, sse_t
 
 from .engine import ChatEngine, Turn
 from .metrics import ServerMetrics
+from .openai_schema import error_field, error_tag
 from .protocol import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -172,10 +173,8 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
             return error(APIError(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', '')})"))
         if tuple(first.get("loc", ())) == ("body",):
             return error(APIError(400, "the request body must be a JSON object (Content-Type: application/json)"))
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        what = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-        message = f"{where}: {what}" if where else what
-        return error(APIError(400, f"invalid request: {message}", param=where or None))
+        message, param = _validation_message(exc.errors())
+        return error(APIError(400, message, param=param))
 
     @app.get("/health")
     async def health():
@@ -247,6 +246,33 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
     return app
 
 
+def _validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """A request's validation errors as an OpenAI error: its message and the field at fault (``param``). A
+    field of several accepted types that matches none names each type's complaint."""
+    def located(e: dict) -> tuple:
+        return tuple(part for part in e.get("loc", ()) if part != "body")
+
+    def what(e: dict) -> str:
+        return str(e.get("msg", "invalid request")).removeprefix("Value error, ")
+
+    where, alternatives = error_field(located(errors[0]))
+    if alternatives:
+        depth = len(where.split(".")) if where else 0
+        first: dict[str, str] = {}  # each accepted type (its tag) and the first complaint of it
+        for e in errors:
+            loc = located(e)
+            if error_field(loc)[0] != where:
+                continue
+            tag = str(loc[depth])
+            inner = [str(p) for p in loc[depth + 1:] if not error_tag(p)]
+            shown = tag if len(tag) <= 24 else tag.split("[")[0] + "[...]"
+            first.setdefault(tag, f"{shown}{' at ' + '.'.join(inner) if inner else ''}: {what(e)}")
+        message = "matches none of its accepted types (" + "; ".join(first.values()) + ")"
+    else:
+        message = what(errors[0])
+    return f"invalid request: {where}: {message}" if where else f"invalid request: {message}", where
+
+
 async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future, streamer, max_new: int,
                   completion_id: str, model_name: str, cancel: threading.Event, timeout_s: float,
                   body: ChatCompletionRequest, parser: ReplyParser | None = None):
@@ -302,7 +328,7 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn: Turn, future
         # Log-probabilities come with the last chunk, all of them: the text streamer's pieces are not tokens.
         yield event(chunk(Delta(), engine.finish_reason(reply, max_new, parser),
                           chat_logprobs(engine.pipeline.tokenizer, reply), attnstore=store_info(turn, reply)))
-        if (body.stream_options or {}).get("include_usage"):
+        if body.stream_options is not None and body.stream_options.include_usage:
             yield event(ChatCompletionChunk(id=completion_id, model=model_name, choices=[], usage=usage_of(turn, reply)))
         yield "data: [DONE]\n\n"
         finished = True

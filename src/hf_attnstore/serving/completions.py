@@ -21,20 +21,19 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from .engine import ChatEngine, Overloaded
 from .handling import APIError, check_model, generate_options, sse_timeout, store_info, usage_of, wait_reply
 from .metrics import ServerMetrics
 from .pipeline import PipelineClosed
-from .protocol import RequestLimits, error_body, surrogate_at
+from .openai_schema import OpenAIRequest
+from .protocol import RequestLimits, StreamOptions, error_body, surrogate_at
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class CompletionRequest(OpenAIRequest):
     model: str
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=1)
@@ -42,7 +41,7 @@ class CompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=1)
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -246,7 +245,7 @@ async def _stream(engine: ChatEngine, metrics: ServerMetrics, turn, future, stre
                        _logprobs(engine.pipeline.tokenizer, reply, len(echo)))
         last["attnstore"] = store_info(turn, reply).model_dump()
         yield event(last)
-        if (body.stream_options or {}).get("include_usage"):
+        if body.stream_options is not None and body.stream_options.include_usage:
             yield event({**_object(completion_id, model_name, "", None), "choices": [],
                          "usage": usage_of(turn, reply).model_dump()})
         yield "data: [DONE]\n\n"

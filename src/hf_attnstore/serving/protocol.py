@@ -6,11 +6,13 @@ when they would change the answer (``n > 1`` with ``stream``, a ``tool_choice`` 
 ``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages, ``n`` (each sample a turn that reuses
 the first one's prompt), ``logprobs`` and ``top_logprobs``, ``frequency_penalty``, ``presence_penalty``,
 ``logit_bias``, ``seed``, ``stop``, ``top_k``), and ignored only when they do not change the answer (OpenAI
-clients send many optional fields: ``metadata``, ``store``, ``service_tier``...). Every size a client gives is bounded by :class:`RequestLimits` (from the
-context window and the server's configuration): over one, a 400 naming the field. Responses carry OpenAI's
-fields, ``usage.prompt_tokens_details.cached_tokens`` included (the prompt tokens whose KV was reused), plus
-an ``attnstore`` object with where the KV came from. ``cache_salt`` (vLLM's field) scopes a request's KV: it is
-reused only by, and only from, requests that send the same salt.
+clients send many optional fields: ``metadata``, ``store``, ``service_tier``...). Fields are typed as OpenAI types
+them (`openai_schema.OpenAIRequest`): an explicit ``null`` is the field not given, and no value is coerced to
+another type (a 400 naming the field); a ``tool_choice`` must name a tool the request offers. Every size a client
+gives is bounded by :class:`RequestLimits` (from the context window and the server's configuration): over one, a
+400 naming the field. Responses carry OpenAI's fields, ``usage.prompt_tokens_details.cached_tokens`` included (the
+prompt tokens whose KV was reused), plus an ``attnstore`` object with where the KV came from. ``cache_salt``
+(vLLM's field) scopes a request's KV: it is reused only by, and only from, requests that send the same salt.
 """
 
 from __future__ import annotations
@@ -21,16 +23,17 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..cache.fingerprint import salted_fingerprint
 from ..store.entry import MAX_SESSION_ID_BYTES
+from .openai_schema import OpenAIRequest, check_tool_choice
 
 if TYPE_CHECKING:
     from .pipeline import ChatPipeline
 
 
-class TextPart(BaseModel):
+class TextPart(OpenAIRequest):
     type: Literal["text"]
     text: str
 
@@ -38,7 +41,7 @@ class TextPart(BaseModel):
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(OpenAIRequest):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
@@ -61,19 +64,15 @@ def json_object_text(arguments: str) -> str:
     return arguments
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(OpenAIRequest):
     """A tool call of an assistant message in the history (one the server returned, sent back)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class FunctionDef(OpenAIRequest):
     name: str
     description: str | None = None
     parameters: dict | None = None
@@ -86,10 +85,8 @@ class FunctionDef(BaseModel):
         return name
 
 
-class ToolDef(BaseModel):
+class ToolDef(OpenAIRequest):
     """A tool the model may call (OpenAI's chat-completions form)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     type: Literal["function"]
     function: FunctionDef
@@ -99,9 +96,7 @@ class ToolDef(BaseModel):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(OpenAIRequest):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
@@ -145,9 +140,29 @@ class ChatMessage(BaseModel):
         return len(self.text()) + calls
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class StreamOptions(OpenAIRequest):
+    """``stream_options`` (chat completions and completions)."""
 
+    include_usage: bool = False  # a last chunk with the usage
+
+
+class _FunctionName(OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequest):
+    """A ``tool_choice`` that names a function, in the chat-completions form."""
+
+    type: Literal["function"]
+    function: _FunctionName
+
+
+# What `unsupported` says of a `tool_choice` that forces or restricts the calls (chat completions and Responses).
+FORCING_TOOL_CHOICE = ("`tool_choice` other than \"auto\" or \"none\" (\"required\", a named function, allowed "
+                       "tools) needs constrained decoding, which this server does not do: use \"auto\" or \"none\"")
+
+
+class ChatCompletionRequest(OpenAIRequest):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
@@ -163,7 +178,7 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # vLLM's: KV is shared only between requests with the same salt
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -171,6 +186,11 @@ class ChatCompletionRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=1)  # vLLM's and llama.cpp's extension (sampling only)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range; needs `logprobs`
     response_format: dict | None = None
+    # OpenAI's fields that would change the answer and are not implemented: typed, and refused (`unsupported`).
+    functions: list[dict] | None = None  # deprecated function calling (`tools` replaced it)
+    function_call: Literal["none", "auto"] | dict | None = None
+    audio: dict | None = None  # audio output
+    modalities: list[Literal["text", "audio"]] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -180,13 +200,23 @@ class ChatCompletionRequest(BaseModel):
                              "assistant's reply)")
         return messages
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_offered(cls, choice, info: ValidationInfo):
+        tools = info.data.get("tools")  # validated before it (declared before it)
+        return check_tool_choice(choice, tools, [tool.function.name for tool in tools or ()], _chat_named)
+
     def unsupported(self) -> tuple[str, str] | None:
         """The first requested feature this server does not implement, as (field, what), or None."""
         if self.n > 1 and self.stream:
             return "n", "`n` > 1 with `stream`"
         if self.tools and self.tool_choice not in (None, "auto", "none"):
-            return "tool_choice", ("`tool_choice` that forces a call (\"required\" or a named function) needs "
-                                   "constrained decoding, which this server does not do: use \"auto\" or \"none\"")
+            return "tool_choice", FORCING_TOOL_CHOICE
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            field = "functions" if self.functions else "function_call"
+            return field, f"`{field}` (deprecated function calling; send the functions as `tools`)"
+        if self.audio is not None or "audio" in (self.modalities or ()):
+            return ("audio" if self.audio is not None else "modalities"), "audio output"
         return None
 
     def json_schema(self) -> tuple[bool, dict | None]:
@@ -211,6 +241,14 @@ class ChatCompletionRequest(BaseModel):
         if not self.stop:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def _chat_named(choice: dict) -> str:
+    """The function a chat-completions ``tool_choice`` names (ValueError for a malformed one)."""
+    try:
+        return NamedToolChoice.model_validate(choice).function.name
+    except ValidationError:
+        raise ValueError('a named `tool_choice` is {"type": "function", "function": {"name": ...}}') from None
 
 
 # Default request limits that do not come from the context window.

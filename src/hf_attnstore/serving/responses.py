@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..store.entry import validate_session_id
-from .protocol import ChatCompletionRequest, ChatMessage, ToolDef, json_object_text
+from .openai_schema import OpenAIRequest, check_tool_choice
+from .protocol import FORCING_TOOL_CHOICE, ChatCompletionRequest, ChatMessage, ToolDef, json_object_text
 
 logger = logging.getLogger(__name__)
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
@@ -49,14 +50,12 @@ def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-class InputText(BaseModel):
+class InputText(OpenAIRequest):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
-class MessageItem(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class MessageItem(OpenAIRequest):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputText]
@@ -65,9 +64,7 @@ class MessageItem(BaseModel):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class FunctionCallItem(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class FunctionCallItem(OpenAIRequest):
     type: Literal["function_call"]
     call_id: str
     name: str
@@ -79,9 +76,7 @@ class FunctionCallItem(BaseModel):
         return json_object_text(arguments)
 
 
-class FunctionCallOutputItem(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class FunctionCallOutputItem(OpenAIRequest):
     type: Literal["function_call_output"]
     call_id: str
     output: str
@@ -90,10 +85,8 @@ class FunctionCallOutputItem(BaseModel):
 Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem]
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(OpenAIRequest):
     """A tool in the Responses form (flat: ``name`` beside ``type``)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     type: Literal["function"]
     name: str
@@ -105,11 +98,16 @@ class FunctionTool(BaseModel):
                                                   "parameters": self.parameters})
 
 
-class ResponsesRequest(BaseModel):
+class FunctionToolChoice(OpenAIRequest):
+    """A ``tool_choice`` that names a function, in the Responses form (flat)."""
+
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(OpenAIRequest):
     """``POST /v1/responses``: the fields this server reads. Fields that would change the answer and are not
     implemented are refused by name (`unsupported`)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     input: str | list[Item] = Field(min_length=1)
@@ -144,6 +142,13 @@ class ResponsesRequest(BaseModel):
                              and "role" in item else item for item in data["input"]]
         return data
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_offered(cls, choice, info: ValidationInfo):
+        tools = info.data.get("tools")  # validated before it (declared before it)
+        functions = [tool.get("name") for tool in tools or () if tool.get("type") == "function"]
+        return check_tool_choice(choice, tools, [f for f in functions if isinstance(f, str)], _named)
+
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, metadata):
@@ -170,6 +175,8 @@ class ResponsesRequest(BaseModel):
         for i, tool in enumerate(self.tools or ()):
             if tool.get("type") != "function":
                 return f"tools.{i}.type", f"tools of type {str(tool.get('type'))[:50]!r} (only functions)"
+        if self.tools and self.tool_choice not in (None, "auto", "none"):
+            return "tool_choice", FORCING_TOOL_CHOICE
         return None
 
     def chat_tools(self) -> list[ToolDef] | None:
@@ -204,6 +211,14 @@ class ResponsesRequest(BaseModel):
             else:
                 out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
         return out
+
+
+def _named(choice: dict) -> str:
+    """The function a Responses ``tool_choice`` names (ValueError for a malformed one)."""
+    try:
+        return FunctionToolChoice.model_validate(choice).name
+    except ValidationError:
+        raise ValueError('a named `tool_choice` is {"type": "function", "name": ...}') from None
 
 
 @dataclass
