@@ -7,14 +7,16 @@ Each test reproduces a way a flushed session used to be lost; each failed before
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
+import torch
 
 from hf_attnstore.store import AttnStore, StoreIOError
 from hf_attnstore.store import disk as disk_module
 from hf_attnstore.store.redis_server import RedisServer
 
-from .kvdata import FP, expect, write_turn
+from .kvdata import FP, expect, kv, layer_of, write_turn
 from .test_faults import disk_usage
 
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=4, remote_timeout_s=2)
@@ -221,3 +223,160 @@ def test_a_redis_restart_between_turns_is_refilled_without_a_new_turn(tmp_path):
         a.close()
     finally:
         server.stop()
+
+
+# -- found by an adversarial review of the above -----------------------------------------------------------------
+def test_a_cut_session_whose_next_save_fails_keeps_the_copy_on_disk(tmp_path, monkeypatch):
+    """A regenerated reply cuts a session flushed at 100 tokens to 50, and the next save fails: the chunks the
+    manifest on disk still names stay (they were collected as no longer the session's, and a reopen found the
+    copy damaged)."""
+    kvdir = tmp_path / "kv"
+    ids = list(range(1, 101))
+    store = local(kvdir)
+    write_turn(store, "a", ids)
+    store.flush()
+    base = store.lookup("a", FP)
+
+    def enospc(fd, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk_module, "_write_bytes", enospc)
+    with store.open_turn("a", FP, base, torch.arange(50)) as writer:
+        writer.append(torch.tensor([7000, 7001]), *kv([7000, 7001]))
+    with pytest.raises(StoreIOError):
+        store.flush()
+    monkeypatch.undo()
+    store.close(flush=False)
+    with local(kvdir) as again:
+        assert reused(again, "a", ids) == 100
+
+
+def test_a_refused_save_of_a_replaced_entry_leaves_the_new_history_to_be_written(tmp_path, monkeypatch):
+    """A save refused as too large finishes after its session was replaced by a new history that fits: the new
+    entry stays pending (flush() writes it), not forgotten as the refused one."""
+    from hf_attnstore.store.saver import SavePlanner
+
+    kvdir = tmp_path / "kv"
+    store = local(kvdir, disk_bytes=30 * 4096, idle_flush_s=60, chunk_tokens=64)
+    gate, entered, real = threading.Event(), threading.Event(), SavePlanner.reserve
+
+    def held(self, *args, **kwargs):
+        entered.set()
+        assert gate.wait(10)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(SavePlanner, "reserve", held)
+    write_turn(store, "a", list(range(1, 2001)))  # far larger than 30 blocks
+    errors = []
+    flusher = threading.Thread(target=lambda: errors.append(_raises(lambda: store.flush(timeout=5))))
+    flusher.start()
+    assert entered.wait(10)
+    new = list(range(9000, 9040))
+    write_turn(store, "a", new)
+    gate.set()
+    flusher.join(20)
+    monkeypatch.undo()
+    store.flush()
+    store.close(flush=False)
+    with local(kvdir, disk_bytes=30 * 4096, chunk_tokens=64) as again:
+        assert reused(again, "a", new) == 40
+
+
+def test_a_session_deleted_and_started_again_during_a_save_inherits_nothing(tmp_path, monkeypatch):
+    kvdir = tmp_path / "kv"
+    store = local(kvdir, idle_flush_s=60, chunk_tokens=64)
+    gate, entered, real = threading.Event(), threading.Event(), disk_module._write_bytes
+
+    def held(fd, data):
+        entered.set()
+        assert gate.wait(10)
+        real(fd, data)
+
+    monkeypatch.setattr(disk_module, "_write_bytes", held)
+    old = list(range(1, 201))
+    write_turn(store, "a", old)
+    flusher = threading.Thread(target=store.flush)
+    flusher.start()
+    assert entered.wait(10)
+    store.delete("a")
+    write_turn(store, "a", [7, 8, 9])  # another session under the same id
+    gate.set()
+    flusher.join(20)
+
+    def eio(fd, data):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(disk_module, "_write_bytes", eio)
+    store.evict("a")  # its demotion fails: the host copy goes, and nothing of the deleted session comes back
+    deadline = time.monotonic() + 10
+    while store.tier_of("a", FP) == "host" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert store.token_ids("a", FP) is None
+    assert store.stats().disk_bytes_used == disk_usage(kvdir)
+    monkeypatch.undo()
+    write_turn(store, "a", [7, 8, 9])
+    store.flush()
+    store.close()
+    with local(kvdir, chunk_tokens=64) as again:
+        assert reused(again, "a", [7, 8, 9]) == 3
+
+
+def test_a_session_deleted_while_its_mirror_copy_is_written_is_not_resurrected(tmp_path, monkeypatch):
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        ids = list(range(1, 61))
+        a = local(tmp_path / "a", remote=server.url)
+        entered, real = threading.Event(), disk_module._write_bytes
+
+        def slow(fd, data):
+            entered.set()
+            time.sleep(0.05)
+            real(fd, data)
+
+        monkeypatch.setattr(disk_module, "_write_bytes", slow)
+        write_turn(a, "s", ids)
+        flusher = threading.Thread(target=lambda: _raises(a.flush))
+        flusher.start()
+        assert entered.wait(10)
+        assert a.delete("s")
+        flusher.join(30)
+        monkeypatch.undo()
+        a.flush()
+        with local(tmp_path / "b", remote=server.url) as b:
+            assert reused(b, "s", ids) == 0
+        a.close()
+    finally:
+        server.stop()
+
+
+def test_a_remote_copy_adopted_over_a_new_history_that_fails_to_load_keeps_the_older_copy(tmp_path, monkeypatch):
+    from hf_attnstore.store import remote as remote_module
+    from hf_attnstore.store.format import FormatError
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        old = list(range(1, 101))
+        a = local(tmp_path / "a", remote=server.url, idle_flush_s=60, chunk_tokens=64)
+        write_turn(a, "s", old)
+        a.flush()
+        write_turn(a, "s", [999] + old[1:20])  # a new history, not written yet
+        with local(tmp_path / "b", remote=server.url) as b:  # another replica writes a longer copy
+            write_turn(b, "s", list(range(5000, 5200)), seed=7.0)
+        real = remote_module.RemoteTier.get
+
+        def get(self, key, chunk, owner=""):
+            if threading.current_thread().name == "attnstore-load":
+                raise FormatError("evicted between the lookup and the load")
+            return real(self, key, chunk, owner)
+
+        monkeypatch.setattr(remote_module.RemoteTier, "get", get)
+        snap = a.lookup("s", FP)
+        assert snap is not None and snap.tier == "remote"
+        with pytest.raises(Exception):
+            layer_of(snap, 0)
+        monkeypatch.undo()
+        a.close(flush=False)
+    finally:
+        server.stop()
+    with local(tmp_path / "a", chunk_tokens=64) as again:
+        assert reused(again, "s", old) == 100

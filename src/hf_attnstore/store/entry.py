@@ -85,6 +85,7 @@ class Entry:
     # Another history's durable copy this entry was handed (`Index.hand_over`) and keeps on disk until its own copy
     # is durable: what the session is again if the new history's host copy goes first (`Index.release_host`).
     predecessor: Manifest | None = None
+    successor: "Entry | None" = None  # the entry this one handed its files to (`Index.hand_over`)
     refused: tuple | None = None  # a remote copy that failed to verify or load (`remote_signature`): not retried
     mirrored: set = field(default_factory=set)  # digests of chunks this store put in the remote tier
     layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads

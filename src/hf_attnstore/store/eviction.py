@@ -21,6 +21,11 @@ class NoDiskRoom(Exception):
     """A write would take the disk tier over `disk_bytes` even after evicting every other session."""
 
 
+class DiskBusy(OSError):
+    """A write does not fit now because the sessions that would make room are being read or written: a failed
+    write, retried (with back-off, and at once by a flush), not a refusal."""
+
+
 class Eviction:
     """Host demotion and the disk limit, over the store's index (see the module docstring).
 
@@ -182,9 +187,11 @@ class Eviction:
         if self.disk is None:
             return 0  # saved to the remote tier: its memory is Redis's to limit (maxmemory), not `disk_bytes`
         size = nbytes if exact else blocks(nbytes)
+        busy = False
         with self.index.cond:
-            fits = self.index.disk_used - self.index.deleting + size - self.evictable_bytes(e) \
-                <= self.config.disk_bytes
+            over = self.index.disk_used - self.index.deleting + size - self.config.disk_bytes
+            fits = over <= self.evictable_bytes(e)
+            busy = not fits and over <= self.evictable_bytes(e, pinned=True)
             if fits:
                 self.index.disk_used += size
                 fits = self.enforce_disk(e)
@@ -192,19 +199,23 @@ class Eviction:
                     self.index.disk_used -= size
             deletes = self.index.take_deletes()
         self.run_deletes(deletes)
+        if busy:
+            raise DiskBusy(f"session {e.key[1]!r} does not fit in the disk tier while the sessions that would make "
+                           "room for it are being read or written; retried")
         if not fits:
             raise NoDiskRoom(f"session {e.key[1]!r} is larger than the disk tier (`disk_bytes` "
                              f"{self.config.disk_bytes}) next to the sessions that cannot leave it")
         return size
 
-    def evictable_bytes(self, current: Entry) -> int:
-        """The disk bytes dropping every other session's copy that may go now would free (lock held): copies
-        that are not pinned, and shared files all of whose names are in them."""
+    def evictable_bytes(self, current: Entry, pinned: bool = False) -> int:
+        """The disk bytes dropping every other session's copy that may go now would free (lock held): copies that
+        are not pinned (`pinned`: those being loaded too, once their loads end; the other pins are the running
+        save's own, its links' sources), and shared files all of whose names are in them."""
         entries, gone = self.index.entries, set()
         total = 0
         for key in self.index.disk_policy.victims():
             e = entries.get(key)
-            if e is not None and e is not current and e.pins == 0:
+            if e is not None and e is not current and (e.pins == 0 or pinned and e.loading is not None):
                 total += e.disk_bytes
                 gone.add(key)
         for nbytes, names in self.index.linked.values():

@@ -197,8 +197,9 @@ class Index:
         """Gives the session's new entry `n` the disk files of its old entry `e` (out of the index), deleting
         none (lock held). The folder's manifest stays `e`'s, a valid older copy of the session (what a crash
         leaves), until `n`'s first save writes its own over it and collects `e`'s files; a failed save of `n`
-        keeps them (`n.chunks` names them, see saver.py `files_to_keep`). Only when the disk tier has no other
-        room for `n`'s save do they go first (`Eviction.reserve_disk`)."""
+        keeps them (`n.chunks` names them, see saver.py `files_to_keep`), and if `n`'s host copy goes before its own
+        copy is durable, the older copy is the session again (`release_host`). They never go to make room for
+        `n`'s save (`Eviction.reserve_disk`): the durable copy stays until its successor is durable."""
         if e.manifest is not None:
             names = {s.chunk for s in e.manifest.spans} | ({e.manifest.state.name} if e.manifest.state else set())
             n.chunks = {name: e.chunks.get(name, (e.files.get(name, 0), 0)) for name in names}
@@ -207,11 +208,25 @@ class Index:
         n.files, n.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
         n.linked, e.linked = e.linked, {}
         n.predecessor = e.manifest if e.manifest is not None else e.predecessor
+        e.successor = n
 
-    def inherit(self, n: Entry, manifest: Manifest | None, made: dict, manifest_size: int, kept: set) -> None:
+    def heir(self, e: Entry) -> Entry | None:
+        """The indexed entry `e` handed its files to, directly or through later hand-overs, or None (lock held): not
+        any entry of the same key (a session deleted, then started again, is another session)."""
+        n = e.successor
+        while n is not None and self.entries.get(n.key) is not n:
+            n = n.successor
+        return n
+
+    def inherit(self, n: Entry, manifest: Manifest | None, made: dict, manifest_size: int, kept: set,
+                linked: dict) -> None:
         """A save of the entry `n` replaced (`hand_over`) finished after the hand-over: the files it made that stay
         (`kept`) are `n`'s to count and collect, and if its `manifest` landed, that is the older copy `n` keeps
-        (lock held)."""
+        (lock held). `linked`: those that are links of another session's files (name -> (bytes, tokens, identity,
+        source, its name)), counted once with their family."""
+        for name, (size, _, inode, source, source_name) in linked.items():
+            if name in kept:
+                self.add_link(n, name, inode, size, source, source_name)
         files = {**n.files, **{name: size for name, (size, _) in made.items() if name in kept}}
         if manifest is not None and n.manifest is None:
             n.chunks = {name: made.get(name) or n.chunks.get(name, (files.get(name, 0), 0))

@@ -426,7 +426,11 @@ class LoadPlanner:
                 self.index.once.warning("load", "%s tier: session %r could not be loaded (%s); it is removed and will "
                                    "be recomputed", job.tier.name, e.key[1], error)
                 if self.index.entries.get(e.key) is e:
-                    self.index.drop(e)
+                    if e.manifest is None and e.predecessor is not None:
+                        e.remote = None  # a remote copy adopted over an unsaved new history: the older copy stays
+                        self.index.release_host(e)
+                    else:
+                        self.index.drop(e)
             elif (job.origin or job.manifest) is e.remote and self.index.entries.get(e.key) is e:
                 # Found remotely, local now: written to disk behind the turn, like a session the turn computed.
                 # Not while leading chunks left to the turn are missing from the buffer: `AttnStore.fill_head`

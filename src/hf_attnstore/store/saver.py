@@ -198,9 +198,10 @@ class SaveThread:
                     encoded.append((a, (self._host_copy(job, ids, blobs, inexact), 0, b - a)))
                 name = digest if self.tier.content_addressed else f"{next_chunk:08d}"
                 next_chunk += 1
-                if a == start:
+                if a == start and not self.sparse_copies:
                     # All of it is reserved first: a session that cannot fit even once every other copy that may go
-                    # has gone is refused (NoDiskRoom) before anything is evicted for it.
+                    # has gone is refused (NoDiskRoom) before anything is evicted for it. (Not for sparse cold
+                    # copies: a thin chunk's size is known once its selection is, so each reserves its own.)
                     payload = chunk_payload_bytes(job.snap.source.geometry, job.snap.source.dtype, b - a,
                                                   self.codec if blobs is not None else None)
                     budget.prepay(self._bound(job, start, len(spans), max(0, len(data) - payload)))
@@ -322,6 +323,9 @@ class SaveThread:
                         result.mirror_bytes += future.result(self.timeout_s)
                         result.mirrored.add(digest)
                     result.mirror_bytes += self.mirror.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
+            if manifest is not None and not self.planner.indexed(job.entry):
+                # Deleted while its manifest was being put: the deletion's own removal may have run first.
+                self.mirror.remove(key)
         except Exception as exc:  # the mirror is a copy: the session stays durable on `tier`
             result.mirror_error = exc
             for digest, future in copies:
@@ -379,6 +383,11 @@ class SavePlanner:
         self.refill = Refill(index, mirror=mirror is not None)
         self.thread = SaveThread(self, lower, config.chunk_tokens, config.io_timeout_s, mirror=mirror)
 
+    def indexed(self, e: Entry) -> bool:
+        """Whether the entry is still the session's, or handed its files to the one that is (not deleted)."""
+        with self.index.lock:
+            return self.index.entries.get(e.key) is e or self.index.heir(e) is not None
+
     def check_lost(self) -> None:
         """Whether a remote tier lost its data, asked now (a flush, on its caller's thread): see refill.py."""
         self.thread.check_lost()
@@ -404,12 +413,13 @@ class SavePlanner:
                 deletes = self.index.take_deletes()
                 e = self.next_save()
                 job = self.save_job(e) if e is not None else None
-                if job is None:
+                if self.index.closed:
+                    self.index.remirror.clear()  # closing: copies for other replicas are not waited for
+                elif job is None:
                     job = self.refill.next_job()  # sessions to copy again to a mirror that lost them
                 if deletes or job is not None:
                     return deletes, job
                 if self.index.closed and (not self.index.dirty or e is None):
-                    self.index.remirror.clear()
                     return None  # closed, with nothing (or only failed writes, close(flush=False)) left
                 self.index.cond.wait(timeout=self.config.idle_flush_s / 2)
                 self.index.expire()
@@ -528,11 +538,15 @@ class SavePlanner:
             e = job.entry
             keep = _names(manifest)
             if manifest is None or e.generation != job.generation:
-                keep |= set(e.chunks) | _names(e.manifest)
-            successor = self.index.entries.get(e.key)
-            if successor is not None and successor is not e:
-                keep |= set(successor.files) | set(successor.chunks)
-            return keep, successor is not None
+                # The manifest on disk is still the one before this job (or names files the cut entry's selection
+                # no longer does): every file the entry holds stays, collected by its next save that lands.
+                keep |= set(e.chunks) | _names(e.manifest) | set(e.files)
+            if self.index.entries.get(e.key) is e:
+                return keep, True
+            heir = self.index.heir(e)
+            if heir is not None:
+                keep |= set(heir.files) | set(heir.chunks)
+            return keep, heir is not None
 
     def thread_error(self, exc: BaseException) -> None:
         with self.index.cond:
@@ -560,11 +574,12 @@ class SavePlanner:
                         # A shared file whose other names were deleted meanwhile (`delete`) is counted now: room.
                         self.eviction.enforce_disk(e)
                 e.mirrored |= result.mirrored
-            elif self.disk is not None and self.index.entries.get(e.key) is not None:
+            elif self.disk is not None and self.index.heir(e) is not None:
                 # Replaced by another history while this save ran: what it made durable is the older copy the new
                 # entry keeps until its own is durable (a crash meanwhile leaves this one).
                 made = {**result.new_chunks, **{n: link[:2] for n, link in result.linked.items()}}
-                self.index.inherit(self.index.entries[e.key], result.manifest, made, result.manifest_size, result.keep)
+                self.index.inherit(self.index.heir(e), result.manifest, made, result.manifest_size, result.keep,
+                                   result.linked)
             self.index.stats.remote_bytes_written += result.mirror_bytes
             if result.mirror_error is not None:
                 self.index.stats.remote_errors += 1
@@ -585,9 +600,9 @@ class SavePlanner:
                 self.index.stats.rejected_too_large += 1
                 self.index.once.warning("disk_too_large", "session %r is larger than the disk tier: what is not durable "
                                         "is kept in memory only", e.key[1])
-                self.index.dirty.discard(e.key)
                 demoting = e.write is Write.DEMOTE
                 if current:
+                    self.index.dirty.discard(e.key)  # (not a newer entry's: it is another history, to be written)
                     e.write, e.last_error = Write.NEVER, error  # not retried until its next turn
                     if demoting and e.pins == 0 and not e.writers:
                         self.index.stats.host_drops += 1
