@@ -509,10 +509,13 @@ class AttnStore:
         """Waits until every session is durable on disk, or in the remote tier when there is no disk tier
         (a no-op without either), and the deletions queued before it (`delete`, eviction) are done.
 
-        Writes that failed earlier (full disk, I/O error) are retried once now.
+        Writes that failed earlier (full disk, I/O error) are retried once now. A remote tier that lost its data
+        (a restarted Redis) is noticed here, and the sessions it lost are written again before this returns.
 
         Raises:
-            StoreIOError: Some sessions are still not durable after the retry; the message names them. They
+            StoreIOError: Some sessions are still not durable after the retry, or were refused as larger than
+                the disk tier can hold next to what cannot leave it (not retried until their next turn); the
+                message names them. They
                 keep being served from host memory, stay pending (a later flush retries them), and their
                 failed state never became visible on disk.
             TimeoutError: Not durable within `timeout` seconds.
