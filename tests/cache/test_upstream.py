@@ -89,6 +89,44 @@ def test_generic_prepare_inputs_takes_the_cache():
             f"the generic version no longer hands the cache on (got keys {sorted(inputs)})")
 
 
+def test_assisted_generation_builds_its_drafter_first_then_feeds_the_whole_sequence():
+    """speculative.py: assisted generation builds its drafter with `_get_candidate_generator(model_kwargs=...,
+    generation_config=..., assistant_model=...)` on the model before any forward (where a turn refuses a mode it cannot
+    roll back), and its first forward hands `prepare_inputs_for_generation` the whole sequence with
+    `next_sequence_length=None` (where our cache's reused tokens are sliced off), which feeds the last
+    `next_sequence_length` ids when given."""
+    model = make_tiny("llama")
+    cache = upstream.DynamicCache(config=model.config)
+    events = []
+    build, prepare = getattr(model, upstream.CANDIDATE_GENERATOR), model.prepare_inputs_for_generation
+
+    def spy_build(*args, **kwargs):
+        generator = build(*args, **kwargs)
+        events.append(("build", upstream.cache_from(kwargs.get("model_kwargs") or {}) is cache,
+                       kwargs.get("generation_config") is not None and "assistant_model" in kwargs,
+                       hasattr(generator, "requires_model_outputs")))
+        return generator
+
+    def spy_prepare(input_ids, *args, **kwargs):
+        events.append(("prepare", input_ids.shape[1], kwargs.get("next_sequence_length", "absent")))
+        return prepare(input_ids, *args, **kwargs)
+
+    setattr(model, upstream.CANDIDATE_GENERATOR, spy_build)
+    model.prepare_inputs_for_generation = spy_prepare
+    ids = random_ids(6, 4)
+    model.generate(ids, **upstream.cache_kwargs(cache), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                   prompt_lookup_num_tokens=2)
+    require(events[0] == ("build", True, True, True),
+            f"GenerationMixin.{upstream.CANDIDATE_GENERATOR}(model_kwargs=, generation_config=, assistant_model=)",
+            f"assisted generation no longer builds its drafter first, so, on the model (events: {events[:2]})")
+    first = events[1]
+    require(first[0] == "prepare" and first[1] >= 6 and first[2] is None, "_assisted_decoding's first forward",
+            f"it no longer passes the whole sequence with `next_sequence_length=None` (got {first})")
+    inputs = prepare(ids, next_sequence_length=2, **upstream.cache_kwargs(upstream.DynamicCache(config=model.config)))
+    require(torch.equal(inputs["input_ids"], ids[:, -2:]), "prepare_inputs_for_generation(next_sequence_length=)",
+            "it no longer feeds the last `next_sequence_length` ids")
+
+
 def test_cache_takes_prebuilt_layers_and_dynamic_layer_contract():
     layer = upstream.DynamicLayer()
     cache = upstream.Cache(layers=[layer])

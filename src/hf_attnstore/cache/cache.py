@@ -153,8 +153,7 @@ class AttnStoreCache(DynamicCache):
         if self.turn.turn_end.has_state and self.turn.turn_end.writer is not None:
             weakref.finalize(self, self.turn.turn_end)  # a hybrid's states are kept also when the cache is dropped
         install_hooks(model)
-        if self.turn.length_dependent:
-            install_generation_hook(model)
+        install_generation_hook(model)
 
     # What the turn planned and did (read-only here; see Turn).
     input_ids = _from_turn("input_ids", "The ids to pass to `generate`/`forward` (truncated on overflow).")
@@ -264,6 +263,8 @@ class AttnStoreCache(DynamicCache):
 
     # -- operations a single-session cache does not support -------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last tokens (assisted generation rejecting drafts; a negative count removes that many): from
+        the layers, and from the session in the store (see cache/speculative.py)."""
         super().crop(tokens_to_remove)
         self.turn.cropped(self.get_seq_length())
 

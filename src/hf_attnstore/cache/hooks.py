@@ -8,10 +8,14 @@ file found by its checksum after earlier layers already used their KV), the wrap
 over the whole prompt without the store, so the caller gets correct output and a miss, never an error.
 The wrapper is installed once per model and passes straight through for any other cache.
 
-phi3 also overrides `prepare_inputs_for_generation` to drop the cache and recompute everything when a sequence
-first grows past `original_max_position_embeddings` (where longrope switches to its long factors). With this
-cache, KV of the long regime is stored apart and reused exactly (rope.RopeAdapter.regime), so that override is
-bypassed while a turn stays in its regime, and left to run (after the cache stops saving) where it crosses.
+`generate` itself is wrapped at two points (`install_generation_hook`), for this cache only:
+`prepare_inputs_for_generation` feeds assisted generation's first forward only the ids after the cache's tokens, and
+`_get_candidate_generator` lets the turn refuse, before any forward, a drafting mode it cannot roll back (both in
+speculative.py). phi3 also overrides `prepare_inputs_for_generation` to drop the cache and recompute everything
+when a sequence first grows past `original_max_position_embeddings` (where longrope switches to its long factors).
+With this cache, KV of the long regime is stored apart and reused exactly (rope.RopeAdapter.regime), so that
+override is bypassed while a turn stays in its regime, and left to run (after the cache stops saving) where it
+crosses.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import functools
 
 from torch import nn
 
-from . import upstream
+from . import speculative, upstream
 
 _HOOK_ATTR = "_hf_attnstore_original_forward"
 _PREPARE_ATTR = "_hf_attnstore_original_prepare"
+_CANDIDATES_ATTR = "_hf_attnstore_original_candidates"
 # Model types whose `prepare_inputs_for_generation` recomputes the whole sequence when longrope switches regime.
 _REGIME_SWITCHING = frozenset({"phi3"})
 
@@ -70,16 +75,22 @@ def install_hooks(model: nn.Module) -> None:
 
 
 def install_generation_hook(model: nn.Module) -> None:
-    """Wraps the `prepare_inputs_for_generation` of models that switch RoPE regimes there (phi3), once."""
-    if model.config.model_type not in _REGIME_SWITCHING or getattr(model, _PREPARE_ATTR, None) is not None:
+    """Wraps the model's `prepare_inputs_for_generation` and `_get_candidate_generator` once (module docstring)."""
+    if getattr(model, _PREPARE_ATTR, None) is not None:
         return
     own = model.prepare_inputs_for_generation
     generic = upstream.generic_prepare_inputs(model)
+    switching = model.config.model_type in _REGIME_SWITCHING
 
     @functools.wraps(own)
     def prepare(input_ids, *args, **kwargs):
         cache = _cache_of(kwargs)
-        if cache is None or not cache.turn.length_dependent:
+        if cache is None:
+            return own(input_ids, *args, **kwargs)
+        fed = None if args else speculative.feed_length(cache, input_ids, kwargs)
+        if fed is not None:
+            kwargs["next_sequence_length"] = fed
+        if not switching or not cache.turn.length_dependent:
             return own(input_ids, *args, **kwargs)
         if cache.turn.regime_of(input_ids.shape[1]) != cache.regime:
             cache.turn.leave_regime()  # the model's override recomputes the sequence without this cache
@@ -88,3 +99,19 @@ def install_generation_hook(model: nn.Module) -> None:
 
     model.prepare_inputs_for_generation = prepare
     setattr(model, _PREPARE_ATTR, own)
+
+    candidates = getattr(model, upstream.CANDIDATE_GENERATOR, None)
+    if candidates is None:  # moved upstream (tests/cache/test_upstream.py names it): plain decoding still works
+        return
+
+    @functools.wraps(candidates)
+    def build_candidates(*args, **kwargs):
+        generator = candidates(*args, **kwargs)
+        cache = _cache_of(kwargs.get("model_kwargs") or {})
+        if cache is not None:
+            speculative.check_drafting(cache.turn, generator, kwargs.get("generation_config"),
+                                       kwargs.get("assistant_model"))
+        return generator
+
+    setattr(model, upstream.CANDIDATE_GENERATOR, build_candidates)
+    setattr(model, _CANDIDATES_ATTR, candidates)

@@ -262,6 +262,9 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         columns: ``[kv_heads, K]`` session positions of the K keys the layer holds (per head).
     """
 
+    # A selection cannot be put back as it was before a forward (`crop` refuses): transformers then never relies on it.
+    is_croppable = False
+
     def __init__(self, owner: "Turn", slot: int, reused: int, config: SparseConfig):
         AttnStoreLayer.__init__(self, owner, slot, reused)
         self.config = config

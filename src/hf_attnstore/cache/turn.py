@@ -620,7 +620,8 @@ class Turn:
         batch, length = x.shape[0], x.shape[1]
         self._fwd_input_len = length
         if batch != 1:
-            raise ValueError(f"AttnStoreCache supports batch size 1, got a forward with batch {batch}")
+            raise ValueError(f"AttnStoreCache supports batch size 1, got a forward with batch {batch}: one session "
+                             "per cache, so no beam search (`num_beams=1`) and `num_return_sequences=1`")
         past = self._cache().get_seq_length()
         self._clock.collect()
         if self._snapshot is None and self.scorer is None and self.sparse is None:
@@ -773,12 +774,19 @@ class Turn:
         self._clock.collect()
 
     def cropped(self, total: int) -> None:
-        """The cache was cropped to `total` tokens (assisted decoding rejected some): the session follows."""
-        kept = total - self.reused_tokens
+        """The cache was cropped to `total` tokens (assisted generation rejected drafts): the session follows, so
+        that the store holds exactly the tokens the model kept (cache/speculative.py)."""
+        kept = max(total - self.reused_tokens, 0)
         fed = torch.cat(self._fed_ids) if self._fed_ids else torch.empty(0, dtype=torch.long)
-        self._fed_ids = [fed[: max(kept, 0)]]
+        self._fed_ids = [fed[:kept]]
+        self.saved_tokens = min(self.saved_tokens, kept)  # the rejected drafts were handed over, then taken back
         if self._writer is not None:
             self._writer.truncate(total)
+        if self.turn_end.has_state:
+            with self.turn_end.lock:
+                # The states are stored labelled with the tokens they summarize: after the crop (which rolled the
+                # layers' convolution states back), the kept ones.
+                self.turn_end.tokens = min(self.turn_end.tokens, total)
 
 
 def _rectangular_prefix(absent: torch.Tensor | None, end: int) -> int:

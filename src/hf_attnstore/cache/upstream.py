@@ -44,9 +44,9 @@ from transformers.cache_utils import (  # noqa: F401  (re-exported: the rest of 
 
 __all__ = ["Cache", "DummyLayer", "DynamicCache", "DynamicLayer", "DynamicSlidingWindowLayer",
            "LinearAttentionCacheLayerMixin", "LinearAttentionLayer", "CACHE_ARG", "CACHE_ARGS", "cache_kwargs",
-           "cache_from", "output_cache", "base_model", "generic_prepare_inputs", "find_rotary", "rope_type",
-           "rope_limit", "layer_types", "tested_range_warning", "warn_if_untested", "decoding_plan", "GENERATE_ARGS",
-           "response_template", "register_attention", "sdpa_attention", "attention_implementation",
+           "cache_from", "output_cache", "base_model", "generic_prepare_inputs", "CANDIDATE_GENERATOR", "find_rotary",
+           "rope_type", "rope_limit", "layer_types", "tested_range_warning", "warn_if_untested", "decoding_plan",
+           "GENERATE_ARGS", "response_template", "register_attention", "sdpa_attention", "attention_implementation",
            "set_attention_implementation", "eager_attention"]
 
 # The releases this package was tested with, oldest and newest (make test runs the lock's, CI also the newest
@@ -111,6 +111,16 @@ def generic_prepare_inputs(model: nn.Module):
     """`GenerationMixin.prepare_inputs_for_generation` bound to `model`: the generic version, for models that
     override it (phi3 recomputes everything where longrope switches regime; see hooks.py)."""
     return functools.partial(GenerationMixin.prepare_inputs_for_generation, model)
+
+
+# generation/utils.py: assisted generation (`_assisted_decoding`, speculative.py). It builds its drafter with
+# `GenerationMixin._get_candidate_generator(generation_config=..., model_kwargs=..., assistant_model=..., ...)`,
+# called on the model with keyword arguments before any forward (private): wrapping it on the model lets a turn
+# refuse a drafting mode it cannot roll back before anything is computed; the drafter's `requires_model_outputs`
+# says it drafts from the model's hidden states. The first forward then passes the whole sequence with
+# `next_sequence_length=None` to `prepare_inputs_for_generation`, which feeds the last `next_sequence_length` ids
+# when given one (checked by tests/cache/test_upstream.py).
+CANDIDATE_GENERATOR = "_get_candidate_generator"
 
 
 def find_rotary(model: nn.Module) -> nn.Module | None:
