@@ -243,6 +243,11 @@ def _write_sessions(model, root: Path, variant: int) -> tuple[dict[str, torch.Te
     return expected, {session_dirname(fp, sid): sid for sid in expected}
 
 
+def outcome(reused: int, whole: int) -> str:
+    """What a damaged session's resume got: nothing, a verified prefix, or all of it."""
+    return "missed" if not reused else "served whole" if reused >= whole else "served a prefix"
+
+
 def scenario_corruption(model, runs: int, rng: random.Random) -> list[Row]:
     """Each damage on a fresh copy of a closed store's folder. The damaged session may be a clean miss or a
     verified prefix, never wrong; every other session must be served whole (50 tokens)."""
@@ -265,7 +270,7 @@ def scenario_corruption(model, runs: int, rng: random.Random) -> list[Row]:
                     reused = check_sessions(model, store, expected, row, {sid: WRITTEN for sid in expected
                                                                          if sid not in damaged}, may_miss=damaged)
                 for sid in damaged:
-                    hit["missed" if not reused[sid] else "served whole" if reused[sid] >= WRITTEN else "served a prefix"] += 1
+                    hit[outcome(reused[sid], WRITTEN)] += 1
             except Exception as exc:
                 row.crash(exc)
             shutil.rmtree(root, ignore_errors=True)
@@ -373,7 +378,7 @@ def scenario_full_disk(model, turns: int) -> Row:
         return real(fd, data)
 
     disk_module._write_bytes = injected
-    times, expected, durable, errors, refused = [], {}, {}, 0, 0
+    times, expected, durable, acked, errors, refused = [], {}, {}, {}, 0, 0
     try:
         with AttnStore(host_bytes=200_000, disk_dir=str(root), disk_bytes="1MiB", **FAST) as store:
             for step in range(turns):
@@ -386,9 +391,12 @@ def scenario_full_disk(model, turns: int) -> Row:
                 row.runs += 1
                 try:
                     store.flush()
+                    fp = AttnStoreCache.fingerprint_of(model, store)  # acknowledged: what it holds is durable
+                    for sid in store.sessions():
+                        acked[sid] = max(acked.get(sid, 0), store.token_ids(sid, fp).numel())
                 except StoreIOError:
                     refused += 1  # documented: not durable, said so
-            check_sessions(model, store, expected, row)
+            check_sessions(model, store, expected, row, acked)
             errors = store.stats().write_errors
             full[0] = False
             if mounted:
@@ -397,7 +405,8 @@ def scenario_full_disk(model, turns: int) -> Row:
             fp = AttnStoreCache.fingerprint_of(model, store)
             durable = {sid: store.token_ids(sid, fp).numel() for sid in store.sessions()}
         with AttnStore(host_bytes="64MiB", disk_dir=str(root), **FAST) as store:
-            check_sessions(model, store, expected, row, durable)
+            check_sessions(model, store, expected, row,
+                           {sid: max(durable.get(sid, 0), acked.get(sid, 0)) for sid in {*durable, *acked}})
     except Exception as exc:
         row.crash(exc)
     finally:
@@ -411,7 +420,8 @@ def scenario_full_disk(model, turns: int) -> Row:
     bound = (times[len(times) // 2] * FAST["io_timeout_s"]) ** 0.5
     row.notes.append(f"{errors} failed writes, {refused} flushes refused with StoreIOError; slowest turn "
                      f"{times[-1] * 1000:.0f} ms (median {times[len(times) // 2] * 1000:.0f} ms, bound "
-                     f"{bound * 1000:.0f} ms); {sum(durable.values()):,} tokens durable once there was room, "
+                     f"{bound * 1000:.0f} ms); {sum(acked.values()):,} tokens acknowledged while it was full, "
+                     f"{sum(durable.values()):,} durable once there was room, "
                      f"{row.reused:,} reused by {row.resumed} resumes")
     if times[-1] > bound:
         row.crashes += 1

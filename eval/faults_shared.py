@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from faults import FAST, Row, check_sessions, sequence, turn
+from faults import FAST, Row, check_sessions, outcome, sequence, turn
 from faults_kill import kill_rows
 from hf_attnstore import AttnStore
 
@@ -47,7 +47,8 @@ def scenario_damaged_shared(model, runs: int, rng: random.Random) -> Row:
     from hf_attnstore import AttnStoreCache
     from hf_attnstore.store.format import session_dirname
 
-    row, users, hit = Row("corruption: a shared chunk flipped"), 0, {"missed": 0, "served a prefix": 0, "served whole": 0}
+    row, users = Row("corruption: a shared chunk flipped"), 0
+    hit = {"missed": 0, "served a prefix": 0, "served whole": 0}
     base, written = Path(tempfile.mkdtemp(prefix="faults-shared-base-")), PREFIX + 36
     expected = {**{f"s{k}": shared_sequence(k) for k in range(5)}, "own": sequence(77)}
     with AttnStore(host_bytes="64MiB", disk_dir=str(base), **FAST) as store:
@@ -76,7 +77,7 @@ def scenario_damaged_shared(model, runs: int, rng: random.Random) -> Row:
                 reused = check_sessions(model, store, expected, row, {sid: written for sid in expected
                                                                      if sid not in named}, may_miss=named)
             for sid in named:
-                hit["missed" if not reused[sid] else "served whole" if reused[sid] >= written else "served a prefix"] += 1
+                hit[outcome(reused[sid], written)] += 1
         except Exception as exc:
             row.crash(exc)
         shutil.rmtree(root, ignore_errors=True)

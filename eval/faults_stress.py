@@ -186,9 +186,10 @@ def scenario_soak(model, turns: int) -> Row:
         (rss0, fds0, threads0, read0), (rss1, _, _, read1), (rss2, fds2, threads2, read2) = marks.values()
         bound = (SOAK_HOST * (read2 - read0)) ** 0.5
         row.notes.append(f"RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} -> {rss2 / 2**20:.1f} MiB (second half "
-                         f"+{(rss2 - rss1) / 2**10:,.0f} KiB, {(read2 - read1) / 2**10:,.0f} KiB loaded), fds {fds0} -> "
-                         f"{fds2}, threads {threads0} -> {threads2} (turn 50 -> {turns}); tensors outside the model "
-                         f"{tensors:,} B (bound {bound:,.0f}); {stats.demotions} demotions, {stats.hits_disk} loads; "
+                         f"+{(rss2 - rss1) / 2**10:,.0f} KiB, {(read2 - read1) / 2**10:,.0f} KiB loaded), "
+                         f"fds {fds0} -> {fds2}, threads {threads0} -> {threads2} (turn 50 -> {turns}); tensors "
+                         f"outside the model {tensors:,} B (bound {bound:,.0f}); {stats.demotions} demotions, "
+                         f"{stats.hits_disk} loads; "
                          f"{row.reused:,} tokens reused by {row.resumed} resumes")
         grew = [what for what, bad in (("open files", fds2 > fds0), ("threads", threads2 > threads0),
                                        ("tensors", tensors > bound), ("RSS", rss2 - rss1 > read2 - read1)) if bad]
