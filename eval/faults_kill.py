@@ -136,24 +136,29 @@ def kill_while_writing(root: Path, rng: random.Random, host: int, cap: int, shar
     within two of its flush intervals."""
     killed, work = Killed(), Path(tempfile.mkdtemp(prefix="faults-child-"))
     acks, errors = work / "acks", work / "stderr"
-    proc = _context().Process(target=_writer, args=(str(root), host, cap, shared, str(acks), str(errors)),
-                              daemon=True)
-    proc.start()
-    deadline, times = time.monotonic() + ACK_TIMEOUT_S, []
-    while proc.is_alive() and time.monotonic() < deadline:
-        n = len(_read_acks(acks, killed))
-        times += [time.monotonic()] * (n - len(times))
-        if n >= need:
-            interval = (times[-1] - times[0]) / max(len(times) - 1, 1)
-            time.sleep(rng.uniform(0.0, 2 * interval))  # anywhere in the write/flush cycle
-            break
-        time.sleep(0.01)
-    alive = proc.is_alive()
-    if alive:
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.join(30)
-    held = _read_acks(acks, killed)
-    stderr = errors.read_text(errors="replace") if errors.exists() else ""
+    try:
+        proc = _context().Process(target=_writer, args=(str(root), host, cap, shared, str(acks), str(errors)),
+                                  daemon=True)
+        proc.start()
+        try:
+            deadline, times = time.monotonic() + ACK_TIMEOUT_S, []
+            while proc.is_alive() and time.monotonic() < deadline:
+                n = len(_read_acks(acks, killed))
+                times += [time.monotonic()] * (n - len(times))
+                if n >= need:
+                    interval = (times[-1] - times[0]) / max(len(times) - 1, 1)
+                    time.sleep(rng.uniform(0.0, 2 * interval))  # anywhere in the write/flush cycle
+                    break
+                time.sleep(0.01)
+        finally:  # the child never outlives its run, whatever happened here
+            alive = proc.is_alive()
+            if alive:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.join(30)
+        held = _read_acks(acks, killed)
+        stderr = errors.read_text(errors="replace") if errors.exists() else ""
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     if not alive or proc.exitcode != -signal.SIGKILL:
         killed.problem = f"the child died by itself (exit code {proc.exitcode})"
     elif killed.acks < need:
@@ -166,7 +171,6 @@ def kill_while_writing(root: Path, rng: random.Random, host: int, cap: int, shar
         killed.problem = killed.problem or "the child wrote a traceback"
     if killed.problem and stderr.strip():
         killed.problem += ": " + stderr.strip().splitlines()[-1][:200]
-    shutil.rmtree(work, ignore_errors=True)
     return killed
 
 
