@@ -55,11 +55,6 @@ def _served(store, sid, seed) -> tuple[list[int], bool]:
     return ids, False
 
 
-def _zero_work(row: Row, what: str) -> None:
-    row.crashes += 1
-    row.notes.append(f"did no work: {what}")
-
-
 def scenario_new_history_in_flight(runs: int, rng: random.Random) -> Row:
     """A session flushed, extended with its save held at a random write, then given a new history; the process
     dies before the new history is durable (every later write fails). The reopened store must serve the
@@ -118,7 +113,7 @@ def scenario_new_history_in_flight(runs: int, rng: random.Random) -> Row:
     row.notes.append(f"{acked} tokens acknowledged before the new histories, all checked; {in_flight} of "
                      f"{row.runs} replaced with a save in flight")
     if not acked or not in_flight:
-        _zero_work(row, "no acknowledged tokens or no save in flight")
+        row.zero_work("no acknowledged tokens or no save in flight")
     return row
 
 
@@ -171,7 +166,7 @@ def scenario_too_large(runs: int, rng: random.Random) -> Row:
         shutil.rmtree(root, ignore_errors=True)
     row.notes.append(f"{refused} refusals; {checked} acknowledged tokens of the other sessions checked after a reopen")
     if not refused or not checked:
-        _zero_work(row, "no refusal or nothing checked")
+        row.zero_work("no refusal or nothing checked")
     return row
 
 
@@ -213,7 +208,7 @@ def scenario_partial_limit(runs: int, rng: random.Random) -> Row:
         shutil.rmtree(root, ignore_errors=True)
     row.notes.append(f"{writes[0]} writes measured, {head_drops} head drops, peak {peak:,} B")
     if not writes[0] or not head_drops:
-        _zero_work(row, "no writes or no head drops")
+        row.zero_work("no writes or no head drops")
     return row
 
 
@@ -265,5 +260,5 @@ def scenario_redis_restart(runs: int, rng: random.Random) -> Row:
             shutil.rmtree(root, ignore_errors=True)
     row.notes.append(f"{restarts} restarts noticed; {checked} flushed tokens resumed by another store")
     if not restarts or not checked:
-        _zero_work(row, "no restart noticed or nothing resumed")
+        row.zero_work("no restart noticed or nothing resumed")
     return row

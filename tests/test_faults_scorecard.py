@@ -1,11 +1,15 @@
-"""The reliability scorecard (eval/faults.py) in its quick form: zero wrong KV, crashes and lost data."""
+"""The reliability scorecard (eval/faults.py) in its quick form: zero wrong KV, crashes and lost data; and its
+checks fail a broken store."""
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
+
+from hf_attnstore import AttnStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,3 +22,15 @@ def test_quick_scorecard_has_zero_wrong_kv_crashes_and_losses(tmp_path):
     assert len(rows) >= 16 and all(r["runs"] > 0 for r in rows), rows
     bad = [r for r in rows if r["wrong_kv"] or r["crashes"] or r["data_lost"]]
     assert not bad and proc.returncode == 0, (bad, proc.stderr[-2000:])
+
+
+def test_the_rows_fail_a_store_that_serves_nothing_after_a_reopen(monkeypatch):
+    """A miss is never wrong KV, so a store that serves nothing used to pass every corruption row: now the
+    sessions nothing damaged must be served whole, and a row that reused nothing did no work."""
+    monkeypatch.syspath_prepend(str(ROOT / "eval"))
+    import faults
+
+    model = faults.tiny_model()
+    monkeypatch.setattr(AttnStore, "lookup", lambda self, *args, **kwargs: None)
+    rows = [*faults.scenario_corruption(model, 1, random.Random(0)), faults.scenario_hostile_ids(model)]
+    assert all(r.lost and r.crashes and not r.wrong for r in rows), [r.as_dict() for r in rows]
