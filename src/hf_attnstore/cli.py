@@ -174,6 +174,7 @@ class Server:
     """
 
     app: object
+    engine: object
     pipeline: object
     store: object
     name: str
@@ -230,7 +231,7 @@ def build_server(args: argparse.Namespace) -> Server:
         store.close()
         raise
     app = create_app(engine, name, default_max_tokens=args.max_tokens, request_timeout_s=args.request_timeout)
-    return Server(app, pipe, store, name, args.request_timeout)
+    return Server(app, engine, pipe, store, name, args.request_timeout)
 
 
 def _serve(args: argparse.Namespace) -> int:
