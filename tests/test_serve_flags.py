@@ -35,24 +35,17 @@ def serving(model_dir, *flags):
     server = build_server(args)
     try:
         with TestClient(server.app) as client:
+            client.model_name = server.name  # what `chat` sends as `model` unless told otherwise
             yield client, server
     finally:
         server.close()
 
 
 def chat(client, messages, status=200, headers=None, **extra):
-    body = {"model": extra.pop("model", str(_MODEL[0])), "messages": messages, "temperature": 0, **extra}
+    body = {"model": extra.pop("model", client.model_name), "messages": messages, "temperature": 0, **extra}
     r = client.post("/v1/chat/completions", json=body, headers=headers or {})
     assert r.status_code == status, r.text
     return r.json()
-
-
-_MODEL: list = [None]  # the served model id (--model's path unless --served-model-name)
-
-
-@pytest.fixture(autouse=True)
-def _served_name(model_dir):
-    _MODEL[0] = model_dir
 
 
 def conversation(turn: int = 0):
@@ -83,7 +76,7 @@ def test_defaults_serve_the_model_under_its_path_with_max_tokens(model_dir):
 def test_served_model_name_and_dtype(model_dir):
     with serving(model_dir, "--served-model-name", "tiny-chat", "--dtype", "bfloat16") as (client, server):
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny-chat"]
-        chat(client, conversation(), status=404)  # the path is no longer its name
+        chat(client, conversation(), status=404, model=str(model_dir))  # the path is no longer its name
         assert chat(client, conversation(), model="tiny-chat")["usage"]["completion_tokens"] == 4
         assert server.pipeline.model.dtype == torch.bfloat16
 
