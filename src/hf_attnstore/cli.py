@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import dataclass
 
 from .cache.config import SPARSE_POLICIES, SparseConfig
 
@@ -164,11 +165,34 @@ def _eval_fidelity(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _serve(args: argparse.Namespace) -> int:
+@dataclass
+class Server:
+    """What `attnstore serve` runs: the app and what it owns (closed by :meth:`close`).
+
+    Example:
+        >>> server = build_server(build_parser().parse_args(["serve", "--model", "path"]))  # doctest: +SKIP
+    """
+
+    app: object
+    engine: object
+    pipeline: object
+    store: object
+    name: str
+    request_timeout: float
+
+    def close(self) -> None:
+        self.pipeline.close(timeout=self.request_timeout)
+        self.store.close()
+
+
+def build_server(args: argparse.Namespace) -> Server:
+    """Builds exactly what `attnstore serve` serves from its parsed options (tests build it in-process).
+
+    Raises:
+        ValueError: a template that cannot be read, or options that contradict each other; nothing is left open.
+    """
     import json
     from pathlib import Path
-
-    import uvicorn
 
     from .lab.models import load_default_model
     from .serving.pipeline import ChatPipeline
@@ -184,16 +208,12 @@ def _serve(args: argparse.Namespace) -> int:
         if args.response_template:  # transformers' response-template format (JSON): how tool calls are parsed
             response_template = json.loads(Path(args.response_template).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        print(f"attnstore serve: cannot read a template: {exc}", file=sys.stderr)
-        return 2
-    try:
-        store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
-                          remote=args.remote, remote_required=args.remote_required, policy=args.policy,
-                          kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes,
-                          recompute_by_cost=args.recompute_by_cost, sparse_copies=args.sparse_copies)
-    except ValueError as exc:  # options that contradict each other (a codec or sparse copies without a lower tier)
-        print(f"attnstore serve: {exc}", file=sys.stderr)
-        return 2
+        raise ValueError(f"cannot read a template: {exc}") from None
+    # Options that contradict each other (a codec or sparse copies without a lower tier) raise ValueError here.
+    store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
+                      remote=args.remote, remote_required=args.remote_required, policy=args.policy,
+                      kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes,
+                      recompute_by_cost=args.recompute_by_cost, sparse_copies=args.sparse_copies)
     # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
     window = args.context_window or getattr(model.config, "max_position_embeddings", None)
     try:
@@ -201,24 +221,34 @@ def _serve(args: argparse.Namespace) -> int:
         pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
                             max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                             max_batch_kv_bytes=args.max_batch_kv, kv_budget=sparse)
-    except ValueError as exc:  # a model that cannot be kept sparse, a budget out of range
+    except ValueError:  # a model that cannot be kept sparse, a budget out of range
         store.close()
+        raise
+    try:
+        engine = ChatEngine(pipe, max_pending=args.max_pending, response_template=response_template)
+    except ValueError:
+        pipe.close(timeout=args.request_timeout)
+        store.close()
+        raise
+    app = create_app(engine, name, default_max_tokens=args.max_tokens, request_timeout_s=args.request_timeout)
+    return Server(app, engine, pipe, store, name, args.request_timeout)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    try:
+        server = build_server(args)
+    except ValueError as exc:
         print(f"attnstore serve: {exc}", file=sys.stderr)
         return 2
     try:
-        try:
-            engine = ChatEngine(pipe, max_pending=args.max_pending, response_template=response_template)
-        except ValueError as exc:
-            print(f"attnstore serve: {exc}", file=sys.stderr)
-            return 2
-        app = create_app(engine, name, default_max_tokens=args.max_tokens, request_timeout_s=args.request_timeout)
-        print(f"attnstore serve: {name} on http://{args.host}:{args.port}/v1 (store: host {args.host_bytes}"
+        print(f"attnstore serve: {server.name} on http://{args.host}:{args.port}/v1 (store: host {args.host_bytes}"
               f"{', disk ' + args.disk_dir if args.disk_dir else ''}{', remote' if args.remote else ''})",
               file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
+        uvicorn.run(server.app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     finally:
-        pipe.close(timeout=args.request_timeout)
-        store.close()
+        server.close()
     return 0
 
 
