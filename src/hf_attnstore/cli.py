@@ -237,6 +237,8 @@ def build_server(args: argparse.Namespace) -> Server:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from .store import StoreIOError
+
     try:
         server = build_server(args)
     except ValueError as exc:
@@ -248,7 +250,11 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         uvicorn.run(server.app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning")
     finally:
-        server.close()
+        try:
+            server.close()
+        except StoreIOError as exc:  # what could not be made durable at shutdown: said, not a traceback
+            print(f"attnstore serve: stopped; {exc}", file=sys.stderr)
+            return 1
     return 0
 
 
