@@ -322,3 +322,19 @@ def test_serve_runs_uvicorn_on_host_and_port(model_dir, monkeypatch):
     assert main(["-v", "serve", "--model", str(model_dir), "--host", "0.0.0.0", "--port", "8123"]) == 0
     (app, kw), = calls
     assert kw == {"host": "0.0.0.0", "port": 8123, "log_level": "info"}
+
+
+def test_serve_says_what_was_not_durable_at_shutdown(model_dir, monkeypatch, capsys):
+    """Redis down and no disk tier: the conversation served cannot be made durable; `serve` stops with one line
+    naming it (exit 1), not a traceback."""
+    import uvicorn
+
+    def run(app, **kw):
+        with TestClient(app) as client:
+            client.model_name = str(model_dir)
+            chat(client, conversation())
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    assert main(["serve", "--model", str(model_dir), "--max-tokens", "4", "--remote", "redis://127.0.0.1:1/0"]) == 1
+    err = capsys.readouterr().err
+    assert "stopped;" in err and "not durable" in err and "Traceback" not in err
