@@ -414,10 +414,11 @@ def scenario_full_disk(model, turns: int) -> Row:
         if mounted:
             subprocess.run(["umount", str(root)], capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
-    # A turn that waited for the full disk would wait io_timeout_s; one that did not takes what a turn takes.
-    # The bound lies between the two (geometric mean of the median turn and io_timeout_s).
+    # A turn that waited for the full disk would wait io_timeout_s; one that did not takes what a turn takes, a few
+    # ms here, but seconds on a machine busy with other jobs (a tighter bound failed under load). Half of
+    # io_timeout_s still tells the two apart.
     times = sorted(times) or [0.0]
-    bound = (times[len(times) // 2] * FAST["io_timeout_s"]) ** 0.5
+    bound = FAST["io_timeout_s"] / 2
     row.notes.append(f"{errors} failed writes, {refused} flushes refused with StoreIOError; slowest turn "
                      f"{times[-1] * 1000:.0f} ms (median {times[len(times) // 2] * 1000:.0f} ms, bound "
                      f"{bound * 1000:.0f} ms); {sum(acked.values()):,} tokens acknowledged while it was full, "
