@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tiers", default="disk,redis@1000,redis@100")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="the stores' chunk_tokens (the unit recomputed)")
     p.add_argument("--seed", type=int, default=0, help="seed of the variants' order in each repetition")
     p.add_argument("--target", type=float, default=1.05,
                    help="fail when choice / min(load, RE) exceeds this at a tier (0: report only)")
@@ -111,14 +112,15 @@ def main(argv=None) -> int:
     kv_mib = sum(k.nbytes + v.nbytes for k, v in zip(snapshot[1], snapshot[2])) / 2**20
     model(ids[:, :8])  # warm-up
     print(f"SmolLM2-135M {args.dtype} on {model.device}, {torch.get_num_threads()} threads; history {H}, new {N}, "
-          f"{args.reps} reps (medians); KV {kv_mib:.1f} MiB per session, chunks of 256 tokens")
+          f"{args.reps} reps (medians); KV {kv_mib:.1f} MiB per session, chunks of {args.chunk_tokens} tokens")
     print("\n| tier | load | RE | choice | recomputed by the choice | choice / min(load, RE) | its estimates: load all / "
           "choice |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     failed, lines = False, []
     for tier in args.tiers.split(","):
         with tempfile.TemporaryDirectory(prefix="attnstore-recompute-") as tmp:
-            ratio, orders = run_tier(model, ids, fp, snapshot, H, args.reps, tier, Path(tmp), args.seed)
+            ratio, orders = run_tier(model, ids, fp, snapshot, H, args.reps, tier, Path(tmp), args.seed,
+                                     args.chunk_tokens)
             failed |= bool(args.target) and ratio > args.target
             lines.append(f"{tier}: {orders_line(orders, args.seed)}")
     print("\n" + "\n".join(lines))
@@ -127,9 +129,9 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def run_tier(model, ids, fp, snapshot, H: int, reps: int, tier: str, root: Path, seed: int):
+def run_tier(model, ids, fp, snapshot, H: int, reps: int, tier: str, root: Path, seed: int, chunk: int):
     with contextlib.ExitStack() as stack:
-        common = dict(host_bytes="16GiB", io_timeout_s=120, remote_timeout_s=30)
+        common = dict(host_bytes="16GiB", io_timeout_s=120, remote_timeout_s=30, chunk_tokens=chunk)
         if tier == "disk":
             for name in ("load", "choice"):
                 with AttnStore(disk_dir=str(root / name), **common) as writer:
@@ -184,7 +186,7 @@ def run_tier(model, ids, fp, snapshot, H: int, reps: int, tier: str, root: Path,
     ratio = choice / min(load, re_)
     est = f"{1000 * med([e[0] for e in estimates]):,.0f} / {1000 * med([e[1] for e in estimates]):,.0f} ms"
     label = "disk (cold)" if tier == "disk" else f"Redis, {tier.split('@')[1]} Mbit/s"
-    chosen = " or ".join(f"{h:,} ({h // 256} chunk{'s' if h != 256 else ''})" for h in sorted(set(heads)) if h)
+    chosen = " or ".join(f"{h:,} ({h // chunk} chunk{'s' if h != chunk else ''})" for h in sorted(set(heads)) if h)
     print(f"| {label} | {1000 * load:,.0f} ms | {1000 * re_:,.0f} ms | {1000 * choice:,.0f} ms | "
           f"{chosen or '0 tokens'} | {ratio:.3f} | {est} |", flush=True)
     return ratio, orders
