@@ -1,6 +1,6 @@
 """Runs eval/ scripts for tests/test_eval_scripts.py, each in a child process forked from this one.
 
-    OMP_NUM_THREADS=1 python tests/eval_runner.py OUT_DIR JOBS_JSON
+    python tests/eval_runner.py OUT_DIR JOBS_JSON
 
 JOBS_JSON is a list of ``[name, script, args, timeout_s]``. This process imports torch, transformers and
 hf_attnstore once, and loads the bundled SmolLM2 once (seconds each on the CI machine); then it forks one child per
@@ -12,9 +12,11 @@ go to ``OUT_DIR/<name>.log``; ``OUT_DIR/results.json`` maps each name to ``{"cod
 time, "left": [...]}`` (code -9: killed at its timeout). `left` names what the job left in the temporary folder
 (``TMPDIR``: give the runner one of its own), which is then removed so that the next job starts from an empty one.
 
-A child of a process whose OpenMP threads have started (GNU OpenMP) hangs in its first parallel region, so this
-process runs torch with one thread (the model is loaded only then), and so do the children: one thread is also
-what keeps tiny runs quick on a shared 2-core machine, where two OpenMP threads per process stall each other.
+A child of a process whose OpenMP threads have started (GNU OpenMP) hangs in its first parallel region, and one
+whose parent initialized CUDA cannot use it, so everything here runs with one torch thread on the CPU
+(``OMP_NUM_THREADS=1``, ``CUDA_VISIBLE_DEVICES=""``, set before torch is imported, inherited by the children and
+the servers they start). One thread is also what keeps tiny runs quick on a shared 2-core machine, where two
+OpenMP threads per process stall each other.
 """
 
 from __future__ import annotations
@@ -31,14 +33,17 @@ import time
 import traceback
 from pathlib import Path
 
-import torch
-import transformers  # noqa: F401  (imported once here, for every child)
+os.environ.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # before torch: see the module's docstring
 
-import hf_attnstore
-import hf_attnstore.cache.upstream  # noqa: F401
-import hf_attnstore.lab.models
-import hf_attnstore.serving  # noqa: F401
-from hf_attnstore.lab.evaluation import corpora  # noqa: F401
+import torch  # noqa: E402
+import tqdm  # noqa: E402
+import transformers  # noqa: F401,E402  (imported once here, for every child)
+
+import hf_attnstore  # noqa: E402
+import hf_attnstore.cache.upstream  # noqa: F401,E402
+import hf_attnstore.lab.models  # noqa: E402
+import hf_attnstore.serving  # noqa: F401,E402
+from hf_attnstore.lab.evaluation import corpora  # noqa: F401,E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def preload():
     """The default model and tokenizer, loaded once, and a `load_default_model` that returns them (else loads)."""
     load = hf_attnstore.lab.models.load_default_model
-    loaded = load() if torch.get_num_threads() == 1 else None  # see the module's docstring
+    tqdm.tqdm.monitor_interval = 0  # no progress-bar monitor thread: a process that forks had better hold none
+    loaded = load()
 
     def load_default_model(model=None, dtype="float32", device=None, gguf_file=None):
         if loaded and (model, gguf_file) == (None, None) and dtype in ("float32", torch.float32) \

@@ -25,7 +25,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.integration  # the bundled SmolLM2 and ShareGPT
 
 
 @dataclass(frozen=True)
@@ -145,10 +144,8 @@ def results(request, tmp_path_factory):
     scratch = tmp_path_factory.mktemp("eval-scratch")
     jobs = [[name, RUNS[name].script, [a.replace("{tmp}", str(scratch)) for a in RUNS[name].args],
              RUNS[name].timeout_s] for name in selected]
-    # One torch thread (eval_runner.py forks after loading the model, and two OpenMP threads per process stall each
-    # other on a shared 2-core machine) and the CPU (a process that used CUDA cannot fork children that use it).
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp)}
+           "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(tmp)}  # eval_runner.py: one torch thread, the CPU
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "eval_runner.py"), str(out), json.dumps(jobs)],
                           capture_output=True, text=True, timeout=sum(j[3] for j in jobs) + 120, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -157,6 +154,7 @@ def results(request, tmp_path_factory):
                        scratch=sorted(p.name for p in scratch.iterdir())) for name in status}
 
 
+@pytest.mark.integration  # the bundled SmolLM2 and ShareGPT
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_eval_script(name, results):
     run, result = RUNS[name], results[name]
