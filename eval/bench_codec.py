@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--codecs", default="none,int8,int4")
-    p.add_argument("--disk-dir", default=None, help="parent folder of the disk tiers (default: a temporary one)")
+    p.add_argument("--disk-dir", default=None, help="an empty parent folder of the disk tiers (default: temporary)")
     p.add_argument("--seed", type=int, default=0, help="seed of the variants' order in each repetition")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)

@@ -155,11 +155,14 @@ def orders_line(orders: list[list[str]], seed: int) -> str:
 
 @contextlib.contextmanager
 def scratch_folder(given: str | None, prefix: str):
-    """`given` (emptied first: the benchmark writes its own sessions there; kept after), or a new temporary folder
-    removed at the end, also when the run fails."""
+    """`given` (created if needed; it must be empty, and is kept after), or a new temporary folder removed at the
+    end, also when the run fails."""
     if given is not None:
-        shutil.rmtree(given, ignore_errors=True)
-        yield Path(given)
+        folder = Path(given)
+        folder.mkdir(parents=True, exist_ok=True)
+        if any(folder.iterdir()):
+            raise SystemExit(f"--disk-dir {given} is not empty: the benchmark writes its own sessions there")
+        yield folder
         return
     root = Path(tempfile.mkdtemp(prefix=prefix))
     try:
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--decode", type=int, default=32, help="tokens generated in the saving benchmark")
-    p.add_argument("--disk-dir", default=None, help="folder for the disk tier (default: a temporary one)")
+    p.add_argument("--disk-dir", default=None, help="an empty folder for the disk tier (default: a temporary one)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--sections", default="ttft,saving,disk", help="comma-separated: ttft (with preload), saving, disk")
     p.add_argument("--seed", type=int, default=0, help="seed of the variants' order in each repetition")

@@ -156,7 +156,7 @@ def main(argv=None):
     p.add_argument("--news", default="64,128,256")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--disk-dir", default=None, help="folder for the disk tier (default: a temporary one)")
+    p.add_argument("--disk-dir", default=None, help="an empty folder for the disk tier (default: a temporary one)")
     p.add_argument("--plot", default=None, help="write the plots to this PNG")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--replot", default=None, help="only redraw --plot from a --json file of an earlier run")
