@@ -20,7 +20,8 @@ process on the same machine, started and stopped by this script (eval/bench_serv
 
 Reported per system: TTFT per step (time to the first streamed content, queueing included) p50/p99 over all
 steps and for the last three, steps/s over the run's wall time, generated tokens/s, and the share of prompt
-tokens the server reports as cached.
+tokens the server reports as cached. A run in which an agent did not finish every step exits non-zero, naming
+them (eval/bench_serve.py's check).
 """
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ import math
 import random
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_recompute import shaped_redis  # noqa: E402  (a Redis behind a shaped link, for --remote-mbit)
-from bench_serve import start, stream_turn  # noqa: E402  (the chat benchmark's launcher, systems and turns)
+from bench_serve import (  # noqa: E402  (the chat benchmark's launcher, systems, turns and checks)
+    IncompleteRun, check_complete, server_tiers, start, stream_turn)
+
+from hf_attnstore.store.redis_server import free_port  # noqa: E402
 
 SYSTEM = ("You are an agent. To answer the user, you call tools; their results follow as tool messages. "
           "Read each result, then say briefly what you will do next.")
@@ -78,37 +80,38 @@ def tool_results(agents: int, steps: int, seed: int) -> list[list[str]]:
     return out, tokenizer
 
 
-def agent(client, model: str, task: str, results: list[str], tokenizer, args, records: list,
+def agent(client, model: str, a: int, task: str, results: list[str], tokenizer, args, records: list, errors: list,
           lock: threading.Lock) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
     used = len(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
-    for step, result in enumerate(results):
-        record = stream_turn(client, model, messages, args.max_tokens)
-        reply = record.pop("reply")
+    try:
+        for step, result in enumerate(results):
+            record = stream_turn(client, model, messages, args.max_tokens)
+            reply = record.pop("reply")
+            with lock:
+                records.append(dict(agent=a, step=step, **record))
+            used = (record["prompt"] or used) + record["completion"] + 16
+            room = args.budget - used - args.max_tokens - 16
+            ids = tokenizer(result, add_special_tokens=False)["input_ids"]
+            if room < len(ids):
+                result = tokenizer.decode(ids[:max(0, room)])
+            messages += [{"role": "assistant", "content": reply},
+                         {"role": "tool", "tool_call_id": f"call_{step}", "content": result}]
+    except Exception as e:  # noqa: BLE001 - recorded and reported: the run fails, not this thread alone
         with lock:
-            records.append(dict(step=step, **record))
-        used = (record["prompt"] or used) + record["completion"] + 16
-        room = args.budget - used - args.max_tokens - 16
-        ids = tokenizer(result, add_special_tokens=False)["input_ids"]
-        if room < len(ids):
-            result = tokenizer.decode(ids[:max(0, room)])
-        messages += [{"role": "assistant", "content": reply},
-                     {"role": "tool", "tool_call_id": f"call_{step}", "content": result}]
+            errors.append(f"agent {a}: {type(e).__name__}: {e}")
 
 
 def run(system: str, agents: int, convs, results, tokenizer, model_dir: str, args) -> dict:
     with contextlib.ExitStack() as stack:
-        args.remote_url = None
-        if args.remote_mbit and system.startswith("attnstore"):  # a fresh, empty Redis for each server
-            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="attnstore-redis-"))
-            args.remote_url = stack.enter_context(shaped_redis(args.remote_mbit, Path(folder)))
+        server_tiers(stack, system, args)
         return measure(system, agents, convs, results, tokenizer, model_dir, args)
 
 
 def measure(system: str, agents: int, convs, results, tokenizer, model_dir: str, args) -> dict:
     import openai
 
-    port = 9400 + hash((system, agents)) % 400
+    port = free_port()
     proc = start(system, port, model_dir, args)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=3600)
@@ -116,9 +119,9 @@ def measure(system: str, agents: int, convs, results, tokenizer, model_dir: str,
         warm = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=2, temperature=0)
         assert warm.choices
-        records, lock = [], threading.Lock()
-        threads = [threading.Thread(target=agent, args=(client, model, convs[a], results[a], tokenizer, args,
-                                                        records, lock)) for a in range(agents)]
+        records, errors, lock = [], [], threading.Lock()
+        threads = [threading.Thread(target=agent, args=(client, model, a, convs[a], results[a], tokenizer, args,
+                                                        records, errors, lock)) for a in range(agents)]
         t0 = time.perf_counter()
         for t in threads:
             t.start()
@@ -131,6 +134,9 @@ def measure(system: str, agents: int, convs, results, tokenizer, model_dir: str,
             proc.wait(60)
         except Exception:  # noqa: BLE001 - a server that does not stop is killed
             proc.kill()
+            proc.wait(60)
+    check_complete({(r["agent"], r["step"]) for r in records},
+                   {(a, s) for a in range(agents) for s in range(len(results[a]))}, errors, "agent", "step")
 
     def pct(values, q):
         values = sorted(values)
@@ -175,7 +181,11 @@ def main(argv=None) -> int:
     results, tokenizer = tool_results(args.agents, args.steps, args.seed)
     rows = []
     for system in args.systems.split(","):
-        row = run(system, args.agents, convs, results, tokenizer, model_dir, args)
+        try:
+            row = run(system, args.agents, convs, results, tokenizer, model_dir, args)
+        except IncompleteRun as e:
+            print(f"{system}: the run is incomplete, so nothing is reported: {e}", file=sys.stderr)
+            return 1
         rows.append(row)
         print(f"{system}: {row['steps_per_s']:.3f} steps/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms", flush=True)
     print("\n| system | steps/s | tokens/s | TTFT p50 | p99 | last 3 steps p50 | cached share | mean prompt | "

@@ -10,7 +10,8 @@ batch size, and for the batched runs where the worker's time went (prefills, dec
 their decoded KV handed to the store, rebuilding the batch cache). `8:256` is batch 8 with
 `max_batch_tokens=256`. Latency columns: TTFT (median over turns, queueing included) and the gaps between
 consecutive streamed tokens of a reply (p99 and max over all replies): a prefill that runs between two
-decoding steps shows up as a gap in every running reply.
+decoding steps shows up as a gap in every running reply. A run in which a reply has not `--max-new-tokens` tokens
+fails.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def main(argv=None) -> int:
             for k in range(args.turns):
                 clocks = [Clock() for _ in convs]
                 futures = [pipe.submit(f"s{i}", c[k], clock) for (i, c), clock in zip(enumerate(convs), clocks)]
-                ttfts += [f.result(1200).ttft_s + f.result(1200).queued_s for f in futures]
+                replies = [f.result(1200) for f in futures]
+                short = [r.generated_tokens for r in replies if r.generated_tokens != args.max_new_tokens]
+                assert not short, f"replies of {short} tokens, not {args.max_new_tokens}"
+                ttfts += [r.ttft_s + r.queued_s for r in replies]
                 gaps += [b - a for clock in clocks for a, b in zip(clock.times, clock.times[1:])]
             wall = time.perf_counter() - started
             runner = getattr(pipe, "batch_runner", None)

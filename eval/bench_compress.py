@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import sys
-import tempfile
 import time
 import zlib
 from collections import Counter
@@ -32,7 +30,7 @@ from hf_attnstore import AttnStore, load_default_model
 from hf_attnstore.store.disk import CHUNK_SUFFIX
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_tiers import history_snapshot  # noqa: E402
+from bench_tiers import history_snapshot, scratch_folder  # noqa: E402
 
 
 def entropy_ratio(data: bytes) -> float:
@@ -49,30 +47,31 @@ def main(argv=None) -> int:
     model, _ = load_default_model()
     ids = torch.randint(100, model.config.vocab_size, (1, args.history), generator=torch.Generator().manual_seed(0))
     _, fp, snapshot = history_snapshot(model, ids, args.history)
-    root = Path(tempfile.mkdtemp(prefix="attnstore-compress-"))
-    print(f"SmolLM2-135M fp32, one session of {args.history} tokens (random ids), chunks of 256\n")
-    print("| codec | chunk bytes | entropy bound | zlib-1 ratio | zlib-1 compress | zlib-1 decompress | zlib-6 ratio "
-          "| zlib-6 compress |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name in args.codecs.split(","):
-        with AttnStore(host_bytes="16GiB", disk_dir=str(root / name), kv_codec=None if name == "none" else name,
-                       fsync=False) as store:
-            with store.open_turn("s", fp, None, torch.arange(0)) as w:
-                w.append(*snapshot)
-        data = b"".join(f.read_bytes() for f in sorted((root / name).rglob(f"*{CHUNK_SUFFIX}")))
-        cells = []
-        for level in (1, 6):
-            t = time.perf_counter()
-            packed = zlib.compress(data, level)
-            compress_s = time.perf_counter() - t
-            t = time.perf_counter()
-            assert zlib.decompress(packed) == data
-            decompress_s = time.perf_counter() - t
-            cells.append((len(packed) / len(data), len(data) / compress_s / 1e6, len(data) / decompress_s / 1e6))
-        (r1, c1, d1), (r6, c6, _) = cells
-        print(f"| {'lossless' if name == 'none' else name} | {len(data):,} | {entropy_ratio(data):.3f} | {r1:.3f} | "
-              f"{c1:.0f} MB/s | {d1:.0f} MB/s | {r6:.3f} | {c6:.0f} MB/s |")
-    shutil.rmtree(root, ignore_errors=True)
+    with scratch_folder(None, "attnstore-compress-") as root:  # removed also when the run fails
+        print(f"SmolLM2-135M fp32, one session of {args.history} tokens (random ids), chunks of 256\n")
+        print("| codec | chunk bytes | entropy bound | zlib-1 ratio | zlib-1 compress | zlib-1 decompress | zlib-6 "
+              "ratio | zlib-6 compress |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for name in args.codecs.split(","):
+            with AttnStore(host_bytes="16GiB", disk_dir=str(root / name), kv_codec=None if name == "none" else name,
+                           fsync=False) as store:
+                with store.open_turn("s", fp, None, torch.arange(0)) as w:
+                    w.append(*snapshot)
+            data = b"".join(f.read_bytes() for f in sorted((root / name).rglob(f"*{CHUNK_SUFFIX}")))
+            assert data, f"no chunk file was written for {name}"
+            cells = []
+            for level in (1, 6):
+                t = time.perf_counter()
+                packed = zlib.compress(data, level)
+                compress_s = time.perf_counter() - t
+                t = time.perf_counter()
+                assert zlib.decompress(packed) == data
+                decompress_s = time.perf_counter() - t
+                cells.append((len(packed) / len(data), len(data) / compress_s / 1e6, len(data) / decompress_s / 1e6))
+            (r1, c1, d1), (r6, c6, _) = cells
+            label = "lossless" if name == "none" else name
+            print(f"| {label} | {len(data):,} | {entropy_ratio(data):.3f} | {r1:.3f} | "
+                  f"{c1:.0f} MB/s | {d1:.0f} MB/s | {r6:.3f} | {c6:.0f} MB/s |")
     return 0
 
 

@@ -3,18 +3,22 @@
     python eval/bench_decode.py --prompt 64 --new 128 --reps 5            # decode
     python eval/bench_decode.py --resume --history 2048 --new 128 --reps 9  # resume vs the ideal
 
-Both variants run greedy `generate` of exactly `--new` tokens after the same prompt, interleaved per
-repetition (this machine drifts); medians and minimums are reported. The store variant keeps the session
-in the host tier (no disk), so this measures the cache's own hot path: un-rotating the new keys and
-handing them to the store after every forward.
+Both variants run greedy `generate` of exactly `--new` tokens after the same prompt, once per repetition in an
+order drawn afresh each time (from `--seed`; printed: this machine drifts); medians and minimums are reported.
+The store variant keeps the session in the host tier (no disk), so this measures the cache's own hot path:
+un-rotating the new keys and handing them to the store after every forward. Each repetition has a prompt of its
+own: with one prompt for all, prefix sharing would let a later session start from an earlier one's stored prompt
+(a cache hit instead of the prefill the DynamicCache does), and a turn that reuses anything fails the run. With
+`--resume`, every resume has new tokens of its own and must reuse exactly its own session's history.
 """
 
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -22,8 +26,11 @@ from transformers import DynamicCache
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
 from hf_attnstore.cache.upstream import cache_kwargs
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_tiers import Resumes, check_resume, history_snapshot, ideal_prefill, interleaved, orders_line  # noqa: E402
 
-def main(argv=None) -> None:
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", type=int, default=64)
     p.add_argument("--new", type=int, default=128)
@@ -31,15 +38,19 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--resume", action="store_true", help="measure resuming --history tokens from the host tier")
     p.add_argument("--history", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0, help="seed of the variants' order in each repetition")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
     model, _ = load_default_model(dtype=args.dtype)
-    ids = torch.randint(100, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(model.device)
     gen = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
     store = AttnStore(host_bytes="16GiB")
 
+    def prompt(rep: int) -> torch.Tensor:  # both variants of a repetition decode after the same prompt
+        g = torch.Generator().manual_seed(1000 + rep)
+        return torch.randint(100, model.config.vocab_size, (1, args.prompt), generator=g).to(model.device)
+
     def run(variant: str, rep: int) -> float:
+        ids = prompt(rep)
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -50,7 +61,9 @@ def main(argv=None) -> None:
                 model.generate(cache.input_ids, **cache_kwargs(cache), **gen)
         if model.device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t
+        seconds = time.perf_counter() - t
+        assert variant == "DynamicCache" or cache.reused_tokens == 0, f"the turn reused {cache.reused_tokens} tokens"
+        return seconds
 
     # The wall-clock difference of two ~5 s runs drowns in this machine's drift (+-5-10%), so the cache's own
     # work is also timed directly: every call of its forward hooks (before and after each forward, and each
@@ -86,17 +99,20 @@ def main(argv=None) -> None:
         return resume(model, args, spent)
     run("DynamicCache", -1), run("AttnStoreCache", -1)  # warm-up
     spent[0], hook_share = 0.0, []
-    rows = {"DynamicCache": [], "AttnStoreCache": []}
-    for rep in range(args.reps):
-        order = list(rows)
-        random.Random(rep).shuffle(order)
-        for v in order:
+
+    def counted(v: str):  # also records the time spent in the cache's hooks during the run
+        def measure(rep: int) -> float:
             before = spent[0]
-            rows[v].append(run(v, rep))
+            seconds = run(v, rep)
             hook_share.append((v, spent[0] - before))
+            return seconds
+        return measure
+
+    rows, orders = interleaved({v: counted(v) for v in ("DynamicCache", "AttnStoreCache")}, args.reps, args.seed)
     base = statistics.median(rows["DynamicCache"])
     print(f"{model.config.model_type} {args.dtype} on {model.device}, {torch.get_num_threads()} threads; prompt "
-          f"{args.prompt}, {args.new} new tokens, {args.reps} reps")
+          f"{args.prompt} (one per repetition), {args.new} new tokens, {args.reps} reps")
+    print(f"  {orders_line(orders, args.seed)}")
     for v, xs in rows.items():
         print(f"  {v:<15} median {statistics.median(xs):7.3f} s  min {min(xs):7.3f} s   "
               f"{statistics.median(xs) / base:6.3f} x (median)  {min(xs) / min(rows['DynamicCache']):6.3f} x (min)")
@@ -104,33 +120,32 @@ def main(argv=None) -> None:
     dyn = statistics.median([x for v, x in hook_share if v == "DynamicCache"])
     print(f"  time in the cache: AttnStoreCache {1000 * own:.0f} ms, DynamicCache {1000 * dyn:.0f} ms (its updates): "
           f"{100 * (own - dyn) / base:.2f}% of the DynamicCache generate beyond it")
+    return 0
 
 
-def resume(model, args, spent) -> None:
+def resume(model, args, spent) -> int:
     """One prefill of `--new` tokens after `--history` tokens: KV resident in a DynamicCache (the ideal) vs a
     session in the host tier (loaded and re-rotated layer by layer), interleaved."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_tiers import history_snapshot, ideal_prefill, interleaved
-
     H, N = args.history, args.new
-    ids = torch.randint(100, model.config.vocab_size, (1, H + N), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(model.device)
-    resident, fp, snapshot = history_snapshot(model, ids, H)
+    history = torch.randint(100, model.config.vocab_size, (1, H), generator=torch.Generator().manual_seed(0))
+    history = history.to(model.device)
+    prompts = Resumes(history, N, model.config.vocab_size)
+    resident, fp, snapshot = history_snapshot(model, history, H)
     store = AttnStore(host_bytes="16GiB")
 
     def ideal(_):
-        return ideal_prefill(model, resident, ids, H)
+        return ideal_prefill(model, resident, prompts.next()[:, H:])
 
     def host(rep):
         with store.open_turn(f"h{rep}", fp, None, torch.arange(0)) as writer:
             writer.append(*snapshot)
+        prompt = prompts.next()
         t = time.perf_counter()
-        with AttnStoreCache(model, store, f"h{rep}", ids) as cache:
+        with AttnStoreCache(model, store, f"h{rep}", prompt) as cache:
             model(cache.input_ids[:, H:], **cache_kwargs(cache))
-        return time.perf_counter() - t
+        seconds = time.perf_counter() - t
+        check_resume(cache, H, ("host",))
+        return seconds
 
     ideal(0), host(-1)
     share = {"ideal": [], "AS-host": []}
@@ -143,8 +158,10 @@ def resume(model, args, spent) -> None:
             return elapsed
         return run
 
-    rows = interleaved({"ideal": counted("ideal", ideal), "AS-host": counted("AS-host", host)}, args.reps)
-    print(f"resume {H} + {N} new tokens from the host tier, {args.reps} interleaved reps")
+    rows, orders = interleaved({"ideal": counted("ideal", ideal), "AS-host": counted("AS-host", host)}, args.reps,
+                               args.seed)
+    print(f"resume {H} + {N} new tokens (drawn afresh for every turn) from the host tier, {args.reps} interleaved reps")
+    print(f"  {orders_line(orders, args.seed)}")
     for v, xs in rows.items():
         print(f"  {v:<8} median {1000 * statistics.median(xs):7.1f} ms  min {1000 * min(xs):7.1f} ms   "
               f"{statistics.median(xs) / statistics.median(rows['ideal']):6.3f} x (median)  "
@@ -153,7 +170,8 @@ def resume(model, args, spent) -> None:
     print(f"  time in the cache: AS-host {1000 * own:.1f} ms (lookup, load, re-rotation into the layer, saving), "
           f"ideal {1000 * base:.1f} ms (its concatenation): {100 * (own - base) / statistics.median(rows['ideal']):.2f}%"
           " of the ideal's turn beyond it")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -5,8 +5,8 @@
 The question behind the batching design: should the prefills of turns that join the batch together run as
 one forward? Each of `--sessions` sessions has a history already in its cache (`--history` tokens, growing
 by `--spread` per session) and a new message to prefill (`--new` tokens, growing by `--spread // 4`): the
-shape of a resumed chat turn. Token ids are real ShareGPT text. Variants, interleaved per repetition in a
-shuffled order (this machine drifts):
+shape of a resumed chat turn. Token ids are real ShareGPT text. Variants, once per repetition in an order
+drawn afresh each time (from `--seed`; printed: this machine drifts):
 
 - ``one at a time``: each session's new tokens in one forward over its own cache (what the batch runner
   does without a token budget);
@@ -28,7 +28,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from bench_tiers import interleaved
+from bench_tiers import interleaved, orders_line
 from hf_attnstore import load_default_model
 from hf_attnstore.lab.data import load_sharegpt
 from hf_attnstore.cache.upstream import cache_kwargs
@@ -59,6 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--spread", type=int, default=40)
     p.add_argument("--chunks", default="128,64")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="seed of the variants' order in each repetition")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model()
@@ -127,10 +128,10 @@ def main(argv=None) -> int:
         variants[f"chunks of {c}"] = lambda rep, c=c: timed(lambda: one_at_a_time(c))
     variants["padded batch"] = lambda rep: timed(padded)
     variants["equal-length batch (bound)"] = lambda rep: timed(equal_lengths)
-    rows = interleaved(variants, args.reps)
+    rows, orders = interleaved(variants, args.reps, args.seed)
     base = statistics.median(rows["one at a time"])
     print(f"{b} sessions, histories {hist[0]}-{hist[-1]}, new tokens {new[0]}-{new[-1]} "
-          f"({sum(new)} in all), {args.reps} reps, {device}")
+          f"({sum(new)} in all), {args.reps} reps, {device}\n{orders_line(orders, args.seed)}")
     print("| variant | median | new tokens/s | time vs one at a time |")
     print("| --- | --- | --- | --- |")
     for name, seconds in rows.items():

@@ -33,6 +33,10 @@ sharing, `--no-share-prefixes`), `attnstore-cost` (the same with `--recompute-by
 TTFT of resumed turns (a user's second turn on: time to the first streamed content, queueing included)
 p50 / p99; the share of prompt tokens the server reports as cached (`usage.prompt_tokens_details.
 cached_tokens`, where the server reports it).
+
+A run in which a user did not finish every turn (its request failed, or its thread died) exits non-zero, naming the
+users and turns missing: its throughput would be measured over fewer turns than the table says. Each server's disk
+folder (`--disk-dir`) is removed when the server stops, also when the run fails.
 """
 
 from __future__ import annotations
@@ -51,15 +55,17 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from hf_attnstore.store.redis_server import free_port  # noqa: E402
+
 
 def attnstore(port: int, args, batch: int) -> list[str]:
     cmd = [sys.executable, "-m", "hf_attnstore", "serve", "--port", str(port), "--max-tokens", str(args.max_tokens),
            "--max-batch-size", str(batch), "--max-pending", "256"]
     if args.host_bytes:
         cmd += ["--host-bytes", args.host_bytes]
-    if args.disk_dir:  # a fresh folder per server: no session survives from an earlier run
-        cmd += ["--disk-dir", tempfile.mkdtemp(prefix="attnstore-bench-", dir=args.disk_dir)]
-    if getattr(args, "remote_url", None):  # (bench_agents' arguments have none)
+    if args.server_disk:
+        cmd += ["--disk-dir", args.server_disk]
+    if args.remote_url:
         cmd += ["--remote", args.remote_url, "--remote-required"]
     return cmd
 
@@ -75,6 +81,36 @@ SYSTEMS = {
     "transformers": lambda port, model_dir, args: ["transformers", "serve", model_dir, "--port", str(port),
                                                    "--dtype", "float32", "--device", "cpu"],
 }
+
+
+def server_tiers(stack: contextlib.ExitStack, system: str, args) -> None:
+    """Sets `args.server_disk` and `args.remote_url` for the next attnstore server: a fresh disk folder under
+    `--disk-dir` (no session survives from an earlier run) and a fresh, empty Redis behind a shaped link
+    (`--remote-mbit`), each removed when `stack` closes, after the server has stopped."""
+    args.server_disk = args.remote_url = None
+    if not system.startswith("attnstore"):
+        return
+    if args.disk_dir:
+        args.server_disk = stack.enter_context(tempfile.TemporaryDirectory(prefix="attnstore-bench-",
+                                                                           dir=args.disk_dir))
+    if args.remote_mbit:
+        from bench_recompute import shaped_redis
+
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="attnstore-redis-"))
+        args.remote_url = stack.enter_context(shaped_redis(args.remote_mbit, Path(folder)))
+
+
+class IncompleteRun(RuntimeError):
+    """A benchmark run that did not do all the work it reports on."""
+
+
+def check_complete(done: set, expected: set, errors: list[str], client: str, step: str) -> None:
+    """Raises IncompleteRun unless every expected (client, step) pair is in `done` and no client failed."""
+    missing = sorted(expected - done)
+    if missing or errors:
+        shown = ", ".join(f"{client} {c} {step} {t}" for c, t in missing[:10]) + (" ..." if len(missing) > 10 else "")
+        raise IncompleteRun(f"{len(missing)} of {len(expected)} {step}s not finished ({shown or 'none'}); "
+                            f"{len(errors)} {client}s failed: {'; '.join(errors[:3]) or '-'}")
 
 
 def conversations(n: int, turns: int, chars: int) -> list[list[str]]:
@@ -139,27 +175,26 @@ def stream_turn(client, model: str, messages: list[dict], max_tokens: int) -> di
                 cached=getattr(details, "cached_tokens", None) if details else None, reply=reply)
 
 
-def user(client, model: str, messages_in: list[str], args, records: list, lock: threading.Lock) -> None:
+def user(client, model: str, u: int, messages_in: list[str], args, records: list, errors: list,
+         lock: threading.Lock) -> None:
     messages = [{"role": "system", "content": args.system_text}] if args.system_text else []
-    for turn, text in enumerate(messages_in):
-        messages.append({"role": "user", "content": text})
-        record = stream_turn(client, model, messages, args.max_tokens)
+    try:
+        for turn, text in enumerate(messages_in):
+            messages.append({"role": "user", "content": text})
+            record = stream_turn(client, model, messages, args.max_tokens)
+            with lock:
+                records.append(dict(user=u, turn=turn, **record))
+            messages.append({"role": "assistant", "content": record["reply"]})
+            time.sleep(args.think)
+    except Exception as e:  # noqa: BLE001 - recorded and reported: the run fails, not this thread alone
         with lock:
-            records.append(dict(turn=turn, **record))
-        messages.append({"role": "assistant", "content": record["reply"]})
-        time.sleep(args.think)
+            errors.append(f"user {u}: {type(e).__name__}: {e}")
 
 
 def run(system: str, users: int, convs, model_dir: str, args) -> dict:
-    port = 8900 + hash((system, users)) % 500
     with contextlib.ExitStack() as stack:
-        args.remote_url = None
-        if args.remote_mbit and system.startswith("attnstore"):  # a fresh, empty Redis for each server
-            from bench_recompute import shaped_redis
-
-            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="attnstore-redis-"))
-            args.remote_url = stack.enter_context(shaped_redis(args.remote_mbit, Path(folder)))
-        return measure(system, users, convs, model_dir, args, port)
+        server_tiers(stack, system, args)
+        return measure(system, users, convs, model_dir, args, free_port())
 
 
 def measure(system: str, users: int, convs, model_dir: str, args, port: int) -> dict:
@@ -172,8 +207,8 @@ def measure(system: str, users: int, convs, model_dir: str, args, port: int) -> 
         warm = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=2, temperature=0)
         assert warm.choices
-        records, lock = [], threading.Lock()
-        threads = [threading.Thread(target=user, args=(client, model, convs[u], args, records, lock))
+        records, errors, lock = [], [], threading.Lock()
+        threads = [threading.Thread(target=user, args=(client, model, u, convs[u], args, records, errors, lock))
                    for u in range(users)]
         t0 = time.perf_counter()
         for t in threads:
@@ -187,6 +222,9 @@ def measure(system: str, users: int, convs, model_dir: str, args, port: int) -> 
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(60)
+    check_complete({(r["user"], r["turn"]) for r in records},
+                   {(u, t) for u in range(users) for t in range(len(convs[u]))}, errors, "user", "turn")
     resumed = sorted(r["ttft"] for r in records if r["turn"] > 0)
     first = sorted(r["ttft"] for r in records if r["turn"] == 0)
     cached = [r for r in records if r["cached"] is not None]
@@ -232,7 +270,11 @@ def main(argv=None) -> int:
     rows = []
     for users in levels:
         for system in args.systems.split(","):
-            row = run(system, users, convs, model_dir, args)
+            try:
+                row = run(system, users, convs, model_dir, args)
+            except IncompleteRun as e:
+                print(f"{system} x{users}: the run is incomplete, so nothing is reported: {e}", file=sys.stderr)
+                return 1
             rows.append(row)
             print(f"{system} x{users}: {row['turns_per_s']:.3f} turns/s, resumed TTFT p50 "
                   f"{row['ttft_resumed_p50_ms']:.0f} ms", flush=True)

@@ -10,10 +10,11 @@ a turn of `--new` tokens is resumed and `--decode` tokens are generated greedily
   * scoring only:   ``kv_budget=1.0`` with ALISA's policy: dense attention plus the importance scores
                     (what keeping scores costs, e.g. for ``truncation="importance"``).
 
-Reported (medians; variants interleaved in a shuffled order per repetition): resume TTFT (cache + prefill of
-the new tokens + the first token), decode tokens/s (64 tokens: a `generate` of 65 minus the TTFT; the cache is
-built outside that timing, a few ms), and the KV bytes the cache holds on the device per
-session after the turn, with the sessions per GiB that makes. The store keeps every token either way.
+Reported (medians; variants in an order drawn afresh for every repetition, from `--seed`, printed): resume TTFT
+(cache + prefill of the new tokens + the first token), decode tokens/s (64 tokens: a `generate` of 65 minus the
+TTFT; the cache is built outside that timing, a few ms), and the KV bytes the cache holds on the device per
+session after the turn, with the sessions per GiB that makes. The store keeps every token either way. A turn that
+did not reuse the stored history or did not decode its tokens fails the run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -51,21 +53,25 @@ def run_turn(model, store, session, prompt, config, decode: int) -> tuple[float,
     generate = dict(do_sample=False, pad_token_id=0)
     model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=1, **generate)
     ttft = time.perf_counter() - started
+    assert cache.reused_tokens > 0 and cache.shared_from is None, "the turn did not resume its session"
     cache = AttnStoreCache(model, store, session, prompt, kv_budget=config, save=False)
     started = time.perf_counter()
-    model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=decode + 1, min_new_tokens=decode + 1,
-                   **generate)
+    out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=decode + 1,
+                         min_new_tokens=decode + 1, **generate)
     total = time.perf_counter() - started
+    assert out.shape[1] == prompt.shape[1] + decode + 1, "the turn did not decode all its tokens"
     return ttft, max(total - ttft, 1e-9) / decode, held_bytes(cache)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--histories", default="1024,4096")
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the variants' order in each repetition")
     args = parser.parse_args()
+    rng = random.Random(args.seed)
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model(dtype="float32", device="cpu")
     histories = [int(h) for h in args.histories.split(",")]
@@ -83,10 +89,11 @@ def main() -> None:
         first.close()
         prompt = text[: H + args.new].view(1, -1)
         rows = {name: [] for name in VARIANTS}
-        rng = random.Random(H)
+        orders = []
         for _ in range(args.reps):
             order = list(VARIANTS)
             rng.shuffle(order)
+            orders.append(order)
             for name in order:
                 rows[name].append(run_turn(model, store, session, prompt, VARIANTS[name], args.decode))
         for name, runs in rows.items():
@@ -96,7 +103,10 @@ def main() -> None:
             print(f"| {H} | {name} | {1000 * ttft:.0f} ms | {1 / per_token:.1f} | {held / 2**20:.1f} MiB | "
                   f"{2**30 / held:.0f} |", flush=True)
         store.close()
+        print(f"  history {H}, order of the variants per repetition (seed {args.seed}): "
+              + " | ".join(", ".join(o) for o in orders))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,7 +15,7 @@ history is computed sparsely). Then one measured turn of every session at once (
 Reported per variant: the batch size reached and the batch cache at its largest (live KV after a join, slabs as
 allocated), decode tokens/s (tokens of the batched decoding steps over their seconds), the measured turn's wall
 time and median TTFT (queueing included). The store keeps every token in every variant; the batch cache is what a
-GPU's memory would bound.
+GPU's memory would bound. A run in which a measured reply has not `--new-tokens` tokens fails.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from hf_attnstore.store.sizes import parse_bytes
 QUESTION = "Summarize what we discussed so far in three sentences."
 
 
-def build(pipe: ChatPipeline, sessions: int, history: int, convs) -> list[int]:
-    """Replays conversations (user and given assistant turns) into each session until it holds `history` tokens."""
+def build(pipe: ChatPipeline, sessions: int, history: int, convs, chars: int) -> list[int]:
+    """Replays conversations (user and given assistant turns, each clipped to `chars` characters) into each session
+    until it holds `history` tokens."""
     lengths, source = [], iter(convs)
     for i in range(sessions):
         length = 0
@@ -45,7 +46,7 @@ def build(pipe: ChatPipeline, sessions: int, history: int, convs) -> list[int]:
             for user, assistant in zip(msgs, msgs[1:]):
                 if user["role"] != "user" or assistant["role"] != "assistant" or length >= history:
                     continue
-                reply = pipe.submit(f"s{i}", user["content"][:2000], reply=assistant["content"][:2000]).result(1200)
+                reply = pipe.submit(f"s{i}", user["content"][:chars], reply=assistant["content"][:chars]).result(1200)
                 length = reply.history_tokens + reply.generated_tokens
         lengths.append(length)
     return lengths
@@ -55,12 +56,15 @@ def measure(model, tokenizer, args, batch: int, sparse: SparseConfig | None, con
     with AttnStore(host_bytes="16GiB") as store, \
             ChatPipeline(model, tokenizer, store, max_new_tokens=args.new_tokens, max_batch_size=batch,
                          max_batch_kv_bytes=bound, eos_token_id=None, kv_budget=sparse) as pipe:
-        lengths = build(pipe, args.sessions, args.history, convs)  # given replies run alone: the batch is unused
+        # Given replies run alone: the batch is unused.
+        lengths = build(pipe, args.sessions, args.history, convs, args.message_chars)
         runner = pipe.batch_runner
         started = time.perf_counter()
         futures = [pipe.submit(f"s{i}", QUESTION) for i in range(args.sessions)]
         replies = [f.result(1200) for f in futures]
         wall = time.perf_counter() - started
+        short = [r.generated_tokens for r in replies if r.generated_tokens != args.new_tokens]
+        assert not short, f"replies of {short} tokens, not {args.new_tokens}"
         peak, steps, step_s, waits = dict(runner.peak), runner.steps, runner.seconds["step"], runner.memory_waits
     decoded = sum(r.generated_tokens - 1 for r in replies)  # the first token of each reply comes from its prefill
     return {"lengths": lengths, "peak": peak, "tok_s": decoded / step_s if step_s else 0.0, "steps": steps,
@@ -75,6 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-kv", default="256MiB", help="max_batch_kv_bytes of the bounded variants")
     p.add_argument("--budget", type=float, default=0.2, help="kv_budget of the sparse variant (0.2: 80%% sparsity)")
     p.add_argument("--policy", default="alisa")
+    p.add_argument("--message-chars", type=int, default=2000, help="replayed messages and replies clipped to this")
     args = p.parse_args(argv)
     bound = parse_bytes(args.batch_kv, "--batch-kv")
     torch.set_grad_enabled(False)

@@ -6,8 +6,10 @@ Sections:
   sweep   histories 256 ... 4096 tokens x 64 / 128 / 256 new tokens (--histories, --news)
   grid    1K tokens split as history/new = 500/500, 600/400, 700/300, 800/200, 900/100 (the paper's Fig. 18)
 
-Variants, run back to back on the same ids for each point and repetition (in a shuffled order, so this
-machine's drift hits them alike; medians reported):
+Variants, run back to back for each point and repetition, in an order drawn afresh each time (from `--seed`;
+printed), so this machine's drift hits them alike; medians reported. Every measured turn has new tokens of its
+own (a repeated prompt would be served by prefix sharing from the session that stored it first: a cache hit,
+not a resume), and a resume that did not reuse exactly its own session's history from its tier fails the run:
   * RE:      a fresh DynamicCache, prefill history + new tokens.
   * ideal:   a DynamicCache already holding the history's KV (as if it never left the device), prefill new.
   * AS-host: AttnStoreCache over a store whose host tier holds the session, prefill new (and save the turn).
@@ -25,12 +27,11 @@ import json
 import random
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from bench_tiers import drop_page_cache, history_snapshot
+from bench_tiers import Resumes, check_resume, drop_page_cache, history_snapshot, ideal_prefill, scratch_folder
 from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
@@ -41,63 +42,67 @@ VARIANTS = ("RE", "ideal", "AS-host", "AS-disk")
 GRID = ((500, 500), (600, 400), (700, 300), (800, 200), (900, 100))
 
 
-def measure_history(model, ids: torch.Tensor, H: int, news: list[int], reps: int, root: Path) -> dict:
+def measure_history(model, ids: torch.Tensor, H: int, news: list[int], reps: int, root: Path,
+                    rng: random.Random) -> dict:
     """Medians of every variant for one history length and each number of new tokens."""
-    resident, fp, snapshot = history_snapshot(model, ids, H)
+    history = ids[:, :H]
+    resident, fp, snapshot = history_snapshot(model, history, H)
     sessions = [f"d{n}-{r}" for n in news for r in range(reps)]
     with AttnStore(host_bytes="16GiB", disk_dir=str(root)) as writer:
         for s in sessions:
             writer.open_turn(s, fp, None, torch.arange(0)).append(*snapshot)
-    host = AttnStore(host_bytes="16GiB")
     out = {}
-    for n in news:
-        prompt = ids[:, : H + n]
-        rows = {v: [] for v in VARIANTS}
-        for rep in range(reps):
+    with AttnStore(host_bytes="16GiB") as host:
+        for n in news:
+            prompts = Resumes(history, n, model.config.vocab_size, seed=H * 1000 + n)
+            rows = {v: [] for v in VARIANTS}
+            orders = []
+            for rep in range(reps):
 
-            def resume(store, session):
-                cache = AttnStoreCache(model, store, session, prompt)
-                assert cache.reused_tokens == H, (cache.reused_tokens, H)
-                model(cache.input_ids[:, H:], **cache_kwargs(cache))
-                return cache.kv_source
+                def resume(store, session):
+                    cache = AttnStoreCache(model, store, session, prompts.next())
+                    model(cache.input_ids[:, H:], **cache_kwargs(cache))
+                    return cache
 
-            def run(variant):
-                if variant == "RE":
-                    t = time.perf_counter()
-                    model(prompt, **cache_kwargs(DynamicCache()))
-                elif variant == "ideal":
-                    cache = DynamicCache()
-                    for i, layer in enumerate(resident.layers):
-                        cache.update(layer.keys.clone(), layer.values.clone(), i)
-                    t = time.perf_counter()
-                    model(prompt[:, H:], **cache_kwargs(cache))
-                elif variant == "AS-host":
-                    session = f"h{n}-{rep}"
-                    host.open_turn(session, fp, None, torch.arange(0)).append(*snapshot)
-                    t = time.perf_counter()
-                    assert resume(host, session) == "host"
-                else:
-                    session = f"d{n}-{rep}"
-                    store = AttnStore(host_bytes="16GiB", disk_dir=str(root))  # reopened: on disk only
-                    drop_page_cache(root / "sessions" / session_dirname(fp, session))
-                    t = time.perf_counter()
-                    assert resume(store, session) == "disk"
-                    seconds = time.perf_counter() - t
-                    store.close(flush=False)
+                def run(variant):
+                    if variant == "RE":
+                        prompt = prompts.next()
+                        t = time.perf_counter()
+                        model(prompt, **cache_kwargs(DynamicCache()))
+                        return time.perf_counter() - t
+                    if variant == "ideal":
+                        return ideal_prefill(model, resident, prompts.next()[:, H:])
+                    if variant == "AS-host":
+                        session, store, source = f"h{n}-{rep}", host, "host"
+                        host.open_turn(session, fp, None, torch.arange(0)).append(*snapshot)
+                    else:
+                        session, source = f"d{n}-{rep}", "disk"
+                        store = AttnStore(host_bytes="16GiB", disk_dir=str(root))  # reopened: on disk only
+                        drop_page_cache(root / "sessions" / session_dirname(fp, session))
+                    try:
+                        t = time.perf_counter()
+                        cache = resume(store, session)
+                        seconds = time.perf_counter() - t
+                        check_resume(cache, H, (source,))
+                        cache.close()
+                    finally:
+                        if store is not host:
+                            store.close(flush=False)
                     return seconds
-                return time.perf_counter() - t
 
-            order = list(VARIANTS)
-            random.Random(H * 1000 + n * 10 + rep).shuffle(order)
-            for v in order:
-                rows[v].append(run(v))
-        out[n] = {v: statistics.median(x) for v, x in rows.items()}
-        out[n]["all"] = rows
-        ideal = out[n]["ideal"]
-        print(f"  history {H:5d} new {n:4d}: " + "  ".join(f"{v} {1000 * out[n][v]:7.1f} ms" for v in VARIANTS)
-              + f"   AS-host/ideal {out[n]['AS-host'] / ideal:.3f}  AS-disk/ideal {out[n]['AS-disk'] / ideal:.3f}"
-              f"  RE/AS-host {out[n]['RE'] / out[n]['AS-host']:.2f}x", flush=True)
-    host.close()
+                order = list(VARIANTS)
+                rng.shuffle(order)
+                orders.append(order)
+                for v in order:
+                    rows[v].append(run(v))
+            out[n] = {v: statistics.median(x) for v, x in rows.items()}
+            out[n]["all"] = rows
+            out[n]["orders"] = orders
+            ideal = out[n]["ideal"]
+            print(f"  history {H:5d} new {n:4d}: " + "  ".join(f"{v} {1000 * out[n][v]:7.1f} ms" for v in VARIANTS)
+                  + f"   AS-host/ideal {out[n]['AS-host'] / ideal:.3f}  AS-disk/ideal {out[n]['AS-disk'] / ideal:.3f}"
+                  f"  RE/AS-host {out[n]['RE'] / out[n]['AS-host']:.2f}x; orders: "
+                  + " | ".join(", ".join(o) for o in orders), flush=True)
     shutil.rmtree(root / "sessions", ignore_errors=True)
     return out
 
@@ -151,10 +156,11 @@ def main(argv=None):
     p.add_argument("--news", default="64,128,256")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--disk-dir", default=None, help="folder for the disk tier (default: a temporary one)")
+    p.add_argument("--disk-dir", default=None, help="an empty folder for the disk tier (default: a temporary one)")
     p.add_argument("--plot", default=None, help="write the plots to this PNG")
     p.add_argument("--json", default=None, help="also write the results to this file")
     p.add_argument("--replot", default=None, help="only redraw --plot from a --json file of an earlier run")
+    p.add_argument("--seed", type=int, default=0, help="seed of the variants' order in each repetition")
     args = p.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
@@ -162,7 +168,7 @@ def main(argv=None):
         grid = {k: v for k, v in points.items() if k in GRID}
         plot({k: v for k, v in points.items() if k not in GRID}, grid, [int(x) for x in args.news.split(",")],
              args.plot)
-        return
+        return 0
     sections = set(args.sections.split(","))
     torch.set_grad_enabled(False)
     model, _ = load_default_model(dtype=args.dtype)
@@ -171,20 +177,22 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, model.config.vocab_size, (1, max(histories) + max(news) + 1000), generator=gen)
     ids = ids.to(model.device)
-    root = Path(args.disk_dir or tempfile.mkdtemp(prefix="attnstore-bench-"))
+    rng = random.Random(args.seed)
     model(ids[:, :8])  # warm-up
-    print(f"SmolLM2-135M {args.dtype} on {model.device}, {torch.get_num_threads()} threads, {args.reps} reps (medians)")
+    print(f"SmolLM2-135M {args.dtype} on {model.device}, {torch.get_num_threads()} threads, {args.reps} reps "
+          f"(medians); variants in an order drawn afresh per point and repetition (seed {args.seed})")
     started = time.perf_counter()
     sweep, grid = {}, {}
-    if "sweep" in sections:
-        for H in histories:
-            for n, m in measure_history(model, ids, H, news, args.reps, root).items():
-                sweep[(H, n)] = m
-        print("\n[sweep]\n" + table(sweep))
-    if "grid" in sections:
-        for H, n in GRID:
-            grid[(H, n)] = measure_history(model, ids, H, [n], args.reps, root)[n]
-        print("\n[grid] 1K tokens, history/new (Fig. 18)\n" + table(grid))
+    with scratch_folder(args.disk_dir, "attnstore-bench-") as root:
+        if "sweep" in sections:
+            for H in histories:
+                for n, m in measure_history(model, ids, H, news, args.reps, root, rng).items():
+                    sweep[(H, n)] = m
+            print("\n[sweep]\n" + table(sweep))
+        if "grid" in sections:
+            for H, n in GRID:
+                grid[(H, n)] = measure_history(model, ids, H, [n], args.reps, root, rng)[n]
+            print("\n[grid] 1K tokens, history/new (Fig. 18)\n" + table(grid))
     print(f"\nmeasured in {time.perf_counter() - started:.0f} s")
     if args.plot:
         plot(sweep, grid, news, args.plot)
@@ -193,9 +201,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "points": [{"history": H, "new": n, **m} for (H, n), m in
                                                       {**sweep, **grid}.items()]}, f, indent=1)
-    if args.disk_dir is None:
-        shutil.rmtree(root, ignore_errors=True)
-
+    return 0
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -13,7 +13,8 @@ Three measurements, each against the lossless store on the same inputs, SmolLM2 
 - **Greedy agreement on resumed ShareGPT turns**: every turn resumes from the lossy cold copy (flushed and
   evicted after each turn) and is compared token for token with recomputation.
 
-Prints Markdown tables (docs/evaluation.md).
+Prints Markdown tables (docs/evaluation.md). A greedy comparison whose turns reused nothing from the cold copies
+(it would compare recomputation with itself) fails the run.
 """
 
 from __future__ import annotations
@@ -32,18 +33,18 @@ from hf_attnstore.lab.evaluation.mmlu import agreement, mean_kl, scores_from_sam
 from hf_attnstore.lab.evaluation.ppl import PerplexityResult, sliding_perplexity
 
 
-def ppl_table(model, tokenizer, codecs, texts: int, length: int, window: int) -> None:
+def ppl_table(model, tokenizer, codecs, texts: int, length: int, window: int, chunk: int) -> None:
     for corpus in ("sharegpt", "pydoc"):
         docs = load_texts(corpus, tokenizer, texts, length)
-        print(f"\nPPL after overflow, {corpus}: {len(docs)} texts of {length} tokens, W = {window}, decoupled, "
-              "each turn resumed from the cold copy")
+        print(f"\nPPL after overflow, {corpus}: {len(docs)} texts of {length} tokens, W = {window}, turns of {chunk} "
+              "tokens, decoupled, each turn resumed from the cold copy")
         print("| codec | PPL | vs lossless | time |\n| --- | --- | --- | --- |")
         base = None
         for codec in [None, *codecs]:
             started, total = time.perf_counter(), PerplexityResult()
             for ids in docs:
-                total = total + sliding_perplexity(model, ids, context_window=window, mode="decoupled",
-                                                   kv_codec=codec)
+                total = total + sliding_perplexity(model, ids, context_window=window, chunk_tokens=chunk,
+                                                   mode="decoupled", kv_codec=codec)
             base = base or total.ppl
             rel = "–" if codec is None else f"{100 * (total.ppl / base - 1):+.3f}%"
             print(f"| {codec or 'lossless'} | {total.ppl:.4f} | {rel} | {time.perf_counter() - started:.0f} s |",
@@ -87,6 +88,8 @@ def greedy_table(model, tokenizer, codecs, turns: int) -> None:
         print(f"| {codec} | {r.identical}/{r.turns} ({100 * r.identical_fraction:.1f}%) | {r.max_abs_logit_diff:.3f} | "
               f"{r.reused_tokens:,} / {r.prompt_tokens:,} |", flush=True)
     print(f"({next(iter(results.values())).seconds:.0f} s)")
+    for codec, r in results.items():
+        assert r.turns == turns and r.reused_tokens > 0, f"{codec}: {r.turns} turns compared, {r.reused_tokens} reused"
 
 
 def main(argv=None) -> int:
@@ -96,6 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--ppl-texts", type=int, default=3)
     p.add_argument("--ppl-length", type=int, default=3072)
     p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--ppl-chunk", type=int, default=128, help="tokens per turn in the PPL measurement")
     p.add_argument("--mmlu-limit", type=int, default=200)
     p.add_argument("--turns", type=int, default=200)
     args = p.parse_args(argv)
@@ -104,7 +108,7 @@ def main(argv=None) -> int:
     codecs = args.codecs.split(",")
     only = args.only.split(",")
     if "ppl" in only:
-        ppl_table(model, tokenizer, codecs, args.ppl_texts, args.ppl_length, args.window)
+        ppl_table(model, tokenizer, codecs, args.ppl_texts, args.ppl_length, args.window, args.ppl_chunk)
     if "mmlu" in only:
         mmlu_table(model, tokenizer, codecs, args.mmlu_limit, args.window)
     if "greedy" in only:

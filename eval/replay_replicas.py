@@ -11,7 +11,8 @@ all), on one trace and one model. Runs (see `hf_attnstore.lab.replicas` for the 
 * random balancer, shared Redis tier (a local redis-server): the replicas resume each other's sessions;
 * random balancer, shared Redis tier and no disk tiers (stateless replicas), with `--no-disk-run`.
 
-Every run reads the same replies, so the greedy tokens of each turn must be identical across runs.
+Every run reads the same replies, so the greedy tokens of each turn must be identical across runs: a run whose
+tokens differ from the sticky run's fails (exit 1).
 """
 
 from __future__ import annotations
@@ -54,13 +55,16 @@ def main(argv=None) -> int:
     p.add_argument("--conversations", type=int, default=24)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--max-turns", type=int, default=None)
+    p.add_argument("--max-user-tokens", type=int, default=256, help="user messages are clipped to this")
+    p.add_argument("--max-reply-tokens", type=int, default=512, help="recorded replies are clipped to this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-disk-run", action="store_true", help="also run stateless replicas (Redis, no disk)")
     p.add_argument("--json", help="write the summaries here")
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model()
-    cfg = ReplayConfig(conversations=args.conversations, max_turns=args.max_turns, seed=args.seed)
+    cfg = ReplayConfig(conversations=args.conversations, max_turns=args.max_turns, seed=args.seed,
+                       max_user_tokens=args.max_user_tokens, max_reply_tokens=args.max_reply_tokens)
     trace = build_trace(tokenizer, cfg)
     host, all_kv = host_capacity(model, tokenizer, trace, cfg)
     n = args.replicas
@@ -80,8 +84,11 @@ def main(argv=None) -> int:
     print("| run | TTFT resumed, mean | p50 | p90 | reused share | prefilled / turn | host | disk | remote | "
           "miss | greedy = sticky |")
     print("| --- " * 11 + "|")
+    differ = []
     for run, r in zip(runs, rows):
         same, compared = same_outputs(runs[0], run)
+        if same != compared:
+            differ.append(f"{run.label}: {compared - same} of {compared} turns")
         print(f"| {r['label']} | {r['ttft_mean_ms']:.0f} ms | {r['ttft_p50_ms']:.0f} ms | {r['ttft_p90_ms']:.0f} ms | "
               f"{100 * r['reused_share']:.1f}% | {r['prefilled_mean']:.0f} | {100 * r['from_host']:.1f}% | "
               f"{100 * r['from_disk']:.1f}% | {100 * r['from_remote']:.1f}% | {100 * r['from_miss']:.1f}% | "
@@ -95,7 +102,9 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-    return 0
+    if differ:
+        print("greedy tokens differ from the sticky run's: " + "; ".join(differ), file=sys.stderr)
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

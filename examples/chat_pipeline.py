@@ -18,7 +18,9 @@ parser.add_argument("--disk-dir", default=None)
 parser.add_argument("--max-new-tokens", type=int, default=24)
 parser.add_argument("--kv-budget", type=float, default=None, help="e.g. 0.2: attend to 20%% of the history")
 args = parser.parse_args()
-folder = args.disk_dir or tempfile.mkdtemp(prefix="attnstore-example-")
+# Without --disk-dir, a temporary folder, removed when the process exits (also when it fails).
+scratch = None if args.disk_dir else tempfile.TemporaryDirectory(prefix="attnstore-example-")
+folder = args.disk_dir or scratch.name
 model, tokenizer = load_default_model()
 
 with AttnStore(host_bytes="1GiB", disk_dir=folder) as store, \

@@ -596,7 +596,8 @@ def sharegpt_trace(tokenizer, limit: int | None = None, rejoin: bool = False) ->
 
     A user message is paired with the assistant message that follows it (0 tokens if none). With `rejoin`,
     the parts of conversations the packaged (split) file cut apart are joined (see `iter_sharegpt`). The counts
-    are cached under :func:`hf_attnstore.lab.models.cache_root` (tokenizing 17,671 conversations takes a while).
+    are cached under :func:`hf_attnstore.lab.models.cache_root` (tokenizing 17,671 conversations takes minutes on
+    two cores); without that cache, a `limit` tokenizes only the conversations it keeps.
     """
     import hashlib
     import json
@@ -610,11 +611,17 @@ def sharegpt_trace(tokenizer, limit: int | None = None, rejoin: bool = False) ->
     key = f"{path.stat().st_size}:{tokenizer.name_or_path}:{len(tokenizer)}" + (":rejoin" if rejoin else "")
     tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     cached = cache_root() / "traces" / f"sharegpt-{tag}.json"
+    encode = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0  # noqa: E731
     if cached.is_file():
         trace = [[tuple(t) for t in conv] for conv in json.loads(cached.read_text())]
-    else:
+    elif limit is not None:  # the first `limit` conversations with a turn, as the cached trace's first `limit`
         trace = []
-        encode = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0  # noqa: E731
+        for conv in iter_sharegpt(rejoin=rejoin):
+            if len(trace) == limit:
+                break
+            if conv.turns:
+                trace.append([(encode(u), encode(r)) for u, r in conv.turns])
+    else:
         trace = [[(encode(u), encode(r)) for u, r in conv.turns] for conv in iter_sharegpt(rejoin=rejoin)]
         trace = [t for t in trace if t]
         cached.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,168 @@
+"""Every script in eval/ runs at a tiny size and checks its own invariants, not its timings.
+
+The scripts check what their runs must have done (every measured resume reused exactly its own session's
+history from the tier it measures, every user finished every turn, greedy replies equal recomputation's...) and
+exit non-zero otherwise; this module runs each one and checks its exit status, the rows of the Markdown table it
+prints, and that it left nothing in the temporary folder. The sizes are tiny (64-token histories, one or two
+repetitions: two where a later one could find what an earlier one stored): the numbers mean nothing, the code
+paths are the ones a real run takes.
+
+All of them run in one `tests/eval_runner.py` process, which imports torch and transformers once and forks a
+child per script (its own process, exit status and log), with one torch thread: about three and a half minutes
+on the shared 2-core dev machine. The module runs only the scripts of the tests selected (``-k``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Script:
+    """One run of an eval/ script: its arguments (``{tmp}``: a scratch folder) and what its log must show."""
+
+    script: str
+    args: tuple[str, ...] = ()
+    expect: tuple[str, ...] = ()  # lines or cells its output must contain
+    timeout_s: int = 240
+    checks: tuple = field(default=())  # functions of the log that raise on a violated invariant
+
+
+def same_counts(pattern: str):
+    """A check: every match of `pattern` (two numbers) shows equal numbers, and there is at least one."""
+    def check(log: str) -> None:
+        found = re.findall(pattern, log)
+        assert found and all(a == b for a, b in found), f"{pattern}: {found}"
+    return check
+
+
+# Two repetitions where a later one could find an earlier one's stored prompt (a cache hit timed as a resume).
+TINY_RESUME = ("--history", "64", "--new", "8", "--reps", "2")
+RUNS = {
+    "batch_fidelity": Script("batch_fidelity.py", ("--sessions", "2", "--turns", "2", "--batch", "2",
+                                                   "--max-new-tokens", "4", "--max-user-tokens", "16",
+                                                   "--dtypes", "float32"),
+                             checks=(same_counts(r"\| float32 \| \d+ \| (\d+)/(\d+) \|"),)),
+    "bench_agents": Script("bench_agents.py", ("--agents", "2", "--steps", "2", "--systems", "attnstore",
+                                               "--max-tokens", "4", "--task-chars", "200", "--budget", "600"),
+                           expect=("| attnstore | ",)),
+    "bench_batch": Script("bench_batch.py", ("--sessions", "2", "--turns", "1", "--batch", "1,2",
+                                             "--max-new-tokens", "4", "--message-chars", "200"),
+                          expect=("| 1 | ", "| 2 | ")),
+    "bench_codec": Script("bench_codec.py", (*TINY_RESUME, "--decode", "2", "--codecs", "none,int8"),
+                          expect=("| lossless | ", "| int8 | ", "order of the variants per repetition")),
+    "bench_compress": Script("bench_compress.py", ("--history", "64", "--codecs", "none,int4"),
+                             expect=("| lossless | ", "| int4 | ")),
+    "bench_decode": Script("bench_decode.py", ("--prompt", "16", "--new", "4", "--reps", "2"),
+                           expect=("DynamicCache    median", "AttnStoreCache  median", "time in the cache")),
+    "bench_decode-resume": Script("bench_decode.py", ("--resume", *TINY_RESUME),
+                                  expect=("ideal    median", "AS-host  median")),
+    "bench_families": Script("bench_families.py", ("--arch", "lfm2", *TINY_RESUME),
+                             expect=("| RE | ", "| AS-host | ", "| AS-disk | ", "states ")),
+    "bench_fingerprint": Script("bench_fingerprint.py", ("--no-7b", "--reps", "1"), expect=("memo check",)),
+    "bench_partial": Script("bench_partial.py", ("--history", "128", "--new", "8", "--reps", "2", "--heads", "0,64",
+                                                 "--chunk", "64"), expect=("| 0 | ", "| 64 | ")),
+    "bench_prefill": Script("bench_prefill.py", ("--sessions", "2", "--history", "16", "--new", "8", "--spread",
+                                                 "4", "--chunks", "4", "--reps", "1"),
+                            expect=("| one at a time | ", "| chunks of 4 | ", "| padded batch | ")),
+    "bench_prefix": Script("bench_prefix.py", ("--system", "70", "--question", "8", "--sessions", "2", "--new", "2"),
+                           expect=("| 1 | 0 | 0 | ", "| 2 | 77 | 0 | ")),
+    "bench_recompute": Script("bench_recompute.py", ("--history", "128", "--new", "8", "--reps", "1",
+                                                     "--chunk-tokens", "32", "--tiers", "disk", "--target", "0"),
+                              expect=("| disk (cold) | ",)),
+    "bench_remote": Script("bench_remote.py", TINY_RESUME, expect=("AS-disk    median", "AS-remote  median")),
+    "bench_serve": Script("bench_serve.py", ("--users", "2", "--turns", "2", "--systems", "attnstore",
+                                             "--max-tokens", "4", "--message-chars", "200", "--disk-dir", "{tmp}"),
+                          expect=("| 2 | attnstore | ",)),
+    "bench_sliding": Script("bench_sliding.py", (*TINY_RESUME, "--decode", "2", "--window", "32"),
+                            expect=("| RE | ", "| AS | ")),
+    "bench_sparse": Script("bench_sparse.py", ("--histories", "64", "--new", "8", "--decode", "2", "--reps", "1"),
+                           expect=("| 64 | dense | ", "| 64 | alisa 80% | ")),
+    "bench_sparse_batch": Script("bench_sparse_batch.py", ("--sessions", "2", "--history", "32", "--new-tokens", "4",
+                                                           "--batch-kv", "64MiB", "--message-chars", "120"),
+                                 expect=("| dense, bounded by 64MiB | ", "| alisa 0.2, bounded by 64MiB | ")),
+    "bench_sparse_copies": Script("bench_sparse_copies.py", ("--sessions", "1", "--history", "96", "--new", "8",
+                                                             "--decode", "4", "--chunk", "16"),
+                                  expect=("| whole | ", "| sparse + int8 | ")),
+    "bench_tiers": Script("bench_tiers.py", (*TINY_RESUME, "--decode", "2"),
+                          expect=("| RE: recompute history + new tokens | ", "| AS-disk, layer-wise, buffer all 30 | ",
+                                  "| disk tier, sync saving (flush before returning) | ", "plain sequential read")),
+    "bench_turn": Script("bench_turn.py", ("--sections", "sweep", "--histories", "64", "--news", "8", "--reps", "2"),
+                         expect=("| 64 | 8 | ",)),
+    "codec_fidelity": Script("codec_fidelity.py", ("--codecs", "int8", "--only", "ppl,greedy", "--ppl-texts", "1",
+                                                   "--ppl-length", "96", "--window", "64", "--ppl-chunk", "16",
+                                                   "--turns", "2"),
+                             expect=("| lossless | ", "| int8 | ")),
+    "ppl": Script("ppl.py", ("--limit", "1", "--length", "80", "--window", "48", "--chunk", "16", "--corpora",
+                             "sharegpt", "--modes", "recompute,decoupled"),
+                  expect=("| recompute | ", "| decoupled | ")),
+    "quant_ablation": Script("quant_ablation.py", ("--texts", "1", "--corpora", "sharegpt", "--context", "32",
+                                                   "--score", "8", "--bits", "4"),
+                             expect=("| lossless (fp32) | 32 | ", "| pre RoPE, per channel | 4 | ")),
+    "replay": Script("replay.py", ("--conversations", "2", "--max-turns", "2", "--max-user-tokens", "16",
+                                   "--max-reply-tokens", "16", "--policies", "lru"),
+                     checks=(same_counts(r"greedy tokens identical to RE on (\d+)/(\d+) turns"),)),
+    "replay_replicas": Script("replay_replicas.py", ("--conversations", "2", "--max-turns", "2", "--max-user-tokens",
+                                                     "16", "--max-reply-tokens", "16"),
+                              expect=("sticky", "Redis")),
+    "rerotate_scaled_rope": Script("rerotate_scaled_rope.py", expect=("| dynamic | ", "| longrope | ")),
+    "simulate": Script("simulate.py", ("--sessions", "20", "--plot", "", "--sections",
+                                       "policies,overflow,capacity,codecs,partial,recompute,shared"),
+                       expect=("| RE (no store) | ", "| LLaMA-13B | ", "| on | ")),
+    "sparse_ppl": Script("sparse_ppl.py", ("--limit", "1", "--length", "80", "--chunk", "16", "--score-from", "48",
+                                           "--sparsities", "0.5", "--policies", "streaming", "--corpora", "sharegpt"),
+                         expect=("streaming",)),
+    "sparse_recall": Script("sparse_recall.py", ("--trials", "1", "--filler-turns", "1", "--filler-tokens", "16",
+                                                 "--sparsities", "0.5", "--policies", "streaming"),
+                            expect=("| dense | ", "| streaming 50% | ")),
+}
+# Run elsewhere: the reliability scorecard in its quick form (faults.py runs the rows of the other three).
+ELSEWHERE = {name: "tests/test_faults_scorecard.py"
+             for name in ("faults.py", "faults_durable.py", "faults_found.py", "faults_shared.py")}
+
+
+def test_every_eval_script_is_run():
+    assert {p.name for p in (ROOT / "eval").glob("*.py")} == {r.script for r in RUNS.values()} | set(ELSEWHERE)
+
+
+@pytest.fixture(scope="module")
+def results(request, tmp_path_factory):
+    """Runs the scripts of the selected tests in one runner; returns each one's status, seconds, leftovers and log."""
+    selected = [item.callspec.params["name"] for item in request.session.items
+                if item.module is sys.modules[__name__] and hasattr(item, "callspec")]
+    out, tmp = tmp_path_factory.mktemp("eval-logs"), tmp_path_factory.mktemp("eval-tmp")
+    scratch = tmp_path_factory.mktemp("eval-scratch")
+    jobs = [[name, RUNS[name].script, [a.replace("{tmp}", str(scratch)) for a in RUNS[name].args],
+             RUNS[name].timeout_s] for name in selected]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(tmp)}  # eval_runner.py: one torch thread, the CPU
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "eval_runner.py"), str(out), json.dumps(jobs)],
+                          capture_output=True, text=True, timeout=sum(j[3] for j in jobs) + 120, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = json.loads((out / "results.json").read_text())
+    return {name: dict(status[name], log=(out / f"{name}.log").read_text(errors="replace"),
+                       scratch=sorted(p.name for p in scratch.iterdir())) for name in status}
+
+
+@pytest.mark.integration  # the bundled SmolLM2 and ShareGPT
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_eval_script(name, results):
+    run, result = RUNS[name], results[name]
+    log = result["log"]
+    assert result["code"] == 0, f"eval/{run.script} exited {result['code']} in {result['seconds']} s:\n{log[-4000:]}"
+    for text in run.expect:
+        assert text in log, f"eval/{run.script}: no {text!r} in its output:\n{log[-3000:]}"
+    for check in run.checks:
+        check(log)
+    assert not result["left"], f"eval/{run.script} left {result['left']} in the temporary folder"
+    assert not result["scratch"], f"eval/{run.script} left {result['scratch']} in the folder it was given"
