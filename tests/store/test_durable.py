@@ -366,3 +366,23 @@ def test_a_remote_copy_adopted_over_a_new_history_that_fails_to_load_keeps_the_o
         a.close(flush=False)
     with local(tmp_path / "a", chunk_tokens=64) as again:
         assert reused(again, "s", old) == 100
+
+
+def test_another_sessions_replaced_copy_makes_room_before_a_new_history_is_refused(tmp_path):
+    """Room for two copies: a and b are flushed, then both get new histories. The first new history to be written
+    does not fit next to both old copies; b's old copy, a replaced history, goes for room (a capacity eviction),
+    never a's own: both new histories become durable."""
+    kvdir = tmp_path / "kv"
+    limit = 21 * 4096  # 30 tokens in chunks of 4: 8 chunk files and a manifest; two copies: 18 blocks
+    with local(kvdir, disk_bytes=limit) as store:
+        write_turn(store, "a", list(range(1, 31)))
+        write_turn(store, "b", list(range(101, 131)))
+    new_a, new_b = list(range(200, 230)), list(range(300, 330))
+    with local(kvdir, disk_bytes=limit, idle_flush_s=60) as store:
+        write_turn(store, "a", new_a)
+        write_turn(store, "b", new_b)
+        store.flush()
+        assert store.stats().disk_drops >= 1 and store.stats().rejected_too_large == 0
+        assert store.stats().disk_bytes_used == disk_usage(kvdir) <= limit
+    with local(kvdir, disk_bytes=limit) as store:
+        assert reused(store, "a", new_a) == 30 and reused(store, "b", new_b) == 30

@@ -92,6 +92,8 @@ class Eviction:
         runs them before writing)."""
         limit = self.config.disk_bytes
         entries = self.index.entries
+        if self.index.disk_used - self.index.deleting > limit:
+            self.drop_replaced_copies(current, self.index.disk_used - self.index.deleting - limit)
         while self.config.partial_eviction and self.index.disk_used - self.index.deleting > limit:
             # (Again while it frees something: the room a head drop's new manifest takes counts only once chosen.)
             queued = len(self.index.deletes)
@@ -104,6 +106,26 @@ class Eviction:
             self.index.stats.disk_drops += 1
             self.drop_disk_copy(entries[key])
         return self.index.disk_used - self.index.deleting <= limit
+
+    def replaced_copies(self, current: Entry | None, loading: bool = False):
+        """Other sessions' older copies that a new history keeps until its own copy is durable (`Index.hand_over`)
+        and that may go for room now (`loading`: or once their loads end). The session being written keeps its
+        own: a durable copy is never dropped for its own successor."""
+        for e in self.index.entries.values():
+            if e is not current and e.manifest is None and e.predecessor is not None and e.files \
+                    and (e.pins == 0 or loading and e.loading is not None):
+                yield e
+
+    def drop_replaced_copies(self, current: Entry | None, overflow: int) -> None:
+        """Room from other sessions' replaced histories first (a capacity eviction, counted in `disk_drops`): they
+        are the least likely to be resumed. The session's new history stays in host memory, to be written."""
+        for e in list(self.replaced_copies(current)):
+            if overflow <= 0:
+                return
+            overflow -= e.disk_bytes
+            self.index.stats.disk_drops += 1
+            e.predecessor, e.chunks = None, {}
+            self.index.delete_folder(e)
 
     def drop_disk_heads(self, current: Entry | None, overflow: int) -> None:
         """Partial eviction: drops leading chunks of idle sessions' disk copies, lowest retention value first
@@ -218,6 +240,9 @@ class Eviction:
             if e is not None and e is not current and (e.pins == 0 or pinned and e.loading is not None):
                 total += e.disk_bytes
                 gone.add(key)
+        for e in self.replaced_copies(current, pinned):
+            total += e.disk_bytes
+            gone.add(e.key)
         for nbytes, names in self.index.linked.values():
             if names and all(key in gone for key, _ in names):
                 total += nbytes
