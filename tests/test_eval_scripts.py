@@ -126,9 +126,10 @@ RUNS = {
                                                  "--sparsities", "0.5", "--policies", "streaming"),
                             expect=("| dense | ", "| streaming 50% | ")),
 }
-# Run elsewhere: the reliability scorecard in its quick form (faults.py runs the rows of the other three).
+# Run elsewhere: the reliability scorecard in its quick form (faults.py runs the rows of the other modules).
 ELSEWHERE = {name: "tests/test_faults_scorecard.py"
-             for name in ("faults.py", "faults_durable.py", "faults_found.py", "faults_shared.py")}
+             for name in ("faults.py", "faults_durable.py", "faults_found.py", "faults_kill.py", "faults_shared.py",
+                          "faults_stress.py")}
 
 
 def test_every_eval_script_is_run():
