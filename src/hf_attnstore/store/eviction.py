@@ -212,7 +212,7 @@ class Eviction:
         busy = False
         with self.index.cond:
             over = self.index.disk_used - self.index.deleting + size - self.config.disk_bytes
-            fits = over <= self.evictable_bytes(e)
+            fits = over <= 0 or over <= self.evictable_bytes(e)  # (the common case asks no session)
             busy = not fits and over <= self.evictable_bytes(e, pinned=True)
             if fits:
                 self.index.disk_used += size

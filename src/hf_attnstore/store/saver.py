@@ -306,12 +306,15 @@ class SaveThread:
                 where = (key[0], owner) if owner else key
                 copies.append((digest, self.mirror.put(where, name + CHUNK_SUFFIX, data)))
 
-        try:
-            # Chunks of earlier saves that the mirror does not have yet (it was down, or is new).
-            copy([d for d in files if d not in job.mirrored | {d for d, _ in copies}])
+        def settle() -> None:  # the puts landed: counted and mirrored
             for digest, future in copies:
                 result.mirror_bytes += future.result(self.timeout_s)
                 result.mirrored.add(digest)
+
+        try:
+            # Chunks of earlier saves that the mirror does not have yet (it was down, or is new).
+            copy([d for d in files if d not in job.mirrored | {d for d, _ in copies}])
+            settle()
             if manifest is not None:
                 try:
                     result.mirror_bytes += self.mirror.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
@@ -319,9 +322,7 @@ class SaveThread:
                     # The mirror lost chunks it had (a restart, an eviction): copied again, then the manifest.
                     copies.clear()
                     copy([d for d in exc.digests if d in files])
-                    for digest, future in copies:
-                        result.mirror_bytes += future.result(self.timeout_s)
-                        result.mirrored.add(digest)
+                    settle()
                     result.mirror_bytes += self.mirror.put(key, MANIFEST, manifest_bytes).result(self.timeout_s)
             if manifest is not None and not self.planner.indexed(job.entry):
                 # Deleted while its manifest was being put: the deletion's own removal may have run first.
