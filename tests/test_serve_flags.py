@@ -11,6 +11,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from hf_attnstore import AttnStoreCache
 from hf_attnstore.cli import build_parser, build_server, main
 from hf_attnstore.store.remote import RemoteUnavailableError
 
@@ -196,13 +197,27 @@ def test_policy(model_dir, policy):
 
 
 def test_recompute_by_cost(model_dir, tmp_path):
+    """A session on disk only, with rates that make loading it slower than recomputing (a 1-byte load taking 1000 s,
+    a million-token prefill in a millisecond, as tests/cache/test_load_or_recompute.py sets them): with the flag its
+    head is recomputed, without it the same rates are ignored and everything is loaded. The session is named
+    (`X-Session-ID`): a conversation found by its messages resumes through another session's prefix, which is
+    loaded whole (docs/serving.md)."""
+    session = {"X-Session-ID": "by-cost"}
     with serving(model_dir, "--disk-dir", str(tmp_path)) as (client, server):
-        assert server.store.config.recompute_by_cost is False
-        first = chat(client, conversation())
-    with serving(model_dir, "--disk-dir", str(tmp_path), "--recompute-by-cost") as (client, server):
-        assert server.store.config.recompute_by_cost is True
-        again = chat(client, follow_up(conversation(), first))
-        assert again["usage"]["completion_tokens"] == 4
+        first = chat(client, conversation(), headers=session)
+    recomputed = {}
+    for flags in ((), ("--recompute-by-cost",)):
+        with serving(model_dir, "--disk-dir", str(tmp_path), *flags) as (client, server):
+            assert server.store.config.recompute_by_cost is bool(flags)
+            server.store.costs.observe_load("disk", 1, 1000.0)
+            # Prefill rates are kept per model and head layout, under the turn's `prefill_key`.
+            server.store.costs.observe_prefill(AttnStoreCache.prefill_key_of(server.pipeline.model, server.store),
+                                               0, 10**6, 1e-3)
+            again = chat(client, follow_up(conversation(), first), headers=session)
+            assert again["usage"]["completion_tokens"] == 4
+            recomputed[flags] = server.store.stats().resume_recomputed_tokens
+    assert recomputed == {(): 0, ("--recompute-by-cost",): recomputed[("--recompute-by-cost",)]}
+    assert recomputed[("--recompute-by-cost",)] >= 256, recomputed  # at least the first whole chunk
 
 
 def test_a_shared_system_prompt_is_reused_unless_no_share_prefixes(model_dir):
@@ -257,6 +272,39 @@ def test_batch_limits(model_dir):
     # A byte bound on a batch cache that one-at-a-time serving does not have is refused at start.
     assert main(["serve", "--model", str(model_dir), "--max-batch-size", "1", "--max-batch-kv", "1MiB"]) == 2
     assert main(["serve", "--model", str(model_dir), "--max-batch-size", "4", "--max-batch-tokens", "4"]) == 2
+
+
+def test_max_batch_kv_makes_turns_wait_for_room(model_dir):
+    """Three conversations at once in a batch of up to 3: with `--max-batch-kv` below two rows' KV (a ~440-token
+    prompt and its reply, 768 bytes a token on the tiny Llama) turns wait for room and the batch never holds two;
+    without it they join (which shows the three overlapped)."""
+    peaks, waits = {}, {}
+    for flags in ((), ("--max-batch-kv", "450KiB")):
+        with serving(model_dir, "--max-batch-size", "3", "--max-tokens", "24", *flags) as (client, server):
+            replies, start, done = [], threading.Barrier(3), threading.Event()
+            rows = []
+
+            def watch():
+                while not done.is_set():
+                    rows.append(server.pipeline.batch_memory()["rows"])
+                    done.wait(0.002)
+
+            def user(k):
+                start.wait(10)
+                replies.append(chat(client, conversation(k)))
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            threads = [threading.Thread(target=user, args=(k,)) for k in range(3)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            done.set()
+            watcher.join(10)
+            assert len(replies) == 3 and all(r["usage"]["completion_tokens"] == 24 for r in replies)
+            peaks[flags], waits[flags] = max(rows), server.pipeline.batch_runner.memory_waits
+    assert peaks[()] >= 2 and waits[()] == 0, (peaks, waits)
+    assert peaks[("--max-batch-kv", "450KiB")] == 1 and waits[("--max-batch-kv", "450KiB")] >= 1, (peaks, waits)
 
 
 def test_context_window_truncates(model_dir):
