@@ -258,6 +258,38 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from .lab.trace_report import Bandwidths, format_tables, run_table
+    from .lab.traces import load_trace
+
+    try:
+        requests = load_trace(args.trace, limit=args.limit)
+        table = run_table(requests, args.host_tokens, [p for p in args.policies.split(",") if p],
+                          disk_tokens=args.disk_tokens, window=args.window,
+                          models=[m for m in args.models.split(",") if m],
+                          bw=Bandwidths(host=args.host_gbps * 1e9, disk=args.ssd_gbps * 1e9))
+    except (OSError, ValueError) as exc:
+        print(f"attnstore simulate: {exc}", file=sys.stderr)
+        return 2
+    table["trace"] = args.trace
+    print(json.dumps(table) if args.json else format_tables(table))
+    return 0
+
+
+def _token_count(text: str) -> int:
+    """A capacity in tokens: ``3000000``, ``3M``, ``300K`` or ``1e6``."""
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:].upper(), 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count (e.g. 3000000, 3M, 300K)") from None
+    if not 0 <= value <= 1e13 or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number of tokens in [0, 1e13]")
+    return int(value)
+
+
 def _kv_budget(text: str) -> float | int:
     """`--kv-budget`: a fraction in (0, 1] (with a decimal point) or a token count."""
     try:
@@ -400,6 +432,23 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--plot", default=None, help="write the plots to this PNG")
     rp.add_argument("--json", default=None, help="write summaries and per-turn records to this file")
     rp.set_defaults(func=_replay)
+
+    sm = sub.add_parser("simulate", help="replay a prefix-block trace (Mooncake's format) through the block eviction "
+                        "policies at each capacity, beside Belady's optimum and the infinite cache")
+    sm.add_argument("--trace", required=True, help="JSON lines: timestamp (ms), input_length, output_length, hash_ids")
+    sm.add_argument("--host-tokens", type=_token_count, nargs="+", default=[1_000_000, 3_000_000],
+                    help="host-memory capacities in tokens (e.g. 1M 3M)")
+    sm.add_argument("--disk-tokens", type=_token_count, default=0, help="a second (SSD) tier, tokens (0: none)")
+    sm.add_argument("--policies", default="lru,lru-leaf,retention,density",
+                    help="comma-separated block policies (retention:N sets its credit to N ticks)")
+    sm.add_argument("--window", type=int, default=0, help="look-ahead: the next K requests' blocks are shown to "
+                    "the policies (the waiting queue)")
+    sm.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    sm.add_argument("--models", default="llama-13b,llama-70b", help="cost profiles (comma-separated; '' for none)")
+    sm.add_argument("--host-gbps", type=float, default=25.0, help="host-memory read bandwidth, GB/s")
+    sm.add_argument("--ssd-gbps", type=float, default=5.0, help="disk read bandwidth, GB/s")
+    sm.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    sm.set_defaults(func=_simulate)
 
     ev = sub.add_parser("eval", help="accuracy evaluations of the truncation modes")
     ev_sub = ev.add_subparsers(dest="evaluation", required=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from .base import EvictionPolicy
+from .blocks import BlockKey, LeafFirstPolicy, LeafLRUPolicy, RetentionPolicy
+from .density import HitDensityPolicy
 from .fifo import FIFOPolicy
 from .lookahead import LookaheadPolicy
 from .lru import LRUPolicy
@@ -26,4 +28,34 @@ def make_policy(name: str) -> EvictionPolicy:
     return POLICIES[name]()
 
 
-__all__ = ["EvictionPolicy", "FIFOPolicy", "LRUPolicy", "LookaheadPolicy", "POLICIES", "make_policy"]
+# Policies of prefix blocks (keys are `BlockKey`s; see blocks.py). "lru" is the store's own LRUPolicy applied to
+# blocks (plain block LRU: it may evict a parent whose children stay); the others evict leaves only.
+BLOCK_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lru-leaf": LeafLRUPolicy,
+                                                   "retention": RetentionPolicy, "density": HitDensityPolicy}
+
+
+def make_block_policy(name: str) -> EvictionPolicy:
+    """Creates a block policy by name; ``"retention:N"`` sets :class:`RetentionPolicy`'s credit to N ticks.
+
+    Example:
+        >>> policy = make_block_policy("lru-leaf")
+        >>> policy.insert(BlockKey(1, None)); policy.insert(BlockKey(2, 1))
+        >>> [key.block for key in policy.victims()]  # the leaf, not its parent
+        [2]
+    """
+    base, _, arg = name.partition(":")
+    if base not in BLOCK_POLICIES:
+        raise ValueError(f"`policy`={name!r} is unknown; choose one of {', '.join(BLOCK_POLICIES)}")
+    if not arg:
+        return BLOCK_POLICIES[base]()
+    if base != "retention":
+        raise ValueError(f"`policy`={name!r}: only retention takes a parameter (retention:CREDIT)")
+    try:
+        credit = float(arg)
+    except ValueError:
+        raise ValueError(f"`policy`={name!r}: the credit {arg!r} is not a number") from None
+    return RetentionPolicy(credit=credit)
+
+
+__all__ = ["BLOCK_POLICIES", "BlockKey", "EvictionPolicy", "FIFOPolicy", "HitDensityPolicy", "LRUPolicy", "LeafFirstPolicy",
+           "LeafLRUPolicy", "LookaheadPolicy", "POLICIES", "RetentionPolicy", "make_block_policy", "make_policy"]

@@ -1,0 +1,136 @@
+"""The table of `attnstore simulate --trace`: policies × capacities beside the bounds, and what hits save.
+
+Cost model (per request, no queueing; the profiles of :mod:`hf_attnstore.lab.simulation`): the missed tokens
+are prefilled at the profile's rate; hit tokens are read from host memory over PCIe and from disk at the SSD's
+bandwidth, layer by layer while the missed tokens are computed (AttentionStore's layer-wise pre-loading), so a
+request's TTFT is ``max(prefill of the misses, reading of the hits)``. Prefill time is linear in tokens, as in
+the paper's model: attention's quadratic part is left out, which understates what long hits save.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .simulation import PROFILES, ModelProfile
+from .trace_sim import TraceResult, TraceSimConfig, belady_hit_rate, infinite_hit_rate, simulate_trace
+from .traces import TraceRequest
+
+DEFAULT_POLICIES = ("lru", "lru-leaf", "retention", "density")
+DEFAULT_MODELS = ("llama-13b", "llama-70b")
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Read bandwidths of the tiers, bytes/s (PCIe 4.0 x16 for host memory; one NVMe SSD for disk)."""
+
+    host: float = 25e9
+    disk: float = 5e9
+
+    def __post_init__(self):
+        if not (self.host > 0 and self.disk > 0):
+            raise ValueError(f"bandwidths must be positive, got host={self.host!r}, disk={self.disk!r}")
+
+
+def request_costs(result: TraceResult, profile: ModelProfile, bw: Bandwidths = Bandwidths()) -> dict[str, float]:
+    """Prefill GPU time saved and TTFT statistics of one replay under one model.
+
+    Returns:
+        ``gpu_hours_saved`` (GPU-hours of prefill the hits avoid, all the model's GPUs), ``prefill_saved``
+        (the share of recomputation's prefill time), ``ttft_mean_s``, ``ttft_p99_s`` and ``ttft_p99_none_s``
+        (p99 TTFT with no cache, for comparison).
+
+    Example:
+        >>> from hf_attnstore.lab.traces import TraceRequest
+        >>> r = simulate_trace([TraceRequest(0, 512, 1, (1,))] * 2, TraceSimConfig(host_tokens=512))
+        >>> request_costs(r, PROFILES["llama-13b"])["prefill_saved"]
+        0.5
+    """
+    ttft, none = [], []
+    saved_s = 0.0
+    for n, h, d in zip(result.input_tokens, result.host_hits, result.disk_hits):
+        compute = (n - h - d) * profile.prefill_s_per_token
+        read = profile.kv_bytes_per_token * (h / bw.host + d / bw.disk)
+        ttft.append(max(compute, read))
+        none.append(n * profile.prefill_s_per_token)
+        saved_s += (h + d) * profile.prefill_s_per_token
+    return {"gpu_hours_saved": saved_s * profile.gpus / 3600, "prefill_saved": saved_s / max(sum(none), 1e-12),
+            "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": _p99(ttft), "ttft_p99_none_s": _p99(none)}
+
+
+def _p99(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
+
+
+def run_table(requests: list[TraceRequest], host_tokens: list[int], policies: list[str] = list(DEFAULT_POLICIES),
+              disk_tokens: int = 0, window: int = 0, models: list[str] = list(DEFAULT_MODELS),
+              bw: Bandwidths = Bandwidths()) -> dict:
+    """Every policy at every capacity, with the bounds and the costs: the JSON object `simulate --json` prints.
+
+    Example:
+        >>> from hf_attnstore.lab.traces import TraceRequest
+        >>> reqs = [TraceRequest(0, 1024, 1, (1, 2)), TraceRequest(1, 1000, 1, (1, 3))]
+        >>> run_table(reqs, [512], ["lru"], models=[])["results"][0]["token_hit_rate"]
+        0.2539...
+    """
+    unknown = [m for m in models if m not in PROFILES]
+    if unknown:
+        raise ValueError(f"`models` {unknown} unknown; choose from {', '.join(sorted(PROFILES))}")
+    if not host_tokens:
+        raise ValueError("`host_tokens` must name at least one capacity")
+    configs = [TraceSimConfig(h, p, disk_tokens=disk_tokens, window=window) for h in host_tokens for p in policies]
+    infinite = infinite_hit_rate(requests)
+    bounds = []
+    for h in host_tokens:
+        b = {"host_tokens": h, "infinite": infinite, "belady": belady_hit_rate(requests, h),
+             "belady_leaf": belady_hit_rate(requests, h, leaf_ties=True)}
+        if disk_tokens:
+            b["belady_host_and_disk"] = belady_hit_rate(requests, h + disk_tokens)
+        bounds.append(b)
+    belady = {b["host_tokens"]: b["belady"] for b in bounds}
+    results = []
+    for cfg in configs:
+        r = simulate_trace(requests, cfg)
+        row = {"host_tokens": cfg.host_tokens, "policy": cfg.policy, "token_hit_rate": r.token_hit_rate,
+               "host_hit_rate": r.host_hit_rate, "of_belady": r.token_hit_rate / belady[cfg.host_tokens]
+               if belady[cfg.host_tokens] else None,
+               "costs": {m: request_costs(r, PROFILES[m], bw) for m in models}}
+        results.append(row)
+    return {"requests": len(requests), "input_tokens": sum(r.input_length for r in requests),
+            "disk_tokens": disk_tokens, "window": window, "results": results, "bounds": bounds}
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:g}M" if n >= 100_000 else f"{n / 1e3:g}K"
+
+
+def format_tables(table: dict) -> str:
+    """The hit-rate table (capacity × policy, with the bounds) and the cost table, as Markdown."""
+    pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
+    policies = list(dict.fromkeys(r["policy"] for r in table["results"]))
+    by = {(r["host_tokens"], r["policy"]): r for r in table["results"]}
+    disk = table["disk_tokens"]
+    lines = [f"{table['requests']} requests, {table['input_tokens']:,} input tokens; look-ahead window "
+             f"{table['window']} requests" + (f"; disk tier {_tokens(disk)} tokens" if disk else "") + ".", "",
+             "| host tokens | " + " | ".join(policies) + " | Belady | Belady (leaf ties) | infinite |"
+             + (" Belady (host + disk) |" if disk else ""),
+             "| --- " * (len(policies) + 4) + ("| --- " if disk else "") + "|"]
+    for b in table["bounds"]:
+        h = b["host_tokens"]
+        cells = [f"{pct(by[h, p]['token_hit_rate'])} ({by[h, p]['of_belady']:.2f})" for p in policies]
+        extra = f" {pct(b['belady_host_and_disk'])} |" if disk else ""
+        lines.append(f"| {_tokens(h)} | " + " | ".join(cells)
+                     + f" | {pct(b['belady'])} | {pct(b['belady_leaf'])} | {pct(b['infinite'])} |" + extra)
+    lines += ["", "Cells: token hit rate (its fraction of Belady's).", ""]
+    models = list(table["results"][0]["costs"]) if table["results"] else []
+    if models:
+        lines += ["| model | host tokens | policy | prefill saved | GPU-hours saved | mean TTFT | p99 TTFT "
+                  "| p99 TTFT, no cache |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for m in models:
+            for r in table["results"]:
+                c = r["costs"][m]
+                lines.append(f"| {PROFILES[m].name} | {_tokens(r['host_tokens'])} | {r['policy']} | "
+                             f"{pct(c['prefill_saved'])} | {c['gpu_hours_saved']:.2f} | {c['ttft_mean_s']:.2f} s | "
+                             f"{c['ttft_p99_s']:.2f} s | {c['ttft_p99_none_s']:.2f} s |")
+    return "\n".join(lines)
