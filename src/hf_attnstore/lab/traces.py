@@ -108,7 +108,8 @@ def load_trace(path: str | os.PathLike, limit: int | None = None, block: int = B
             for b in r.hash_ids:
                 # Prefix semantics need a block to mean one prefix: the tree code relies on it.
                 if parent.setdefault(b, prev) != prev:
-                    raise ValueError(f"{where}: block {b} follows {prev}, but followed {parent[b]} before")
+                    raise ValueError(f"{where}: block {b} comes after block {prev} here but after {parent[b]} "
+                                     "earlier: a block id must name one prefix")
                 prev = b
             requests.append(r)
             if limit is not None and len(requests) >= limit:

@@ -188,13 +188,14 @@ class LeafLRUPolicy(LeafFirstPolicy):
 class RetentionPolicy(LeafFirstPolicy):
     """Recency with a retention credit for blocks that have been reused, leaves first, the queue's blocks last.
 
-    A block read by a second request (or re-inserted while a ghost of it is remembered) is worth keeping longer:
+    A block read by a second request (or inserted again while the ghost of its eviction is remembered: a read
+    that missed) is worth keeping longer:
     on prefix traces most blocks are read once (a prompt's unique tail), while a block read twice is a shared
     document, system prompt or conversation head that is likely read again. Such a block's priority is its last
     use plus ``credit`` ticks; ``credit=None`` (default) measures it: the mean age at eviction of the blocks
     that left (the cache's lifetime), so a reused block gets about one more lifetime than a single-use one,
-    whatever the cache size or the trace's rate. Ghosts (ids of evicted blocks that had been reused) are kept
-    for as many blocks as are present.
+    whatever the cache size or the trace's rate. Ghosts (ids of evicted blocks) are kept for twice as many
+    blocks as are present, as ARC keeps its ghost lists.
 
     Args:
         credit: Extra ticks of retention for a reused block; ``None`` to use the measured lifetime.
@@ -232,8 +233,7 @@ class RetentionPolicy(LeafFirstPolicy):
         age = self.clock - self.last[block]
         # The mean over about the last thousand evictions: it follows the trace's phases, not one outlier.
         self.lifetime += (age - self.lifetime) / 1000 if self.lifetime else age
-        if block in self.reused:
-            self.reused.discard(block)
-            self._ghosts[block] = None
-            while len(self._ghosts) > max(len(self._keys), 1):
-                self._ghosts.popitem(last=False)
+        self.reused.discard(block)
+        self._ghosts[block] = None
+        while len(self._ghosts) > max(2 * len(self._keys), 1):
+            self._ghosts.popitem(last=False)

@@ -26,8 +26,8 @@ _AGE = [b if b < 4 else (4 + b % 4) << (b // 4 - 1) for b in range(AGE_BUCKETS)]
 class HitDensityPolicy(LeafFirstPolicy):
     """Evicts the leaf with the lowest expected hits per tick of cache space it will still occupy.
 
-    For each class of block (how many times it was read since it entered, 0 to 3+, counting reads remembered by
-    a ghost after an eviction) the policy keeps histograms of the ages (ticks since the last access) at which
+    For each class of block (how many times it was read, 0 to 3+; a block evicted and inserted again while its
+    ghost is remembered keeps its count, plus one for the read that brought it back) the policy keeps histograms of the ages (ticks since the last access) at which
     blocks were hit and at which they were evicted, decayed so that they follow the trace's phases. From them, a
     block of class `c` and age `a` has hit density ``P(hit after a) / E[remaining lifetime after a]``: blocks
     whose class usually gets reused soon keep a high density while young and lose it as they age past the usual
@@ -73,7 +73,9 @@ class HitDensityPolicy(LeafFirstPolicy):
 
     # Hooks of the base -------------------------------------------------------------------------------------------
     def on_insert(self, block: Hashable) -> None:
-        self.reads[block] = self._ghosts.pop(block, 0)
+        # A block that comes back while its ghost is remembered was read again after it left: that read counts.
+        ghost = self._ghosts.pop(block, None)
+        self.reads[block] = 0 if ghost is None else ghost + 1
         self._tick()
 
     def on_touch(self, block: Hashable) -> None:
@@ -84,11 +86,9 @@ class HitDensityPolicy(LeafFirstPolicy):
 
     def on_remove(self, block: Hashable) -> None:
         self._evictions[self._class(block)][_bucket(self.clock - self.last[block])] += 1
-        reads = self.reads.pop(block)
-        if reads:
-            self._ghosts[block] = reads
-            while len(self._ghosts) > max(len(self._keys), 1):
-                self._ghosts.popitem(last=False)
+        self._ghosts[block] = self.reads.pop(block)
+        while len(self._ghosts) > max(2 * len(self._keys), 1):
+            self._ghosts.popitem(last=False)
         self._drop_leaf(block)
 
     def _push(self, block: Hashable) -> None:
@@ -146,6 +146,10 @@ class HitDensityPolicy(LeafFirstPolicy):
         yield from (self._keys[b] for b in list(self._leaves) if b not in seen and self._children.get(b, 0) == 0)
 
     def _sample(self) -> list[Hashable]:
+        if len(self._leaves) <= self.samples:  # few leaves: compare them all
+            for b in [b for b in self._leaves if b not in self._keys or self._children.get(b, 0)]:
+                self._drop_leaf(b)
+            return list(self._leaves)
         out: list[Hashable] = []
         tries = 0
         while self._leaves and len(out) < self.samples and tries < 4 * self.samples:
