@@ -1,0 +1,57 @@
+"""`attnstore simulate --trace`: the JSON object it promises, the tables, and clean refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_attnstore.cli import main
+from hf_attnstore.lab.trace_sim import TraceSimConfig, belady_hit_rate, simulate_trace
+from hf_attnstore.lab.traces import chat_trace, load_trace, write_trace
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("trace") / "chat.jsonl"
+    write_trace(chat_trace(conversations=60, seed=2), path)
+    return path
+
+
+def test_json_holds_every_policy_at_every_capacity_with_the_bounds(trace_file, capsys):
+    assert main(["simulate", "--trace", str(trace_file), "--host-tokens", "20K", "50000",
+                 "--policies", "lru,retention", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    reqs = load_trace(trace_file)
+    assert out["requests"] == len(reqs) and out["input_tokens"] == sum(r.input_length for r in reqs)
+    assert [(r["host_tokens"], r["policy"]) for r in out["results"]] == [
+        (20_000, "lru"), (20_000, "retention"), (50_000, "lru"), (50_000, "retention")]
+    lru = simulate_trace(reqs, TraceSimConfig(20_000, "lru")).token_hit_rate
+    assert out["results"][0]["token_hit_rate"] == pytest.approx(lru) and 0 < lru < 1
+    assert [b["host_tokens"] for b in out["bounds"]] == [20_000, 50_000]
+    assert out["bounds"][1]["belady"] == pytest.approx(belady_hit_rate(reqs, 50_000))
+    for b in out["bounds"]:
+        assert b["belady"] <= b["infinite"]
+    assert set(out["results"][0]["costs"]) == {"llama-13b", "llama-70b"}
+
+
+def test_tables_are_printed_by_default(trace_file, capsys):
+    assert main(["simulate", "--trace", str(trace_file), "--host-tokens", "20K", "--policies", "lru-leaf",
+                 "--disk-tokens", "100K", "--window", "4", "--models", "llama-70b"]) == 0
+    out = capsys.readouterr().out
+    assert "| host tokens | lru-leaf | Belady | Belady (leaf ties) | infinite | Belady (host + disk) |" in out
+    assert "look-ahead window 4 requests; disk tier 0.1M tokens" in out
+    assert "| LLaMA-70B | 20K | lru-leaf |" in out
+
+
+def test_bad_input_is_refused_with_a_message(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    assert main(["simulate", "--trace", str(bad)]) == 2
+    assert f"{bad}:2: missing field(s)" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(tmp_path / "absent.jsonl")]) == 2
+    assert "absent.jsonl" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(bad), "--policies", "mru"]) == 2
+    with pytest.raises(SystemExit):
+        main(["simulate", "--trace", str(bad), "--host-tokens", "-5"])
+    assert "'-5' must be a whole number of tokens" in capsys.readouterr().err
