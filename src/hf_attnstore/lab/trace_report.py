@@ -71,8 +71,8 @@ def run_table(requests: list[TraceRequest], host_tokens: list[int], policies: li
     Example:
         >>> from hf_attnstore.lab.traces import TraceRequest
         >>> reqs = [TraceRequest(0, 1024, 1, (1, 2)), TraceRequest(1, 1000, 1, (1, 3))]
-        >>> run_table(reqs, [512], ["lru"], models=[])["results"][0]["token_hit_rate"]
-        0.2539...
+        >>> run_table(reqs, [1024], ["lru"], models=[])["results"][0]["token_hit_rate"]
+        0.2529...
     """
     unknown = [m for m in models if m not in PROFILES]
     if unknown:

@@ -161,7 +161,7 @@ def infinite_hit_rate(requests: list[TraceRequest], block: int = BLOCK_TOKENS) -
 
     Example:
         >>> infinite_hit_rate([TraceRequest(0, 1024, 1, (1, 2)), TraceRequest(1, 1000, 1, (1, 3))])
-        0.2539...
+        0.2529...
     """
     seen: set[int] = set()
     hit = total = 0
