@@ -439,8 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--host-tokens", type=_token_count, nargs="+", default=[1_000_000, 3_000_000],
                     help="host-memory capacities in tokens (e.g. 1M 3M)")
     sm.add_argument("--disk-tokens", type=_token_count, default=0, help="a second (SSD) tier, tokens (0: none)")
-    sm.add_argument("--policies", default="lru,lru-leaf,retention,density",
-                    help="comma-separated block policies (retention:N sets its credit to N ticks)")
+    sm.add_argument("--policies", default="lru,lru-leaf,retention,slru,density",
+                    help="comma-separated block policies (retention:N: a credit of N ticks; slru:F: protected share F)")
     sm.add_argument("--window", type=int, default=0, help="look-ahead: the next K requests' blocks are shown to "
                     "the policies (the waiting queue)")
     sm.add_argument("--limit", type=int, default=None, help="replay only the first N requests")

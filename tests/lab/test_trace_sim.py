@@ -55,7 +55,7 @@ def test_belady_evicts_the_farthest_next_use_and_its_tie_conventions():
         belady_hit_rate(reqs, 100)
 
 
-@pytest.mark.parametrize("policy", ["lru-leaf", "retention", "density"])
+@pytest.mark.parametrize("policy", ["lru-leaf", "retention", "slru", "density"])
 def test_a_queued_request_keeps_its_blocks(policy):
     reqs = trace((1,), (2,), (1,))
     if policy != "density":  # density's choice before it has learned anything is a random sample

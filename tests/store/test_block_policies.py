@@ -113,8 +113,8 @@ def test_density_sampling_is_seeded_and_queued_blocks_go_last():
 
 
 @pytest.mark.parametrize("bad, message", [("mru", "`policy`='mru' is unknown"),
-                                          ("lru-leaf:3", "only retention takes a parameter"),
-                                          ("retention:abc", "the credit 'abc' is not a number"),
+                                          ("lru-leaf:3", "only retention:CREDIT and slru:SHARE take a parameter"),
+                                          ("retention:abc", "the parameter 'abc' is not a number"),
                                           ("retention:-1", "`credit`=-1.0 must be >= 0")])
 def test_bad_policy_names(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -134,3 +134,24 @@ def test_the_stores_placement_code_drives_a_block_policy(name):
         assert [k.block for k in chosen] == [1, 2]
     else:  # leaves only (2; 3 is pinned): one pass frees what it can, the next pass offers the parent
         assert [k.block for k in chosen] == [2]
+
+
+def test_slru_evicts_probation_first_until_the_protected_share_is_exceeded():
+    orders = {}
+    for share in (0.5, 0.8):
+        p = make_block_policy(f"slru:{share}")
+        for b in "abc":
+            p.insert(K(b, None))
+        p.touch(K("a", None))
+        p.touch(K("b", None))  # two of three blocks protected
+        orders[share] = order(p)
+    assert orders[0.8] == ["c", "a", "b"]  # 2 <= 0.8 * 3: probation goes first
+    assert orders[0.5] == ["a", "b", "c"]  # 2 > 0.5 * 3: the protected segment gives up its oldest
+    p = make_block_policy("slru")
+    for b in "ab":
+        p.insert(K(b, None))
+    p.remove(K("a", None))
+    p.insert(K("a", None))  # back while its ghost is remembered: protected
+    assert order(p) == ["b", "a"]
+    with pytest.raises(ValueError, match="`protected`=1.0"):
+        make_block_policy("slru:1")

@@ -16,7 +16,7 @@ from .simulation import PROFILES, ModelProfile
 from .trace_sim import TraceResult, TraceSimConfig, belady_hit_rate, infinite_hit_rate, simulate_trace
 from .traces import TraceRequest
 
-DEFAULT_POLICIES = ("lru", "lru-leaf", "retention", "density")
+DEFAULT_POLICIES = ("lru", "lru-leaf", "retention", "slru", "density")
 DEFAULT_MODELS = ("llama-13b", "llama-70b")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .base import EvictionPolicy
-from .blocks import BlockKey, LeafFirstPolicy, LeafLRUPolicy, RetentionPolicy
+from .blocks import BlockKey, LeafFirstPolicy, LeafLRUPolicy, RetentionPolicy, SegmentedPolicy
 from .density import HitDensityPolicy
 from .fifo import FIFOPolicy
 from .lookahead import LookaheadPolicy
@@ -31,11 +31,13 @@ def make_policy(name: str) -> EvictionPolicy:
 # Policies of prefix blocks (keys are `BlockKey`s; see blocks.py). "lru" is the store's own LRUPolicy applied to
 # blocks (plain block LRU: it may evict a parent whose children stay); the others evict leaves only.
 BLOCK_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lru-leaf": LeafLRUPolicy,
-                                                   "retention": RetentionPolicy, "density": HitDensityPolicy}
+                                                   "retention": RetentionPolicy, "slru": SegmentedPolicy,
+                                                   "density": HitDensityPolicy}
 
 
 def make_block_policy(name: str) -> EvictionPolicy:
-    """Creates a block policy by name; ``"retention:N"`` sets :class:`RetentionPolicy`'s credit to N ticks.
+    """Creates a block policy by name; ``"retention:N"`` sets :class:`RetentionPolicy`'s credit to N ticks and
+    ``"slru:F"`` :class:`SegmentedPolicy`'s protected share to F.
 
     Example:
         >>> policy = make_block_policy("lru-leaf")
@@ -48,14 +50,14 @@ def make_block_policy(name: str) -> EvictionPolicy:
         raise ValueError(f"`policy`={name!r} is unknown; choose one of {', '.join(BLOCK_POLICIES)}")
     if not arg:
         return BLOCK_POLICIES[base]()
-    if base != "retention":
-        raise ValueError(f"`policy`={name!r}: only retention takes a parameter (retention:CREDIT)")
+    if base not in ("retention", "slru"):
+        raise ValueError(f"`policy`={name!r}: only retention:CREDIT and slru:SHARE take a parameter")
     try:
-        credit = float(arg)
+        value = float(arg)
     except ValueError:
-        raise ValueError(f"`policy`={name!r}: the credit {arg!r} is not a number") from None
-    return RetentionPolicy(credit=credit)
+        raise ValueError(f"`policy`={name!r}: the parameter {arg!r} is not a number") from None
+    return RetentionPolicy(credit=value) if base == "retention" else SegmentedPolicy(protected=value)
 
 
 __all__ = ["BLOCK_POLICIES", "BlockKey", "EvictionPolicy", "FIFOPolicy", "HitDensityPolicy", "LRUPolicy", "LeafFirstPolicy",
-           "LeafLRUPolicy", "LookaheadPolicy", "POLICIES", "RetentionPolicy", "make_block_policy", "make_policy"]
+           "LeafLRUPolicy", "LookaheadPolicy", "POLICIES", "RetentionPolicy", "SegmentedPolicy", "make_block_policy", "make_policy"]

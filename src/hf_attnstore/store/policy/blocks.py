@@ -237,3 +237,91 @@ class RetentionPolicy(LeafFirstPolicy):
         self._ghosts[block] = None
         while len(self._ghosts) > max(2 * len(self._keys), 1):
             self._ghosts.popitem(last=False)
+
+
+class SegmentedPolicy(RetentionPolicy):
+    """Segmented LRU on leaves (SLRU, as in S3-FIFO's small and main queues): reused blocks are protected.
+
+    A block enters on probation; once reused (read by a second request, or back while the ghost of its eviction
+    is remembered) it is protected. Victims come from probation, least recently used leaf first, while protected
+    blocks fill at most `protected` of the tier; past that share the protected segment gives up its least
+    recently used leaves. Unlike a retention credit, the share bounds how much the reused blocks of the past
+    (ended conversations, documents no longer asked about) can hold: they age out of their segment by recency.
+
+    Args:
+        protected: The largest share of the tier the protected segment keeps from eviction, in [0, 1).
+
+    Example:
+        >>> p = SegmentedPolicy(protected=0.5)
+        >>> for b in "abc":
+        ...     p.insert(BlockKey(b, None))
+        >>> p.touch(BlockKey("a", None))  # reused: protected
+        >>> [k.block for k in p.victims()]
+        ['b', 'c', 'a']
+    """
+
+    def __init__(self, protected: float = 0.8):
+        if not 0 <= protected < 1:
+            raise ValueError(f"`protected`={protected!r} must be in [0, 1)")
+        super().__init__(credit=0)
+        self.protected = protected
+        self._segment_heaps: tuple[list, list] = ([], [])  # probation, protected
+        self._n_protected = 0
+
+    def priority(self, block: Hashable) -> float:
+        return self.last[block]
+
+    def on_touch(self, block: Hashable) -> None:
+        self._protect(block)
+
+    def on_insert(self, block: Hashable) -> None:
+        if block in self._ghosts:
+            del self._ghosts[block]
+            self._protect(block)
+
+    def _protect(self, block: Hashable) -> None:
+        if block not in self.reused:
+            self.reused.add(block)
+            self._n_protected += 1
+
+    def on_remove(self, block: Hashable) -> None:
+        if block in self.reused:
+            self._n_protected -= 1
+        super().on_remove(block)
+
+    def _push(self, block: Hashable) -> None:
+        v = self._version.get(block, 0) + 1
+        self._version[block] = v
+        pos = self._queued.get(block)
+        rank = (0, self.priority(block)) if pos is None else (1, -pos)
+        heapq.heappush(self._segment_heaps[block in self.reused], (rank, v, block))
+        if sum(map(len, self._segment_heaps)) > 4 * len(self._keys) + 1024:
+            for heap in self._segment_heaps:
+                heap[:] = [e for e in heap if e[2] in self._keys and self._version.get(e[2]) == e[1]]
+                heapq.heapify(heap)
+
+    def victims(self) -> Iterator[Hashable]:
+        probation, protected = self._segment_heaps
+        over = self._n_protected > self.protected * len(self._keys)
+        first, second = (protected, probation) if over else (probation, protected)
+        queued = []
+        for heap in (first, second):
+            for key in self._walk(heap):
+                # Queued blocks of either segment come last (the furthest in the queue first).
+                if key.block in self._queued:
+                    queued.append(key)
+                else:
+                    yield key
+        yield from sorted(queued, key=lambda k: -self._queued[k.block])
+
+    def _walk(self, heap: list) -> Iterator[BlockKey]:
+        while heap and not self._valid(heap[0]):
+            heapq.heappop(heap)
+        frontier = [(heap[0], 0)] if heap else []
+        while frontier:
+            entry, i = heapq.heappop(frontier)
+            if self._valid(entry):
+                yield self._keys[entry[2]]
+            for j in (2 * i + 1, 2 * i + 2):
+                if j < len(heap):
+                    heapq.heappush(frontier, (heap[j], j))
