@@ -55,3 +55,14 @@ def test_bad_input_is_refused_with_a_message(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["simulate", "--trace", str(bad), "--host-tokens", "-5"])
     assert "'-5' must be a whole number of tokens" in capsys.readouterr().err
+
+
+def test_with_a_disk_tier_policies_are_compared_with_belady_at_both_tiers_capacity(trace_file, capsys):
+    assert main(["simulate", "--trace", str(trace_file), "--host-tokens", "20K", "--disk-tokens", "30K",
+                 "--policies", "lru", "--models", "", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    reqs = load_trace(trace_file)
+    both = belady_hit_rate(reqs, 50_000)
+    assert out["bounds"][0]["belady_host_and_disk"] == pytest.approx(both)
+    lru = simulate_trace(reqs, TraceSimConfig(20_000, "lru", disk_tokens=30_000)).token_hit_rate
+    assert out["results"][0]["of_belady"] == pytest.approx(lru / both)

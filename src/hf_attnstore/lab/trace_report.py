@@ -88,7 +88,8 @@ def run_table(requests: list[TraceRequest], host_tokens: list[int], policies: li
         if disk_tokens:
             b["belady_host_and_disk"] = belady_hit_rate(requests, h + disk_tokens)
         bounds.append(b)
-    belady = {b["host_tokens"]: b["belady"] for b in bounds}
+    # A policy is compared with Belady at the capacity it has: host memory, plus the disk tier when there is one.
+    belady = {b["host_tokens"]: b.get("belady_host_and_disk", b["belady"]) for b in bounds}
     results = []
     for cfg in configs:
         r = simulate_trace(requests, cfg)
@@ -122,7 +123,7 @@ def format_tables(table: dict) -> str:
         extra = f" {pct(b['belady_host_and_disk'])} |" if disk else ""
         lines.append(f"| {_tokens(h)} | " + " | ".join(cells)
                      + f" | {pct(b['belady'])} | {pct(b['belady_leaf'])} | {pct(b['infinite'])} |" + extra)
-    lines += ["", "Cells: token hit rate (its fraction of Belady's).", ""]
+    lines += ["", "Cells: token hit rate (its fraction of Belady's" + (" at host + disk capacity)." if disk else ")."), ""]
     models = list(table["results"][0]["costs"]) if table["results"] else []
     if models:
         lines += ["| model | host tokens | policy | prefill saved | GPU-hours saved | mean TTFT | p99 TTFT "
