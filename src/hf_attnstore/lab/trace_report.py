@@ -123,7 +123,8 @@ def format_tables(table: dict) -> str:
         extra = f" {pct(b['belady_host_and_disk'])} |" if disk else ""
         lines.append(f"| {_tokens(h)} | " + " | ".join(cells)
                      + f" | {pct(b['belady'])} | {pct(b['belady_leaf'])} | {pct(b['infinite'])} |" + extra)
-    lines += ["", "Cells: token hit rate (its fraction of Belady's" + (" at host + disk capacity)." if disk else ")."), ""]
+    of = " at host + disk capacity)." if disk else ")."
+    lines += ["", "Cells: token hit rate (its fraction of Belady's" + of, ""]
     models = list(table["results"][0]["costs"]) if table["results"] else []
     if models:
         lines += ["| model | host tokens | policy | prefill saved | GPU-hours saved | mean TTFT | p99 TTFT "

@@ -54,7 +54,8 @@ class TraceSimConfig:
         for name in ("host_tokens", "disk_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or not 0 <= v <= MAX_CAPACITY_TOKENS:
-                raise ValueError(f"`{name}`={v!r} must be an integer number of tokens in [0, {MAX_CAPACITY_TOKENS:.0e}]")
+                raise ValueError(f"`{name}`={v!r} must be an integer number of tokens in "
+                                 f"[0, {MAX_CAPACITY_TOKENS:.0e}]")
         if self.host_tokens < self.block:
             raise ValueError(f"`host_tokens`={self.host_tokens} holds no {self.block}-token block")
         if not isinstance(self.window, int) or self.window < 0:

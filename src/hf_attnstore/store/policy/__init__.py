@@ -59,5 +59,6 @@ def make_block_policy(name: str) -> EvictionPolicy:
     return RetentionPolicy(credit=value) if base == "retention" else SegmentedPolicy(protected=value)
 
 
-__all__ = ["BLOCK_POLICIES", "BlockKey", "EvictionPolicy", "FIFOPolicy", "HitDensityPolicy", "LRUPolicy", "LeafFirstPolicy",
-           "LeafLRUPolicy", "LookaheadPolicy", "POLICIES", "RetentionPolicy", "SegmentedPolicy", "make_block_policy", "make_policy"]
+__all__ = ["BLOCK_POLICIES", "BlockKey", "EvictionPolicy", "FIFOPolicy", "HitDensityPolicy", "LRUPolicy",
+           "LeafFirstPolicy", "LeafLRUPolicy", "LookaheadPolicy", "POLICIES", "RetentionPolicy", "SegmentedPolicy",
+           "make_block_policy", "make_policy"]
