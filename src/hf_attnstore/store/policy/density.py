@@ -29,9 +29,9 @@ class HitDensityPolicy(LeafFirstPolicy):
     For each class of block (how many times it was read, 0 to 3+; a block evicted and inserted again while its
     ghost is remembered keeps its count, plus one for the read that brought it back) the policy keeps histograms
     of the ages (ticks since the last access) at which blocks were hit and at which they were evicted, decayed so
-    that they follow the trace's phases. From them, a block of class `c` and age `a` has hit density ``P(hit after a) / E[remaining lifetime after a]``: blocks
-    whose class usually gets reused soon keep a high density while young and lose it as they age past the usual
-    reuse distance; single-use blocks (a prompt's unique tail) are learned to be worth little. Nothing is tuned
+    that they follow the trace's phases. From them, a block of class `c` and age `a` has hit density
+    ``P(hit after a) / E[remaining lifetime after a]``: blocks whose class usually gets reused soon keep a high
+    density while young and lose it as they age past the usual reuse distance; single-use blocks (a prompt's unique tail) are learned to be worth little. Nothing is tuned
     to a trace: the histograms are the trace's own reuse distances.
 
     Eviction samples `samples` leaves at random (seeded) and takes the lowest density, as LHD does; blocks of
