@@ -31,8 +31,9 @@ class HitDensityPolicy(LeafFirstPolicy):
     of the ages (ticks since the last access) at which blocks were hit and at which they were evicted, decayed so
     that they follow the trace's phases. From them, a block of class `c` and age `a` has hit density
     ``P(hit after a) / E[remaining lifetime after a]``: blocks whose class usually gets reused soon keep a high
-    density while young and lose it as they age past the usual reuse distance; single-use blocks (a prompt's unique tail) are learned to be worth little. Nothing is tuned
-    to a trace: the histograms are the trace's own reuse distances.
+    density while young and lose it as they age past the usual reuse distance; single-use blocks (a prompt's
+    unique tail) are learned to be worth little. Nothing is tuned to a trace: the histograms are the trace's own
+    reuse distances.
 
     Eviction samples `samples` leaves at random (seeded) and takes the lowest density, as LHD does; blocks of
     queued requests (:meth:`set_queue`) go last, the furthest in the queue first.
