@@ -261,7 +261,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     import json
 
-    from .lab.trace_report import Bandwidths, format_tables, run_table
+    from .lab.trace_report import Bandwidths, format_tables, gap_table, run_table
     from .lab.traces import load_trace
 
     try:
@@ -275,6 +275,9 @@ def _simulate(args: argparse.Namespace) -> int:
         return 2
     table["trace"] = args.trace
     print(json.dumps(table) if args.json else format_tables(table))
+    if args.gaps and not args.json:
+        print()
+        print(gap_table(requests, args.host_tokens[0], [p for p in args.policies.split(",") if p], args.window))
     return 0
 
 
@@ -448,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--host-gbps", type=float, default=25.0, help="host-memory read bandwidth, GB/s")
     sm.add_argument("--ssd-gbps", type=float, default=5.0, help="disk read bandwidth, GB/s")
     sm.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    sm.add_argument("--gaps", action="store_true", help="also print, at the first capacity, the share of reuses "
+                    "each policy and Belady hit by reuse distance (requests since the block's last use)")
     sm.set_defaults(func=_simulate)
 
     ev = sub.add_parser("eval", help="accuracy evaluations of the truncation modes")

@@ -66,3 +66,12 @@ def test_with_a_disk_tier_policies_are_compared_with_belady_at_both_tiers_capaci
     assert out["bounds"][0]["belady_host_and_disk"] == pytest.approx(both)
     lru = simulate_trace(reqs, TraceSimConfig(20_000, "lru", disk_tokens=30_000)).token_hit_rate
     assert out["results"][0]["of_belady"] == pytest.approx(lru / both)
+
+
+def test_gaps_prints_where_each_policy_hits_by_reuse_distance(trace_file, capsys):
+    assert main(["simulate", "--trace", str(trace_file), "--host-tokens", "20K", "--policies", "lru,slru",
+                 "--models", "", "--gaps"]) == 0
+    out = capsys.readouterr().out
+    assert "| gap (requests) | reused tokens | lru | slru | Belady |" in out
+    gap_rows = [line for line in out.splitlines() if line.startswith("| 1-1 |") or line.startswith("| 2-3 |")]
+    assert gap_rows, out

@@ -9,7 +9,8 @@ import pytest
 
 from hf_attnstore.lab.simulation import PROFILES
 from hf_attnstore.lab.trace_report import Bandwidths, request_costs, run_table
-from hf_attnstore.lab.trace_sim import (TraceSimConfig, belady_hit_rate, infinite_hit_rate, simulate_trace)
+from hf_attnstore.lab.trace_sim import (TraceSimConfig, belady_hit_rate, belady_hits, infinite_hit_rate,
+                                         reuse_gap_histogram, simulate_trace)
 from hf_attnstore.lab.traces import TraceRequest, load_trace
 
 SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
@@ -116,3 +117,13 @@ def test_reproduces_the_reference_figures_of_the_shared_trace():
                                 (10_000_000, 57.7, 65.1)):
         assert round(100 * belady_hit_rate(reqs, tokens), 1) == belady, tokens
         assert round(100 * simulate_trace(reqs, TraceSimConfig(tokens, "lru")).token_hit_rate, 1) == lru, tokens
+
+
+def test_reuse_gaps_count_reused_tokens_and_those_within_the_hit_prefix():
+    reqs = trace((1,), (2,), (1,), ((1, 2), 700), (1,))
+    # Request 3 reads block 1 (gap 1) and block 2 (gap 2, 188 tokens): with 512 hit tokens only block 1 is a hit.
+    assert reuse_gap_histogram(reqs, [0, 0, 512, 512, 0]) == {1: (1024, 512), 2: (700, 512)}
+    assert reuse_gap_histogram(reqs, [0, 0, 512, 700, 512]) == {1: (1024, 1024), 2: (700, 700)}
+    assert reuse_gap_histogram(reqs, belady_hits(reqs, 512)) == {1: (1024, 1024), 2: (700, 512)}
+    with pytest.raises(ValueError, match="`hits` has 1 entries for 5 requests"):
+        reuse_gap_histogram(reqs, [0])

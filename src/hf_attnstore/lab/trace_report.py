@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 
 from .simulation import PROFILES, ModelProfile
-from .trace_sim import TraceResult, TraceSimConfig, belady_hit_rate, infinite_hit_rate, simulate_trace
+from .trace_sim import (TraceResult, TraceSimConfig, belady_hit_rate, belady_hits, infinite_hit_rate,
+                        reuse_gap_histogram, simulate_trace)
 from .traces import TraceRequest
 
 DEFAULT_POLICIES = ("lru", "lru-leaf", "retention", "slru", "density")
@@ -103,6 +104,8 @@ def run_table(requests: list[TraceRequest], host_tokens: list[int], policies: li
 
 
 def _tokens(n: int) -> str:
+    if n < 1000:
+        return str(n)
     return f"{n / 1e6:g}M" if n >= 100_000 else f"{n / 1e3:g}K"
 
 
@@ -135,4 +138,31 @@ def format_tables(table: dict) -> str:
                 lines.append(f"| {PROFILES[m].name} | {_tokens(r['host_tokens'])} | {r['policy']} | "
                              f"{pct(c['prefill_saved'])} | {c['gpu_hours_saved']:.2f} | {c['ttft_mean_s']:.2f} s | "
                              f"{c['ttft_p99_s']:.2f} s | {c['ttft_p99_none_s']:.2f} s |")
+    return "\n".join(lines)
+
+
+def gap_table(requests: list[TraceRequest], host_tokens: int, policies: list[str], window: int = 0) -> str:
+    """Markdown: by reuse distance (requests since a block's last use), the tokens reused and the share of them
+    each policy and Belady hit at one capacity: where a policy loses to the optimum.
+
+    Example:
+        >>> from hf_attnstore.lab.traces import TraceRequest
+        >>> reqs = [TraceRequest(0, 512, 1, (1,)), TraceRequest(1, 512, 1, (2,)), TraceRequest(2, 512, 1, (1,))]
+        >>> print(gap_table(reqs, 512, ["lru"]))  # doctest: +NORMALIZE_WHITESPACE
+        Reuses by distance at 512 tokens of host memory (share of the reused tokens each one hits):
+        <BLANKLINE>
+        | gap (requests) | reused tokens | lru | Belady |
+        | --- | --- | --- | --- |
+        | 2-3 | 512 | 0% | 100% |
+    """
+    columns = {p: simulate_trace(requests, TraceSimConfig(host_tokens, p, window=window)).host_hits for p in policies}
+    columns["Belady"] = belady_hits(requests, host_tokens)
+    hists = {name: reuse_gap_histogram(requests, hits) for name, hits in columns.items()}
+    gaps = hists["Belady"]
+    lines = [f"Reuses by distance at {_tokens(host_tokens)} tokens of host memory (share of the reused tokens each "
+             "one hits):", "", "| gap (requests) | reused tokens | " + " | ".join(columns) + " |",
+             "| --- " * (len(columns) + 2) + "|"]
+    for g, (reused, _) in gaps.items():
+        cells = [f"{100 * hists[name][g][1] / reused:.0f}%" for name in columns]
+        lines.append(f"| {g}-{2 * g - 1} | {reused:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

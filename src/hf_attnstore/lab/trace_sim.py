@@ -191,6 +191,18 @@ def belady_hit_rate(requests: list[TraceRequest], capacity_tokens: int, block: i
         >>> belady_hit_rate(reqs, 512)  # keeps block 1 (used again), drops block 2 (never)
         0.333...
     """
+    hits = belady_hits(requests, capacity_tokens, block, leaf_ties)
+    return sum(hits) / max(1, sum(r.input_length for r in requests))
+
+
+def belady_hits(requests: list[TraceRequest], capacity_tokens: int, block: int = BLOCK_TOKENS,
+                leaf_ties: bool = False) -> list[int]:
+    """The hit tokens of each request under Belady's MIN (see :func:`belady_hit_rate`).
+
+    Example:
+        >>> belady_hits([TraceRequest(0, 512, 1, (1,)), TraceRequest(1, 512, 1, (1,))], 512)
+        [0, 512]
+    """
     if capacity_tokens < block:
         raise ValueError(f"`capacity_tokens`={capacity_tokens} holds no {block}-token block")
     uses: dict[int, list[int]] = {}
@@ -203,13 +215,14 @@ def belady_hit_rate(requests: list[TraceRequest], capacity_tokens: int, block: i
     never = len(requests)
     cached: dict[int, int] = {}  # block -> its next use (the heap's entries for other values are stale)
     heap: list[tuple[int, int, int]] = []
-    hit = total = 0
+    hits = []
     for i, r in enumerate(requests):
+        hit = 0
         for k, b in enumerate(r.hash_ids):
             if b not in cached:
                 break
             hit += block_tokens(r, k, block)
-        total += r.input_length
+        hits.append(hit)
         for k, b in enumerate(r.hash_ids):
             u = uses[b]
             j = bisect.bisect_right(u, i)
@@ -220,4 +233,37 @@ def belady_hit_rate(requests: list[TraceRequest], capacity_tokens: int, block: i
             nxt, _, b = heapq.heappop(heap)
             if cached.get(b) == -nxt:
                 del cached[b]
-    return hit / max(1, total)
+    return hits
+
+
+def reuse_gap_histogram(requests: list[TraceRequest], hits: list[int], block: int = BLOCK_TOKENS) -> dict:
+    """Where a cache's hits lie by reuse distance: tokens reused and tokens hit, by requests since the last use.
+
+    Every block a request reads that an earlier request also read is a reuse, at a gap of requests since that
+    earlier use; it is a hit when it lies within the request's hit prefix (`hits[i]` tokens). Gaps are grouped in
+    powers of two: key ``g`` holds gaps in ``[g, 2g)``.
+
+    Returns:
+        ``{g: (reused_tokens, hit_tokens)}`` in increasing `g`.
+
+    Example:
+        >>> reqs = [TraceRequest(0, 512, 1, (1,)), TraceRequest(1, 512, 1, (2,)), TraceRequest(2, 512, 1, (1,))]
+        >>> reuse_gap_histogram(reqs, [0, 0, 512])
+        {2: (512, 512)}
+    """
+    if len(hits) != len(requests):
+        raise ValueError(f"`hits` has {len(hits)} entries for {len(requests)} requests")
+    last: dict[int, int] = {}
+    out: dict[int, list[int]] = {}
+    for i, (r, h) in enumerate(zip(requests, hits)):
+        covered = 0
+        for k, b in enumerate(r.hash_ids):
+            n = block_tokens(r, k, block)
+            if b in last:
+                cell = out.setdefault(1 << ((i - last[b]).bit_length() - 1), [0, 0])
+                cell[0] += n
+                if covered + n <= h:  # within the hit prefix
+                    cell[1] += n
+            covered += n
+            last[b] = i
+    return {g: tuple(out[g]) for g in sorted(out)}
