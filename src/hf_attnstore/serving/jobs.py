@@ -1,6 +1,7 @@
 """The units of work the pipeline queues and the batch runner runs: a turn (`Job`), a turn ready to run
-(`Prepared`), its answer (`Reply`), and the small helpers both share. Kept apart from pipeline.py so that
-the pipeline and the batch runner import it, and not each other.
+(`Prepared`), its answer (`Reply`), what the batch runner asks of the pipeline (`TurnSource`), and the small
+helpers both share. Kept apart from pipeline.py so that the pipeline and the batch runner import it, and not each
+other (not even for type hints: the runner names the pipeline by `TurnSource`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import logging
 import threading
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import StoppingCriteria
@@ -162,3 +164,38 @@ class Cancelled(StoppingCriteria):
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class TurnSource(Protocol):
+    """What the batch runner (batching.py) asks of the pipeline that owns it: its turns, their preparation and
+    the finishing of their replies. `ChatPipeline` is one; the runner never imports it, so the two modules do not
+    import each other.
+
+    Example:
+        >>> from hf_attnstore.serving.pipeline import ChatPipeline
+        >>> all(hasattr(ChatPipeline, name) for name in ("take_jobs", "prepare", "run_turn", "finish"))
+        True
+    """
+
+    model: object
+    chat_tokens: object  # `cache.chat.ChatTokens`: the reply's text (`reply_text`)
+
+    def set_running(self, sessions: list[str]) -> None: ...
+
+    def take_jobs(self, running: list[str], room: int, busy: bool,
+                  timeout_s: float = 1.0) -> tuple[list[Job], list[str]] | None: ...
+
+    def give_hints(self, waiting: list[str]) -> None: ...
+
+    def turn_options(self, job: Job) -> dict: ...
+
+    def prefetch_turn(self, job: Job) -> None: ...
+
+    def prepare(self, job: Job) -> Prepared: ...
+
+    def run_turn(self, job: Job) -> Reply: ...
+
+    def needs_last_token(self, generated: torch.Tensor) -> bool: ...
+
+    def finish(self, p: Prepared, out: torch.Tensor, generated: torch.Tensor, text: str, greedy, ttft: float,
+               logprobs: tuple | None = None) -> Reply: ...
