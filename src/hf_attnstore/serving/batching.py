@@ -82,7 +82,12 @@ def batchable(model, sparse=None) -> tuple[bool, str]:
     window changes most turns' tokens). Chunked attention (llama4) is not: its chunks start at multiples of
     the chunk size, counted in columns, and left padding moves a row's positions off those boundaries; nor is
     length-dependent RoPE, whose frequencies follow the batch's longest row. With `sparse` (a pipeline's
-    SparseConfig) every KV layer must be full attention (all kept sparse, so of one length)."""
+    SparseConfig) every KV layer must be full attention (all kept sparse, so of one length).
+
+    Example:
+        >>> batchable(model)  # doctest: +SKIP
+        (True, '')
+    """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     from ..cache.layers import LayerLayout
 
@@ -135,7 +140,11 @@ class _Member:
 
 
 class BatchRunner:
-    """The worker of a ChatPipeline with ``max_batch_size > 1`` (see the module docstring)."""
+    """The worker of a ChatPipeline with ``max_batch_size > 1`` (see the module docstring).
+
+    Example:
+        >>> pipe = ChatPipeline(model, tok, AttnStore('2GiB'), max_batch_size=8)  # runs a BatchRunner  # doctest: +SKIP
+    """
 
     def __init__(self, pipe: TurnSource, max_batch_size: int, max_batch_tokens: int | None = None,
                  max_batch_kv_bytes: int | None = None):

@@ -24,7 +24,12 @@ class PipelineClosed(ValueError):
     """The pipeline is closed and takes no new turns (a server answers 503: it is shutting down).
 
     A `ValueError`: what it was before it had its own class, and what Python raises for an operation on a closed
-    file."""
+    file.
+
+    Example:
+        >>> isinstance(PipelineClosed("closed"), ValueError)
+        True
+    """
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -46,7 +51,11 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[int, flo
 
 def quietly(call, what: str) -> None:
     """Runs a clean-up step that must not stop the worker (a client's streamer, a cache's close): a failure is
-    logged and the worker goes on."""
+    logged and the worker goes on.
+
+    Example:
+        >>> quietly(lambda: 1 / 0, "a streamer's end")  # logged, not raised
+    """
     try:
         call()
     except Exception as exc:  # noqa: BLE001 - the turn is failing or over already; the worker must not
@@ -64,6 +73,10 @@ class Reply:
         kv_source: Where the reused KV came from: ``"host"``, ``"disk"``, ``"remote"``, ``"miss"`` (nothing reused),
             ``"truncated"`` (the context overflowed and was truncated this turn), or ``"recompute"``
             (a pipeline without a store).
+
+    Example:
+        >>> pipe.chat("s1", "hi").kv_source  # doctest: +SKIP
+        'miss'
     """
 
     session_id: str
@@ -92,7 +105,11 @@ class Reply:
 
 @dataclass
 class Prepared:
-    """A turn ready to run: its prompt (after truncation), its cache and what it reuses."""
+    """A turn ready to run: its prompt (after truncation), its cache and what it reuses.
+
+    Example:
+        >>> prepared = pipe.prepare(job)  # the batch runner's first step of a turn  # doctest: +SKIP
+    """
 
     job: "Job"
     started: float
@@ -107,7 +124,13 @@ class Prepared:
 
 @dataclass
 class Job:
-    """A queued turn: its session, message (or whole prompt), the future it resolves and its options."""
+    """A queued turn: its session, message (or whole prompt), the future it resolves and its options.
+
+    Example:
+        >>> from concurrent.futures import Future
+        >>> Job("s1", "hi", Future(), None, 0.0).claim()
+        True
+    """
 
     session_id: str
     message: str
@@ -142,7 +165,12 @@ class Job:
 
 
 class Tee:
-    """Forwards `generate`'s streamer calls to several streamers (our TTFT timer and the caller's)."""
+    """Forwards `generate`'s streamer calls to several streamers (our TTFT timer and the caller's).
+
+    Example:
+        >>> Tee(None).streamers
+        []
+    """
 
     def __init__(self, *streamers):
         self.streamers = [s for s in streamers if s is not None]
@@ -157,7 +185,14 @@ class Tee:
 
 
 class Cancelled(StoppingCriteria):
-    """Stops `generate` once the turn is cancelled (checked after every decoding step)."""
+    """Stops `generate` once the turn is cancelled (checked after every decoding step).
+
+    Example:
+        >>> import threading, torch
+        >>> stop = threading.Event(); stop.set()
+        >>> Cancelled(stop)(torch.zeros(1, 3, dtype=torch.long), None).tolist()
+        [True]
+    """
 
     def __init__(self, event: threading.Event):
         self.event = event
