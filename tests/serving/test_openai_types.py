@@ -17,10 +17,8 @@ from openai.types.responses import response_create_params
 
 from hf_attnstore import AttnStore
 from hf_attnstore.serving import ChatEngine, create_app
-from hf_attnstore.serving.completions import CompletionRequest
 from hf_attnstore.serving.pipeline import ChatPipeline
-from hf_attnstore.serving.protocol import ChatCompletionRequest
-from hf_attnstore.serving.responses import ResponsesRequest
+from hf_attnstore.serving.protocol import ChatCompletionRequest, CompletionRequest, ResponsesRequest
 
 from ..conftest import char_tokenizer, make_tiny
 from .test_tools import TOOL_RESPONSE, TOOL_TEMPLATE, WEATHER

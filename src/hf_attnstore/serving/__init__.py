@@ -1,5 +1,6 @@
 """The application: the chat pipeline (pipeline.py, batching.py), and `attnstore serve`, an OpenAI-compatible
-server over it (app.py, engine.py, protocol.py, conversation.py, metrics.py).
+server over it (app.py; the routes chat_api.py, completions_api.py and responses_api.py over one base, base.py;
+the schema in protocol/; engine.py, conversation.py, metrics.py).
 
 The HTTP parts load on first use, so that `import hf_attnstore` (which imports the pipeline) does not import
 FastAPI.

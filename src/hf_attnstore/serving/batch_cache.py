@@ -87,6 +87,9 @@ class BatchKV(DynamicCache):
     first one are masked), a leaver's row is filled by the last row, and the slab is reallocated (one copy of
     the live KV) only when a joiner is longer than the free columns on the left, or the members' remaining
     tokens would not fit on the right.
+
+    Example:
+        >>> kv = BatchKV(...)  # the batch runner builds it from its members' rows  # doctest: +SKIP
     """
 
     def __init__(self):
@@ -186,7 +189,13 @@ class BatchKV(DynamicCache):
 
 
 def token_bytes(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """One token's KV over every layer, in bytes (of a member's per-layer ``[1, h, L, d]`` keys and values)."""
+    """One token's KV over every layer, in bytes (of a member's per-layer ``[1, h, L, d]`` keys and values).
+
+    Example:
+        >>> import torch
+        >>> token_bytes([(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))])  # 2 heads x 4 dims x 4 bytes, twice
+        64
+    """
     return sum(k.shape[1] * k.shape[3] * k.element_size() + v.shape[1] * v.shape[3] * v.element_size() for k, v in kv)
 
 

@@ -38,7 +38,6 @@ import time
 from collections import deque
 from concurrent.futures import CancelledError, InvalidStateError
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,12 +45,9 @@ from ..cache import importance
 from ..cache.cache import AttnStoreCache
 from ..cache.layers import AttnStoreSparseLayer
 from .batch_cache import BatchKV, token_bytes
-from .jobs import Job, Prepared, Tee, quietly, token_logprobs
+from .jobs import Job, Prepared, Tee, TurnSource, quietly, token_logprobs
 from .sparse_rows import SparseRow
 from ..cache.upstream import cache_kwargs, decoding_plan
-
-if TYPE_CHECKING:
-    from .pipeline import ChatPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +82,12 @@ def batchable(model, sparse=None) -> tuple[bool, str]:
     window changes most turns' tokens). Chunked attention (llama4) is not: its chunks start at multiples of
     the chunk size, counted in columns, and left padding moves a row's positions off those boundaries; nor is
     length-dependent RoPE, whose frequencies follow the batch's longest row. With `sparse` (a pipeline's
-    SparseConfig) every KV layer must be full attention (all kept sparse, so of one length)."""
+    SparseConfig) every KV layer must be full attention (all kept sparse, so of one length).
+
+    Example:
+        >>> batchable(model)  # doctest: +SKIP
+        (True, '')
+    """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     from ..cache.layers import LayerLayout
 
@@ -139,9 +140,13 @@ class _Member:
 
 
 class BatchRunner:
-    """The worker of a ChatPipeline with ``max_batch_size > 1`` (see the module docstring)."""
+    """The worker of a ChatPipeline with ``max_batch_size > 1`` (see the module docstring).
 
-    def __init__(self, pipe: "ChatPipeline", max_batch_size: int, max_batch_tokens: int | None = None,
+    Example:
+        >>> pipe = ChatPipeline(model, tok, AttnStore('2GiB'), max_batch_size=8)  # runs a BatchRunner  # doctest: +SKIP
+    """
+
+    def __init__(self, pipe: TurnSource, max_batch_size: int, max_batch_tokens: int | None = None,
                  max_batch_kv_bytes: int | None = None):
         self.pipe, self.max, self.max_tokens, self.max_kv_bytes = pipe, max_batch_size, max_batch_tokens, \
             max_batch_kv_bytes

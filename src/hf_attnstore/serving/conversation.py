@@ -31,6 +31,12 @@ class ReplyMemo:
     Bounded (least recently used entries go first). Two generations with the same text and other ids keep
     the later one: an echoed reply then matches the other session's KV only up to that point (a miss
     beyond it, never wrong KV: the store compares ids).
+
+    Example:
+        >>> memo = ReplyMemo()
+        >>> memo.add("Hello!", [7, 8])
+        >>> memo.get("Hello!")
+        [7, 8]
     """
 
     def __init__(self, max_entries: int = 100_000):
@@ -86,6 +92,10 @@ class MessageTokens:
     Args:
         tokenizer: A tokenizer with a chat template.
         memo: Replies this server generated.
+
+    Example:
+        >>> tokens = MessageTokens(tokenizer, ReplyMemo())  # doctest: +SKIP
+        >>> ids = tokens.prompt_ids([{"role": "user", "content": "hi"}])  # doctest: +SKIP
     """
 
     def __init__(self, tokenizer, memo: ReplyMemo | None = None):

@@ -40,17 +40,31 @@ def _ids(value) -> list[int]:
 
 class ToolsUnsupported(ValueError):
     """The model cannot take the request's tools (its chat template ignores them, or no response template
-    parses its calls): a client error naming ``tools``."""
+    parses its calls): a client error naming ``tools``.
+
+    Example:
+        >>> isinstance(ToolsUnsupported("no tools"), ValueError)
+        True
+    """
 
 
 class Overloaded(Exception):
-    """The engine holds `max_pending` requests already: the client should retry later (HTTP 429)."""
+    """The engine holds `max_pending` requests already: the client should retry later (HTTP 429).
+
+    Example:
+        >>> engine.admit()  # raises Overloaded when `max_pending` requests are in  # doctest: +SKIP
+    """
 
 
 @dataclass(frozen=True)
 class Remembered:
     """A reply as the memo knows it: its text as the template renders it, its generated ids (without the end of
-    turn), and for a reply with tool calls its `tools.call_key`."""
+    turn), and for a reply with tool calls its `tools.call_key`.
+
+    Example:
+        >>> Remembered("Hi!", [5, 6], None).ids
+        [5, 6]
+    """
 
     text: str
     ids: list[int]
@@ -59,6 +73,14 @@ class Remembered:
 
 @dataclass
 class Turn:
+    """A request's turn: the session it continues and its prompt ids, as the client's messages give them and as
+    the model is fed them.
+
+    Example:
+        >>> Turn("s1", [1, 2], [1, 2], explicit=True).scope
+        ''
+    """
+
     session_id: str
     client_ids: list[int]  # the prompt as the client's messages give it
     model_ids: list[int]  # the prompt the model is fed (the store's ids, continued by the client's new ones)
@@ -82,6 +104,10 @@ class ChatEngine:
         response_template: How to parse tool calls out of replies (transformers' response-template format);
             default: the tokenizer's, else the one `transformers serve` uses for the model's family
             (`upstream.response_template`). Without one, requests with tools are refused.
+
+    Example:
+        >>> engine = ChatEngine(ChatPipeline(model, tok, AttnStore("2GiB")), max_pending=64)  # doctest: +SKIP
+        >>> turn = engine.prepare([{"role": "user", "content": "hi"}])  # doctest: +SKIP
     """
 
     def __init__(self, pipeline: ChatPipeline, *, max_pending: int = 64, session_block: int = 16,

@@ -1,6 +1,7 @@
 """The units of work the pipeline queues and the batch runner runs: a turn (`Job`), a turn ready to run
-(`Prepared`), its answer (`Reply`), and the small helpers both share. Kept apart from pipeline.py so that
-the pipeline and the batch runner import it, and not each other.
+(`Prepared`), its answer (`Reply`), what the batch runner asks of the pipeline (`TurnSource`), and the small
+helpers both share. Kept apart from pipeline.py so that the pipeline and the batch runner import it, and not each
+other (not even for type hints: the runner names the pipeline by `TurnSource`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import logging
 import threading
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import StoppingCriteria
@@ -22,7 +24,12 @@ class PipelineClosed(ValueError):
     """The pipeline is closed and takes no new turns (a server answers 503: it is shutting down).
 
     A `ValueError`: what it was before it had its own class, and what Python raises for an operation on a closed
-    file."""
+    file.
+
+    Example:
+        >>> isinstance(PipelineClosed("closed"), ValueError)
+        True
+    """
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -44,7 +51,11 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[int, flo
 
 def quietly(call, what: str) -> None:
     """Runs a clean-up step that must not stop the worker (a client's streamer, a cache's close): a failure is
-    logged and the worker goes on."""
+    logged and the worker goes on.
+
+    Example:
+        >>> quietly(lambda: 1 / 0, "a streamer's end")  # logged, not raised
+    """
     try:
         call()
     except Exception as exc:  # noqa: BLE001 - the turn is failing or over already; the worker must not
@@ -62,6 +73,10 @@ class Reply:
         kv_source: Where the reused KV came from: ``"host"``, ``"disk"``, ``"remote"``, ``"miss"`` (nothing reused),
             ``"truncated"`` (the context overflowed and was truncated this turn), or ``"recompute"``
             (a pipeline without a store).
+
+    Example:
+        >>> pipe.chat("s1", "hi").kv_source  # doctest: +SKIP
+        'miss'
     """
 
     session_id: str
@@ -90,7 +105,11 @@ class Reply:
 
 @dataclass
 class Prepared:
-    """A turn ready to run: its prompt (after truncation), its cache and what it reuses."""
+    """A turn ready to run: its prompt (after truncation), its cache and what it reuses.
+
+    Example:
+        >>> prepared = pipe.prepare(job)  # the batch runner's first step of a turn  # doctest: +SKIP
+    """
 
     job: "Job"
     started: float
@@ -105,7 +124,13 @@ class Prepared:
 
 @dataclass
 class Job:
-    """A queued turn: its session, message (or whole prompt), the future it resolves and its options."""
+    """A queued turn: its session, message (or whole prompt), the future it resolves and its options.
+
+    Example:
+        >>> from concurrent.futures import Future
+        >>> Job("s1", "hi", Future(), None, 0.0).claim()
+        True
+    """
 
     session_id: str
     message: str
@@ -140,7 +165,12 @@ class Job:
 
 
 class Tee:
-    """Forwards `generate`'s streamer calls to several streamers (our TTFT timer and the caller's)."""
+    """Forwards `generate`'s streamer calls to several streamers (our TTFT timer and the caller's).
+
+    Example:
+        >>> Tee(None).streamers
+        []
+    """
 
     def __init__(self, *streamers):
         self.streamers = [s for s in streamers if s is not None]
@@ -155,10 +185,52 @@ class Tee:
 
 
 class Cancelled(StoppingCriteria):
-    """Stops `generate` once the turn is cancelled (checked after every decoding step)."""
+    """Stops `generate` once the turn is cancelled (checked after every decoding step).
+
+    Example:
+        >>> import threading, torch
+        >>> stop = threading.Event(); stop.set()
+        >>> Cancelled(stop)(torch.zeros(1, 3, dtype=torch.long), None).tolist()
+        [True]
+    """
 
     def __init__(self, event: threading.Event):
         self.event = event
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class TurnSource(Protocol):
+    """What the batch runner (batching.py) asks of the pipeline that owns it: its turns, their preparation and
+    the finishing of their replies. `ChatPipeline` is one; the runner never imports it, so the two modules do not
+    import each other.
+
+    Example:
+        >>> from hf_attnstore.serving.pipeline import ChatPipeline
+        >>> all(hasattr(ChatPipeline, name) for name in ("take_jobs", "prepare", "run_turn", "finish"))
+        True
+    """
+
+    model: object
+    chat_tokens: object  # `cache.chat.ChatTokens`: the reply's text (`reply_text`)
+
+    def set_running(self, sessions: list[str]) -> None: ...
+
+    def take_jobs(self, running: list[str], room: int, busy: bool,
+                  timeout_s: float = 1.0) -> tuple[list[Job], list[str]] | None: ...
+
+    def give_hints(self, waiting: list[str]) -> None: ...
+
+    def turn_options(self, job: Job) -> dict: ...
+
+    def prefetch_turn(self, job: Job) -> None: ...
+
+    def prepare(self, job: Job) -> Prepared: ...
+
+    def run_turn(self, job: Job) -> Reply: ...
+
+    def needs_last_token(self, generated: torch.Tensor) -> bool: ...
+
+    def finish(self, p: Prepared, out: torch.Tensor, generated: torch.Tensor, text: str, greedy, ttft: float,
+               logprobs: tuple | None = None) -> Reply: ...

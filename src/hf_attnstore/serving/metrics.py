@@ -17,7 +17,11 @@ _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 
 
 
 class StoreCollector:
-    """Reads the store's counters at scrape time (one lock acquisition per scrape)."""
+    """Reads the store's counters at scrape time (one lock acquisition per scrape).
+
+    Example:
+        >>> registry.register(StoreCollector(store))  # doctest: +SKIP
+    """
 
     def __init__(self, store: AttnStore | None):
         self.store = store
@@ -88,7 +92,11 @@ class StoreCollector:
 
 
 class BatchCollector:
-    """The batch cache now (`ChatPipeline.batch_memory`), read once per scrape so that its values agree."""
+    """The batch cache now (`ChatPipeline.batch_memory`), read once per scrape so that its values agree.
+
+    Example:
+        >>> registry.register(BatchCollector(pipe.batch_memory))  # doctest: +SKIP
+    """
 
     def __init__(self, batch_memory):
         self.batch_memory = batch_memory
@@ -104,7 +112,12 @@ class BatchCollector:
 
 
 class ServerMetrics:
-    """The app's metrics. `registry` is what ``GET /metrics`` exposes."""
+    """The app's metrics. `registry` is what ``GET /metrics`` exposes.
+
+    Example:
+        >>> metrics = ServerMetrics(None, lambda: 0)
+        >>> metrics.errors.labels("429").inc()
+    """
 
     def __init__(self, store: AttnStore | None, queue_depth, batch_memory=None):
         self.registry = CollectorRegistry()

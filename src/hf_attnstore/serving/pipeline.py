@@ -250,11 +250,6 @@ class ChatPipeline:
         return dict(runner.now) if runner is not None and self.max_batch_size > 1 else \
             {"allocated": 0, "live": 0, "rows": 0}
 
-    def queue_length(self) -> int:
-        """Turns waiting to run (the running one not included)."""
-        with self._cond:
-            return len(self._queue)
-
     def chat(self, session_id: str, message: str, timeout: float | None = None) -> Reply:
         """Sends a message and waits for the reply."""
         return self.submit(session_id, message).result(timeout)

@@ -30,6 +30,9 @@ class SparseRow:
         scorer: The turn's importance scorer (None for the ``"streaming"`` policy, which selects by recency).
         columns: KV slot -> ``[kv_heads, K]`` session positions of the keys the row holds, ascending.
         slot_of: Model layer index -> KV slot, for the layers kept sparse (every layer of the batch cache).
+
+    Example:
+        >>> row = SparseRow(...)  # a kv_budget member of a batch  # doctest: +SKIP
     """
 
     def __init__(self, config: SparseConfig, scorer, columns: dict[int, torch.Tensor], slot_of: dict[int, int]):

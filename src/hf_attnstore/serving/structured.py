@@ -26,7 +26,12 @@ MAX_SCHEMA_CHARS = 65_536  # a schema's JSON text; llguidance bounds the grammar
 
 
 class GrammarError(ValueError):
-    """A format the grammar compiler refuses (its message says why): the client's mistake."""
+    """A format the grammar compiler refuses (its message says why): the client's mistake.
+
+    Example:
+        >>> isinstance(GrammarError("bad schema"), ValueError)
+        True
+    """
 
 
 class Grammars:
@@ -37,6 +42,9 @@ class Grammars:
         end_ids: The tokens that end a reply (the chat template's end of turn first): the only ones allowed
             once the grammar is complete.
         vocab_size: The model's logits width (may exceed the tokenizer's vocabulary: the rest is masked).
+
+    Example:
+        >>> processor = engine.grammars.processor({"type": "object"})  # doctest: +SKIP
     """
 
     def __init__(self, tokenizer, end_ids: list[int], vocab_size: int):
@@ -83,6 +91,9 @@ class GrammarProcessor(LogitsProcessor):
 
     The first call sees the prompt: what follows it is the reply, fed to the matcher token by token as later
     calls see it. Once the grammar is complete, only the end tokens are allowed.
+
+    Example:
+        >>> options["logits_processor"] = LogitsProcessorList([grammars.processor(schema)])  # doctest: +SKIP
     """
 
     def __init__(self, matcher, tokenizer_vocab: int, end_ids: list[int], vocab_size: int):

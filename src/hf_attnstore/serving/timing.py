@@ -12,6 +12,12 @@ class FirstTokenTimer(BaseStreamer):
 
     `generate` calls `put` once with the prompt, then once per new token; the second call marks the first
     token. Start the clock with :meth:`start` before any work that counts towards TTFT (cache lookup too).
+
+    Example:
+        >>> timer = FirstTokenTimer().start()
+        >>> timer.put("prompt"); timer.put("token")
+        >>> timer.ttft >= 0
+        True
     """
 
     def __init__(self):

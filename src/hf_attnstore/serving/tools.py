@@ -35,7 +35,12 @@ def call_key(content: str, calls: list[tuple[str, dict]]) -> str:
 
 
 def message_call_key(message: dict) -> str | None:
-    """:func:`call_key` of a template message (`ChatMessage.as_template_message`), or None without calls."""
+    """:func:`call_key` of a template message (`ChatMessage.as_template_message`), or None without calls.
+
+    Example:
+        >>> message_call_key({"role": "assistant", "content": ""}) is None
+        True
+    """
     calls = message.get("tool_calls")
     if not calls:
         return None

@@ -1,5 +1,5 @@
-"""OpenAI's Responses API over the session store: the request's schema, its translation into a chat turn, and
-the stored responses that ``previous_response_id`` chains from.
+"""The stored responses that the Responses API's ``previous_response_id`` chains from (the request's schema and
+its translation into a chat turn are in protocol/responses.py).
 
 A response id names a point in a conversation: the messages up to its reply. A request with
 ``previous_response_id`` sends only what is new; the server rebuilds the conversation from the chain (each
@@ -32,199 +32,35 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Union
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import ValidationError
 
 from ..store.entry import validate_session_id
-from .openai_schema import OpenAIRequest, check_tool_choice
-from .protocol import FORCING_TOOL_CHOICE, ChatCompletionRequest, ChatMessage, ToolDef, json_object_text
+from .protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
 RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
-MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
 FORMAT = 1
 
 
 def new_response_id() -> str:
+    """A new response's id: ``resp_`` and 32 hex digits.
+
+    Example:
+        >>> RESPONSE_ID.fullmatch(new_response_id()) is not None
+        True
+    """
     return f"resp_{uuid.uuid4().hex}"
-
-
-class InputText(OpenAIRequest):
-    type: Literal["input_text", "output_text", "text"]
-    text: str
-
-
-class MessageItem(OpenAIRequest):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class FunctionCallItem(OpenAIRequest):
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, arguments: str) -> str:
-        return json_object_text(arguments)
-
-
-class FunctionCallOutputItem(OpenAIRequest):
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str
-
-
-Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem]
-
-
-class FunctionTool(OpenAIRequest):
-    """A tool in the Responses form (flat: ``name`` beside ``type``)."""
-
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict | None = None
-
-    def as_chat_tool(self) -> ToolDef:
-        return ToolDef(type="function", function={"name": self.name, "description": self.description,
-                                                  "parameters": self.parameters})
-
-
-class FunctionToolChoice(OpenAIRequest):
-    """A ``tool_choice`` that names a function, in the Responses form (flat)."""
-
-    type: Literal["function"]
-    name: str
-
-
-class ResponsesRequest(OpenAIRequest):
-    """``POST /v1/responses``: the fields this server reads. Fields that would change the answer and are not
-    implemented are refused by name (`unsupported`)."""
-
-    model: str
-    input: str | list[Item] = Field(min_length=1)
-    instructions: str | None = None
-    previous_response_id: str | None = None
-    store: bool = True
-    stream: bool = False
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    tools: list[dict] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict | None = None
-    parallel_tool_calls: bool | None = None
-    user: str | None = None
-    metadata: dict[str, str] | None = None
-    text: dict | None = None
-    cache_salt: str | None = None  # vLLM's extension, as in chat completions
-    background: bool | None = None
-    conversation: str | dict | None = None
-    prompt: dict | None = None
-    top_logprobs: int | None = None
-    max_tool_calls: int | None = None
-    include: list[str] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _message_type(cls, data):
-        # OpenAI takes input messages without a "type" ({"role", "content"}): they are messages.
-        if isinstance(data, dict) and isinstance(data.get("input"), list):
-            data = dict(data)
-            data["input"] = [{**item, "type": "message"} if isinstance(item, dict) and "type" not in item
-                             and "role" in item else item for item in data["input"]]
-        return data
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice_offered(cls, choice, info: ValidationInfo):
-        tools = info.data.get("tools")  # validated before it (declared before it)
-        functions = [tool.get("name") for tool in tools or () if tool.get("type") == "function"]
-        return check_tool_choice(choice, tools, [f for f in functions if isinstance(f, str)], _named)
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, metadata):
-        if metadata is not None and (len(metadata) > MAX_METADATA or
-                                     any(len(k) > 64 or len(v) > 512 for k, v in metadata.items())):
-            raise ValueError(f"at most {MAX_METADATA} pairs, keys of at most 64 characters, values of at most 512")
-        return metadata
-
-    def unsupported(self) -> tuple[str, str] | None:
-        """The first requested feature this server does not implement, as (field, what), or None."""
-        if self.background:
-            return "background", "`background` responses"
-        if self.conversation is not None:
-            return "conversation", "`conversation` (the Conversations API; chain with `previous_response_id`)"
-        if self.prompt is not None:
-            return "prompt", "`prompt` (stored prompt templates)"
-        if self.top_logprobs:
-            return "top_logprobs", "`top_logprobs`"
-        if self.max_tool_calls is not None:
-            return "max_tool_calls", "`max_tool_calls`"
-        for what in self.include or ():
-            if "logprobs" in what:
-                return "include", f"`include` of {what[:80]!r}"
-        for i, tool in enumerate(self.tools or ()):
-            if tool.get("type") != "function":
-                return f"tools.{i}.type", f"tools of type {str(tool.get('type'))[:50]!r} (only functions)"
-        if self.tools and self.tool_choice not in (None, "auto", "none"):
-            return "tool_choice", FORCING_TOOL_CHOICE
-        return None
-
-    def chat_tools(self) -> list[ToolDef] | None:
-        """The tools in the chat-completions form (raises ValueError naming a bad one)."""
-        if not self.tools:
-            return None
-        out = []
-        for i, tool in enumerate(self.tools):
-            try:
-                out.append(FunctionTool.model_validate(tool).as_chat_tool())
-            except ValidationError as exc:
-                raise ValueError(f"tools.{i}: {exc.errors()[0]['msg']}") from None
-        return out
-
-    def input_messages(self) -> list[ChatMessage]:
-        """The request's input as chat messages: function calls join the assistant message before them, and
-        function call outputs are tool messages (as transformers serve reads them)."""
-        if isinstance(self.input, str):
-            return [ChatMessage(role="user", content=self.input)]
-        out: list[ChatMessage] = []
-        for item in self.input:
-            if isinstance(item, MessageItem):
-                out.append(ChatMessage(role=item.role, content=item.text()))
-            elif isinstance(item, FunctionCallItem):
-                call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": item.arguments}}
-                if out and out[-1].role == "assistant":
-                    out[-1] = ChatMessage(role="assistant", content=out[-1].content,
-                                          tool_calls=[*(c.model_dump() for c in out[-1].tool_calls or ()), call])
-                else:
-                    out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
-            else:
-                out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
-        return out
-
-
-def _named(choice: dict) -> str:
-    """The function a Responses ``tool_choice`` names (ValueError for a malformed one)."""
-    try:
-        return FunctionToolChoice.model_validate(choice).name
-    except ValidationError:
-        raise ValueError('a named `tool_choice` is {"type": "function", "name": ...}') from None
 
 
 @dataclass
 class StoredResponse:
     """A response kept for ``previous_response_id`` and ``GET``: its own input and reply (the chain gives the
-    rest), what the memo needs to give the reply its exact ids again, and the response object as returned."""
+    rest), what the memo needs to give the reply its exact ids again, and the response object as returned.
+
+    Example:
+        >>> responses.put(StoredResponse(...))  # doctest: +SKIP
+    """
 
     id: str
     scope: str  # the request's cache_salt scope: a chain continues within its salt only
@@ -276,7 +112,12 @@ class StoredResponse:
 
 
 def ids_array(ids) -> array:
-    """Token ids, compactly (4 bytes each: a stored response keeps its session's ids)."""
+    """Token ids, compactly (4 bytes each: a stored response keeps its session's ids).
+
+    Example:
+        >>> ids_array([1, 2]).itemsize
+        4
+    """
     return array("i", ids)
 
 
@@ -417,14 +258,3 @@ class ResponseStore:
         return out[::-1]
 
 
-def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
-    """The chat turn a Responses request asks for: `history` (the chain's messages), then its input, after its
-    ``instructions`` as a system message (raises ValueError or ValidationError naming what is wrong)."""
-    messages = [ChatMessage.model_validate(m) for m in history] + body.input_messages()
-    if body.instructions:
-        messages.insert(0, ChatMessage(role="system", content=body.instructions))
-    return ChatCompletionRequest(
-        model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
-        temperature=body.temperature, top_p=body.top_p, tools=body.chat_tools(), tool_choice=body.tool_choice,
-        parallel_tool_calls=body.parallel_tool_calls, user=body.user, cache_salt=body.cache_salt,
-        stream=body.stream, response_format=(body.text or {}).get("format"))

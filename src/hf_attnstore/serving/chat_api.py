@@ -1,0 +1,198 @@
+"""``POST /v1/chat/completions`` (streamed over SSE or not): what differs from the other routes (base.py has the
+rest): a chat request's limits and session, its turn rendered from its messages (with tools, a reply parser),
+OpenAI's ``n`` (each further sample a turn that reuses the first one's prompt), and the chat answer's shape."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import replace
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from .base import OpenAIServing, Started, sse_data, store_info, usage_of
+from .engine import ToolsUnsupported, Turn
+from .errors import APIError
+from .protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice, Delta,
+                       ResponseMessage, ToolCallDelta)
+
+
+class ChatServing(OpenAIServing):
+    """The chat-completions route over the shared base (`OpenAIServing`); the Responses route runs its requests
+    as chat turns through `start_turn`.
+
+    Example:
+        >>> chat = ChatServing(engine, metrics, "smollm2", limits, 600.0, 256)  # doctest: +SKIP
+        >>> app.post("/v1/chat/completions")(chat.create)  # doctest: +SKIP
+    """
+
+    async def create(self, body: ChatCompletionRequest, request: Request):
+        """Answers one chat-completions request (the route's handler)."""
+        self.check_request(body)
+        started = await self.start_turn(body, request)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return self.stream(started, ChatEvents(self, started, body, completion_id))
+        samples = [started, *await self._more_samples(started, body, body.n - 1)]
+        replies = []
+        deadline = time.monotonic() + self.timeout_s  # one for all the samples
+        try:
+            for sample in samples:
+                reply = await self.wait(sample, request, timeout_s=max(0.0, deadline - time.monotonic()))
+                if reply is None:
+                    return self.gone()
+                replies.append(reply)
+        finally:
+            if len(replies) < len(samples):  # one failed, timed out or lost its client: none goes on
+                for sample in samples:
+                    sample.cancel.set()
+        choices = []
+        for i, (sample, reply) in enumerate(zip(samples, replies)):
+            message = ResponseMessage(content=reply.text)
+            if sample.parser is not None:
+                self.parse_whole(sample.parser, reply)
+                message = ResponseMessage(content=sample.parser.message_content,
+                                          tool_calls=sample.parser.calls or None)
+            self.record(sample.turn, reply, sample.parser)
+            choices.append(Choice(index=i, message=message,
+                                  finish_reason=self.engine.finish_reason(reply, sample.max_new, sample.parser),
+                                  logprobs=chat_logprobs(self.engine.pipeline.tokenizer, reply)))
+        turn = started.turn
+        usage = usage_of(turn, replies[0])  # the prompt once (OpenAI's), every sample's tokens
+        usage.completion_tokens = sum(r.generated_tokens for r in replies)
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        result = ChatCompletion(id=completion_id, model=self.model_name, usage=usage,
+                                attnstore=store_info(turn, replies[0]), choices=choices)
+        if len(samples) > 1:  # how each further sample reused the first one's prompt
+            result.attnstore.samples_reused_tokens = [r.reused_tokens for r in replies[1:]]
+        return JSONResponse(result.model_dump(), headers={"X-Session-ID": turn.session_id})
+
+    async def start_turn(self, body: ChatCompletionRequest, request: Request, session: str | None = None) -> Started:
+        """Checks a chat request's sizes and session id, then starts its turn (`OpenAIServing.start`), on the
+        session the client names, else `session`, else the one the index finds. The model and the unsupported
+        fields are checked before, once (`check_request`, on the request as the client sent it).
+
+        Raises:
+            APIError: 400 for a request over a limit, and `start`'s.
+        """
+        over = self.limits.check(body)
+        if over:
+            field, what = over
+            raise APIError(400, what, param=field)
+        header = request.headers.get("x-session-id")
+        if header:
+            problem = self.limits.session_id_problem(header, "X-Session-ID")
+            if problem is not None:
+                raise APIError(400, problem, param="X-Session-ID")
+        session = header or body.user or session or None  # an empty id names no session
+        max_new = body.max_new_tokens(self.default_max_tokens)
+        return await self.start(lambda: self._setup(body, session, max_new), max_new, stream=body.stream)
+
+    def _setup(self, body: ChatCompletionRequest, session: str | None, max_new: int, turn: Turn | None = None):
+        """A request's turn (rendered, unless given), reply parser and options; APIErrors for the client's faults."""
+        try:
+            tools = body.template_tools()
+            if turn is None:
+                turn = self.engine.prepare([m.as_template_message() for m in body.messages], session,
+                                           body.cache_salt, tools)
+            parser = self.engine.reply_parser(turn, tools, body.parallel_tool_calls is not False) \
+                if body.parses_tool_calls() else None
+        except ToolsUnsupported as exc:
+            raise APIError(400, str(exc), param="tools")
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages")
+        return turn, parser, self.turn_options(body, max_new)
+
+    async def _more_samples(self, first: Started, body: ChatCompletionRequest, count: int) -> list[Started]:
+        """`count` more samples of `first`'s prompt (OpenAI's ``n``), each a turn of its own on a new session with
+        the same ids: they reuse the prompt's KV that the first one stores (the store's prefix sharing; in a
+        batching pipeline each is looked up when its prefill comes), and the client's next request continues
+        whichever sample it kept (the session index finds it). Sample ``i`` samples with ``seed + i`` when a seed
+        is given, with a reply parser and a grammar of its own (they follow its tokens). Each holds its own room
+        in the engine; when one cannot be started, all are cancelled."""
+
+        def setup(i: int):
+            turn = replace(first.turn, session_id=f"chat-{uuid.uuid4().hex}")
+            turn, parser, options = self._setup(body, None, first.max_new, turn)
+            if "seed" in options:  # within torch's range: [-2**63, 2**64)
+                options["seed"] = options["seed"] + i if options["seed"] + i < 2**64 else options["seed"] - i
+            return turn, parser, options
+
+        started: list[Started] = []
+        try:
+            for i in range(1, count + 1):
+                started.append(await self.start(lambda i=i: setup(i), first.max_new,
+                                                why=f" (`n` asks for {count + 1} turns)"))
+        except BaseException:
+            for sample in [first, *started]:
+                sample.cancel.set()
+            raise
+        return started
+
+
+class ChatEvents:
+    """A chat completion's stream chunks (`base.StreamEvents`): the assistant's role, text deltas, each tool call
+    whole when its region closes (as transformers serve streams them), then the finish reason with the
+    log-probabilities and our ``attnstore`` object, and the usage when ``stream_options`` asks for it.
+
+    Example:
+        >>> return chat.stream(started, ChatEvents(chat, started, body, "chatcmpl-1"))  # doctest: +SKIP
+    """
+
+    done = True
+
+    def __init__(self, serving: ChatServing, started: Started, body: ChatCompletionRequest, completion_id: str):
+        self.serving, self.started, self.body, self.completion_id = serving, started, body, completion_id
+        self.calls = 0  # tool calls streamed so far (their `index`)
+
+    def _chunk(self, delta: Delta, finish=None, logprobs=None, **extra) -> str:
+        chunk = ChatCompletionChunk(id=self.completion_id, model=self.serving.model_name,
+                                    choices=[ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)],
+                                    **extra)
+        return sse_data(chunk.model_dump(exclude_none=True))
+
+    def opening(self) -> list[str]:
+        return [self._chunk(Delta(role="assistant", content=""))]
+
+    def deltas(self, content: str, calls: list) -> list[str]:
+        out = [self._chunk(Delta(content=content))] if content else []
+        for call in calls:
+            out.append(self._chunk(Delta(tool_calls=[ToolCallDelta(index=self.calls, id=call.id,
+                                                                   function=call.function)])))
+            self.calls += 1
+        return out
+
+    async def finished(self, reply) -> list[str]:
+        serving, turn, parser = self.serving, self.started.turn, self.started.parser
+        serving.record(turn, reply, parser)
+        # Log-probabilities come with the last chunk, all of them: the text streamer's pieces are not tokens.
+        out = [self._chunk(Delta(), serving.engine.finish_reason(reply, self.started.max_new, parser),
+                           chat_logprobs(serving.engine.pipeline.tokenizer, reply), attnstore=store_info(turn, reply))]
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            out.append(sse_data(ChatCompletionChunk(id=self.completion_id, model=serving.model_name, choices=[],
+                                                    usage=usage_of(turn, reply)).model_dump(exclude_none=True)))
+        return out
+
+    def failed(self, error: dict) -> list[str]:
+        return [sse_data(error)]
+
+
+def chat_logprobs(tokenizer, reply) -> dict | None:
+    """A reply's ``logprobs`` in chat completions' form (each token's text, log-probability, UTF-8 bytes and
+    alternatives), or None without them.
+
+    Example:
+        >>> chat_logprobs(tokenizer, reply)["content"][0]["token"]  # doctest: +SKIP
+        'Hello'
+    """
+    if reply.logprobs is None:
+        return None
+
+    def entry(token: int, logprob: float) -> dict:
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    special = set(tokenizer.all_special_ids)  # not in the content either (the end of turn, above all)
+    return {"content": [{**entry(token, lp), "top_logprobs": [entry(t, l) for t, l in top]}
+                        for token, lp, top in reply.logprobs if token not in special], "refusal": None}

@@ -1,0 +1,343 @@
+"""What every route's schema shares: the base of the request models (OpenAI's typing), the check that a
+``tool_choice`` asks only for offered tools, the field a validation error names, the error object, and the parts
+of requests and responses that chat completions, completions and Responses have in common.
+
+The `openai` client's own types are the reference (``openai/types/chat/completion_create_params.py``,
+``openai/types/completion_create_params.py``, ``openai/types/responses/response_create_params.py``):
+
+- **An explicit null is "not given".** OpenAI's schema makes optional fields nullable, and clients and routers
+  send ``null`` for what they leave unset (``"stream": null`` on every request): the field's default applies.
+  A required field (``model``, ``messages``, ``prompt``, ``input``) stays required.
+- **No coercion.** ``"5"`` is not an integer, ``5.0`` is not an integer either, ``true`` is not a number, and
+  ``"yes"`` is not a boolean: a 400 naming the field, as OpenAI answers, rather than a guess at what was meant.
+  JSON has one number type, so a whole number (``1``) is a valid ``number`` (``temperature``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import time
+from typing import Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# A union member's tag in a validation error's location ("str", "list[int]", "literal['auto','none']",
+# "function-after[...]", a model class's name): not a field of the request.
+_TYPE_TAG = re.compile(r"[a-z][a-z-]*\[.*\]|str|int|float|bool|none|dict|list", re.DOTALL)
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
+
+# What `unsupported` says of a `tool_choice` that forces or restricts the calls (chat completions and Responses).
+FORCING_TOOL_CHOICE = ("`tool_choice` other than \"auto\" or \"none\" (\"required\", a named function, allowed "
+                       "tools) needs constrained decoding, which this server does not do: use \"auto\" or \"none\"")
+
+
+class OpenAIRequest(BaseModel):
+    """The base of every request model and of their parts: strict JSON types, unknown fields ignored (clients
+    send many optional fields this server has no use for), an explicit ``null`` for an optional field taken as
+    the field not given.
+
+    Example:
+        >>> class Ask(OpenAIRequest):
+        ...     stream: bool = False
+        >>> Ask.model_validate({"stream": None}).stream
+        False
+        >>> Ask.model_validate({"stream": "false"})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        pydantic_core._pydantic_core.ValidationError: ...
+    """
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data):
+        if isinstance(data, dict):
+            optional = _optional_fields(cls)
+            if any(data.get(name, 0) is None for name in optional):
+                data = {key: value for key, value in data.items() if value is not None or key not in optional}
+        return data
+
+
+@functools.cache
+def _optional_fields(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for name, field in model.model_fields.items() if not field.is_required())
+
+
+def check_tool_choice(choice, tools: list | None, functions: list[str], named: Callable[[dict], str]):
+    """`choice`, a request's ``tool_choice``, if it asks only for tools the request offers, else a ValueError
+    saying what is wrong: a choice other than "auto" or "none" without `tools` (those two ask for what the request
+    gets anyway), or a named function that is not among `functions` (the names of its function tools).
+
+    Args:
+        choice: The ``tool_choice`` as sent: "none", "auto", "required", an object, or None (not given).
+        tools: The request's ``tools``.
+        functions: The names of its function tools.
+        named: The function a ``{"type": "function", ...}`` choice names, in the route's form; raises ValueError
+            for a malformed one.
+
+    Example:
+        >>> check_tool_choice("auto", None, [], lambda c: c["name"])
+        'auto'
+        >>> check_tool_choice({"type": "function", "name": "f"}, None, [], lambda c: c["name"])
+        Traceback (most recent call last):
+        ValueError: a `tool_choice` other than "auto" or "none" needs `tools`: offer the functions it may call
+    """
+    if choice is None or choice in ("auto", "none"):
+        return choice
+    if not tools:
+        raise ValueError('a `tool_choice` other than "auto" or "none" needs `tools`: offer the functions it may call')
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = named(choice)
+        if name not in functions:
+            offered = ", ".join(functions) or "none"
+            raise ValueError(f"`tool_choice` names the function {name[:64]!r}, which is not among `tools` "
+                             f"(offered: {offered[:500]})")
+    return choice
+
+
+def error_field(loc: tuple) -> tuple[str | None, bool]:
+    """The field a validation error's location names, as OpenAI's ``param`` (``messages.0.content``): the path
+    up to a union member's tag (the tags are pydantic's, not the client's fields), and whether there was one (the
+    error is then one of several alternatives of that field).
+
+    Example:
+        >>> error_field(("messages", 0, "content", "str"))
+        ('messages.0.content', True)
+    """
+    path = []
+    for part in loc:
+        if error_tag(part):
+            return ".".join(path) or None, True
+        path.append(str(part))
+    return ".".join(path) or None, False
+
+
+def error_tag(part) -> bool:
+    """Whether `part` of a validation error's location is a union member's tag (pydantic's name of a type).
+
+    Example:
+        >>> error_tag("list[int]"), error_tag("messages")
+        (True, False)
+    """
+    return isinstance(part, str) and (_TYPE_TAG.fullmatch(part) is not None or part in _model_names())
+
+
+@functools.cache
+def _model_names() -> frozenset[str]:
+    """The request models' class names (a union of models tags its errors with them); every module that defines
+    one is imported by the time a request is validated."""
+    names, todo = set(), [OpenAIRequest]
+    while todo:
+        cls = todo.pop()
+        for sub in cls.__subclasses__():
+            names.add(sub.__name__)
+            todo.append(sub)
+    return frozenset(names)
+
+
+class FunctionCall(OpenAIRequest):
+    """A function call: its name and its arguments, a JSON object as text (as OpenAI sends them).
+
+    Example:
+        >>> FunctionCall(name="f", arguments='{"x": 1}').arguments
+        '{"x": 1}'
+    """
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        return json_object_text(arguments)
+
+
+def json_object_text(arguments: str) -> str:
+    """`arguments` if it is a JSON object as text (a tool call's arguments), else a ValueError saying so.
+
+    Example:
+        >>> json_object_text('{"x": 1}')
+        '{"x": 1}'
+    """
+    try:
+        value = json.loads(arguments)
+    except RecursionError:  # nested deeper than Python's stack: refused, not a 500
+        raise ValueError("`arguments` is nested too deeply") from None
+    except ValueError as exc:
+        raise ValueError(f"`arguments` must be a JSON object as text: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("`arguments` must be a JSON object as text")
+    return arguments
+
+
+class StreamOptions(OpenAIRequest):
+    """``stream_options`` (chat completions and completions).
+
+    Example:
+        >>> StreamOptions.model_validate({"include_usage": None}).include_usage
+        False
+    """
+
+    include_usage: bool = False  # a last chunk with the usage
+
+
+def response_format_schema(fmt: dict | None) -> tuple[bool, dict | None]:
+    """OpenAI's ``response_format`` (or the Responses API's ``text.format``, which has the schema at the top):
+    (the reply must be JSON, its schema or None for any object). Raises ValueError naming what is wrong.
+
+    Example:
+        >>> response_format_schema({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}})
+        (True, {'type': 'object'})
+    """
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return False, None
+    if kind == "json_object":
+        return True, None
+    if kind == "json_schema":
+        inner = fmt.get("json_schema", fmt)  # chat completions nest it; the Responses API does not
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError("a `json_schema` format needs its `schema`, a JSON object")
+        return True, schema
+    raise ValueError(f"`response_format` of type {str(kind)[:50]!r} is not supported: use text, json_object or "
+                     "json_schema")
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """A request's ``stop`` as a list (OpenAI takes one string or a list).
+
+    Example:
+        >>> stop_strings("\\n"), stop_strings(None)
+        (['\\n'], [])
+    """
+    if not stop:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def surrogate_at(text: str) -> int | None:
+    """Where `text` has a lone surrogate (it cannot be encoded as UTF-8), or None.
+
+    Example:
+        >>> surrogate_at("ok"), surrogate_at("a\\ud800")
+        (None, 1)
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None
+
+
+def echo_problem(name: str, value) -> str | None:
+    """Why a client's `value`, echoed back in a response as JSON, cannot be (a lone surrogate, NaN or an
+    infinity), or None.
+
+    Example:
+        >>> echo_problem("metadata", {"a": float("nan")})
+        '`metadata` has NaN, an infinity, or is nested too deeply: send finite JSON'
+    """
+    try:
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return f"`{name}` has a lone surrogate: send valid Unicode text"
+    except (ValueError, RecursionError):
+        return f"`{name}` has NaN, an infinity, or is nested too deeply: send finite JSON"
+    return None
+
+
+class PromptTokensDetails(BaseModel):
+    """OpenAI's ``prompt_tokens_details``: ``cached_tokens`` are the prompt tokens whose KV was reused.
+
+    Example:
+        >>> PromptTokensDetails(cached_tokens=3).cached_tokens
+        3
+    """
+
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    """OpenAI's ``usage`` of a chat completion or completion.
+
+    Example:
+        >>> Usage(prompt_tokens=4, completion_tokens=2, total_tokens=6, prompt_tokens_details={"cached_tokens": 3}).total_tokens
+        6
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AttnStoreInfo(BaseModel):
+    """Ours, beside OpenAI's fields: how the turn used the store.
+
+    Example:
+        >>> AttnStoreInfo(session_id="s", kv_source="host", reused_tokens=3, prefilled_tokens=1, dropped_tokens=0,
+        ...               ttft_ms=1.0, queue_ms=0.0).kv_source
+        'host'
+    """
+
+    session_id: str
+    kv_source: str  # host, disk, remote, miss, truncated
+    reused_tokens: int
+    prefilled_tokens: int
+    dropped_tokens: int  # tokens the context window dropped this turn
+    ttft_ms: float
+    queue_ms: float
+    samples_reused_tokens: list[int] | None = None  # with `n` > 1: the prompt tokens each further sample reused
+
+
+class CompletionBase(BaseModel):
+    """What every response object and stream chunk carries.
+
+    Example:
+        >>> CompletionBase(id="x", model="m").created > 0
+        True
+    """
+
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+
+
+class ModelCard(BaseModel):
+    """A model this server serves (``GET /v1/models``).
+
+    Example:
+        >>> ModelCard(id="m").owned_by
+        'hf_attnstore'
+    """
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "hf_attnstore"
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``'s answer.
+
+    Example:
+        >>> ModelList(data=[ModelCard(id="m")]).data[0].id
+        'm'
+    """
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """An OpenAI-style error object.
+
+    Example:
+        >>> error_body("no", param="model")
+        {'error': {'message': 'no', 'type': 'invalid_request_error', 'param': 'model', 'code': None}}
+    """
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
