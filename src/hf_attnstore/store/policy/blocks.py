@@ -47,30 +47,31 @@ class LeafFirstPolicy(EvictionPolicy):
         super().__init__()
         self.clock = 0
         self.last: dict[Hashable, int] = {}  # block -> tick of its last insert/touch
-        self._keys: dict[Hashable, BlockKey] = {}  # block -> its key, for blocks present
-        self._children: dict[Hashable, int] = {}  # block -> cached children (only counts > 0)
+        # Read by subclasses (density.py), written only here.
+        self.present: dict[Hashable, BlockKey] = {}  # block -> its key, for blocks present
+        self.children: dict[Hashable, int] = {}  # block -> cached children (only counts > 0)
         self._version: dict[Hashable, int] = {}
         self._heap: list[tuple] = []
-        self._queued: dict[Hashable, int] = {}  # block -> position of the first queued request reading it
+        self.queued: dict[Hashable, int] = {}  # block -> position of the first queued request reading it
 
     # The tree and the clock ------------------------------------------------------------------------------------
     def insert(self, key: Hashable) -> None:
         key = _as_key(key)
-        if key.block in self._keys:
+        if key.block in self.present:
             self.touch(key)
             return
         self.clock += 1
-        self._keys[key.block] = key
+        self.present[key.block] = key
         self.last[key.block] = self.clock
         self.on_insert(key.block)
         if key.parent is not None:
             # Counted even while the parent is absent, so the count is right if the parent comes back.
-            self._children[key.parent] = self._children.get(key.parent, 0) + 1
+            self.children[key.parent] = self.children.get(key.parent, 0) + 1
         self._push(key.block)
 
     def touch(self, key: Hashable) -> None:
         block = _as_key(key).block
-        if block not in self._keys:
+        if block not in self.present:
             return
         self.clock += 1
         self.on_touch(block)  # before `last` moves: a policy may measure the age at which the block was reused
@@ -79,17 +80,17 @@ class LeafFirstPolicy(EvictionPolicy):
 
     def remove(self, key: Hashable) -> None:
         block = _as_key(key).block
-        k = self._keys.pop(block, None)
+        k = self.present.pop(block, None)
         if k is None:
             return
         self.on_remove(block)
         self._version[block] = self._version.get(block, 0) + 1
         self.last.pop(block, None)
         if k.parent is not None:
-            self._children[k.parent] -= 1
-            if self._children[k.parent] == 0:
-                del self._children[k.parent]
-                if k.parent in self._keys:
+            self.children[k.parent] -= 1
+            if self.children[k.parent] == 0:
+                del self.children[k.parent]
+                if k.parent in self.present:
                     self._push(k.parent)  # a new leaf
 
     def set_queue(self, block_ids: list) -> None:
@@ -98,19 +99,19 @@ class LeafFirstPolicy(EvictionPolicy):
         Args:
             block_ids: One list of block ids per queued request (its whole chain), in queue order.
         """
-        old = self._queued
+        old = self.queued
         queued: dict[Hashable, int] = {}
         for pos, chain in enumerate(block_ids):
             for b in chain:
                 queued.setdefault(b, pos)
-        self._queued = queued
+        self.queued = queued
         # Only blocks whose queue position changed need a new priority.
         for b in set(old).symmetric_difference(queued) | {b for b in queued if old.get(b) != queued[b]}:
-            if b in self._keys:
+            if b in self.present:
                 self._push(b)
 
     def position(self, key: Hashable) -> int | None:
-        return self._queued.get(_as_key(key).block)
+        return self.queued.get(_as_key(key).block)
 
     # Subclass hooks ---------------------------------------------------------------------------------------------
     def priority(self, block: Hashable) -> float:
@@ -130,19 +131,19 @@ class LeafFirstPolicy(EvictionPolicy):
     def _push(self, block: Hashable) -> None:
         v = self._version.get(block, 0) + 1
         self._version[block] = v
-        pos = self._queued.get(block)
+        pos = self.queued.get(block)
         # Unqueued leaves go first (by priority); queued ones last, the furthest in the queue first.
         rank = (0, self.priority(block)) if pos is None else (1, -pos)
         heapq.heappush(self._heap, (rank, v, block))
-        if len(self._heap) > 4 * len(self._keys) + 1024:
+        if len(self._heap) > 4 * len(self.present) + 1024:
             self._compact()
 
     def _valid(self, entry) -> bool:
         _, v, block = entry
-        return block in self._keys and self._version.get(block) == v and self._children.get(block, 0) == 0
+        return block in self.present and self._version.get(block) == v and self.children.get(block, 0) == 0
 
     def _compact(self) -> None:
-        self._heap = [e for e in self._heap if e[2] in self._keys and self._version.get(e[2]) == e[1]]
+        self._heap = [e for e in self._heap if e[2] in self.present and self._version.get(e[2]) == e[1]]
         heapq.heapify(self._heap)
 
     def victims(self) -> Iterator[Hashable]:
@@ -154,13 +155,13 @@ class LeafFirstPolicy(EvictionPolicy):
         while frontier:
             entry, i = heapq.heappop(frontier)
             if self._valid(entry):
-                yield self._keys[entry[2]]
+                yield self.present[entry[2]]
             for j in (2 * i + 1, 2 * i + 2):
                 if j < len(heap):
                     heapq.heappush(frontier, (heap[j], j))
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self.present)
 
 
 def _as_key(key: Hashable) -> BlockKey:
@@ -235,7 +236,7 @@ class RetentionPolicy(LeafFirstPolicy):
         self.lifetime += (age - self.lifetime) / 1000 if self.lifetime else age
         self.reused.discard(block)
         self._ghosts[block] = None
-        while len(self._ghosts) > max(2 * len(self._keys), 1):
+        while len(self._ghosts) > max(2 * len(self.present), 1):
             self._ghosts.popitem(last=False)
 
 
@@ -292,27 +293,27 @@ class SegmentedPolicy(RetentionPolicy):
     def _push(self, block: Hashable) -> None:
         v = self._version.get(block, 0) + 1
         self._version[block] = v
-        pos = self._queued.get(block)
+        pos = self.queued.get(block)
         rank = (0, self.priority(block)) if pos is None else (1, -pos)
         heapq.heappush(self._segment_heaps[block in self.reused], (rank, v, block))
-        if sum(map(len, self._segment_heaps)) > 4 * len(self._keys) + 1024:
+        if sum(map(len, self._segment_heaps)) > 4 * len(self.present) + 1024:
             for heap in self._segment_heaps:
-                heap[:] = [e for e in heap if e[2] in self._keys and self._version.get(e[2]) == e[1]]
+                heap[:] = [e for e in heap if e[2] in self.present and self._version.get(e[2]) == e[1]]
                 heapq.heapify(heap)
 
     def victims(self) -> Iterator[Hashable]:
         probation, protected = self._segment_heaps
-        over = self._n_protected > self.protected * len(self._keys)
+        over = self._n_protected > self.protected * len(self.present)
         first, second = (protected, probation) if over else (probation, protected)
         queued = []
         for heap in (first, second):
             for key in self._walk(heap):
                 # Queued blocks of either segment come last (the furthest in the queue first).
-                if key.block in self._queued:
+                if key.block in self.queued:
                     queued.append(key)
                 else:
                     yield key
-        yield from sorted(queued, key=lambda k: -self._queued[k.block])
+        yield from sorted(queued, key=lambda k: -self.queued[k.block])
 
     def _walk(self, heap: list) -> Iterator[BlockKey]:
         while heap and not self._valid(heap[0]):
@@ -321,7 +322,7 @@ class SegmentedPolicy(RetentionPolicy):
         while frontier:
             entry, i = heapq.heappop(frontier)
             if self._valid(entry):
-                yield self._keys[entry[2]]
+                yield self.present[entry[2]]
             for j in (2 * i + 1, 2 * i + 2):
                 if j < len(heap):
                     heapq.heappush(frontier, (heap[j], j))

@@ -88,7 +88,7 @@ class HitDensityPolicy(LeafFirstPolicy):
     def on_remove(self, block: Hashable) -> None:
         self._evictions[self._class(block)][_bucket(self.clock - self.last[block])] += 1
         self._ghosts[block] = self.reads.pop(block)
-        while len(self._ghosts) > max(2 * len(self._keys), 1):
+        while len(self._ghosts) > max(2 * len(self.present), 1):
             self._ghosts.popitem(last=False)
         self._drop_leaf(block)
 
@@ -139,16 +139,16 @@ class HitDensityPolicy(LeafFirstPolicy):
         return self.density(block)
 
     def victims(self) -> Iterator[Hashable]:
-        leaves = [b for b in self._sample() if self._children.get(b, 0) == 0]
+        leaves = [b for b in self._sample() if self.children.get(b, 0) == 0]
         # Unqueued leaves by density; queued ones last, the furthest in the queue first.
-        leaves.sort(key=lambda b: (0, self.density(b)) if b not in self._queued else (1, -self._queued[b]))
-        yield from (self._keys[b] for b in leaves)
+        leaves.sort(key=lambda b: (0, self.density(b)) if b not in self.queued else (1, -self.queued[b]))
+        yield from (self.present[b] for b in leaves)
         seen = set(leaves)
-        yield from (self._keys[b] for b in list(self._leaves) if b not in seen and self._children.get(b, 0) == 0)
+        yield from (self.present[b] for b in list(self._leaves) if b not in seen and self.children.get(b, 0) == 0)
 
     def _sample(self) -> list[Hashable]:
         if len(self._leaves) <= self.samples:  # few leaves: compare them all
-            for b in [b for b in self._leaves if b not in self._keys or self._children.get(b, 0)]:
+            for b in [b for b in self._leaves if b not in self.present or self.children.get(b, 0)]:
                 self._drop_leaf(b)
             return list(self._leaves)
         out: list[Hashable] = []
@@ -156,7 +156,7 @@ class HitDensityPolicy(LeafFirstPolicy):
         while self._leaves and len(out) < self.samples and tries < 4 * self.samples:
             tries += 1
             b = self._leaves[self._rng.randrange(len(self._leaves))]
-            if b not in self._keys or self._children.get(b, 0):
+            if b not in self.present or self.children.get(b, 0):
                 self._drop_leaf(b)  # gained a child since: not a leaf any more
                 continue
             if b not in out:
