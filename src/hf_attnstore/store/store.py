@@ -446,7 +446,8 @@ class AttnStore:
                 n = min(reusable.numel(), limit)
                 differ = (reusable[:n] != ids[:n]).nonzero()
                 longer_than = int(differ[0]) if differ.numel() else n
-                best = self._prefix_locked(fingerprint, ids, key[1], longer_than, exact) if longer_than < limit else None
+                best = (self._prefix_locked(fingerprint, ids, key[1], longer_than, exact) if longer_than < limit
+                        else None)
                 if best is not None and min(best[1], limit) > longer_than:
                     snap = self._fits(self._lookup_locked((fingerprint, best[0]), None, None), geometry)
                     if snap is not None and not snap.head:
