@@ -190,7 +190,7 @@ class Recorder:
 
     def cropped(self, total: int, reused: int) -> None:
         """The cache was cropped to `total` tokens, of which the first `reused` came from the store (see
-        `Turn.cropped`)."""
+        `CacheTurn.cropped`)."""
         kept = max(total - reused, 0)
         fed = torch.cat(self.fed_ids) if self.fed_ids else torch.empty(0, dtype=torch.long)
         self.fed_ids = [fed[:kept]]
