@@ -35,6 +35,8 @@ class Match:
         absent: Where tokens lack KV, ``[kv_slots, kv_heads, len(token_ids)]`` (sparse cold copies), or None.
         state: The states (and scores) stored with the session, verified to be this session's and to summarize
             exactly its first ``state.tokens`` ids; None when there are none or they are in doubt.
+            `absent` and `state` are known once the first layer is read: for a match still loading, only when
+            `find` waited for it (`wait_first`), else None.
 
     Example:
         >>> m = Match("alice", torch.tensor([5, 6, 7]), None, "host")

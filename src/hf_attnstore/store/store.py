@@ -404,7 +404,7 @@ class AttnStore:
         (and ``share_prefixes``), another session that begins with a longer prefix of the prompt than the own
         KV shares with it, when one does. Each match comes with its snapshot (which holds what the turn will load),
         the ids whose KV may be reused, and what the store verified: a match whose shapes differ from `geometry`,
-        whose load already failed, or (for the shared one) that lacks its head is not returned. Pass the chosen
+        whose load failed while `wait_first` waited, or (for the shared one) that lacks its head is not returned. Pass the chosen
         match's snapshot to :meth:`open_turn`.
 
         Args:
