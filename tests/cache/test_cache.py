@@ -91,7 +91,7 @@ def test_rerotated_keys_equal_model_post_rope_keys(arch):
         # rotates the tensor it caches as values: the key's rotary part; its keys, a latent, carry no position).
         rotated_keys = not resumed.turn._layout.latent
         # A sliding-window layer loads only the tokens its window still sees.
-        start = resumed.turn._load_start(layer, 40)
+        start = resumed.turn.loader.load_start(layer, 40)
         assert start == max(40 - resumed.turn._windows.get(layer, 41) + 1, 0) and keys.shape[2] == 40 - start
         torch.testing.assert_close(keys, ref.layers[layer].keys[:, :, start:], atol=1e-5 if rotated_keys else 0,
                                    rtol=0)

@@ -59,7 +59,7 @@ def test_decoupled_truncation_puts_keys_at_their_new_positions(arch):
     with torch.no_grad():
         model(cache.input_ids, **cache_kwargs(ref))
     loaded = test_cache.loaded_kv(cache, 0, cache.reused_tokens)
-    start = cache.turn._load_start(0, cache.reused_tokens)  # a sliding layer: its window's tail
+    start = cache.turn.loader.load_start(0, cache.reused_tokens)  # a sliding layer: its window's tail
     for mine, theirs in zip(loaded, (ref.layers[0].keys, ref.layers[0].values)):
         torch.testing.assert_close(mine, theirs[:, :, start : cache.reused_tokens], atol=1e-5, rtol=0)
     # And the truncated turn runs: it generates from the kept KV, and the session goes on from it.

@@ -67,7 +67,7 @@ def test_a_resumed_sparse_turn_never_attends_to_a_token_without_kv(tmp_path):
     for budget in (0.5, 0.9, 16):
         with make() as store:
             cache = AttnStoreCache(model, store, "s", nxt, kv_budget=budget, save=False)
-            absent = cache.turn._snapshot.absent(cache.reused_tokens)
+            absent = cache.turn.source.absent[:, :, : cache.reused_tokens]
             assert absent is not None and bool(absent.any()) and cache.reused_tokens == outs[0].shape[1] - 1
             model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, **GREEDY)
             assert attended_absent(cache, absent) == 0

@@ -1,7 +1,7 @@
 """AttnStoreCache: a `transformers` cache that resumes a chat session from stored pre-RoPE KV.
 
 As transformers' own caches, it is a thin `Cache` over per-layer objects (layers.py); the turn's work (the
-reuse plan, loading and re-rotating reused KV, saving what the model computes) is its `Turn` (turn.py).
+reuse plan, loading and re-rotating reused KV, saving what the model computes) is its `CacheTurn` (turn.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .fingerprint import model_fingerprint, salted_fingerprint
 from .hooks import install_generation_hook, install_hooks
 from .rope import RopeAdapter
 from .layers import LayerLayout
-from .turn import Turn, check_scored, head_prefill_key, regime_keys
+from .turn import CacheTurn, check_scored, head_prefill_key, regime_keys
 from .upstream import Cache, DynamicCache
 
 
@@ -147,7 +147,7 @@ class AttnStoreCache(DynamicCache):
             kv_budget = SparseConfig(kv_budget)
         self.sparse = kv_budget
         prompt = _as_prompt_ids(input_ids)
-        self.turn = Turn(self, model, store, self.session_id, prompt, self.truncation, save, cache_salt, kv_budget)
+        self.turn = CacheTurn(self, model, store, self.session_id, prompt, self.truncation, save, cache_salt, kv_budget)
         # Cache.__init__ directly: DynamicCache's would set up lazily-created DynamicLayers instead of ours.
         Cache.__init__(self, layers=self.turn.layers)
         if self.turn.turn_end.has_state and self.turn.turn_end.writer is not None:
@@ -155,7 +155,7 @@ class AttnStoreCache(DynamicCache):
         install_hooks(model)
         install_generation_hook(model)
 
-    # What the turn planned and did (read-only here; see Turn).
+    # What the turn planned and did (read-only here; see CacheTurn).
     input_ids = _from_turn("input_ids", "The ids to pass to `generate`/`forward` (truncated on overflow).")
     reused_tokens = _from_turn("reused_tokens", "How many of `input_ids` come from the store.")
     dropped_tokens = _from_turn("dropped_tokens", "How many tokens truncation removed.")
@@ -247,7 +247,7 @@ class AttnStoreCache(DynamicCache):
     def append_computed(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor], sparse_from: int | None = None) -> None:
         """Stores KV the model computed for this session outside this cache (a batched decoding step over
-        several sessions), exactly as a forward through the cache would store it: see `Turn.append_computed`."""
+        several sessions), exactly as a forward through the cache would store it: see `CacheTurn.append_computed`."""
         self.turn.append_computed(token_ids, positions, keys, values, sparse_from)
 
     def close(self) -> None:

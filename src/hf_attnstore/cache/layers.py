@@ -40,7 +40,7 @@ from .upstream import (
 )
 
 if TYPE_CHECKING:
-    from .turn import Turn
+    from .turn import CacheTurn
 
 logger = logging.getLogger(__name__)
 KV, STATE, BOTH, NONE = "kv", "state", "both", "none"
@@ -121,7 +121,7 @@ class AttnStoreLayer(DynamicLayer):
     re-applies RoPE for the new positions, so loading proceeds layer by layer with the forward pass.
     """
 
-    def __init__(self, owner: "Turn", slot: int, reused: int, swap: bool = False):
+    def __init__(self, owner: "CacheTurn", slot: int, reused: int, swap: bool = False):
         DynamicLayer.__init__(self)
         # A weak reference: no cycle between the cache and its layers, so a cache dropped by its user is freed
         # (and its turn closed, see AttnStoreCache.close) at once rather than at the next garbage collection.
@@ -169,7 +169,7 @@ class AttnStoreSlidingLayer(AttnStoreLayer, DynamicSlidingWindowLayer):
 
     is_sliding = True
 
-    def __init__(self, owner: "Turn", slot: int, reused: int, swap: bool, sliding_window: int):
+    def __init__(self, owner: "CacheTurn", slot: int, reused: int, swap: bool, sliding_window: int):
         AttnStoreLayer.__init__(self, owner, slot, reused, swap)
         # DynamicSlidingWindowLayer's state (its mask sizes, past recording and crop are used as they are).
         self.sliding_window = sliding_window
@@ -217,7 +217,7 @@ class AttnStoreHybridLayer(LinearAttentionLayer, AttnStoreLayer):
 
     is_compileable = False  # its KV grows
 
-    def __init__(self, owner: "Turn", slot: int, reused: int, number_of_states: int):
+    def __init__(self, owner: "CacheTurn", slot: int, reused: int, number_of_states: int):
         AttnStoreLayer.__init__(self, owner, slot, reused)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
@@ -265,7 +265,7 @@ class AttnStoreSparseLayer(AttnStoreLayer):
     # A selection cannot be put back as it was before a forward (`crop` refuses): transformers then never relies on it.
     is_croppable = False
 
-    def __init__(self, owner: "Turn", slot: int, reused: int, config: SparseConfig):
+    def __init__(self, owner: "CacheTurn", slot: int, reused: int, config: SparseConfig):
         AttnStoreLayer.__init__(self, owner, slot, reused)
         self.config = config
         self.total = reused
@@ -354,7 +354,7 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         raise ValueError("a cache with `kv_budget` cannot be cropped (assisted decoding): use a dense cache")
 
 
-def build_layers(owner: "Turn", layout: LayerLayout, reused: int, state: SessionState | None,
+def build_layers(owner: "CacheTurn", layout: LayerLayout, reused: int, state: SessionState | None,
                  device: torch.device, sparse=None) -> list:
     """The cache's layers for a turn that reuses `reused` tokens (and, for a hybrid model, `state`: the states
     after exactly those tokens); with `sparse` (a SparseConfig), its full-attention layers are kept sparse."""
@@ -420,16 +420,22 @@ class TurnEnd:
     between forwards (a forward in progress, or one that failed, leaves layers that disagree).
     """
 
-    def __init__(self, writer, layers: list, has_state: bool, extra=None):
-        # `extra(tokens)`: more tensors valid after exactly those tokens (importance scores, the selection of a sparse
-        # session), or {}.
-        self.writer, self.layers, self.extra = writer, layers, extra
-        self.has_state = has_state or extra is not None
+    def __init__(self, has_state: bool):
+        # `has_state`: the turn keeps states, or tensors valid after exactly their tokens (importance scores).
+        self.has_state = has_state
+        self.writer, self.layers, self.extra = None, [], None
         self.tokens, self.complete, self.done = 0, False, False
         # Re-entrant: the cache's finalizer may run (garbage collection) inside a publish on the same thread.
         self.lock = threading.RLock()
-        if writer is not None and self.has_state:
-            writer.state_source = weakref.ref(self)
+
+    def start(self, writer, layers: list, extra=None) -> None:
+        """The turn starts (or starts over, after stored KV proved unreadable) with `writer` and `layers`.
+        `extra(tokens)`: more tensors valid after exactly those tokens (importance scores, the selection of a sparse
+        session), or {}."""
+        with self.lock:
+            self.writer, self.layers, self.extra = writer, layers, extra
+            if writer is not None and self.has_state:
+                writer.state_source = weakref.ref(self)  # the store asks this turn for its states (`publish`)
 
     def publish(self, end: bool = False) -> None:
         """Copies the states after the last completed forward to the store (and closes the writer if `end`)."""

@@ -9,7 +9,7 @@ appends the forward's new KV; the forward attends to the kept history and causal
 rotation of their original positions, so relative distances are those of the dense session. A token the layer
 dropped does not come back within the turn (H2O's rule); the store keeps every token, so a later turn with a
 larger budget loses nothing. The KV of tokens computed attending to a selection is not what dense attention
-computes: the store labels it inexact (`Turn.sparse_from`), and a later dense turn reuses the tokens before it and
+computes: the store labels it inexact (`CacheTurn.sparse_from`), and a later dense turn reuses the tokens before it and
 recomputes the rest.
 
 Masks: like transformers' sliding-window layers, the layer reports the session's length as its sequence

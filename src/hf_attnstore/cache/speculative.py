@@ -11,7 +11,7 @@ things make that work on a resumed session, whose cache holds the reused tokens 
   plain decoding makes; the forward then computes the rest of the prompt and the drafts, and the logits assisted
   generation reads (those of the drafts and the token after them) are the same.
 * **Rolling the session back.** `crop` cuts the layers, the ids the turn fed, the stored session (the turn's writer)
-  and a hybrid model's state count alike (`Turn.cropped`): the store holds the prompt and the accepted tokens,
+  and a hybrid model's state count alike (`CacheTurn.cropped`): the store holds the prompt and the accepted tokens,
   none of the rejected drafts.
 
 A drafting mode the turn cannot follow is refused before any forward, naming it (`check_drafting`).
@@ -53,7 +53,7 @@ def check_drafting(turn, generator, generation_config, assistant_model) -> None:
     """Refuses, before any forward, a drafting mode the turn cannot roll back exactly (see the module docstring).
 
     Args:
-        turn: The cache's `Turn`.
+        turn: The cache's `CacheTurn`.
         generator: The candidate generator assisted generation built (its `requires_model_outputs` says it drafts
             from the model's hidden states).
         generation_config, assistant_model: What `generate` built it from (to name the mode).

@@ -3,11 +3,12 @@
 from .buffer import SessionBuffer, SessionKV
 from .config import StoreConfig
 from .format import FormatError
+from .found import Found, Match
 from .loader import LoadError
 from .disk import DiskLockedError
 from .stats import StoreStats
 from .store import AttnStore, StoreIOError
 from .writer import TurnWriter
 
-__all__ = ["AttnStore", "DiskLockedError", "FormatError", "LoadError", "SessionBuffer", "SessionKV", "StoreConfig",
-           "StoreIOError", "StoreStats", "TurnWriter"]
+__all__ = ["AttnStore", "DiskLockedError", "FormatError", "Found", "LoadError", "Match", "SessionBuffer", "SessionKV",
+           "StoreConfig", "StoreIOError", "StoreStats", "TurnWriter"]

@@ -33,6 +33,7 @@ from .disk import DiskTier
 from .entry import Entry, Key, Write, remote_signature, validate_session_id
 from .eviction import Eviction, NoDiskRoom
 from .format import FormatError, Manifest, check_chain
+from .found import Found, match_of
 from .index import Index
 from .reader import LoadPlanner
 from .remote import RemoteTier, RemoteUnavailableError
@@ -150,38 +151,42 @@ class AttnStore:
         self._index.publish_states([key])  # the previous turn's cache may still be open (and hold the states)
         found = self._remote_lookup(key)  # network I/O: outside the lock
         with self._index.lock:
-            self._index.check_open()
-            self._index.apply_ended_turns()  # a turn that just ended may have left the state this lookup needs
-            self._index.expire()
-            self._index.stats.lookups += 1
-            e = self._adopt_remote(key, found)
-            if e is None or e.length == 0:
-                self._index.stats.misses += 1
-                return None
+            return self._lookup_locked(key, found, prefill_key)
+
+    def _lookup_locked(self, key: Key, found, prefill_key: str | None) -> SessionKV | None:
+        """`lookup` under the index's lock, with the remote tier's answer `found` (`_remote_lookup`)."""
+        self._index.check_open()
+        self._index.apply_ended_turns()  # a turn that just ended may have left the state this lookup needs
+        self._index.expire()
+        self._index.stats.lookups += 1
+        e = self._adopt_remote(key, found)
+        if e is None or e.length == 0:
+            self._index.stats.misses += 1
+            return None
+        self._index.touch(e)
+        if e.host is not None:
+            self._index.stats.hits_host += 1
+            if e.load_job is not None:
+                self._loads.loader.promote(e.load_job)  # a prefetch this turn now waits for
+            return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation, key=key)
+        tier = self._lower.name if e.manifest is not None else "remote"
+        started = self._loads.start(e, prefill_key=prefill_key)
+        if not started and e.fallback is not None and self._restore_local(
+                e, refuse=e.remote if self._remote.available() else None):
+            # The remote copy cannot be loaded now (the tier just failed) or ever (it does not fit host
+            # memory: refused until it changes): the local copy it was to replace is served instead.
+            e = self._index.entries[key]
             self._index.touch(e)
-            if e.host is not None:
-                self._index.stats.hits_host += 1
-                if e.load_job is not None:
-                    self._loads.loader.promote(e.load_job)  # a prefetch this turn now waits for
-                return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation, key=key)
-            tier = self._lower.name if e.manifest is not None else "remote"
+            tier = self._lower.name
             started = self._loads.start(e, prefill_key=prefill_key)
-            if not started and e.fallback is not None and self._restore_local(
-                    e, refuse=e.remote if self._remote.available() else None):
-                # The remote copy cannot be loaded now (the tier just failed) or ever (it does not fit host
-                # memory: refused until it changes): the local copy it was to replace is served instead.
-                e = self._index.entries[key]
-                self._index.touch(e)
-                tier = self._lower.name
-                started = self._loads.start(e, prefill_key=prefill_key)
-            if not started:
-                self._index.stats.misses += 1
-                return None
-            if tier == "disk":
-                self._index.stats.hits_disk += 1
-            else:
-                self._index.stats.hits_remote += 1
-            return e.host.snapshot(loader=e.loading, tier=tier, generation=e.generation, key=key)
+        if not started:
+            self._index.stats.misses += 1
+            return None
+        if tier == "disk":
+            self._index.stats.hits_disk += 1
+        else:
+            self._index.stats.hits_remote += 1
+        return e.host.snapshot(loader=e.loading, tier=tier, generation=e.generation, key=key)
 
     def _remote_lookup(self, key: Key) -> tuple[Manifest, tuple, bool] | None:
         """The remote tier's manifest of the session, its layout and whether it may replace a local copy, or
@@ -360,29 +365,104 @@ class AttnStore:
         with self._index.lock:
             self._index.check_open()
             self._index.apply_ended_turns()
-            best = None
-            for key, _ in self._index.prefixes.candidates(fingerprint, ids, (fingerprint, exclude), every_depth=exact):
-                e = self._index.entries.get(key)
-                if e is None or e.length <= longer_than:
+            return self._prefix_locked(fingerprint, ids, exclude, longer_than, exact)
+
+    def _prefix_locked(self, fingerprint: str, ids: torch.Tensor, exclude: str | None, longer_than: int,
+                       exact: bool) -> tuple[str, int] | None:
+        """`lookup_prefix` under the index's lock."""
+        best = None
+        for key, _ in self._index.prefixes.candidates(fingerprint, ids, (fingerprint, exclude), every_depth=exact):
+            e = self._index.entries.get(key)
+            if e is None or e.length <= longer_than:
+                continue
+            if e.host is not None:
+                if e.host.missing_head:
                     continue
-                if e.host is not None:
-                    if e.host.missing_head:
-                        continue
-                    snap = e.host.snapshot()
-                    stored = snap.token_ids[: snap.exact_prefix() if exact else None]
-                else:
-                    durable = e.manifest or e.remote
-                    if durable is None or durable.head:
-                        continue
-                    stored = durable.token_ids[: durable.exact_tokens if exact else None]
-                n = min(stored.numel(), ids.numel())
-                differ = (stored[:n] != ids[:n]).nonzero()
-                n = int(differ[0]) if differ.numel() else n
-                if n > longer_than and (best is None or n > best[1]):
-                    best = (key[1], n)
-            if best is not None:
-                self._index.stats.prefix_hits += 1
-            return best
+                snap = e.host.snapshot()
+                stored = snap.token_ids[: snap.exact_prefix() if exact else None]
+            else:
+                durable = e.manifest or e.remote
+                if durable is None or durable.head:
+                    continue
+                stored = durable.token_ids[: durable.exact_tokens if exact else None]
+            n = min(stored.numel(), ids.numel())
+            differ = (stored[:n] != ids[:n]).nonzero()
+            n = int(differ[0]) if differ.numel() else n
+            if n > longer_than and (best is None or n > best[1]):
+                best = (key[1], n)
+        if best is not None:
+            self._index.stats.prefix_hits += 1
+        return best
+
+    def find(self, session_id: str, fingerprint: str, prompt_ids: torch.Tensor, *, prefill_key: str | None = None,
+             exact: bool = True, share: bool = True, wait_first: bool = False,
+             geometry: tuple | None = None) -> Found:
+        """Everything a turn of `session_id` needs to plan its reuse of stored KV for `prompt_ids`, in one call.
+
+        Does what :meth:`lookup`, :meth:`lookup_prefix` and a second :meth:`lookup` did for a turn, under the
+        index's lock once (the remote tier is asked before, without it): the session's own KV, and, with `share`
+        (and ``share_prefixes``), another session that begins with a longer prefix of the prompt than the own
+        KV shares with it, when one does. Each match comes with its snapshot (which holds what the turn will load),
+        the ids whose KV may be reused, and what the store verified: a match whose shapes differ from `geometry`,
+        whose load failed while `wait_first` waited, or (for the shared one) that lacks its head is not returned. Pass the chosen
+        match's snapshot to :meth:`open_turn`.
+
+        Args:
+            session_id, fingerprint: The session and the key of the model's KV, as for `lookup`.
+            prompt_ids: The turn's whole prompt, 1-D ids.
+            prefill_key: As for `lookup` (`recompute_by_cost`); for the own session only.
+            exact: Only tokens whose KV is exact count (not those computed under sparse attention): a dense turn.
+            share: Look for another session's longer prefix (not for a hybrid model, whose states belong to one
+                history, nor for a prompt that truncation cuts).
+            wait_first: Wait until the first layer of a match still loading is read (without the lock): its
+                check covers the states stored with it (`Match.state`, verified to summarize exactly this
+                session's first ids) and its tokens without KV (`Match.absent`). A load that fails is a miss. The
+                shared match is waited for only when not `exact` (a sparse turn needs its absent tokens).
+            geometry: The model's KV geometry (`fingerprint.kv_geometry`): stored KV of other shapes is a miss.
+
+        Returns:
+            A :class:`Found`; ``Found(None, None)`` on a miss.
+
+        Example:
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> system = torch.arange(100)  # a shared system prompt of 100 tokens
+            >>> kv = [torch.zeros(1, 2, 102, 4)]
+            >>> with store.open_turn("alice", "model-a", None, torch.empty(0)) as turn:
+            ...     _ = turn.append(torch.cat([system, torch.tensor([7, 8])]), kv, kv)
+            >>> found = store.find("bob", "model-a", torch.cat([system, torch.tensor([9])]))
+            >>> found.own is None, found.shared.session_id, found.shared.length
+            (True, 'alice', 100)
+        """
+        key = (fingerprint, validate_session_id(session_id))
+        ids = torch.as_tensor(prompt_ids).detach().to("cpu", torch.long).view(-1)
+        self._index.publish_states([key])  # the previous turn's cache may still be open (and hold the states)
+        remote = self._remote_lookup(key)  # network I/O: outside the lock
+        other = None
+        with self._index.lock:
+            own = self._fits(self._lookup_locked(key, remote, prefill_key), geometry)
+            limit = ids.numel() - 1  # a turn computes at least one token: reuse ends before the last
+            if share and self.config.share_prefixes and limit > 0:
+                reusable = own.token_ids[: own.exact_prefix() if exact else None] if own is not None else ids[:0]
+                n = min(reusable.numel(), limit)
+                differ = (reusable[:n] != ids[:n]).nonzero()
+                longer_than = int(differ[0]) if differ.numel() else n
+                best = (self._prefix_locked(fingerprint, ids, key[1], longer_than, exact) if longer_than < limit
+                        else None)
+                if best is not None and min(best[1], limit) > longer_than:
+                    snap = self._fits(self._lookup_locked((fingerprint, best[0]), None, None), geometry)
+                    if snap is not None and not snap.head:
+                        other = (snap, best[1])
+        # Waiting for a load happens without the lock: the load thread reports under it.
+        own = match_of(own, None, exact, wait_first) if own is not None else None
+        shared = match_of(other[0], other[1], exact, wait_first and not exact) if other is not None else None
+        return Found(own, shared)
+
+    def _fits(self, snapshot: SessionKV | None, geometry: tuple | None) -> SessionKV | None:
+        """The snapshot, or None when its shapes differ from the model's `geometry` (a miss, never an error)."""
+        if snapshot is None or geometry is None or snapshot.source.geometry == geometry:
+            return snapshot
+        self._index.once.warning("geometry", "stored KV of session %r does not fit the model: ignored", snapshot.key[1])
+        return None
 
     def open_turn(self, session_id: str, fingerprint: str, base: SessionKV | None, keep: torch.Tensor) -> "TurnWriter":
         """Starts a turn: its writes make the session ``base[keep]`` followed by what it appends.
