@@ -296,9 +296,6 @@ class DiskTier(Tier):
             raise FormatError(f"{name} is missing or not a regular file")
         return path.read_bytes()
 
-    def chunk_size(self, fingerprint: str, session_id: str, name: str) -> int:
-        return (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).stat().st_size
-
     # -- reopening --------------------------------------------------------------------------------------
     def scan(self) -> Iterator[Found]:
         """The valid sessions, oldest first.
