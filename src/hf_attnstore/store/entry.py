@@ -1,6 +1,7 @@
 """A session's entry in the store's index, and the rules for session ids.
 
-The index (`Index.entries`, index.py) owns the entries: they are read and changed only under `Index.lock`.
+The index (`Index.entries`, index.py) owns the entries: they are read only under `Index.lock`, and changed only
+by `Index`'s methods (tests/store/test_ownership.py).
 """
 
 from __future__ import annotations

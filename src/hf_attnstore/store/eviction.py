@@ -76,15 +76,14 @@ class Eviction:
         unwritable = e.host is not None and e.host.missing_head > e.persisted
         if self.lower is None or e.write is Write.NEVER or e.length == 0 or unwritable:
             self.index.release_host(e)  # its durable copy, if any, stays
-            self.index.stats.host_drops += 1
+            self.index.count(host_drops=1)
         elif e.dirty:
-            e.write = Write.DEMOTE
-            self.index.dirty.add(e.key)
+            self.index.mark_dirty(e, Write.DEMOTE)
             self.index.cond.notify_all()
         else:
             assert e.manifest is not None and e.persisted == e.length, "a clean session is entirely below host"
             self.index.set_host(e, None)
-            self.index.stats.demotions += 1
+            self.index.count(demotions=1)
 
     def enforce_disk(self, current: Entry | None) -> bool:
         """Drops other sessions' disk copies (or, with `partial_eviction`, their leading chunks first) while
@@ -103,7 +102,7 @@ class Eviction:
         for key in choose_victims(self.index.disk_policy.victims(), lambda key: entries[key].disk_bytes,
                                   lambda key: entries[key] is not current and entries[key].pins == 0,
                                   self.index.disk_used - self.index.deleting - limit):
-            self.index.stats.disk_drops += 1
+            self.index.count(disk_drops=1)
             self.drop_disk_copy(entries[key])
         return self.index.disk_used - self.index.deleting <= limit
 
@@ -123,9 +122,8 @@ class Eviction:
             if overflow <= 0:
                 return
             overflow -= e.disk_bytes
-            self.index.stats.disk_drops += 1
-            e.predecessor, e.chunks = None, {}
-            self.index.delete_folder(e)
+            self.index.count(disk_drops=1)
+            self.index.forget_replaced(e)
 
     def drop_disk_heads(self, current: Entry | None, overflow: int) -> None:
         """Partial eviction: drops leading chunks of idle sessions' disk copies, lowest retention value first
@@ -148,7 +146,7 @@ class Eviction:
             if e is None or e.manifest is None:
                 continue
             if len(e.manifest.spans) == 1:  # its last chunk: the session leaves the disk tier
-                self.index.stats.disk_drops += 1
+                self.index.count(disk_drops=1)
                 self.drop_disk_copy(e)
             else:
                 self.drop_disk_head(e)
@@ -187,12 +185,9 @@ class Eviction:
         # room for the largest such temporary is counted until the queued deletions have run (`run_deletes`; they
         # run one at a time), so `disk_bytes` holds while they do.
         room = blocks(len(manifest.encode()))
-        if room > self.index.manifest_room:
-            self.index.disk_used += room - self.index.manifest_room
-            self.index.manifest_room = room
+        self.index.reserve_manifest_room(room)
         self.index.queue_delete(e.key, nbytes, (manifest, gone))
-        self.index.stats.head_drops += 1
-        self.index.stats.head_dropped_tokens += old.spans[0].length
+        self.index.count(head_drops=1, head_dropped_tokens=old.spans[0].length)
 
     def reserve_disk(self, e: Entry, nbytes: int, exact: bool = False) -> int:
         """Makes room for `nbytes` before they are written (save thread), so the files on disk never exceed
@@ -215,10 +210,10 @@ class Eviction:
             fits = over <= 0 or over <= self.evictable_bytes(e)  # (the common case asks no session)
             busy = not fits and over <= self.evictable_bytes(e, pinned=True)
             if fits:
-                self.index.disk_used += size
+                self.index.reserve_disk(size)
                 fits = self.enforce_disk(e)
                 if not fits:  # (sessions pinned meanwhile: what was dropped went in good faith)
-                    self.index.disk_used -= size
+                    self.index.release_disk(size)
             deletes = self.index.take_deletes()
         self.run_deletes(deletes)
         if busy:
@@ -261,13 +256,7 @@ class Eviction:
         finally:
             if deletes:
                 with self.index.cond:
-                    nbytes = sum(item[1] for item in deletes)
-                    self.index.disk_used -= nbytes
-                    self.index.deleting -= nbytes
-                    self.index.deletions -= len(deletes)
-                    if not self.index.deletes:  # no head drop left to write a manifest beside its old one
-                        self.index.disk_used -= self.index.manifest_room
-                        self.index.manifest_room = 0
+                    self.index.deletes_done(deletes)
                     self.index.cond.notify_all()  # a flush() may be waiting for them
 
     def run_delete(self, key: Key, nbytes: int, head: tuple | None) -> None:
@@ -300,9 +289,4 @@ class Eviction:
 
     def drop_disk_copy(self, e: Entry) -> None:
         """Removes a session from the disk tier; with no copy in host memory either, it is gone."""
-        if e.host is None:
-            self.index.drop(e)
-            return
-        self.index.set_manifest(e, None, {})
-        e.write = Write.NEVER  # not written again this turn: it would only push another session out
-        self.index.delete_folder(e)
+        self.index.drop_disk_copy(e)

@@ -320,7 +320,7 @@ class LoadPlanner:
                     if not self.start(e, must_fit=True, prefill_key=self.wanted_key if sid == first else None):
                         return started  # in order: a later session must not take the room of an earlier one
                     started += 1
-                    self.index.stats.prefetches += 1
+                    self.index.count(prefetches=1)
         return started
 
     def start(self, e: Entry, must_fit: bool = False, prefill_key: str | None = None) -> bool:
@@ -350,21 +350,17 @@ class LoadPlanner:
         buf.missing_head = manifest.head  # a partially evicted head: left for the turn to recompute
         if manifest.exact is not None:  # KV computed under sparse attention from there on (Segment.inexact_from)
             buf.parts[0][0].mark_inexact(manifest.exact)
-        e.loading = LoadHandle(geometry[0], self.config.read_buffer_layers, self.config.io_timeout_s)
-        e.pins += 1
-        self.index.set_host(e, buf)
-        self.index.loads_active += 1
-        e.load_job = LoadJob(e.key, e.loading, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e,
-                             codec=self.config.codec, keep_encoded=self.config.kv_codec_host, origin=origin,
-                             sparse_copies=self.config.sparse_copies)
-        self.loader.submit(e.load_job)
+        handle = LoadHandle(geometry[0], self.config.read_buffer_layers, self.config.io_timeout_s)
+        job = LoadJob(e.key, handle, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e,
+                      codec=self.config.codec, keep_encoded=self.config.kv_codec_host, origin=origin,
+                      sparse_copies=self.config.sparse_copies)
+        self.index.start_load(e, buf, job)
+        self.loader.submit(job)
         if decision is not None:  # counted once the load has started (a refused prefetch decided nothing)
-            stats = self.index.stats
-            stats.resume_decisions += 1
-            stats.resume_recomputes += decision.chunks > 0
-            stats.resume_recomputed_tokens += decision.tokens
-            stats.resume_load_gbps, stats.resume_prefill_tokens_per_s = decision.load_gbps, decision.prefill_tokens_per_s
-            stats.resume_load_estimate_s, stats.resume_chosen_estimate_s = decision.load_s, decision.chosen_s
+            self.index.count(resume_decisions=1, resume_recomputes=decision.chunks > 0,
+                             resume_recomputed_tokens=decision.tokens)
+            self.index.record(resume_load_gbps=decision.load_gbps, resume_prefill_tokens_per_s=decision.prefill_tokens_per_s,
+                              resume_load_estimate_s=decision.load_s, resume_chosen_estimate_s=decision.chosen_s)
         return True
 
     def choose(self, manifest: Manifest, tier: str, prefill_key: str,
@@ -405,38 +401,28 @@ class LoadPlanner:
                                     job.read_seconds)
         with self.index.cond:
             e = job.entry
-            e.pins -= 1
-            self.index.loads_active -= 1
+            self.index.end_load(e, job.handle)
             remote = job.tier is self.remote
             if remote:
-                self.index.stats.remote_bytes_read += job.nbytes
-                self.index.stats.remote_read_seconds += job.seconds
+                self.index.count(remote_bytes_read=job.nbytes, remote_read_seconds=job.seconds)
             else:
-                self.index.stats.bytes_read += job.nbytes
-                self.index.stats.read_seconds += job.seconds
-            if e.loading is job.handle:
-                e.loading, e.load_job = None, None
+                self.index.count(bytes_read=job.nbytes, read_seconds=job.seconds)
             if e.host is job.buf:
-                self.index.host.account(e)  # a state read with the KV counts now
+                self.index.account(e)  # a state read with the KV counts now
                 if error is None:
                     self.index.keep_encoded(e, job.encoded)  # applied now, or when the turn reading it ends
             if error is not None:
-                self.index.stats.load_errors += 1
-                self.index.stats.remote_errors += remote
+                self.index.count(load_errors=1, remote_errors=remote)
                 self.index.once.warning("load", "%s tier: session %r could not be loaded (%s); it is removed and will "
                                    "be recomputed", job.tier.name, e.key[1], error)
                 if self.index.entries.get(e.key) is e:
                     if e.manifest is None and e.predecessor is not None:
-                        e.remote = None  # a remote copy adopted over an unsaved new history: the older copy stays
-                        self.index.release_host(e)
+                        self.index.give_up_remote(e)  # adopted over an unsaved new history: the older copy stays
                     else:
                         self.index.drop(e)
             elif (job.origin or job.manifest) is e.remote and self.index.entries.get(e.key) is e:
                 # Found remotely, local now: written to disk behind the turn, like a session the turn computed.
                 # Not while leading chunks left to the turn are missing from the buffer: `AttnStore.fill_head`
                 # marks it for writing once they are there (writing it now would store whatever the buffer held).
-                e.remote = None
-                e.last_write = time.monotonic()
-                if not job.buf.missing_head:
-                    self.index.dirty.add(e.key)
+                self.index.loaded_remote(e, dirty=not job.buf.missing_head)
             self.index.cond.notify_all()

@@ -64,14 +64,14 @@ class Refill:
     def lost(self) -> None:
         """The remote tier lost what it held (lock taken here)."""
         with self.index.cond:
-            self.index.stats.remote_restarts += 1
+            self.index.count(remote_restarts=1)
             self.index.once.warning("remote_lost", "remote tier: the server lost its data (a restart or a flush); "
                                     "the store writes its sessions there again")
+            self.index.lost_mirror()
             for e in list(self.index.entries.values()):
-                e.mirrored.clear()
                 if self.mirror:
                     if e.manifest is not None:
-                        self.index.remirror.add(e.key)
+                        self.index.queue_remirror(e.key)
                 elif e.manifest is not None:
                     self.forget(e)
             self.index.cond.notify_all()
@@ -81,11 +81,9 @@ class Refill:
         a host copy holding the whole session is written whole again (a save in flight for the old copy does
         not commit: a new generation); otherwise the session is gone."""
         if e.host is not None and e.host.length and not e.host.missing_head:
-            e.generation += 1
+            self.index.new_history(e)
             self.index.set_manifest(e, None, {})
-            if e.write is Write.FAILED or e.write is Write.NEVER:
-                e.write = Write.BEHIND
-            self.index.dirty.add(e.key)
+            self.index.mark_dirty(e, Write.BEHIND if e.write is Write.FAILED or e.write is Write.NEVER else None)
         elif e.pins == 0 and not e.writers:
             self.index.drop(e)
         self.index.cond.notify_all()
@@ -96,10 +94,10 @@ class Refill:
         for key in list(self.index.remirror):
             e = self.index.entries.get(key)
             if e is None or e.manifest is None:
-                self.index.remirror.discard(key)
+                self.index.unqueue_remirror(key)
                 continue
             if e.pins == 0:
-                e.pins += 1
+                self.index.pin(e)
                 return MirrorJob(e, e.manifest, frozenset(e.mirrored))
         return None
 
@@ -108,12 +106,12 @@ class Refill:
         queue (a failure is counted; the session's next save copies it again)."""
         e = job.entry
         with self.index.cond:
-            e.pins -= 1
-            e.mirrored |= result.mirrored
-            self.index.stats.remote_bytes_written += result.nbytes
+            self.index.unpin(e)
+            self.index.add_mirrored(e, result.mirrored)
+            self.index.count(remote_bytes_written=result.nbytes)
             if result.error is not None:
-                self.index.stats.remote_errors += 1
+                self.index.count(remote_errors=1)
                 self.index.once.warning("refill", "remote tier: copying session %r again failed (%s); its next save "
                                         "copies it", e.key[1], result.error)
-            self.index.remirror.discard(e.key)
+            self.index.unqueue_remirror(e.key)
             self.index.cond.notify_all()

@@ -415,7 +415,7 @@ class SavePlanner:
                 e = self.next_save()
                 job = self.save_job(e) if e is not None else None
                 if self.index.closed:
-                    self.index.remirror.clear()  # closing: copies for other replicas are not waited for
+                    self.index.unqueue_remirror()  # closing: copies for other replicas are not waited for
                 elif job is None:
                     job = self.refill.next_job()  # sessions to copy again to a mirror that lost them
                 if deletes or job is not None:
@@ -438,7 +438,7 @@ class SavePlanner:
         for key in list(self.index.dirty):
             e = self.index.entries.get(key)
             if e is None or not e.dirty:
-                self.index.dirty.discard(key)
+                self.index.forget_dirty(key)
                 continue
             if e.write is Write.FAILED and now < e.retry_at:
                 continue  # backing off after a failure; flush() and demotions retry at once
@@ -479,19 +479,18 @@ class SavePlanner:
         links = ()
         if start == 0 and not base.dropped:
             links, mirrored = self.shared_chunks(e, snap.token_ids[:end])
-            e.mirrored |= mirrored  # the shared chunks the mirror has (under their owner): never copied again
+            self.index.add_mirrored(e, mirrored)  # the shared chunks the mirror has (under their owner): never copied again
         # The sessions linked from are pinned until the job ends: an eviction that makes room for this job's own
         # chunks must not take them (their files would stay, held by the links, but counted as freed).
         sources = tuple({id(s): s for s in (self.index.entries[key] for key, _ in links)}.values())
         for source in sources:
-            source.pins += 1
-        e.pins += 1
+            self.index.pin(source)
+        self.index.pin(e)
         # Reserve the names this job writes. Names are never reused for a session, even by a later entry
         # replacing this one, so a chunk file never changes once a manifest may reference it. (A job whose links
         # fail writes every token itself: as many names at most, each link covering one whole chunk.)
         shared = sum(span.length for _, span in links)
-        first = self.index.next_chunk.get(e.key, 0)
-        self.index.next_chunk[e.key] = first + len(links) + -(-(end - start - shared) // chunk)
+        first = self.index.take_chunk_numbers(e.key, len(links) + -(-(end - start - shared) // chunk))
         return SaveJob(e, e.generation, snap, base, start + shared, end, first, frozenset(e.mirrored), links, sources)
 
     def shared_chunks(self, e: Entry, ids: torch.Tensor) -> tuple[tuple, set]:
@@ -551,7 +550,7 @@ class SavePlanner:
 
     def thread_error(self, exc: BaseException) -> None:
         with self.index.cond:
-            self.index.stats.write_errors += 1
+            self.index.count(write_errors=1)
             self.index.cond.notify_all()
 
     def finish_save(self, job: SaveJob, result: SaveResult) -> None:
@@ -560,8 +559,8 @@ class SavePlanner:
         e = job.entry
         with self.index.cond:
             for source in job.sources:
-                source.pins -= 1
-            self.index.disk_used -= result.reserved
+                self.index.unpin(source)
+            self.index.release_disk(result.reserved)
             if self.index.entries.get(e.key) is e:
                 if self.disk is not None:  # the files `disk_bytes` counts (a remote tier's bytes are Redis's)
                     for name, (size, _, inode, source, source_name) in result.linked.items():
@@ -574,16 +573,16 @@ class SavePlanner:
                     if result.linked and self.index.disk_used - self.index.deleting > self.config.disk_bytes:
                         # A shared file whose other names were deleted meanwhile (`delete`) is counted now: room.
                         self.eviction.enforce_disk(e)
-                e.mirrored |= result.mirrored
+                self.index.add_mirrored(e, result.mirrored)
             elif self.disk is not None and self.index.heir(e) is not None:
                 # Replaced by another history while this save ran: what it made durable is the older copy the new
                 # entry keeps until its own is durable (a crash meanwhile leaves this one).
                 made = {**result.new_chunks, **{n: link[:2] for n, link in result.linked.items()}}
                 self.index.inherit(self.index.heir(e), result.manifest, made, result.manifest_size, result.keep,
                                    result.linked)
-            self.index.stats.remote_bytes_written += result.mirror_bytes
+            self.index.count(remote_bytes_written=result.mirror_bytes)
             if result.mirror_error is not None:
-                self.index.stats.remote_errors += 1
+                self.index.count(remote_errors=1)
                 self.index.once.warning("mirror", "remote tier: copying session %r failed (%s); it stays on disk and is "
                                    "copied again with its next save", e.key[1], result.mirror_error)
         self.finish_persist(e, job.generation, result.manifest, result.new_chunks, result.seconds, result.error,
@@ -593,61 +592,56 @@ class SavePlanner:
         """The index learns how a write ended (lock taken here): `new_chunks` written, `linked` (name ->
         (bytes, tokens)) shared with another session rather than written."""
         with self.index.cond:
-            e.pins -= 1
+            self.index.unpin(e)
             current = self.index.entries.get(e.key) is e
             if isinstance(error, NoDiskRoom):
                 # Larger than the disk tier can hold next to what cannot leave it: refused before anything was
                 # evicted for it. The rest stays in host memory only (flush() says so); its durable copy stays.
-                self.index.stats.rejected_too_large += 1
+                self.index.count(rejected_too_large=1)
                 self.index.once.warning("disk_too_large", "session %r is larger than the disk tier: what is not durable "
                                         "is kept in memory only", e.key[1])
                 demoting = e.write is Write.DEMOTE
                 if current:
-                    self.index.dirty.discard(e.key)  # (not a newer entry's: it is another history, to be written)
-                    e.write, e.last_error = Write.NEVER, error  # not retried until its next turn
+                    # (Not a newer entry's dirty mark: it is another history, to be written.)
+                    self.index.never_write(e, error)  # not retried until its next turn
                     if demoting and e.pins == 0 and not e.writers:
-                        self.index.stats.host_drops += 1
+                        self.index.count(host_drops=1)
                         self.index.release_host(e)
             elif isinstance(error, MissingChunks) and e.failures < 2:
                 # The remote tier (below host memory) lost chunks of the session's copy: it is written whole again
                 # at once, not backed off (twice at most in a row: a server evicting as fast as we write fails).
-                self.index.stats.remote_errors += 1
-                e.failures += 1
+                self.index.count(remote_errors=1)
+                self.index.save_failed(e)
                 if current:
                     self.refill.forget(e)
             elif error is not None:
-                self.index.stats.write_errors += 1
+                self.index.count(write_errors=1)
                 self.index.once.warning("write", "%s tier: writing session %r failed (%s); it stays in host memory, its "
                                 "previous durable state is kept, and the write is retried", self.lower.name, e.key[1],
                                 error)
                 demoting = e.write is Write.DEMOTE
-                e.last_error, e.write = error, Write.FAILED
-                e.retry_at = time.monotonic() + min(60.0, 2.0 ** min(e.failures, 6))
-                e.failures += 1
+                self.index.save_failed(e, error, time.monotonic() + min(60.0, 2.0 ** min(e.failures, 6)))
                 if demoting:
                     # A demotion that failed: the session cannot go down, so it must not stay "being written"
                     # (appends would wait for room that never comes). Fall back to its durable prefix, if any.
                     if current and e.pins == 0 and not e.writers:
-                        self.index.stats.host_drops += 1
+                        self.index.count(host_drops=1)
                         self.index.release_host(e)
             else:
                 if self.disk is not None:
-                    self.index.stats.bytes_written += sum(size for size, _ in new_chunks.values())
-                    self.index.stats.write_seconds += seconds
+                    self.index.count(bytes_written=sum(size for size, _ in new_chunks.values()), write_seconds=seconds)
                 else:  # no disk tier: sessions are saved to the remote tier directly
-                    self.index.stats.remote_bytes_written += sum(size for size, _ in new_chunks.values())
-                e.failures, e.last_error = 0, None
-                if e.write is Write.FAILED:
-                    e.write = Write.BEHIND
+                    self.index.count(remote_bytes_written=sum(size for size, _ in new_chunks.values()))
+                self.index.save_ok(e)
                 if current and e.generation == generation:
-                    self.index.set_manifest(e, manifest, {**e.chunks, **new_chunks, **(linked or {})})
-                    e.predecessor = None  # its own copy is durable: the one it was handed is collected
+                    # Its own copy is durable: the one it was handed is collected.
+                    self.index.saved(e, manifest, {**e.chunks, **new_chunks, **(linked or {})})
                     if not e.dirty:
-                        self.index.dirty.discard(e.key)
-                        demoting, e.write = e.write is Write.DEMOTE, Write.BEHIND
+                        demoting = e.write is Write.DEMOTE
+                        self.index.mark_clean(e, Write.BEHIND)
                         if demoting and e.pins == 0 and e.manifest is not None:
                             self.index.set_host(e, None)
-                            self.index.stats.demotions += 1
+                            self.index.count(demotions=1)
                     self.index.keep_encoded(e, encoded)
                 # else: the session was cut or truncated meanwhile (what we wrote is an older, consistent
                 # state; the next persist writes the new one), or removed (its folder is gone).

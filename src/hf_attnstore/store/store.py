@@ -21,7 +21,6 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import fields
 
 import torch
 
@@ -107,7 +106,7 @@ class AttnStore:
                 self._remote = RemoteTier(config.remote, config.remote_ttl_s, config.remote_timeout_s,
                                           required=config.remote_required)
                 if not self._remote.connected:
-                    self._index.stats.remote_errors += 1
+                    self._index.count(remote_errors=1)
         except BaseException:
             if self._disk is not None:
                 self._disk.close()
@@ -153,14 +152,14 @@ class AttnStore:
             self._index.check_open()
             self._index.apply_ended_turns()  # a turn that just ended may have left the state this lookup needs
             self._index.expire()
-            self._index.stats.lookups += 1
+            self._index.count(lookups=1)
             e = self._adopt_remote(key, found)
             if e is None or e.length == 0:
-                self._index.stats.misses += 1
+                self._index.count(misses=1)
                 return None
             self._index.touch(e)
             if e.host is not None:
-                self._index.stats.hits_host += 1
+                self._index.count(hits_host=1)
                 if e.load_job is not None:
                     self._loads.loader.promote(e.load_job)  # a prefetch this turn now waits for
                 return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation, key=key)
@@ -175,12 +174,12 @@ class AttnStore:
                 tier = self._lower.name
                 started = self._loads.start(e, prefill_key=prefill_key)
             if not started:
-                self._index.stats.misses += 1
+                self._index.count(misses=1)
                 return None
             if tier == "disk":
-                self._index.stats.hits_disk += 1
+                self._index.count(hits_disk=1)
             else:
-                self._index.stats.hits_remote += 1
+                self._index.count(hits_remote=1)
             return e.host.snapshot(loader=e.loading, tier=tier, generation=e.generation, key=key)
 
     def _remote_lookup(self, key: Key) -> tuple[Manifest, tuple, bool] | None:
@@ -223,7 +222,7 @@ class AttnStore:
             if isinstance(exc, FormatError) and local is not None:
                 self._refuse_remote(local, manifest)  # damaged or foreign data: a miss until it changes
             with self._index.lock:
-                self._index.stats.remote_errors += 1
+                self._index.count(remote_errors=1)
             self._index.once.warning("remote_lookup", "remote tier: a lookup failed (%s); served as a miss", exc)
             return None
 
@@ -255,7 +254,7 @@ class AttnStore:
     def _refuse_remote(self, local: Entry, manifest: Manifest) -> None:
         with self._index.lock:
             if self._index.entries.get(local.key) is local:
-                local.refused = remote_signature(manifest)
+                self._index.refuse_remote(local, remote_signature(manifest))
 
     def _adopt_remote(self, key: Key, found: tuple[Manifest, tuple, bool] | None) -> Entry | None:
         """The entry a lookup uses (lock held): the local one, unless the remote copy is longer, was verified
@@ -273,45 +272,14 @@ class AttnStore:
         if e is not None and (e.length >= manifest.length or e.pins or e.writers or e.loading is not None
                               or not verified or e.refused == remote_signature(manifest)):
             return e
-        n = Entry(key=key, layout=layout)
-        if e is not None:
-            if self._disk is None:
-                self._index.drop(e)  # nothing of it is local but a host copy (its durable copy is in the remote tier)
-            else:
-                self._index.unindex(e)  # its host copy goes (and the session's dirty tail, if any, with it)
-                # A remote copy not loaded yet stands for the local copy it was to replace: that is the fallback.
-                n.fallback, e.fallback = (e if e.manifest is not None else e.fallback), None
-                self._index.hand_over(e, n)
-        if self._lower is self._remote:
-            # No disk tier: the remote copy is the session's durable copy, as a disk copy would be. Its chunks
-            # are named by digest; their token counts are the spans' (a later save may rewrite the last one).
-            self._index.set_manifest(n, manifest, {s.chunk: (0, s.end) for s in manifest.spans})
-        else:
-            n.remote = manifest
-            n.mirrored = {span.digest for span in manifest.spans}
-        n.last_access = time.monotonic()
-        self._index.entries[key] = n
-        return n
+        return self._index.adopt_remote(e, Entry(key=key, layout=layout), manifest, local_disk=self._disk is not None,
+                                        durable=self._lower is self._remote)
 
     def _restore_local(self, e: Entry, refuse: Manifest | None = None) -> bool:
         """Puts back the local copy that the remote entry `e` was to replace (lock held), if it has one and is
         still indexed: its load failed or cannot start. Returns whether it did. With `refuse`, that remote copy
         is not tried again until it changes."""
-        old = e.fallback
-        if old is None or self._index.entries.get(e.key) is not e:
-            return False
-        e.fallback = None
-        self._index.set_host(e, None)  # a failed load's buffer (the snapshot handed out keeps its own reference)
-        old.files, old.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
-        old.linked, e.linked = e.linked, {}
-        e.chunks = {}
-        old.generation = max(old.generation, e.generation) + 1  # no snapshot of the failed load is of its lineage
-        self._index.entries[e.key] = old
-        self._index.disk_policy.insert(e.key)
-        if refuse is not None:
-            old.refused = remote_signature(refuse)
-        self._index.stats.remote_restores += 1
-        return True
+        return self._index.restore_local(e, remote_signature(refuse) if refuse is not None else None)
 
     def _load_done(self, job, error: BaseException | None) -> None:
         """The load thread's report: first the store's own part for a remote copy that was to replace a local
@@ -320,7 +288,7 @@ class AttnStore:
         e = job.entry
         with self._index.cond:
             if error is None:
-                e.fallback = None  # verified and loaded: it replaces the local copy (written over it behind the turn)
+                self._index.forget_fallback(e)  # it replaces the local copy (written over it behind the turn)
             elif self._restore_local(e, refuse=None if isinstance(error, RemoteUnavailableError) else job.manifest):
                 self._index.once.warning("remote_restore", "remote tier: session %r could not be loaded from it (%s); "
                                    "the local copy is kept and served", e.key[1], error)
@@ -381,7 +349,7 @@ class AttnStore:
                 if n > longer_than and (best is None or n > best[1]):
                     best = (key[1], n)
             if best is not None:
-                self._index.stats.prefix_hits += 1
+                self._index.count(prefix_hits=1)
             return best
 
     def open_turn(self, session_id: str, fingerprint: str, base: SessionKV | None, keep: torch.Tensor) -> "TurnWriter":
@@ -541,7 +509,7 @@ class AttnStore:
             for key in list(self._index.dirty):
                 e = self._index.entries.get(key)
                 if e is not None and e.write is not Write.DEMOTE:
-                    e.write = Write.FLUSH  # a failed write is retried now
+                    self._index.set_write(e, Write.FLUSH)  # a failed write is retried now
             self._index.cond.notify_all()
 
             def settled() -> bool:  # every pending write has completed or failed again, every deletion is done
@@ -575,14 +543,8 @@ class AttnStore:
             (1, 1, 0)
         """
         with self._index.lock:
-            s = StoreStats(**{f.name: getattr(self._index.stats, f.name) for f in fields(StoreStats)})
-            s.sessions = len(self._index.entries)
-            s.host_sessions = sum(e.host is not None for e in self._index.entries.values())
-            s.disk_sessions = sum(e.manifest is not None for e in self._index.entries.values()) if self._disk else 0
-            s.host_bytes_used, s.disk_bytes_used = self._index.host.used, self._index.disk_used
-            s.loads_in_flight, s.saves_pending = self._index.loads_active, len(self._index.dirty)
-            s.remote_down = int(self._remote is not None and not self._remote.available())
-            return s
+            return self._index.stats_snapshot(local_disk=bool(self._disk),
+                                              remote_down=int(self._remote is not None and not self._remote.available()))
 
     def token_ids(self, session_id: str, fingerprint: str) -> torch.Tensor | None:
         """The ids a session's stored KV covers (without loading anything), or ``None``.
@@ -649,7 +611,7 @@ class AttnStore:
             if e is not None and e.host is buf and e.remote is None and e.dirty:
                 # A remote copy loaded without its head (`recompute_by_cost`) is written locally now that it is
                 # whole (LoadPlanner.finish left it out of the dirty set until then).
-                self._index.dirty.add(e.key)
+                self._index.mark_dirty(e)
                 self._index.cond.notify_all()
         return True
 
@@ -708,7 +670,7 @@ class AttnStore:
                 self.flush()
         finally:
             with self._index.cond:
-                self._index.closed = True
+                self._index.close()
                 self._index.cond.notify_all()
             if self._threads:
                 self._loads.loader.stop()
@@ -738,13 +700,12 @@ class AttnStore:
             ...     store.forward_finished()
         """
         with self._index.lock:
-            self._index.forwards_active += 1
+            self._index.forward_started()
 
     def forward_finished(self) -> None:
         """The forward of :meth:`forward_started` ended."""
         with self._index.cond:
-            self._index.forwards_active -= 1
-            self._index.last_forward = time.monotonic()
+            self._index.forward_ended()
             self._index.cond.notify_all()
 
     def _reopen(self) -> None:
@@ -767,13 +728,9 @@ class AttnStore:
                 self._disk.remove((manifest.fingerprint, manifest.session_id))
                 continue
             e = Entry(key=(manifest.fingerprint, manifest.session_id), layout=found.layout)
-            self._index.next_chunk[e.key] = manifest.next_chunk
-            e.last_access = now - max(0.0, now_wall - found.mtime)
-            self._index.entries[e.key] = e
-            self._index.set_manifest(e, manifest, found.chunks)
-            self._index.set_files(e, {name: size for name, (size, _) in found.chunks.items()}, found.manifest_size)
-            if not manifest.head:
-                self._index.prefixes.add(e.key, manifest.token_ids)  # rebuilt from the manifests, never a file
+            # (The prefix table is rebuilt from the manifests, never read from a file.)
+            self._index.reopened(e, manifest, {name: size for name, (size, _) in found.chunks.items()},
+                                 found.manifest_size, found.chunks, now - max(0.0, now_wall - found.mtime))
             for name, inode in found.inodes.items():
                 names.setdefault(inode, []).append((e, name, found.chunks[name][0]))
         # Shared files are counted once, from the names the valid manifests reference (the scan collected the

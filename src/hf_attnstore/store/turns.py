@@ -47,7 +47,7 @@ class Turns:
         """The turn ended (or, with ``ended=False``, offers a hybrid model's states and goes on). Never takes the
         lock: a writer's finalizer may run while this thread holds it; the index applies it at its next
         decision (`Index.apply_ended_turns`)."""
-        self.index.ended_turns.append((writer.key, writer.turn, state, ended))
+        self.index.queue_ended_turn(writer.key, writer.turn, state, ended)
 
     def truncate(self, writer: TurnWriter, length: int) -> None:
         """Cuts the session back to `length` tokens, if the writer's turn owns it still."""
@@ -66,28 +66,25 @@ class Turns:
             if not writer.started:
                 e = self.start_turn(writer, e)
             elif e is None or e.owner != writer.turn:
-                self.index.stats.stale_writes += 1
+                self.index.count(stale_writes=1)
                 self.index.once.warning("stale", "session %r was taken over by a newer turn (or removed); writes of the "
                                 "older turn are dropped", writer.key[1])
                 return False
             buf = e.host
             if buf is None:  # evicted explicitly mid-turn: what was written is durable, the rest is dropped
-                self.index.stats.stale_writes += 1
+                self.index.count(stale_writes=1)
                 writer.dead = True
                 return False
             needed = buf.bytes_after_append(int(token_ids.numel()))
             if needed > self.config.host_bytes:
                 # Outgrown the host tier: the rest of the session is not stored. What is durable stays (a valid
                 # prefix that a later turn reuses): deleting data a flush() acknowledged would be a surprise.
-                self.index.stats.rejected_too_large += 1
+                self.index.count(rejected_too_large=1)
                 self.index.once.warning("too_large", "session %r needs %d bytes, more than the host tier's %d: the rest of "
                                 "it is not stored (raise `host_bytes` to keep it)", writer.key[1], needed,
                                 self.config.host_bytes)
                 writer.dead = True
-                e.writers.discard(writer.turn)
-                if e.pins == 0:
-                    e.write = Write.BEHIND
-                    self.index.release_host(e)
+                self.index.writer_refused(e, writer.turn)
                 return False
             room = needed - buf.nbytes
             if not self.eviction.make_host_room(room, exclude=e):
@@ -95,7 +92,7 @@ class Turns:
                 # Wait (bounded) for them rather than overshoot the limit. While it waits, the save thread must
                 # not yield to compute (this append *is* the compute): see `SavePlanner.yield_for_save`.
                 deadline = time.monotonic() + self.config.io_timeout_s
-                self.index.room_waiters += 1
+                self.index.room_wait(+1)
                 self.index.cond.notify_all()
                 try:
                     while not self.eviction.make_host_room(room, exclude=e):
@@ -105,14 +102,14 @@ class Turns:
                             break  # nothing is being written out or loaded: waiting would only stall the turn
                         self.index.cond.wait(timeout=0.05)
                         if self.index.entries.get(writer.key) is not e or e.owner != writer.turn or e.host is not buf:
-                            self.index.stats.stale_writes += 1
+                            self.index.count(stale_writes=1)
                             return False
                 finally:
-                    self.index.room_waiters -= 1
+                    self.index.room_wait(-1)
                 if not self.eviction.make_host_room(room, exclude=e):
                     # Everything else is pinned (running turns, loads) or cannot be written: refuse to save the
                     # rest of this turn rather than exceed `host_bytes`. What is stored stays a valid prefix.
-                    self.index.stats.rejected_no_room += 1
+                    self.index.count(rejected_no_room=1)
                     self.index.once.warning("no_room", "host tier full of sessions that cannot move (running turns, "
                                     "loads, failed writes): the rest of session %r's turn is not stored",
                                     writer.key[1])
@@ -124,14 +121,10 @@ class Turns:
                 # that arrive together (a batch over one system prompt) share the first one's prompt once it is
                 # prefilled. Safe while this turn goes on appending: a segment never changes below its fill mark,
                 # and the reader compares ids under the lock (`AttnStore.lookup_prefix`).
-                self.index.prefixes.add(e.key, buf.snapshot().token_ids)
-                e.prefix_blocks = buf.length // BLOCK
-            self.index.host.account(e)
-            self.index.touch(e)
-            self.index.stats.appended_tokens += int(token_ids.numel())
-            e.last_write = time.monotonic()
+                self.index.offered_prefix(e, buf.snapshot().token_ids, buf.length // BLOCK)
+            self.index.appended(e, int(token_ids.numel()))
             if self.lower is not None and e.dirty:
-                self.index.dirty.add(e.key)
+                self.index.mark_dirty(e)
                 if e.length - e.persisted >= self.config.chunk_tokens:
                     self.index.cond.notify_all()
             return True
@@ -154,7 +147,7 @@ class Turns:
         elif same_lineage:
             buf = self.index.host.selected(base, keep)
             self.index.set_host(e, buf)
-            e.generation += 1
+            self.index.new_history(e)
             if e.manifest is not None:
                 # The kept tokens that were durable stay durable: only the manifest changes, no data is rewritten.
                 durable = keep[keep < e.persisted]
@@ -178,16 +171,10 @@ class Turns:
                 buf = self.index.host.selected(base, keep)
             else:
                 buf = self.index.host.new_buffer(writer.geometry, writer.dtype)
-            e = Entry(key=writer.key, layout=(buf.geometry, buf.dtype))
-            e.last_access = time.monotonic()
+            e = Entry(key=writer.key, layout=(buf.geometry, buf.dtype), last_access=time.monotonic())
             if old is not None:
                 self.index.hand_over(old, e)
-            self.index.entries[writer.key] = e
+            self.index.add(e)
             self.index.set_host(e, buf)
-        e.owner = writer.turn
-        e.live = weakref.ref(writer) if writer.state_source is not None else None
-        e.writers = {writer.turn}  # pinned in host memory until the turn closes; older turns' pins are void
-        e.prefix_blocks = 0  # the new turn's history is offered again as it grows
-        if e.write is Write.NEVER:
-            e.write = Write.BEHIND  # a new turn: the disk tier may have room again
+        self.index.owned_by(e, writer.turn, weakref.ref(writer) if writer.state_source is not None else None)
         return e
