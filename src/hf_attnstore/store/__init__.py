@@ -3,7 +3,7 @@
 from .buffer import SessionBuffer, SessionKV
 from .config import StoreConfig
 from .format import FormatError
-from .loader import LoadError
+from .load_handle import LoadError
 from .disk import DiskLockedError
 from .stats import StoreStats
 from .store import AttnStore, StoreIOError

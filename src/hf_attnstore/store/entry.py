@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from .buffer import SessionBuffer
 from .format import Manifest
-from .loader import LoadHandle
-from .reader import LoadJob
+from .load_handle import LoadHandle
+from .load_thread import LoadJob
 from .tier import Key
 
 

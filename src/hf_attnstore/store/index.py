@@ -1,7 +1,7 @@
 """The store's index and its one owner: every session's entry, the byte counters and the queues between the
 store and its I/O threads, under one lock.
 
-An `Index` holds the state; the deciders around it (placement in eviction.py, loads in reader.py, saves in
+An `Index` holds the state; the deciders around it (placement in eviction.py, loads in load_planner.py, saves in
 saver.py, a turn's appends in turns.py, the public API in store.py) read it only while holding `Index.lock`, and
 change it only through the methods here: entries' fields, pins, dirty marks, disk reservations, queues and stats
 are written in this module alone (tests/store/test_ownership.py). The I/O threads never see it: the save
@@ -447,7 +447,7 @@ class Index:
         self.delete_folder(e)
 
     def start_load(self, e: Entry, buf: SessionBuffer, job) -> None:
-        """A load of the session into `buf` is submitted (`job`, reader.py): pinned until `end_load`."""
+        """A load of the session into `buf` is submitted (`job`, load_thread.py): pinned until `end_load`."""
         e.loading, e.load_job = job.handle, job
         e.pins += 1
         self.set_host(e, buf)

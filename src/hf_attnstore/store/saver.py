@@ -34,7 +34,7 @@ from .tier import CHUNK_SUFFIX, MANIFEST, Key, Tier
 if TYPE_CHECKING:
     from .config import StoreConfig
     from .index import Index
-    from .reader import LoadPlanner
+    from .load_planner import LoadPlanner
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from .entry import Entry, Key, Write, remote_signature, validate_session_id
 from .eviction import Eviction, NoDiskRoom
 from .format import FormatError, Manifest, check_chain
 from .index import Index
-from .reader import LoadPlanner
+from .load_planner import LoadPlanner
 from .remote import RemoteTier, RemoteUnavailableError
 from .saver import SavePlanner
 from .stats import StoreStats

@@ -10,7 +10,7 @@ from .buffer import SessionKV
 from .entry import Key
 from .format import KV_DTYPES
 from .geometry import make_geometry
-from .loader import LoadError
+from .load_handle import LoadError
 from .state import SessionState
 
 if TYPE_CHECKING:
