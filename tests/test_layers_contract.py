@@ -68,7 +68,7 @@ def test_no_module_reaches_into_another_modules_private_members():
 
 
 def test_io_threads_never_see_the_index():
-    """The save thread is handed its planner, the load thread a callback, a turn's writer its `Turns`: none of
+    """The save thread is handed its planner, the load thread a callback, a turn's writer its sink (`TurnSink`): none of
     them imports or names the store or the index (docs/design.md, "The index")."""
     for name in ("saver.py", "load_thread.py", "writer.py"):
         tree = ast.parse((SRC / "store" / name).read_text())

@@ -139,3 +139,17 @@ def test_the_rule_finds_writes():
     visitor = _Writes(watched())
     visitor.visit(ast.parse(source))
     assert [line for line, _ in sorted(visitor.found)] == [2, 3, 4, 5, 6, 7, 7], visitor.found
+
+
+def test_a_turn_writer_changes_only_its_own_fields():
+    """The sink (turn_sink.py) asks the writer (`start`, `refuse`) rather than writing its fields from another
+    file: no store module but writer.py assigns to a `writer.<field>`."""
+    found = []
+    for path in sorted(STORE.rglob("*.py")):
+        if path.name == "writer.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)) and \
+                    isinstance(node.value, ast.Name) and node.value.id == "writer":
+                found.append(f"{path.relative_to(STORE)}:{node.lineno}: writer.{node.attr}")
+    assert not found, "\n".join(found)

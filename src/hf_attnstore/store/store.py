@@ -37,7 +37,7 @@ from .load_planner import LoadPlanner
 from .remote import RemoteTier, RemoteUnavailableError
 from .saver import SavePlanner
 from .stats import StoreStats
-from .turns import Turns
+from .turn_sink import TurnSink
 from .writer import TurnWriter
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class AttnStore:
         # remote tier holds a copy of what is durable on disk (the save thread's mirror).
         self._lower = self._disk if self._disk is not None else self._remote
         self._eviction = Eviction(self._index, config, self._disk, self._lower)
-        self._turns = Turns(self._index, self._eviction, config, self._disk, self._lower)
+        self._turns = TurnSink(self._index, self._eviction, config, self._disk, self._lower)
         self._loads: LoadPlanner | None = None
         self._costs = ResumeCosts()  # measured load and prefill rates (`recompute_by_cost`)
         if self._lower is not None:

@@ -1,14 +1,12 @@
-"""A turn's writes into the index: where a turn's KV goes (`Turns.append`), how a new turn rebases a session on
-what it keeps (`Turns.start_turn`), and the end of a turn. The :class:`~.writer.TurnWriter` a turn holds calls
-these and nothing else of the store.
+"""The store's side of a turn's writes: where a turn's KV goes (`TurnSink.append`), how a new turn rebases a
+session on what it keeps (`TurnSink.start_turn`), and the end of a turn. The :class:`~.writer.TurnWriter` a turn
+holds calls these and nothing else of the store (`writer.Sink`); the writer's own fields are its own to change.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING
-
 import torch
 
 from .buffer import ranges
@@ -19,12 +17,10 @@ from .index import Index
 from .prefixes import BLOCK
 from .state import SessionState
 from .tier import Tier
-
-if TYPE_CHECKING:
-    from .writer import TurnWriter
+from .writer import TurnWriter
 
 
-class Turns:
+class TurnSink:
     """The store's side of a turn's :class:`~.writer.TurnWriter` (see the module docstring).
 
     Example (through the store, which creates the writer)::
@@ -57,10 +53,10 @@ class Turns:
                     and length < e.host.length:
                 self.index.cut(e, length)
 
-    def append(self, writer: "TurnWriter", token_ids, keys, values, inexact_at: int | None = None) -> bool:
+    def append(self, writer: TurnWriter, token_ids, keys, values, inexact_at: int | None = None) -> bool:
         with self.index.cond:
             if self.index.closed:  # closed during a turn (shutdown): the turn goes on, it is just not stored
-                writer.dead = True
+                writer.refuse()
                 return False
             e = self.index.entries.get(writer.key)
             if not writer.started:
@@ -73,7 +69,7 @@ class Turns:
             buf = e.host
             if buf is None:  # evicted explicitly mid-turn: what was written is durable, the rest is dropped
                 self.index.count(stale_writes=1)
-                writer.dead = True
+                writer.refuse()
                 return False
             needed = buf.bytes_after_append(int(token_ids.numel()))
             if needed > self.config.host_bytes:
@@ -83,7 +79,7 @@ class Turns:
                 self.index.once.warning("too_large", "session %r needs %d bytes, more than the host tier's %d: the rest of "
                                 "it is not stored (raise `host_bytes` to keep it)", writer.key[1], needed,
                                 self.config.host_bytes)
-                writer.dead = True
+                writer.refuse()
                 self.index.writer_refused(e, writer.turn)
                 return False
             room = needed - buf.nbytes
@@ -113,7 +109,7 @@ class Turns:
                     self.index.once.warning("no_room", "host tier full of sessions that cannot move (running turns, "
                                     "loads, failed writes): the rest of session %r's turn is not stored",
                                     writer.key[1])
-                    writer.dead = True
+                    writer.refuse()
                     return False
             buf.append(token_ids, keys, values, inexact_at)
             if self.config.share_prefixes and buf.length // BLOCK > e.prefix_blocks and not buf.missing_head:
@@ -129,11 +125,9 @@ class Turns:
                     self.index.cond.notify_all()
             return True
 
-    def start_turn(self, writer: "TurnWriter", e: Entry | None) -> Entry:
+    def start_turn(self, writer: TurnWriter, e: Entry | None) -> Entry:
         """The first write of a turn: rebases the session on ``base[keep]`` (copy-free when possible)."""
-        writer.started = True
-        base, keep = writer.base, writer.keep
-        writer.base = None  # the snapshot is no longer needed: let its memory go
+        base, keep = writer.start()
         n = int(keep.numel())
         # The same lineage: a base taken from this very session at its current generation. A base from another
         # session (a shared prefix, `AttnStore.lookup_prefix`) starts a new history that refers to its segments.
