@@ -24,7 +24,7 @@ from torch import nn
 
 from ..store import AttnStore, LoadError, SessionKV
 from ..store.buffer import Segment
-from ..store.cuda import CudaLayerPrefetcher
+from .cuda_prefetch import CudaLayerPrefetcher
 from ..store.encoded import copy_into, dense
 from ..store.format import prefix_digest
 from ..store.logs import OnceLogger
