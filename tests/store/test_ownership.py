@@ -13,8 +13,8 @@ import ast
 from pathlib import Path
 
 STORE = Path(__file__).resolve().parents[2] / "src" / "hf_attnstore" / "store"
-OWNER_MODULE = "index.py"
-OWNER_CLASS = "Index"
+OWNER_MODULE = "store_state.py"
+OWNER_CLASS = "StoreState"
 MUTATORS = {"add", "discard", "remove", "append", "appendleft", "pop", "popleft", "clear", "update", "setdefault",
             "extend", "insert"}
 

@@ -2,9 +2,9 @@
 
 from .buffer import SessionBuffer, SessionKV
 from .config import StoreConfig
+from .disk import DiskLockedError
 from .format import FormatError
 from .load_handle import LoadError
-from .disk import DiskLockedError
 from .stats import StoreStats
 from .store import AttnStore, StoreIOError
 from .writer import TurnWriter

@@ -1,7 +1,7 @@
 """A session's entry in the store's index, and the rules for session ids.
 
-The index (`Index.entries`, index.py) owns the entries: they are read only under `Index.lock`, and changed only
-by `Index`'s methods (tests/store/test_ownership.py).
+The index (`StoreState.entries`, store_state.py) owns the entries: they are read only under `StoreState.lock`, and changed only
+by `StoreState`'s methods (tests/store/test_ownership.py).
 """
 
 from __future__ import annotations
@@ -75,18 +75,18 @@ class Entry:
     chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # referenced chunk -> (bytes, tokens)
     files: dict[str, int] = field(default_factory=dict)  # every chunk file on disk (referenced or not) -> bytes
     # Those of `files` that other sessions' folders name too (a shared prefix's hard links, `Tier.link`) -> the
-    # file's identity: their bytes are counted once, by the index (`Index.linked`), not in `disk_bytes`.
+    # file's identity: their bytes are counted once, by the index (`StoreState.linked`), not in `disk_bytes`.
     linked: dict = field(default_factory=dict)
     prefix_blocks: int = 0  # whole 64-token blocks offered in the prefix table during the running turn
     manifest_size: int = 0
     remote: Manifest | None = None  # found in the shared remote tier, to be loaded (not local yet)
     # The local durable copy this remote copy is to replace, once loaded (its files, moved to this entry, stay
-    # on disk meanwhile): put back in the index if the remote copy fails to load (`AttnStore._restore_local`).
+    # on disk meanwhile): put back in the index if the remote copy fails to load (`RemoteChoice.restore_local`).
     fallback: "Entry | None" = None
-    # Another history's durable copy this entry was handed (`Index.hand_over`) and keeps on disk until its own copy
-    # is durable: what the session is again if the new history's host copy goes first (`Index.release_host`).
+    # Another history's durable copy this entry was handed (`StoreState.hand_over`) and keeps on disk until its own copy
+    # is durable: what the session is again if the new history's host copy goes first (`StoreState.release_host`).
     predecessor: Manifest | None = None
-    successor: "Entry | None" = None  # the entry this one handed its files to (`Index.hand_over`)
+    successor: "Entry | None" = None  # the entry this one handed its files to (`StoreState.hand_over`)
     refused: tuple | None = None  # a remote copy that failed to verify or load (`remote_signature`): not retried
     mirrored: set = field(default_factory=set)  # digests of chunks this store put in the remote tier
     layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads

@@ -42,7 +42,7 @@ class HostTier:
         """Brings the count up to date after a session's buffer grew, shrank or changed (`counted`, `accounted`:
         its segments and bytes at its last accounting): a segment counts when its first user takes it and stops
         counting when its last user lets it go; a state counts per session. Returns the new segments and bytes,
-        which the index keeps on the entry (`Index.account`)."""
+        which the index keeps on the entry (`StoreState.account`)."""
         now = buf.segments() if buf is not None else {}
         state = buf.state.nbytes if buf is not None and buf.state is not None else 0
         old_state = accounted - sum(seg.nbytes for seg in counted.values())

@@ -14,10 +14,10 @@ from .entry import Entry
 from .eviction import Eviction
 from .format import Manifest
 from .geometry import bytes_per_token
-from .index import Index
 from .load_handle import LoadHandle
 from .load_thread import DEMAND, PREFETCH, LoadJob, LoadThread
 from .placement import choose_recompute
+from .store_state import StoreState
 from .tier import Tier
 
 
@@ -35,7 +35,7 @@ class ResumeDecision:
 
 
 class LoadPlanner:
-    """The store's load decisions, over its index (under `Index.lock`): which sessions to load and into which
+    """The store's load decisions, over its index (under `StoreState.lock`): which sessions to load and into which
     buffers; the :class:`LoadThread` it owns only reads them and reports each end through `done`.
 
     Example (through the store: a session demoted to disk is loaded back by a lookup)::
@@ -53,9 +53,9 @@ class LoadPlanner:
         ('disk', [5, 6, 7])
     """
 
-    def __init__(self, index: Index, eviction: Eviction, config: StoreConfig, lower: Tier, remote: Tier | None,
+    def __init__(self, state: StoreState, eviction: Eviction, config: StoreConfig, lower: Tier, remote: Tier | None,
                  done: Callable[[LoadJob, BaseException | None], None], costs: ResumeCosts | None = None):
-        self.index, self.eviction, self.config, self.lower, self.remote = index, eviction, config, lower, remote
+        self.state, self.eviction, self.config, self.lower, self.remote = state, eviction, config, lower, remote
         self.costs = costs if costs is not None else ResumeCosts()
         self.wanted: list[tuple[str | None, str]] = []  # the last prefetch request, in order
         self.wanted_key: str | None = None  # its `prefill_key`: the first session's load is decided by cost
@@ -66,12 +66,12 @@ class LoadPlanner:
         started = 0
         first = self.wanted[0][1] if self.wanted else None  # the session whose turn runs next, when keyed
         for fingerprint, sid in self.wanted:
-            for e in [e for k, e in self.index.entries.items() if k[1] == sid and (fingerprint is None or k[0] == fingerprint)]:
+            for e in [e for k, e in self.state.entries.items() if k[1] == sid and (fingerprint is None or k[0] == fingerprint)]:
                 if e.host is None and (e.manifest or e.remote) is not None:
                     if not self.start(e, must_fit=True, prefill_key=self.wanted_key if sid == first else None):
                         return started  # in order: a later session must not take the room of an earlier one
                     started += 1
-                    self.index.count(prefetches=1)
+                    self.state.count(prefetches=1)
         return started
 
     def start(self, e: Entry, must_fit: bool = False, prefill_key: str | None = None) -> bool:
@@ -87,14 +87,14 @@ class LoadPlanner:
         geometry, dtype = e.layout
         length = origin.length
         # Exactly the session's size: the next turn appends in a new segment, without copying this one.
-        buf = self.index.host.for_load(geometry, dtype, length)
+        buf = self.state.host.for_load(geometry, dtype, length)
         if buf.nbytes > self.config.host_bytes:
-            self.index.once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
+            self.state.once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
             return False
         manifest, decision = origin, None
         if prefill_key is not None and self.config.recompute_by_cost:
             manifest, decision = self.choose(origin, tier.name, prefill_key, bytes_per_token(geometry, dtype.itemsize))
-        position = self.index.host.position(e.key) if must_fit else None
+        position = self.state.host.position(e.key) if must_fit else None
         if not self.eviction.make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
             return False
         buf.parts[0][0].token_ids[:length].copy_(manifest.token_ids)
@@ -105,12 +105,12 @@ class LoadPlanner:
         job = LoadJob(e.key, handle, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e,
                       codec=self.config.codec, keep_encoded=self.config.kv_codec_host, origin=origin,
                       sparse_copies=self.config.sparse_copies)
-        self.index.start_load(e, buf, job)
+        self.state.start_load(e, buf, job)
         self.loader.submit(job)
         if decision is not None:  # counted once the load has started (a refused prefetch decided nothing)
-            self.index.count(resume_decisions=1, resume_recomputes=decision.chunks > 0,
+            self.state.count(resume_decisions=1, resume_recomputes=decision.chunks > 0,
                              resume_recomputed_tokens=decision.tokens)
-            self.index.record(resume_load_gbps=decision.load_gbps, resume_prefill_tokens_per_s=decision.prefill_tokens_per_s,
+            self.state.record(resume_load_gbps=decision.load_gbps, resume_prefill_tokens_per_s=decision.prefill_tokens_per_s,
                               resume_load_estimate_s=decision.load_s, resume_chosen_estimate_s=decision.chosen_s)
         return True
 
@@ -150,30 +150,30 @@ class LoadPlanner:
             tokens = job.manifest.length - job.manifest.head
             self.costs.observe_load(job.tier.name, tokens * bytes_per_token(geometry, dtype.itemsize),
                                     job.read_seconds)
-        with self.index.cond:
+        with self.state.cond:
             e = job.entry
-            self.index.end_load(e, job.handle)
+            self.state.end_load(e, job.handle)
             remote = job.tier is self.remote
             if remote:
-                self.index.count(remote_bytes_read=job.nbytes, remote_read_seconds=job.seconds)
+                self.state.count(remote_bytes_read=job.nbytes, remote_read_seconds=job.seconds)
             else:
-                self.index.count(bytes_read=job.nbytes, read_seconds=job.seconds)
+                self.state.count(bytes_read=job.nbytes, read_seconds=job.seconds)
             if e.host is job.buf:
-                self.index.account(e)  # a state read with the KV counts now
+                self.state.account(e)  # a state read with the KV counts now
                 if error is None:
-                    self.index.keep_encoded(e, job.encoded)  # applied now, or when the turn reading it ends
+                    self.state.keep_encoded(e, job.encoded)  # applied now, or when the turn reading it ends
             if error is not None:
-                self.index.count(load_errors=1, remote_errors=remote)
-                self.index.once.warning("load", "%s tier: session %r could not be loaded (%s); it is removed and will "
+                self.state.count(load_errors=1, remote_errors=remote)
+                self.state.once.warning("load", "%s tier: session %r could not be loaded (%s); it is removed and will "
                                    "be recomputed", job.tier.name, e.key[1], error)
-                if self.index.entries.get(e.key) is e:
+                if self.state.entries.get(e.key) is e:
                     if e.manifest is None and e.predecessor is not None:
-                        self.index.give_up_remote(e)  # adopted over an unsaved new history: the older copy stays
+                        self.state.give_up_remote(e)  # adopted over an unsaved new history: the older copy stays
                     else:
-                        self.index.drop(e)
-            elif (job.origin or job.manifest) is e.remote and self.index.entries.get(e.key) is e:
+                        self.state.drop(e)
+            elif (job.origin or job.manifest) is e.remote and self.state.entries.get(e.key) is e:
                 # Found remotely, local now: written to disk behind the turn, like a session the turn computed.
                 # Not while leading chunks left to the turn are missing from the buffer: `AttnStore.fill_head`
                 # marks it for writing once they are there (writing it now would store whatever the buffer held).
-                self.index.loaded_remote(e, dirty=not job.buf.missing_head)
-            self.index.cond.notify_all()
+                self.state.loaded_remote(e, dirty=not job.buf.missing_head)
+            self.state.cond.notify_all()

@@ -20,21 +20,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from .buffer import SessionKV
+from .encoded import EncodedSegment
 from .entry import Entry, Write, blocks
 from .eviction import Eviction, NoDiskRoom
-from .encoded import EncodedSegment
-from .refill import MirrorJob, MirrorResult, Refill
-from .remote import MissingChunks
 from .format import (Manifest, Span, StateRef, chunk_payload_bytes, encode_chunk, encode_kv, manifest_bytes_bound,
                      prefix_hasher, tensor_bytes)
+from .refill import MirrorJob, MirrorResult, Refill
+from .remote import MissingChunks
 from .sparse_copies import first_missing, gather, kept_positions
 from .state import by_slot
 from .tier import CHUNK_SUFFIX, MANIFEST, Key, Tier
 
 if TYPE_CHECKING:
     from .config import StoreConfig
-    from .index import Index
     from .load_planner import LoadPlanner
+    from .store_state import StoreState
 
 logger = logging.getLogger(__name__)
 
@@ -372,22 +372,22 @@ def _settle(future: Future, timeout: float) -> int | None:
 
 
 class SavePlanner:
-    """The store's save decisions, over its index (under `Index.lock`): what to write and when, and what the
+    """The store's save decisions, over its index (under `StoreState.lock`): what to write and when, and what the
     index learns when a write ends. The :class:`SaveThread` it starts sees only this object's public methods
     (`next_work`, `run_deletes`, `reserve`, `yield_for_save`, `files_to_keep`, `finish_save`, `thread_error`,
     `warn`), never the index."""
 
-    def __init__(self, index: Index, eviction: Eviction, loads: LoadPlanner, config: StoreConfig, lower: Tier,
+    def __init__(self, state: StoreState, eviction: Eviction, loads: LoadPlanner, config: StoreConfig, lower: Tier,
                  disk: Tier | None, mirror: Tier | None):
-        self.index, self.eviction, self.loads, self.config = index, eviction, loads, config
+        self.state, self.eviction, self.loads, self.config = state, eviction, loads, config
         self.lower, self.disk = lower, disk
-        self.refill = Refill(index, mirror=mirror is not None)
+        self.refill = Refill(state, mirror=mirror is not None)
         self.thread = SaveThread(self, lower, config.chunk_tokens, config.io_timeout_s, mirror=mirror)
 
     def indexed(self, e: Entry) -> bool:
         """Whether the entry is still the session's, or handed its files to the one that is (not deleted)."""
-        with self.index.lock:
-            return self.index.entries.get(e.key) is e or self.index.heir(e) is not None
+        with self.state.lock:
+            return self.state.entries.get(e.key) is e or self.state.heir(e) is not None
 
     def check_lost(self) -> None:
         """Whether a remote tier lost its data, asked now (a flush, on its caller's thread): see refill.py."""
@@ -403,42 +403,42 @@ class SavePlanner:
 
     def warn(self, kind: str, message: str, *args) -> None:
         """Logs a warning of this kind once per store."""
-        self.index.once.warning(kind, message, *args)
+        self.state.once.warning(kind, message, *args)
 
     def next_work(self) -> tuple[list[tuple[Key, int]], SaveJob | None] | None:
         """The save thread's next unit of work: folders to delete and/or a session to write, with the session
         pinned and its chunk names reserved. Waits until there is some; ``None`` tells the thread to stop."""
-        with self.index.cond:
+        with self.state.cond:
             while True:
-                self.index.apply_ended_turns()  # end-of-turn states to write
-                deletes = self.index.take_deletes()
+                self.state.apply_ended_turns()  # end-of-turn states to write
+                deletes = self.state.take_deletes()
                 e = self.next_save()
                 job = self.save_job(e) if e is not None else None
-                if self.index.closed:
-                    self.index.unqueue_remirror()  # closing: copies for other replicas are not waited for
+                if self.state.closed:
+                    self.state.unqueue_remirror()  # closing: copies for other replicas are not waited for
                 elif job is None:
                     job = self.refill.next_job()  # sessions to copy again to a mirror that lost them
                 if deletes or job is not None:
                     return deletes, job
-                if self.index.closed and (not self.index.dirty or e is None):
+                if self.state.closed and (not self.state.dirty or e is None):
                     return None  # closed, with nothing (or only failed writes, close(flush=False)) left
-                self.index.cond.wait(timeout=self.config.idle_flush_s / 2)
-                self.index.expire()
+                self.state.cond.wait(timeout=self.config.idle_flush_s / 2)
+                self.state.expire()
 
     def compute_quiet(self, now: float) -> bool:
         """Whether no forward runs or ran in the last `idle_flush_s`. Saving costs CPU (serializing,
         hashing, writing): where the model computes on the same cores, writing during a turn slows it, so
         non-urgent writes wait for the gap after it (the paper's write buffer). Flushes and demotions
         needed to make room do not wait."""
-        return self.index.forwards_active == 0 and now - self.index.last_forward >= self.config.idle_flush_s
+        return self.state.forwards_active == 0 and now - self.state.last_forward >= self.config.idle_flush_s
 
     def next_save(self) -> Entry | None:
         now = time.monotonic()
         best = None
-        for key in list(self.index.dirty):
-            e = self.index.entries.get(key)
+        for key in list(self.state.dirty):
+            e = self.state.entries.get(key)
             if e is None or not e.dirty:
-                self.index.forget_dirty(key)
+                self.state.forget_dirty(key)
                 continue
             if e.write is Write.FAILED and now < e.retry_at:
                 continue  # backing off after a failure; flush() and demotions retry at once
@@ -479,18 +479,18 @@ class SavePlanner:
         links = ()
         if start == 0 and not base.dropped:
             links, mirrored = self.shared_chunks(e, snap.token_ids[:end])
-            self.index.add_mirrored(e, mirrored)  # the shared chunks the mirror has (under their owner): never copied again
+            self.state.add_mirrored(e, mirrored)  # the shared chunks the mirror has (under their owner): never copied again
         # The sessions linked from are pinned until the job ends: an eviction that makes room for this job's own
         # chunks must not take them (their files would stay, held by the links, but counted as freed).
-        sources = tuple({id(s): s for s in (self.index.entries[key] for key, _ in links)}.values())
+        sources = tuple({id(s): s for s in (self.state.entries[key] for key, _ in links)}.values())
         for source in sources:
-            self.index.pin(source)
-        self.index.pin(e)
+            self.state.pin(source)
+        self.state.pin(e)
         # Reserve the names this job writes. Names are never reused for a session, even by a later entry
         # replacing this one, so a chunk file never changes once a manifest may reference it. (A job whose links
         # fail writes every token itself: as many names at most, each link covering one whole chunk.)
         shared = sum(span.length for _, span in links)
-        first = self.index.take_chunk_numbers(e.key, len(links) + -(-(end - start - shared) // chunk))
+        first = self.state.take_chunk_numbers(e.key, len(links) + -(-(end - start - shared) // chunk))
         return SaveJob(e, e.generation, snap, base, start + shared, end, first, frozenset(e.mirrored), links, sources)
 
     def shared_chunks(self, e: Entry, ids: torch.Tensor) -> tuple[tuple, set]:
@@ -506,8 +506,8 @@ class SavePlanner:
             return (), set()
         chunk, best, mirrored = self.config.chunk_tokens, (), set()
         # More candidates than a turn's lookup takes: the newest are often sessions not on disk yet.
-        for key, _ in self.index.prefixes.candidates(e.key[0], ids, exclude=e.key, limit=16):
-            other = self.index.entries.get(key)
+        for key, _ in self.state.prefixes.candidates(e.key[0], ids, exclude=e.key, limit=16):
+            other = self.state.entries.get(key)
             manifest = other.manifest if other is not None else None
             if manifest is None or manifest.head or manifest.state is not None or other.layout != e.layout:
                 continue  # (another KV layout under one fingerprint: only through the raw store API)
@@ -532,58 +532,58 @@ class SavePlanner:
 
         The durable copy stays until its successor is durable: a failed save keeps the copy it was to replace; a
         session cut or truncated meanwhile keeps the chunks its in-memory manifest (a selection of the old one)
-        uses; a session replaced meanwhile by another history (`Index.hand_over`) keeps every file its new entry
+        uses; a session replaced meanwhile by another history (`StoreState.hand_over`) keeps every file its new entry
         was handed, which this save's manifest (if it landed) now names too (`finish_save`)."""
-        with self.index.lock:
+        with self.state.lock:
             e = job.entry
             keep = _names(manifest)
             if manifest is None or e.generation != job.generation:
                 # The manifest on disk is still the one before this job (or names files the cut entry's selection
                 # no longer does): every file the entry holds stays, collected by its next save that lands.
                 keep |= set(e.chunks) | _names(e.manifest) | set(e.files)
-            if self.index.entries.get(e.key) is e:
+            if self.state.entries.get(e.key) is e:
                 return keep, True
-            heir = self.index.heir(e)
+            heir = self.state.heir(e)
             if heir is not None:
                 keep |= set(heir.files) | set(heir.chunks)
             return keep, heir is not None
 
     def thread_error(self, exc: BaseException) -> None:
-        with self.index.cond:
-            self.index.count(write_errors=1)
-            self.index.cond.notify_all()
+        with self.state.cond:
+            self.state.count(write_errors=1)
+            self.state.cond.notify_all()
 
     def finish_save(self, job: SaveJob, result: SaveResult) -> None:
         """The save thread finished a job (see saver.py): the reservation becomes the files that are really
         there now, and the index learns the new durable prefix (or the failure)."""
         e = job.entry
-        with self.index.cond:
+        with self.state.cond:
             for source in job.sources:
-                self.index.unpin(source)
-            self.index.release_disk(result.reserved)
-            if self.index.entries.get(e.key) is e:
+                self.state.unpin(source)
+            self.state.release_disk(result.reserved)
+            if self.state.entries.get(e.key) is e:
                 if self.disk is not None:  # the files `disk_bytes` counts (a remote tier's bytes are Redis's)
                     for name, (size, _, inode, source, source_name) in result.linked.items():
                         if name in result.keep:  # counted once, with the file's other names
-                            self.index.add_link(e, name, inode, size, source, source_name)
+                            self.state.add_link(e, name, inode, size, source, source_name)
                     made = {**result.new_chunks, **{n: link[:2] for n, link in result.linked.items()}}
                     files = {name: size for name, size in {**e.files, **{n: c[0] for n, c in made.items()}}
                              .items() if name in result.keep}
-                    self.index.set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
-                    if result.linked and self.index.disk_used - self.index.deleting > self.config.disk_bytes:
+                    self.state.set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
+                    if result.linked and self.state.disk_used - self.state.deleting > self.config.disk_bytes:
                         # A shared file whose other names were deleted meanwhile (`delete`) is counted now: room.
                         self.eviction.enforce_disk(e)
-                self.index.add_mirrored(e, result.mirrored)
-            elif self.disk is not None and self.index.heir(e) is not None:
+                self.state.add_mirrored(e, result.mirrored)
+            elif self.disk is not None and self.state.heir(e) is not None:
                 # Replaced by another history while this save ran: what it made durable is the older copy the new
                 # entry keeps until its own is durable (a crash meanwhile leaves this one).
                 made = {**result.new_chunks, **{n: link[:2] for n, link in result.linked.items()}}
-                self.index.inherit(self.index.heir(e), result.manifest, made, result.manifest_size, result.keep,
+                self.state.inherit(self.state.heir(e), result.manifest, made, result.manifest_size, result.keep,
                                    result.linked)
-            self.index.count(remote_bytes_written=result.mirror_bytes)
+            self.state.count(remote_bytes_written=result.mirror_bytes)
             if result.mirror_error is not None:
-                self.index.count(remote_errors=1)
-                self.index.once.warning("mirror", "remote tier: copying session %r failed (%s); it stays on disk and is "
+                self.state.count(remote_errors=1)
+                self.state.once.warning("mirror", "remote tier: copying session %r failed (%s); it stays on disk and is "
                                    "copied again with its next save", e.key[1], result.mirror_error)
         self.finish_persist(e, job.generation, result.manifest, result.new_chunks, result.seconds, result.error,
                             result.encoded, {n: link[:2] for n, link in result.linked.items()})
@@ -591,72 +591,72 @@ class SavePlanner:
     def finish_persist(self, e, generation, manifest, new_chunks, seconds, error, encoded=(), linked=None) -> None:
         """The index learns how a write ended (lock taken here): `new_chunks` written, `linked` (name ->
         (bytes, tokens)) shared with another session rather than written."""
-        with self.index.cond:
-            self.index.unpin(e)
-            current = self.index.entries.get(e.key) is e
+        with self.state.cond:
+            self.state.unpin(e)
+            current = self.state.entries.get(e.key) is e
             if isinstance(error, NoDiskRoom):
                 # Larger than the disk tier can hold next to what cannot leave it: refused before anything was
                 # evicted for it. The rest stays in host memory only (flush() says so); its durable copy stays.
-                self.index.count(rejected_too_large=1)
-                self.index.once.warning("disk_too_large", "session %r is larger than the disk tier: what is not durable "
+                self.state.count(rejected_too_large=1)
+                self.state.once.warning("disk_too_large", "session %r is larger than the disk tier: what is not durable "
                                         "is kept in memory only", e.key[1])
                 demoting = e.write is Write.DEMOTE
                 if current:
                     # (Not a newer entry's dirty mark: it is another history, to be written.)
-                    self.index.never_write(e, error)  # not retried until its next turn
+                    self.state.never_write(e, error)  # not retried until its next turn
                     if demoting and e.pins == 0 and not e.writers:
-                        self.index.count(host_drops=1)
-                        self.index.release_host(e)
+                        self.state.count(host_drops=1)
+                        self.state.release_host(e)
             elif isinstance(error, MissingChunks) and e.failures < 2:
                 # The remote tier (below host memory) lost chunks of the session's copy: it is written whole again
                 # at once, not backed off (twice at most in a row: a server evicting as fast as we write fails).
-                self.index.count(remote_errors=1)
-                self.index.save_failed(e)
+                self.state.count(remote_errors=1)
+                self.state.save_failed(e)
                 if current:
                     self.refill.forget(e)
             elif error is not None:
-                self.index.count(write_errors=1)
-                self.index.once.warning("write", "%s tier: writing session %r failed (%s); it stays in host memory, its "
+                self.state.count(write_errors=1)
+                self.state.once.warning("write", "%s tier: writing session %r failed (%s); it stays in host memory, its "
                                 "previous durable state is kept, and the write is retried", self.lower.name, e.key[1],
                                 error)
                 demoting = e.write is Write.DEMOTE
-                self.index.save_failed(e, error, time.monotonic() + min(60.0, 2.0 ** min(e.failures, 6)))
+                self.state.save_failed(e, error, time.monotonic() + min(60.0, 2.0 ** min(e.failures, 6)))
                 if demoting:
                     # A demotion that failed: the session cannot go down, so it must not stay "being written"
                     # (appends would wait for room that never comes). Fall back to its durable prefix, if any.
                     if current and e.pins == 0 and not e.writers:
-                        self.index.count(host_drops=1)
-                        self.index.release_host(e)
+                        self.state.count(host_drops=1)
+                        self.state.release_host(e)
             else:
                 if self.disk is not None:
-                    self.index.count(bytes_written=sum(size for size, _ in new_chunks.values()), write_seconds=seconds)
+                    self.state.count(bytes_written=sum(size for size, _ in new_chunks.values()), write_seconds=seconds)
                 else:  # no disk tier: sessions are saved to the remote tier directly
-                    self.index.count(remote_bytes_written=sum(size for size, _ in new_chunks.values()))
-                self.index.save_ok(e)
+                    self.state.count(remote_bytes_written=sum(size for size, _ in new_chunks.values()))
+                self.state.save_ok(e)
                 if current and e.generation == generation:
                     # Its own copy is durable: the one it was handed is collected.
-                    self.index.saved(e, manifest, {**e.chunks, **new_chunks, **(linked or {})})
+                    self.state.saved(e, manifest, {**e.chunks, **new_chunks, **(linked or {})})
                     if not e.dirty:
                         demoting = e.write is Write.DEMOTE
-                        self.index.mark_clean(e, Write.BEHIND)
+                        self.state.mark_clean(e, Write.BEHIND)
                         if demoting and e.pins == 0 and e.manifest is not None:
-                            self.index.set_host(e, None)
-                            self.index.count(demotions=1)
-                    self.index.keep_encoded(e, encoded)
+                            self.state.set_host(e, None)
+                            self.state.count(demotions=1)
+                    self.state.keep_encoded(e, encoded)
                 # else: the session was cut or truncated meanwhile (what we wrote is an older, consistent
                 # state; the next persist writes the new one), or removed (its folder is gone).
             self.eviction.make_host_room(0, exclude=None)
             self.loads.retry_prefetch()
-            self.index.cond.notify_all()
+            self.state.cond.notify_all()
 
     def yield_for_save(self, e: Entry) -> None:
         """Between chunks: loads go first; a non-urgent save also waits for the model to be idle, unless an
         append is blocked on host room. Then the model cannot go idle until writes free memory: waiting
         for it would stall both threads for `io_timeout_s` (the session being written is pinned, and the
         urgent victims queue behind it)."""
-        with self.index.cond:
-            self.index.cond.wait_for(
-                lambda: self.index.closed or (self.index.loads_active == 0 and (
-                    e.urgent or self.index.room_waiters > 0 or self.compute_quiet(time.monotonic()))),
+        with self.state.cond:
+            self.state.cond.wait_for(
+                lambda: self.state.closed or (self.state.loads_active == 0 and (
+                    e.urgent or self.state.room_waiters > 0 or self.compute_quiet(time.monotonic()))),
                 self.config.io_timeout_s,
             )

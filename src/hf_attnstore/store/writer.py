@@ -34,7 +34,7 @@ class TurnWriter:
         self.geometry: tuple | None = None  # geometry.py
         self.dtype: torch.dtype | None = None
         # A hybrid model's turn: a weak reference to what publishes its states (layers.TurnEnd), asked by the
-        # store when it needs the states of a turn that is still open (`Index.publish_states`).
+        # store when it needs the states of a turn that is still open (`StoreState.publish_states`).
         self.state_source = None
 
     def start(self) -> tuple[SessionKV | None, torch.Tensor]:

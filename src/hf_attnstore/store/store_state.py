@@ -1,24 +1,25 @@
-"""The store's index and its one owner: every session's entry, the byte counters and the queues between the
-store and its I/O threads, under one lock.
+"""The store's state and its one owner: every session's entry (the index of sessions by key, with the prefix table
+beside it), the byte counters, pins, dirty marks and the queues between the store and its I/O threads, under one
+lock.
 
-An `Index` holds the state; the deciders around it (placement in eviction.py, loads in load_planner.py, saves in
-saver.py, a turn's appends in turns.py, the public API in store.py) read it only while holding `Index.lock`, and
-change it only through the methods here: entries' fields, pins, dirty marks, disk reservations, queues and stats
-are written in this module alone (tests/store/test_ownership.py). The I/O threads never see it: the save
-thread talks to `SavePlanner`, the load thread reports through a callback, a turn's writer through `Turns`.
+A `StoreState` holds all of it; the deciders around it (placement in eviction.py, loads in load_planner.py, saves
+in saver.py, a turn's appends in turn_sink.py, the public API in store.py) read it only while holding
+`StoreState.lock`, and change it only through the methods here: entries' fields, pins, dirty marks, disk
+reservations, queues and stats are written in this module alone (tests/store/test_ownership.py). The I/O threads
+never see it: the save thread talks to `SavePlanner`, the load thread reports through a callback, a turn's writer
+through its `TurnSink`.
 
 Sessions are named paths over chunks: an entry is keyed by ``(fingerprint, session_id)`` and its durable copy is a
 manifest, a list of spans over chunk files, each chunk identified by a digest chained over every token id
-before it (format.py). Two sessions whose histories start alike name chunks of equal digests: what sharing
-them across sessions needs (the prefix-sharing issue) is a table of chunks by digest with the sessions using
-each, beside the entries here (docs/design.md, "The index").
+before it (format.py). Which sessions begin with which prefix is the prefix table's (`PrefixTable`,
+prefixes.py), held here (docs/design.md, "The store's state and its owner").
 
 Example:
     >>> from hf_attnstore.store.config import StoreConfig
-    >>> index = Index(StoreConfig(host_bytes="1MiB"), has_disk=False, has_lower=False)
-    >>> with index.lock:
-    ...     index.check_open()
-    ...     len(index.entries), index.disk_used
+    >>> state = StoreState(StoreConfig(host_bytes="1MiB"), has_disk=False, has_lower=False)
+    >>> with state.lock:
+    ...     state.check_open()
+    ...     len(state.entries), state.disk_used
     (0, 0)
 """
 
@@ -44,9 +45,9 @@ from .stats import StoreStats
 logger = logging.getLogger("hf_attnstore.store.store")
 
 
-class Index:
+class StoreState:
     """The entries of every session and the counters of every tier, owned under one lock (see the module
-    docstring). Methods other than `publish_states` expect the caller to hold `lock`."""
+    docstring). Methods other than `publish_states` and `queue_ended_turn` expect the caller to hold `lock`."""
 
     def __init__(self, config: StoreConfig, *, has_disk: bool, has_lower: bool):
         self.config = config
