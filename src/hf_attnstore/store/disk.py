@@ -1,7 +1,7 @@
 """The disk tier: one folder per session with immutable chunk files and a manifest.
 
 It implements the lower-tier interface of tier.py. Every method here only moves bytes; which session lives
-where is decided by the store's index.
+where is decided by the store's state (store_state.py).
 """
 
 from __future__ import annotations

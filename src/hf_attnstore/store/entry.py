@@ -1,7 +1,7 @@
-"""A session's entry in the store's index, and the rules for session ids.
+"""A session's entry in the store's state, and the rules for session ids.
 
-The index (`StoreState.entries`, store_state.py) owns the entries: they are read only under `StoreState.lock`, and changed only
-by `StoreState`'s methods (tests/store/test_ownership.py).
+The store's state (`StoreState.entries`, store_state.py) owns the entries: they are read only under
+`StoreState.lock`, and changed only by `StoreState`'s methods (tests/store/test_ownership.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,14 @@ def validate_session_id(session_id: object) -> str:
     They never become paths (the disk tier hashes them) but they are written into every file of the
     session, so they must encode: a lone surrogate such as ``"\\ud800"`` is refused here rather than
     failing in the background writer.
+
+    Example:
+        >>> validate_session_id("chat/1 ../\\0")
+        'chat/1 ../\\x00'
+        >>> validate_session_id("")
+        Traceback (most recent call last):
+        ...
+        ValueError: `session_id` must be a non-empty string
     """
     if not isinstance(session_id, str):
         raise TypeError(f"`session_id` must be a str, got {type(session_id).__name__}")
@@ -51,7 +59,12 @@ BLOCK = 4096
 
 
 def blocks(nbytes: int) -> int:
-    """Bytes a file occupies on disk: its size rounded up to whole 4 KiB blocks (what `du` counts)."""
+    """Bytes a file occupies on disk: its size rounded up to whole 4 KiB blocks (what `du` counts).
+
+    Example:
+        >>> blocks(0), blocks(1), blocks(4096), blocks(4097)
+        (0, 4096, 4096, 8192)
+    """
     return -(-nbytes // BLOCK) * BLOCK
 
 
@@ -67,6 +80,15 @@ class Write(enum.Enum):
 
 @dataclass(eq=False)
 class Entry:
+    """One session's record in the store's state: its host copy, durable copy, files, pins and write state.
+    Read under `StoreState.lock`; changed only by `StoreState`'s methods (tests/store/test_ownership.py).
+
+    Example:
+        >>> e = Entry(key=("model-a", "chat-1"))
+        >>> e.length, e.persisted, e.dirty, e.write
+        (0, 0, False, <Write.BEHIND: 'behind'>)
+    """
+
     key: Key
     host: SessionBuffer | None = None
     host_accounted: int = 0  # the buffer's bytes at its last accounting (its segments may be shared)

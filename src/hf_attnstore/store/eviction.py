@@ -27,7 +27,7 @@ class DiskBusy(OSError):
 
 
 class Eviction:
-    """Host demotion and the disk limit, over the store's index (see the module docstring).
+    """Host demotion and the disk limit, over the store's state (see the module docstring).
 
     Example:
         >>> from hf_attnstore.store.config import StoreConfig
@@ -244,8 +244,8 @@ class Eviction:
         return total
 
     def run_deletes(self, deletes: list[tuple[Key, int, tuple | None]]) -> None:
-        """Runs queued deletions (save thread, without the lock; see `StoreState.deletes`). A deletion that fails (EACCES,
-        EIO) is logged and the others go on; the bytes are released from the count either way (what is left
+        """Runs queued deletions (save thread, without the lock; see `StoreState.deletes`). A deletion that fails
+        (EACCES, EIO) is logged and the others go on; the bytes are released from the count either way (what is left
         is collected when the folder is next scanned)."""
         try:
             for key, nbytes, head in deletes:

@@ -16,12 +16,19 @@ from .entry import Entry
 
 
 class HostTier:
-    """Host memory's share of the index (not thread-safe: the store's lock guards it).
+    """Host memory's share of the store's state (not thread-safe: the store's lock guards it).
 
     Args:
         limit: Bytes of KV the tier may hold (`host_bytes`).
         policy: Name of the eviction policy (see :mod:`hf_attnstore.store.policy`).
         pin_memory: Whether buffers are allocated in page-locked memory (for asynchronous copies to CUDA).
+
+    Example:
+        >>> host = HostTier(limit=1 << 20, policy="lru", pin_memory=False)
+        >>> buf = host.new_buffer((2, 4, 8), torch.float16)
+        >>> counted, nbytes = host.account(buf, {}, 0)  # an empty buffer holds no segment yet
+        >>> nbytes, host.used, host.fits(1 << 20)
+        (0, 0, True)
     """
 
     name = "host"

@@ -1,5 +1,5 @@
 """Load decisions: which sessions to load from a lower tier, into which buffers, and which leading chunks a turn
-recomputes rather than loads (`recompute_by_cost`). Under the index's lock; the reading itself is the load
+recomputes rather than loads (`recompute_by_cost`). Under the state's lock; the reading itself is the load
 thread's (load_thread.py), which reports each end through a callback.
 """
 
@@ -35,7 +35,7 @@ class ResumeDecision:
 
 
 class LoadPlanner:
-    """The store's load decisions, over its index (under `StoreState.lock`): which sessions to load and into which
+    """The store's load decisions, over the store's state (under `StoreState.lock`): which sessions to load and into which
     buffers; the :class:`LoadThread` it owns only reads them and reports each end through `done`.
 
     Example (through the store: a session demoted to disk is loaded back by a lookup)::
@@ -110,7 +110,8 @@ class LoadPlanner:
         if decision is not None:  # counted once the load has started (a refused prefetch decided nothing)
             self.state.count(resume_decisions=1, resume_recomputes=decision.chunks > 0,
                              resume_recomputed_tokens=decision.tokens)
-            self.state.record(resume_load_gbps=decision.load_gbps, resume_prefill_tokens_per_s=decision.prefill_tokens_per_s,
+            self.state.record(resume_load_gbps=decision.load_gbps,
+                              resume_prefill_tokens_per_s=decision.prefill_tokens_per_s,
                               resume_load_estimate_s=decision.load_s, resume_chosen_estimate_s=decision.chosen_s)
         return True
 

@@ -1,6 +1,6 @@
 """The load thread: reads sessions from a lower tier into host buffers, layer by layer.
 
-The store decides to load (`LoadPlanner`, load_planner.py, under the index's lock) when a turn finds a session
+The store decides to load (`LoadPlanner`, load_planner.py, under the state's lock) when a turn finds a session
 only below host memory, or a prefetch asks for one; this thread reads it into host buffers.
 
 One thread serves a priority queue. A load that a turn waits for (a *demand* load, from `lookup`) goes
@@ -54,7 +54,7 @@ class LoadJob:
     kept: dict[str, torch.Tensor] = field(default_factory=dict)  # sparse chunk -> its kept positions, verified
     blobs: dict[str, dict] = field(default_factory=dict)  # lossy chunk -> tensor name -> blob, as read
     encoded: list = field(default_factory=list)  # (start, part) built from `blobs` once every layer is read
-    entry: object = None  # the store's index entry (opaque here)
+    entry: object = None  # the session's entry in the store's state (opaque here)
     opened: dict[str, ChunkReader] = field(default_factory=dict)  # chunk name -> open chunk, verified
     verified: bool = False
     layer: int = 0  # next layer to read

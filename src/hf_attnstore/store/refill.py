@@ -12,7 +12,7 @@ and by every `flush()`), and it refuses to write a manifest that names chunks it
 - with Redis as the only tier below host memory: each session's copy there is forgotten, and a session still
   in host memory is written whole again; one that is not is gone (nothing else holds it), a clean miss.
 
-The save thread runs the copies; the decisions are made here, under the index's lock.
+The save thread runs the copies; the decisions are made here, under the state's lock.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Saving: what the store writes to a lower tier and when, and the thread that writes it.
 
 :class:`SavePlanner` decides *what* to save and *when* (write-behind in the quiet gap after a turn, at once for a
-flush or a demotion), under the index's lock, and hands the save thread a :class:`SaveJob` with the session
+flush or a demotion), under the state's lock, and hands the save thread a :class:`SaveJob` with the session
 pinned. The thread (:class:`SaveThread`) only encodes and writes: each chunk is encoded (serialized, hashed,
 chained to the history before it) while the tier writes the previous one (`Tier.put` returns a Future), and the
 manifest is put only after every chunk it names is durable. It talks to the planner alone (never the index) and
@@ -372,7 +372,7 @@ def _settle(future: Future, timeout: float) -> int | None:
 
 
 class SavePlanner:
-    """The store's save decisions, over its index (under `StoreState.lock`): what to write and when, and what the
+    """The store's save decisions, over the store's state (under `StoreState.lock`): what to write and when, and what the
     index learns when a write ends. The :class:`SaveThread` it starts sees only this object's public methods
     (`next_work`, `run_deletes`, `reserve`, `yield_for_save`, `files_to_keep`, `finish_save`, `thread_error`,
     `warn`), never the index."""
@@ -479,7 +479,8 @@ class SavePlanner:
         links = ()
         if start == 0 and not base.dropped:
             links, mirrored = self.shared_chunks(e, snap.token_ids[:end])
-            self.state.add_mirrored(e, mirrored)  # the shared chunks the mirror has (under their owner): never copied again
+            # The shared chunks the mirror has (under their owner): never copied again.
+            self.state.add_mirrored(e, mirrored)
         # The sessions linked from are pinned until the job ends: an eviction that makes room for this job's own
         # chunks must not take them (their files would stay, held by the links, but counted as freed).
         sources = tuple({id(s): s for s in (self.state.entries[key] for key, _ in links)}.values())
@@ -569,7 +570,8 @@ class SavePlanner:
                     made = {**result.new_chunks, **{n: link[:2] for n, link in result.linked.items()}}
                     files = {name: size for name, size in {**e.files, **{n: c[0] for n, c in made.items()}}
                              .items() if name in result.keep}
-                    self.state.set_files(e, files, result.manifest_size if result.manifest is not None else e.manifest_size)
+                    self.state.set_files(e, files,
+                                         result.manifest_size if result.manifest is not None else e.manifest_size)
                     if result.linked and self.state.disk_used - self.state.deleting > self.config.disk_bytes:
                         # A shared file whose other names were deleted meanwhile (`delete`) is counted now: room.
                         self.eviction.enforce_disk(e)

@@ -10,7 +10,7 @@ remote.py), the policies (policy/) and the codec (codec.py).
 
 Threads. Two I/O threads only move bytes: the load thread reads chunks into host buffers it was handed, the
 save thread writes host buffers to a lower tier. Neither sees the index: they report through the planners'
-callbacks, which take the index's lock. Loads have priority: the save thread waits for running loads between
+callbacks, which take the state's lock. Loads have priority: the save thread waits for running loads between
 chunks (concurrent reads and writes slowed both by 18-20% in Pensieve).
 """
 

@@ -24,7 +24,18 @@ class Sink(Protocol):
 
 
 class TurnWriter:
-    """Appends one turn's KV to a session. Created by :meth:`AttnStore.open_turn`."""
+    """Appends one turn's KV to a session. Created by :meth:`AttnStore.open_turn`.
+
+    Example:
+        >>> from hf_attnstore import AttnStore
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> kv = [torch.zeros(1, 2, 3, 4) for _ in range(2)]  # two layers of [1, kv_heads, 3 tokens, head_dim]
+        >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as writer:
+        ...     writer.append(torch.tensor([1, 2, 3]), kv, kv)
+        True
+        >>> writer.append(torch.tensor([4]), kv, kv)  # closed: later appends are dropped
+        False
+    """
 
     def __init__(self, sink: Sink, key: Key, turn: int, base: SessionKV | None, keep: torch.Tensor):
         self.sink, self.key, self.turn = sink, key, turn
