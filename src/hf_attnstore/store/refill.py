@@ -18,30 +18,12 @@ The save thread runs the copies; the decisions are made here, under the state's 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from .entry import Entry, Write
-from .format import Manifest
+from .save_thread import MirrorJob, MirrorResult
 from .store_state import StoreState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class MirrorJob:
-    """Copy a session's durable disk copy (`manifest`) to the mirror tier: the chunks it lacks, then the manifest.
-    The entry is pinned meanwhile (its files stay)."""
-
-    entry: Entry
-    manifest: Manifest
-    mirrored: frozenset = frozenset()
-
-
-@dataclass(eq=False)
-class MirrorResult:
-    mirrored: set = field(default_factory=set)
-    nbytes: int = 0
-    error: BaseException | None = None
 
 
 class Refill:

@@ -1,15 +1,15 @@
 """AttnStore: the hierarchical KV store (host memory, then lower tiers) behind AttnStoreCache.
 
-This file is the public API, and the one place that decides between a local copy of a session and a longer
-copy in the shared remote tier. Around it, one module each: the store's state and its one owner (store_state.py:
+This file is the public API. Around it, one module each: the store's state and its one owner (store_state.py:
 every entry, the byte counters, pins, dirty marks and the queues, under one lock, held here as `_index`); making
-room (eviction.py); loads (load_planner.py, and load_thread.py for the thread that reads); saves (saver.py: the
-`SavePlanner` and its thread); a turn's writes (turn_sink.py, and writer.py for the `TurnWriter` a turn holds).
+room (eviction.py); loads (load_planner.py, and load_thread.py for the thread that reads); saves (saver.py, and
+save_thread.py for the thread that writes); a turn's writes (turn_sink.py, and writer.py for the `TurnWriter` a
+turn holds); the choice between a local and a remote copy (remote_choice.py).
 Below them: the tier interface (tier.py) and one file per tier (host.py with buffer.py, disk.py with format.py,
 remote.py), the policies (policy/) and the codec (codec.py).
 
 Threads. Two I/O threads only move bytes: the load thread reads chunks into host buffers it was handed, the
-save thread writes host buffers to a lower tier. Neither sees the index: they report through the planners'
+save thread writes host buffers to a lower tier. Neither sees the store's state: they report through the planners'
 callbacks, which take the state's lock. Loads have priority: the save thread waits for running loads between
 chunks (concurrent reads and writes slowed both by 18-20% in Pensieve).
 """

@@ -158,7 +158,7 @@ class TurnSink:
                     self.state.unindex(old)
                 else:
                     # No disk tier: the old entry's copy in the remote tier stays until the new manifest replaces
-                    # it (`RemoteTier.remove` deletes nothing of a session that is still indexed, saver.py).
+                    # it (`RemoteTier.remove` deletes nothing of a session that is still indexed, save_thread.py).
                     self.state.drop(old)
                     old = None
             if base is not None and n:
