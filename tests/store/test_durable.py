@@ -340,7 +340,7 @@ def test_a_session_deleted_while_its_mirror_copy_is_written_is_not_resurrected(t
 def test_a_remote_copy_adopted_over_a_new_history_that_fails_to_load_keeps_the_older_copy(tmp_path, monkeypatch):
     from hf_attnstore.store import remote as remote_module
     from hf_attnstore.store.format import FormatError
-    from hf_attnstore.store.loader import LoadError
+    from hf_attnstore.store.load_handle import LoadError
 
     with RedisServer(tmp_path / "redis") as server:
         old = list(range(1, 101))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_attnstore.store import AttnStore
-from hf_attnstore.store.loader import LoadError
+from hf_attnstore.store.load_handle import LoadError
 from hf_attnstore.store.redis_server import RedisServer, free_port
 from hf_attnstore.store.remote import RemoteTier, RemoteUnavailableError
 

@@ -17,7 +17,7 @@ import pytest
 
 from hf_attnstore.store import AttnStore
 from hf_attnstore.store import remote as remote_module
-from hf_attnstore.store.loader import LoadError
+from hf_attnstore.store.load_handle import LoadError
 from hf_attnstore.store.redis_server import RedisServer, free_port
 from hf_attnstore.store.remote import RemoteChunk, RemoteTier, RemoteUnavailableError
 

@@ -23,7 +23,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -39,8 +39,21 @@ from .upstream import (
     layer_types,
 )
 
-if TYPE_CHECKING:
-    from .turn import CacheTurn
+
+
+class LayerOwner(Protocol):
+    """What the layers ask of the turn that owns them (`turn.CacheTurn`), named here so that this module does not
+    import the turn's, which imports this one."""
+
+    def load_layer(self, idx: int, length: int, new_keys: torch.Tensor, new_values: torch.Tensor): ...
+
+    def record(self, idx: int, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    def can_select(self, start: int) -> bool: ...
+
+    def scores_for(self, slot: int, columns: torch.Tensor) -> torch.Tensor: ...
+
+    def attended_sparse(self, position: int) -> None: ...
 
 logger = logging.getLogger(__name__)
 KV, STATE, BOTH, NONE = "kv", "state", "both", "none"
@@ -121,7 +134,7 @@ class AttnStoreLayer(DynamicLayer):
     re-applies RoPE for the new positions, so loading proceeds layer by layer with the forward pass.
     """
 
-    def __init__(self, owner: "CacheTurn", slot: int, reused: int, swap: bool = False):
+    def __init__(self, owner: LayerOwner, slot: int, reused: int, swap: bool = False):
         DynamicLayer.__init__(self)
         # A weak reference: no cycle between the cache and its layers, so a cache dropped by its user is freed
         # (and its turn closed, see AttnStoreCache.close) at once rather than at the next garbage collection.
@@ -169,7 +182,7 @@ class AttnStoreSlidingLayer(AttnStoreLayer, DynamicSlidingWindowLayer):
 
     is_sliding = True
 
-    def __init__(self, owner: "CacheTurn", slot: int, reused: int, swap: bool, sliding_window: int):
+    def __init__(self, owner: LayerOwner, slot: int, reused: int, swap: bool, sliding_window: int):
         AttnStoreLayer.__init__(self, owner, slot, reused, swap)
         # DynamicSlidingWindowLayer's state (its mask sizes, past recording and crop are used as they are).
         self.sliding_window = sliding_window
@@ -217,7 +230,7 @@ class AttnStoreHybridLayer(LinearAttentionLayer, AttnStoreLayer):
 
     is_compileable = False  # its KV grows
 
-    def __init__(self, owner: "CacheTurn", slot: int, reused: int, number_of_states: int):
+    def __init__(self, owner: LayerOwner, slot: int, reused: int, number_of_states: int):
         AttnStoreLayer.__init__(self, owner, slot, reused)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
@@ -265,7 +278,7 @@ class AttnStoreSparseLayer(AttnStoreLayer):
     # A selection cannot be put back as it was before a forward (`crop` refuses): transformers then never relies on it.
     is_croppable = False
 
-    def __init__(self, owner: "CacheTurn", slot: int, reused: int, config: SparseConfig):
+    def __init__(self, owner: LayerOwner, slot: int, reused: int, config: SparseConfig):
         AttnStoreLayer.__init__(self, owner, slot, reused)
         self.config = config
         self.total = reused
@@ -354,7 +367,7 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         raise ValueError("a cache with `kv_budget` cannot be cropped (assisted decoding): use a dense cache")
 
 
-def build_layers(owner: "CacheTurn", layout: LayerLayout, reused: int, state: SessionState | None,
+def build_layers(owner: LayerOwner, layout: LayerLayout, reused: int, state: SessionState | None,
                  device: torch.device, sparse=None) -> list:
     """The cache's layers for a turn that reuses `reused` tokens (and, for a hybrid model, `state`: the states
     after exactly those tokens); with `sparse` (a SparseConfig), its full-attention layers are kept sparse."""

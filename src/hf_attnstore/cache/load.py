@@ -13,7 +13,7 @@ import torch
 
 from ..store import LoadError, SessionKV
 from ..store.config import StoreConfig
-from ..store.cuda import CudaLayerPrefetcher
+from .cuda_prefetch import CudaLayerPrefetcher
 from ..store.encoded import copy_into, dense
 from .hooks import ReuseFailed
 from .rope import RopeAdapter

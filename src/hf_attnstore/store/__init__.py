@@ -2,10 +2,10 @@
 
 from .buffer import SessionBuffer, SessionKV
 from .config import StoreConfig
-from .format import FormatError
 from .found import Found, Match
-from .loader import LoadError
 from .disk import DiskLockedError
+from .format import FormatError
+from .load_handle import LoadError
 from .stats import StoreStats
 from .store import AttnStore, StoreIOError
 from .writer import TurnWriter

@@ -18,7 +18,7 @@ import torch
 from .codec import KVCodec, least_accurate
 from .encoded import NOT_INEXACT, EncodedSegment, dense
 from .geometry import Geometry, bytes_per_token, make_geometry, shapes
-from .loader import LoadHandle
+from .load_handle import LoadHandle
 from .state import SessionState
 
 _ROUND_TOKENS = 16

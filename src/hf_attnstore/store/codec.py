@@ -162,6 +162,11 @@ def serves(codec: KVCodec | None, stored: KVCodec | None) -> bool:
     Lossless KV is served by every store. A lossless store (`codec` None) serves nothing else: its reuse is
     exact or a miss. A lossy store serves lossy KV at least as accurate as its own: more bits, or the same
     bits in groups no larger. Anything else is a miss (recomputed), never a silent loss of accuracy.
+
+    Example:
+        >>> int8, int4 = KVCodec("int8", group=32), KVCodec("int4", group=32)
+        >>> serves(int4, int8), serves(int8, int4), serves(None, int8), serves(None, None)
+        (True, False, False, True)
     """
     if stored is None:
         return True

@@ -1,7 +1,7 @@
 """The disk tier: one folder per session with immutable chunk files and a manifest.
 
 It implements the lower-tier interface of tier.py. Every method here only moves bytes; which session lives
-where is decided by the store's index.
+where is decided by the store's state (store_state.py).
 """
 
 from __future__ import annotations
@@ -295,9 +295,6 @@ class DiskTier(Tier):
         if not path.is_file() or path.is_symlink():
             raise FormatError(f"{name} is missing or not a regular file")
         return path.read_bytes()
-
-    def chunk_size(self, fingerprint: str, session_id: str, name: str) -> int:
-        return (self.session_dir(fingerprint, session_id) / (name + CHUNK_SUFFIX)).stat().st_size
 
     # -- reopening --------------------------------------------------------------------------------------
     def scan(self) -> Iterator[Found]:

@@ -1,6 +1,7 @@
-"""A session's entry in the store's index, and the rules for session ids.
+"""A session's entry in the store's state, and the rules for session ids.
 
-The index (`Index.entries`, index.py) owns the entries: they are read and changed only under `Index.lock`.
+The store's state (`StoreState.entries`, store_state.py) owns the entries: they are read only under
+`StoreState.lock`, and changed only by `StoreState`'s methods (tests/store/test_ownership.py).
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from dataclasses import dataclass, field
 
 from .buffer import SessionBuffer
 from .format import Manifest
-from .loader import LoadHandle
-from .reader import LoadJob
+from .load_handle import LoadHandle
+from .load_thread import LoadJob
 from .tier import Key
 
 
@@ -24,6 +25,14 @@ def validate_session_id(session_id: object) -> str:
     They never become paths (the disk tier hashes them) but they are written into every file of the
     session, so they must encode: a lone surrogate such as ``"\\ud800"`` is refused here rather than
     failing in the background writer.
+
+    Example:
+        >>> validate_session_id("chat/1 ../\\0")
+        'chat/1 ../\\x00'
+        >>> validate_session_id("")
+        Traceback (most recent call last):
+        ...
+        ValueError: `session_id` must be a non-empty string
     """
     if not isinstance(session_id, str):
         raise TypeError(f"`session_id` must be a str, got {type(session_id).__name__}")
@@ -50,7 +59,12 @@ BLOCK = 4096
 
 
 def blocks(nbytes: int) -> int:
-    """Bytes a file occupies on disk: its size rounded up to whole 4 KiB blocks (what `du` counts)."""
+    """Bytes a file occupies on disk: its size rounded up to whole 4 KiB blocks (what `du` counts).
+
+    Example:
+        >>> blocks(0), blocks(1), blocks(4096), blocks(4097)
+        (0, 4096, 4096, 8192)
+    """
     return -(-nbytes // BLOCK) * BLOCK
 
 
@@ -66,6 +80,15 @@ class Write(enum.Enum):
 
 @dataclass(eq=False)
 class Entry:
+    """One session's record in the store's state: its host copy, durable copy, files, pins and write state.
+    Read under `StoreState.lock`; changed only by `StoreState`'s methods (tests/store/test_ownership.py).
+
+    Example:
+        >>> e = Entry(key=("model-a", "chat-1"))
+        >>> e.length, e.persisted, e.dirty, e.write
+        (0, 0, False, <Write.BEHIND: 'behind'>)
+    """
+
     key: Key
     host: SessionBuffer | None = None
     host_accounted: int = 0  # the buffer's bytes at its last accounting (its segments may be shared)
@@ -74,18 +97,18 @@ class Entry:
     chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # referenced chunk -> (bytes, tokens)
     files: dict[str, int] = field(default_factory=dict)  # every chunk file on disk (referenced or not) -> bytes
     # Those of `files` that other sessions' folders name too (a shared prefix's hard links, `Tier.link`) -> the
-    # file's identity: their bytes are counted once, by the index (`Index.linked`), not in `disk_bytes`.
+    # file's identity: their bytes are counted once, by the index (`StoreState.linked`), not in `disk_bytes`.
     linked: dict = field(default_factory=dict)
     prefix_blocks: int = 0  # whole 64-token blocks offered in the prefix table during the running turn
     manifest_size: int = 0
     remote: Manifest | None = None  # found in the shared remote tier, to be loaded (not local yet)
     # The local durable copy this remote copy is to replace, once loaded (its files, moved to this entry, stay
-    # on disk meanwhile): put back in the index if the remote copy fails to load (`AttnStore._restore_local`).
+    # on disk meanwhile): put back in the index if the remote copy fails to load (`RemoteChoice.restore_local`).
     fallback: "Entry | None" = None
-    # Another history's durable copy this entry was handed (`Index.hand_over`) and keeps on disk until its own copy
-    # is durable: what the session is again if the new history's host copy goes first (`Index.release_host`).
+    # Another history's durable copy this entry was handed (`StoreState.hand_over`) and keeps on disk until its own copy
+    # is durable: what the session is again if the new history's host copy goes first (`StoreState.release_host`).
     predecessor: Manifest | None = None
-    successor: "Entry | None" = None  # the entry this one handed its files to (`Index.hand_over`)
+    successor: "Entry | None" = None  # the entry this one handed its files to (`StoreState.hand_over`)
     refused: tuple | None = None  # a remote copy that failed to verify or load (`remote_signature`): not retried
     mirrored: set = field(default_factory=set)  # digests of chunks this store put in the remote tier
     layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads

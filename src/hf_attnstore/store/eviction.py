@@ -12,8 +12,8 @@ import time
 from .config import StoreConfig
 from .disk import DiskTier
 from .entry import Entry, Key, Write, blocks
-from .index import Index
 from .placement import choose_head_drops, choose_victims, head_drop_candidates
+from .store_state import StoreState
 from .tier import CHUNK_SUFFIX, MANIFEST, Tier
 
 
@@ -27,91 +27,90 @@ class DiskBusy(OSError):
 
 
 class Eviction:
-    """Host demotion and the disk limit, over the store's index (see the module docstring).
+    """Host demotion and the disk limit, over the store's state (see the module docstring).
 
     Example:
         >>> from hf_attnstore.store.config import StoreConfig
         >>> config = StoreConfig(host_bytes="1MiB")
-        >>> index = Index(config, has_disk=False, has_lower=False)
-        >>> eviction = Eviction(index, config, disk=None, lower=None)
-        >>> with index.lock:
+        >>> state = StoreState(config, has_disk=False, has_lower=False)
+        >>> eviction = Eviction(state, config, disk=None, lower=None)
+        >>> with state.lock:
         ...     eviction.make_host_room(1024, exclude=None)  # an empty host tier has room
         True
     """
 
-    def __init__(self, index: Index, config: StoreConfig, disk: DiskTier | None, lower: Tier | None):
-        self.index, self.config, self.disk, self.lower = index, config, disk, lower
+    def __init__(self, state: StoreState, config: StoreConfig, disk: DiskTier | None, lower: Tier | None):
+        self.state, self.config, self.disk, self.lower = state, config, disk, lower
 
     def make_host_room(self, extra: int, exclude: Entry | None, keep_sooner_than: int | None = None) -> bool:
         """Demotes (or drops) host sessions until `extra` more bytes fit. Pinned ones stay; dirty ones are
         persisted first and demoted when that completes. With `keep_sooner_than` (a prefetch for the job at
         that queue position), sessions whose next job comes sooner are never evicted for it."""
-        limit = self.index.host.limit
-        if self.index.host.fits(extra):
+        limit = self.state.host.limit
+        if self.state.host.fits(extra):
             return True  # the common case, once per appended token: no scan of the index
-        self.index.apply_ended_turns()
-        host = self.index.host
-        freeing = sum(host.freed_by(e) for e in self.index.entries.values() if e.write is Write.DEMOTE)
-        entries = self.index.entries
+        self.state.apply_ended_turns()
+        host = self.state.host
+        freeing = sum(host.freed_by(e) for e in self.state.entries.values() if e.write is Write.DEMOTE)
+        entries = self.state.entries
 
         def movable(key) -> bool:  # already being written out counts in `freeing`; pinned ones stay
             e = entries[key]
             return e is not exclude and e.write is not Write.DEMOTE and e.pins == 0 and not e.writers
 
-        for key in choose_victims(self.index.host.policy.victims(), lambda key: host.freed_by(entries[key]), movable,
-                                  self.index.host.used - freeing + extra - limit,
-                                  self.index.host.position, keep_sooner_than):
+        for key in choose_victims(self.state.host.policy.victims(), lambda key: host.freed_by(entries[key]), movable,
+                                  self.state.host.used - freeing + extra - limit,
+                                  self.state.host.position, keep_sooner_than):
             self.evict_from_host(entries[key])
-        return self.index.host.fits(extra)
+        return self.state.host.fits(extra)
 
     def evict_from_host(self, e: Entry) -> None:
         """Demotes a session to disk, or drops it when it cannot be kept there. Sessions being loaded or
         written, or whose turn is running, are pinned and stay; unwritten ones are written first (then demoted
         by _finish_persist)."""
-        self.index.apply_ended_turns()
+        self.state.apply_ended_turns()
         if e.pins or e.writers:
             return
         # A host copy still missing a head its turn did not recompute, and not durable that far (a remote copy
         # loaded without its head, `recompute_by_cost`), cannot be written: dropped (the remote copy stays).
         unwritable = e.host is not None and e.host.missing_head > e.persisted
         if self.lower is None or e.write is Write.NEVER or e.length == 0 or unwritable:
-            self.index.release_host(e)  # its durable copy, if any, stays
-            self.index.stats.host_drops += 1
+            self.state.release_host(e)  # its durable copy, if any, stays
+            self.state.count(host_drops=1)
         elif e.dirty:
-            e.write = Write.DEMOTE
-            self.index.dirty.add(e.key)
-            self.index.cond.notify_all()
+            self.state.mark_dirty(e, Write.DEMOTE)
+            self.state.cond.notify_all()
         else:
             assert e.manifest is not None and e.persisted == e.length, "a clean session is entirely below host"
-            self.index.set_host(e, None)
-            self.index.stats.demotions += 1
+            self.state.set_host(e, None)
+            self.state.count(demotions=1)
 
     def enforce_disk(self, current: Entry | None) -> bool:
         """Drops other sessions' disk copies (or, with `partial_eviction`, their leading chunks first) while
         the disk tier is over its limit. Returns whether it fits once the queued deletions have run (the caller
         runs them before writing)."""
         limit = self.config.disk_bytes
-        entries = self.index.entries
-        if self.index.disk_used - self.index.deleting > limit:
-            self.drop_replaced_copies(current, self.index.disk_used - self.index.deleting - limit)
-        while self.config.partial_eviction and self.index.disk_used - self.index.deleting > limit:
+        entries = self.state.entries
+        if self.state.disk_used - self.state.deleting > limit:
+            self.drop_replaced_copies(current, self.state.disk_used - self.state.deleting - limit)
+        while self.config.partial_eviction and self.state.disk_used - self.state.deleting > limit:
             # (Again while it frees something: the room a head drop's new manifest takes counts only once chosen.)
-            queued = len(self.index.deletes)
-            self.drop_disk_heads(current, self.index.disk_used - self.index.deleting - limit)
-            if len(self.index.deletes) == queued:
+            queued = len(self.state.deletes)
+            self.drop_disk_heads(current, self.state.disk_used - self.state.deleting - limit)
+            if len(self.state.deletes) == queued:
                 break
-        for key in choose_victims(self.index.disk_policy.victims(), lambda key: entries[key].disk_bytes,
+        for key in choose_victims(self.state.disk_policy.victims(), lambda key: entries[key].disk_bytes,
                                   lambda key: entries[key] is not current and entries[key].pins == 0,
-                                  self.index.disk_used - self.index.deleting - limit):
-            self.index.stats.disk_drops += 1
+                                  self.state.disk_used - self.state.deleting - limit):
+            self.state.count(disk_drops=1)
             self.drop_disk_copy(entries[key])
-        return self.index.disk_used - self.index.deleting <= limit
+        return self.state.disk_used - self.state.deleting <= limit
 
     def replaced_copies(self, current: Entry | None, loading: bool = False):
-        """Other sessions' older copies that a new history keeps until its own copy is durable (`Index.hand_over`)
+        """Other sessions' older copies that a new history keeps until its own copy is durable (`StoreState.hand_over`)
         and that may go for room now (`loading`: or once their loads end). The session being written keeps its
         own: a durable copy is never dropped for its own successor."""
-        for e in self.index.entries.values():
+        for e in self.state.entries.values():
             if e is not current and e.manifest is None and e.predecessor is not None and e.files \
                     and (e.pins == 0 or loading and e.loading is not None):
                 yield e
@@ -123,18 +122,17 @@ class Eviction:
             if overflow <= 0:
                 return
             overflow -= e.disk_bytes
-            self.index.stats.disk_drops += 1
-            e.predecessor, e.chunks = None, {}
-            self.index.delete_folder(e)
+            self.state.count(disk_drops=1)
+            self.state.forget_replaced(e)
 
     def drop_disk_heads(self, current: Entry | None, overflow: int) -> None:
         """Partial eviction: drops leading chunks of idle sessions' disk copies, lowest retention value first
         (`placement.choose_head_drops`). Sessions loading, being written, running a turn or queued by the
         scheduler are left whole."""
-        now, policy = time.monotonic(), self.index.disk_policy
+        now, policy = time.monotonic(), self.state.disk_policy
 
         def describe(key):
-            e = self.index.entries[key]
+            e = self.state.entries[key]
             # A hybrid model's session (with a state) stays whole: its head could not be recomputed without
             # recomputing the states, i.e. the whole session.
             if e is current or e.pins or e.writers or e.manifest is None or not e.manifest.spans \
@@ -144,11 +142,11 @@ class Eviction:
 
         candidates = head_drop_candidates(policy.victims(), overflow, describe)
         for key in choose_head_drops(candidates, overflow):
-            e = self.index.entries.get(key)
+            e = self.state.entries.get(key)
             if e is None or e.manifest is None:
                 continue
             if len(e.manifest.spans) == 1:  # its last chunk: the session leaves the disk tier
-                self.index.stats.disk_drops += 1
+                self.state.count(disk_drops=1)
                 self.drop_disk_copy(e)
             else:
                 self.drop_disk_head(e)
@@ -161,7 +159,7 @@ class Eviction:
             if any(s.chunk == span.chunk for s in spans[i + 1 :]):
                 freed = 0  # a later span reads the chunk too
             elif span.chunk in e.linked:  # a shared prefix's file: freed only with its last name
-                freed = self.index.shared_bytes(e.key, span.chunk, e.linked[span.chunk])
+                freed = self.state.shared_bytes(e.key, span.chunk, e.linked[span.chunk])
             else:
                 freed = blocks(e.files.get(span.chunk, 0))
             units.append((pos, pos + span.length, freed))
@@ -177,22 +175,19 @@ class Eviction:
         manifest = old.drop_head_span()
         chunk = old.spans[0].chunk
         gone = chunk if all(s.chunk != chunk for s in manifest.spans) else None
-        self.index.set_manifest(e, manifest, e.chunks)
+        self.state.set_manifest(e, manifest, e.chunks)
         files = dict(e.files)
         size = files.pop(gone) if gone in files else None
-        # A shared file frees its bytes only with its last name (`Index.set_files` says how many).
+        # A shared file frees its bytes only with its last name (`StoreState.set_files` says how many).
         nbytes = blocks(size) if size is not None and gone not in e.linked else 0
-        nbytes += self.index.set_files(e, files, e.manifest_size)
+        nbytes += self.state.set_files(e, files, e.manifest_size)
         # The new manifest is written beside the old one (a temporary file, then a rename) before the chunk goes:
         # room for the largest such temporary is counted until the queued deletions have run (`run_deletes`; they
         # run one at a time), so `disk_bytes` holds while they do.
         room = blocks(len(manifest.encode()))
-        if room > self.index.manifest_room:
-            self.index.disk_used += room - self.index.manifest_room
-            self.index.manifest_room = room
-        self.index.queue_delete(e.key, nbytes, (manifest, gone))
-        self.index.stats.head_drops += 1
-        self.index.stats.head_dropped_tokens += old.spans[0].length
+        self.state.reserve_manifest_room(room)
+        self.state.queue_delete(e.key, nbytes, (manifest, gone))
+        self.state.count(head_drops=1, head_dropped_tokens=old.spans[0].length)
 
     def reserve_disk(self, e: Entry, nbytes: int, exact: bool = False) -> int:
         """Makes room for `nbytes` before they are written (save thread), so the files on disk never exceed
@@ -201,7 +196,7 @@ class Eviction:
 
         Whether the bytes can fit at all is asked first: when not even dropping every other session's copy that
         may go would make room, nothing is dropped (a refusal loses nothing else). The session's own durable
-        copy is never dropped for it either: it stays until its successor is durable (`Index.hand_over`).
+        copy is never dropped for it either: it stays until its successor is durable (`StoreState.hand_over`).
 
         Raises:
             NoDiskRoom: The session alone would not fit.
@@ -210,16 +205,16 @@ class Eviction:
             return 0  # saved to the remote tier: its memory is Redis's to limit (maxmemory), not `disk_bytes`
         size = nbytes if exact else blocks(nbytes)
         busy = False
-        with self.index.cond:
-            over = self.index.disk_used - self.index.deleting + size - self.config.disk_bytes
+        with self.state.cond:
+            over = self.state.disk_used - self.state.deleting + size - self.config.disk_bytes
             fits = over <= 0 or over <= self.evictable_bytes(e)  # (the common case asks no session)
             busy = not fits and over <= self.evictable_bytes(e, pinned=True)
             if fits:
-                self.index.disk_used += size
+                self.state.reserve_disk(size)
                 fits = self.enforce_disk(e)
                 if not fits:  # (sessions pinned meanwhile: what was dropped went in good faith)
-                    self.index.disk_used -= size
-            deletes = self.index.take_deletes()
+                    self.state.release_disk(size)
+            deletes = self.state.take_deletes()
         self.run_deletes(deletes)
         if busy:
             raise DiskBusy(f"session {e.key[1]!r} does not fit in the disk tier while the sessions that would make "
@@ -233,9 +228,9 @@ class Eviction:
         """The disk bytes dropping every other session's copy that may go now would free (lock held): copies that
         are not pinned (`pinned`: those being loaded too, once their loads end; the other pins are the running
         save's own, its links' sources), and shared files all of whose names are in them."""
-        entries, gone = self.index.entries, set()
+        entries, gone = self.state.entries, set()
         total = 0
-        for key in self.index.disk_policy.victims():
+        for key in self.state.disk_policy.victims():
             e = entries.get(key)
             if e is not None and e is not current and (e.pins == 0 or pinned and e.loading is not None):
                 total += e.disk_bytes
@@ -243,32 +238,26 @@ class Eviction:
         for e in self.replaced_copies(current, pinned):
             total += e.disk_bytes
             gone.add(e.key)
-        for nbytes, names in self.index.linked.values():
+        for nbytes, names in self.state.linked.values():
             if names and all(key in gone for key, _ in names):
                 total += nbytes
         return total
 
     def run_deletes(self, deletes: list[tuple[Key, int, tuple | None]]) -> None:
-        """Runs queued deletions (save thread, without the lock; see `Index.deletes`). A deletion that fails (EACCES,
-        EIO) is logged and the others go on; the bytes are released from the count either way (what is left
+        """Runs queued deletions (save thread, without the lock; see `StoreState.deletes`). A deletion that fails
+        (EACCES, EIO) is logged and the others go on; the bytes are released from the count either way (what is left
         is collected when the folder is next scanned)."""
         try:
             for key, nbytes, head in deletes:
                 try:
                     self.run_delete(key, nbytes, head)
                 except OSError as exc:
-                    self.index.once.warning("delete", "disk tier: deleting files of session %r failed (%s)", key[1], exc)
+                    self.state.once.warning("delete", "disk tier: deleting files of session %r failed (%s)", key[1], exc)
         finally:
             if deletes:
-                with self.index.cond:
-                    nbytes = sum(item[1] for item in deletes)
-                    self.index.disk_used -= nbytes
-                    self.index.deleting -= nbytes
-                    self.index.deletions -= len(deletes)
-                    if not self.index.deletes:  # no head drop left to write a manifest beside its old one
-                        self.index.disk_used -= self.index.manifest_room
-                        self.index.manifest_room = 0
-                    self.index.cond.notify_all()  # a flush() may be waiting for them
+                with self.state.cond:
+                    self.state.deletes_done(deletes)
+                    self.state.cond.notify_all()  # a flush() may be waiting for them
 
     def run_delete(self, key: Key, nbytes: int, head: tuple | None) -> None:
         if head is None:
@@ -282,27 +271,22 @@ class Eviction:
         except OSError as exc:
             # The index says the chunk is dropped, the disk still has the old manifest: make them agree by
             # letting the whole disk copy go (a clean miss later; the chunk is deleted with the folder).
-            self.index.once.warning("head_drop", "disk tier: writing the manifest of partially evicted session %r "
+            self.state.once.warning("head_drop", "disk tier: writing the manifest of partially evicted session %r "
                                "failed (%s); its disk copy is dropped", key[1], exc)
-            with self.index.cond:
-                e = self.index.entries.get(key)
+            with self.state.cond:
+                e = self.state.entries.get(key)
                 if e is not None and e.manifest is manifest:
                     # The chunk is still there: count it with the folder, whose deletion removes it.
-                    self.index.set_files(e, {**e.files, chunk: nbytes} if chunk else e.files, e.manifest_size)
+                    self.state.set_files(e, {**e.files, chunk: nbytes} if chunk else e.files, e.manifest_size)
                     self.drop_disk_copy(e)
             return
         if chunk is not None:
             self.disk.delete(key, [chunk + CHUNK_SUFFIX])
-        with self.index.cond:
-            e = self.index.entries.get(key)
+        with self.state.cond:
+            e = self.state.entries.get(key)
             if e is not None and e.manifest is manifest:
-                self.index.set_files(e, e.files, size)
+                self.state.set_files(e, e.files, size)
 
     def drop_disk_copy(self, e: Entry) -> None:
         """Removes a session from the disk tier; with no copy in host memory either, it is gone."""
-        if e.host is None:
-            self.index.drop(e)
-            return
-        self.index.set_manifest(e, None, {})
-        e.write = Write.NEVER  # not written again this turn: it would only push another session out
-        self.index.delete_folder(e)
+        self.state.drop_disk_copy(e)

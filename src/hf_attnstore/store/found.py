@@ -16,7 +16,7 @@ import torch
 
 from .buffer import SessionKV
 from .format import prefix_digest
-from .loader import LoadError
+from .load_handle import LoadError
 from .state import SessionState
 
 

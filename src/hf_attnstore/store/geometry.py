@@ -13,7 +13,12 @@ Geometry = tuple  # (layers, heads, dim) or (layers, key_heads, key_dim, value_h
 
 
 def make_geometry(layers: int, key_shape: tuple[int, int], value_shape: tuple[int, int]) -> Geometry:
-    """The canonical geometry of `layers` slots with keys ``(heads, dim)`` `key_shape` and values `value_shape`."""
+    """The canonical geometry of `layers` slots with keys ``(heads, dim)`` `key_shape` and values `value_shape`.
+
+    Example:
+        >>> make_geometry(2, (4, 64), (4, 64)), make_geometry(2, (1, 576), (1, 512))
+        ((2, 4, 64), (2, 1, 576, 1, 512))
+    """
     key_shape, value_shape = tuple(int(x) for x in key_shape), tuple(int(x) for x in value_shape)
     if key_shape == value_shape:
         return (int(layers), *key_shape)
@@ -21,7 +26,12 @@ def make_geometry(layers: int, key_shape: tuple[int, int], value_shape: tuple[in
 
 
 def parse_geometry(values) -> Geometry:
-    """A geometry from its recorded list (3 or 5 positive ints), canonical; ValueError otherwise."""
+    """A geometry from its recorded list (3 or 5 positive ints), canonical; ValueError otherwise.
+
+    Example:
+        >>> parse_geometry([2, 4, 64, 4, 64])
+        (2, 4, 64)
+    """
     g = tuple(int(x) for x in values)
     if len(g) not in (3, 5) or any(x <= 0 for x in g):
         raise ValueError(f"a KV geometry is 3 or 5 positive ints, got {list(values)!r}")
@@ -29,18 +39,33 @@ def parse_geometry(values) -> Geometry:
 
 
 def shapes(geometry: Geometry) -> tuple[int, tuple[int, int], tuple[int, int]]:
-    """``(layers, (key_heads, key_dim), (value_heads, value_dim))`` of a geometry."""
+    """``(layers, (key_heads, key_dim), (value_heads, value_dim))`` of a geometry.
+
+    Example:
+        >>> shapes((2, 4, 64))
+        (2, (4, 64), (4, 64))
+    """
     layers, key_shape = geometry[0], tuple(geometry[1:3])
     return layers, key_shape, (tuple(geometry[3:5]) if len(geometry) == 5 else key_shape)
 
 
 def shape_of(geometry: Geometry, keys: bool) -> tuple[int, int]:
-    """``(heads, dim)`` of the keys (`keys`) or of the values."""
+    """``(heads, dim)`` of the keys (`keys`) or of the values.
+
+    Example:
+        >>> shape_of((2, 1, 576, 1, 512), keys=False)
+        (1, 512)
+    """
     _, key_shape, value_shape = shapes(geometry)
     return key_shape if keys else value_shape
 
 
 def bytes_per_token(geometry: Geometry, itemsize: int) -> int:
-    """Bytes of one token's keys and values over every layer, at `itemsize` bytes per element."""
+    """Bytes of one token's keys and values over every layer, at `itemsize` bytes per element.
+
+    Example:
+        >>> bytes_per_token((2, 4, 64), itemsize=2)  # 2 layers x (keys + values) x 4 heads x 64 x 2 bytes
+        2048
+    """
     layers, (kh, kd), (vh, vd) = shapes(geometry)
     return layers * (kh * kd + vh * vd) * itemsize

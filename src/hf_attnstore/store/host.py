@@ -16,12 +16,19 @@ from .entry import Entry
 
 
 class HostTier:
-    """Host memory's share of the index (not thread-safe: the store's lock guards it).
+    """Host memory's share of the store's state (not thread-safe: the store's lock guards it).
 
     Args:
         limit: Bytes of KV the tier may hold (`host_bytes`).
         policy: Name of the eviction policy (see :mod:`hf_attnstore.store.policy`).
         pin_memory: Whether buffers are allocated in page-locked memory (for asynchronous copies to CUDA).
+
+    Example:
+        >>> host = HostTier(limit=1 << 20, policy="lru", pin_memory=False)
+        >>> buf = host.new_buffer((2, 4, 8), torch.float16)
+        >>> counted, nbytes = host.account(buf, {}, 0)  # an empty buffer holds no segment yet
+        >>> nbytes, host.used, host.fits(1 << 20)
+        (0, 0, True)
     """
 
     name = "host"
@@ -38,41 +45,27 @@ class HostTier:
     def contains(e: Entry) -> bool:
         return e.host is not None
 
-    def put(self, e: Entry, buf: SessionBuffer) -> None:
-        """Makes `buf` the session's host copy (replacing any other) and counts its bytes."""
-        if e.host is None:
-            self.policy.insert(e.key)
-        e.host = buf
-        self.account(e)
-
-    def remove(self, e: Entry) -> None:
-        """Lets the session's host copy go (its bytes are freed when the last snapshot of it is)."""
-        if e.host is not None:
-            self.policy.remove(e.key)
-        e.host = None
-        self.account(e)
-
-    def account(self, e: Entry) -> None:
-        """Brings the count up to date after the session's buffer grew, shrank or changed: a segment counts when
-        its first user takes it and stops counting when its last user lets it go; a state counts per session."""
-        buf = e.host
+    def account(self, buf: SessionBuffer | None, counted: dict, accounted: int) -> tuple[dict, int]:
+        """Brings the count up to date after a session's buffer grew, shrank or changed (`counted`, `accounted`:
+        its segments and bytes at its last accounting): a segment counts when its first user takes it and stops
+        counting when its last user lets it go; a state counts per session. Returns the new segments and bytes,
+        which the index keeps on the entry (`StoreState.account`)."""
         now = buf.segments() if buf is not None else {}
         state = buf.state.nbytes if buf is not None and buf.state is not None else 0
-        old_state = e.host_accounted - sum(seg.nbytes for seg in e.host_segments.values())
-        for sid in e.host_segments.keys() - now.keys():
+        old_state = accounted - sum(seg.nbytes for seg in counted.values())
+        for sid in counted.keys() - now.keys():
             held = self._segments[sid]
             held[1] -= 1
             if held[1] == 0:
                 self.used -= held[0].nbytes
                 del self._segments[sid]
-        for sid in now.keys() - e.host_segments.keys():
+        for sid in now.keys() - counted.keys():
             held = self._segments.setdefault(sid, [now[sid], 0])
             held[1] += 1
             if held[1] == 1:
                 self.used += held[0].nbytes
         self.used += state - old_state
-        e.host_segments = now
-        e.host_accounted = sum(seg.nbytes for seg in now.values()) + state
+        return now, sum(seg.nbytes for seg in now.values()) + state
 
     def freed_by(self, e: Entry) -> int:
         """Bytes that would be freed if the session left host memory: its segments no other session uses, and

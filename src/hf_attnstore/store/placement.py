@@ -26,6 +26,11 @@ def choose_victims(victims: Iterable[Hashable], size: Callable[[Hashable], int],
 
     Returns:
         The keys to evict, in order. They may free less than `overflow` if too few can move.
+
+    Example:
+        >>> sizes = {"a": 100, "b": 300, "c": 200}
+        >>> choose_victims(["a", "b", "c"], sizes.get, lambda key: key != "a", overflow=250)  # "a" is pinned
+        ['b']
     """
     chosen = []
     for key in victims:
@@ -104,7 +109,12 @@ def head_drop_candidates(victims: Iterable[Hashable], overflow: float, describe)
 
 def recompute_cost(start: int, end: int, attention_tokens: int = ATTENTION_TOKENS) -> float:
     """Relative prefill cost of recomputing tokens ``[start, end)`` after the tokens before them: their linear
-    layers, plus attention over every earlier position (so later chunks cost more)."""
+    layers, plus attention over every earlier position (so later chunks cost more).
+
+    Example:
+        >>> recompute_cost(0, 256) < recompute_cost(256, 512)  # the same tokens cost more later in the history
+        True
+    """
     n = end - start
     return n * (1.0 + (start + end - 1) / 2 / attention_tokens)
 

@@ -29,7 +29,13 @@ BLOCK = 64  # tokens per hashed block
 
 
 def block_hashes(token_ids: torch.Tensor) -> list[bytes]:
-    """The chained hash of every whole block of `token_ids` (1-D, int64): entry k names ids[: (k + 1) * BLOCK]."""
+    """The chained hash of every whole block of `token_ids` (1-D, int64): entry k names ids[: (k + 1) * BLOCK].
+
+    Example:
+        >>> hashes = block_hashes(torch.arange(150))  # two whole blocks of 64; the 22 tokens after them are not hashed
+        >>> len(hashes), hashes[0] == block_hashes(torch.arange(64))[0]
+        (2, True)
+    """
     ids = token_ids.detach().to("cpu", torch.long).contiguous().view(-1)
     out, h = [], b""
     data = ids.numpy().tobytes()
@@ -41,7 +47,15 @@ def block_hashes(token_ids: torch.Tensor) -> list[bytes]:
 
 
 class PrefixTable:
-    """Sessions by the prefixes they begin with (see the module docstring). Guarded by the index's lock."""
+    """Sessions by the prefixes they begin with (see the module docstring). Guarded by the store's lock
+    (`StoreState.lock`).
+
+    Example:
+        >>> table = PrefixTable()
+        >>> table.add(("model-a", "alice"), torch.arange(130))
+        >>> table.candidates("model-a", torch.cat([torch.arange(100), torch.tensor([7])]))  # one whole block shared
+        [(('model-a', 'alice'), 64)]
+    """
 
     def __init__(self):
         self._sessions: dict[tuple[str, bytes], dict[Key, None]] = {}  # (fingerprint, hash) -> keys, oldest first

@@ -12,36 +12,18 @@ and by every `flush()`), and it refuses to write a manifest that names chunks it
 - with Redis as the only tier below host memory: each session's copy there is forgotten, and a session still
   in host memory is written whole again; one that is not is gone (nothing else holds it), a clean miss.
 
-The save thread runs the copies; the decisions are made here, under the index's lock.
+The save thread runs the copies; the decisions are made here, under the state's lock.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from .entry import Entry, Write
-from .format import Manifest
-from .index import Index
+from .save_thread import MirrorJob, MirrorResult
+from .store_state import StoreState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class MirrorJob:
-    """Copy a session's durable disk copy (`manifest`) to the mirror tier: the chunks it lacks, then the manifest.
-    The entry is pinned meanwhile (its files stay)."""
-
-    entry: Entry
-    manifest: Manifest
-    mirrored: frozenset = frozenset()
-
-
-@dataclass(eq=False)
-class MirrorResult:
-    mirrored: set = field(default_factory=set)
-    nbytes: int = 0
-    error: BaseException | None = None
 
 
 class Refill:
@@ -49,57 +31,55 @@ class Refill:
 
     Example:
         >>> from hf_attnstore.store.config import StoreConfig
-        >>> index = Index(StoreConfig(host_bytes="1MiB"), has_disk=True, has_lower=True)
-        >>> refill = Refill(index, mirror=True)
+        >>> state = StoreState(StoreConfig(host_bytes="1MiB"), has_disk=True, has_lower=True)
+        >>> refill = Refill(state, mirror=True)
         >>> refill.lost()  # nothing indexed: nothing to copy again
-        >>> with index.lock:
+        >>> with state.lock:
         ...     refill.next_job() is None
         True
     """
 
-    def __init__(self, index: Index, mirror: bool):
-        self.index = index
+    def __init__(self, state: StoreState, mirror: bool):
+        self.state = state
         self.mirror = mirror  # the remote tier mirrors a disk tier (else it is the tier below host memory)
 
     def lost(self) -> None:
         """The remote tier lost what it held (lock taken here)."""
-        with self.index.cond:
-            self.index.stats.remote_restarts += 1
-            self.index.once.warning("remote_lost", "remote tier: the server lost its data (a restart or a flush); "
+        with self.state.cond:
+            self.state.count(remote_restarts=1)
+            self.state.once.warning("remote_lost", "remote tier: the server lost its data (a restart or a flush); "
                                     "the store writes its sessions there again")
-            for e in list(self.index.entries.values()):
-                e.mirrored.clear()
+            self.state.lost_mirror()
+            for e in list(self.state.entries.values()):
                 if self.mirror:
                     if e.manifest is not None:
-                        self.index.remirror.add(e.key)
+                        self.state.queue_remirror(e.key)
                 elif e.manifest is not None:
                     self.forget(e)
-            self.index.cond.notify_all()
+            self.state.cond.notify_all()
 
     def forget(self, e: Entry) -> None:
         """The session's copy in the remote tier (the tier below host memory) is gone or incomplete (lock held):
         a host copy holding the whole session is written whole again (a save in flight for the old copy does
         not commit: a new generation); otherwise the session is gone."""
         if e.host is not None and e.host.length and not e.host.missing_head:
-            e.generation += 1
-            self.index.set_manifest(e, None, {})
-            if e.write is Write.FAILED or e.write is Write.NEVER:
-                e.write = Write.BEHIND
-            self.index.dirty.add(e.key)
+            self.state.new_history(e)
+            self.state.set_manifest(e, None, {})
+            self.state.mark_dirty(e, Write.BEHIND if e.write is Write.FAILED or e.write is Write.NEVER else None)
         elif e.pins == 0 and not e.writers:
-            self.index.drop(e)
-        self.index.cond.notify_all()
+            self.state.drop(e)
+        self.state.cond.notify_all()
 
     def next_job(self) -> MirrorJob | None:
         """A session to copy again to the mirror tier, pinned (lock held); None when there is none to start now.
         Sessions being loaded or written wait (the next save copies them anyway); gone ones are dropped."""
-        for key in list(self.index.remirror):
-            e = self.index.entries.get(key)
+        for key in list(self.state.remirror):
+            e = self.state.entries.get(key)
             if e is None or e.manifest is None:
-                self.index.remirror.discard(key)
+                self.state.unqueue_remirror(key)
                 continue
             if e.pins == 0:
-                e.pins += 1
+                self.state.pin(e)
                 return MirrorJob(e, e.manifest, frozenset(e.mirrored))
         return None
 
@@ -107,13 +87,13 @@ class Refill:
         """A copy ended (lock taken here): the chunks it put are mirrored; failed or not, the session leaves the
         queue (a failure is counted; the session's next save copies it again)."""
         e = job.entry
-        with self.index.cond:
-            e.pins -= 1
-            e.mirrored |= result.mirrored
-            self.index.stats.remote_bytes_written += result.nbytes
+        with self.state.cond:
+            self.state.unpin(e)
+            self.state.add_mirrored(e, result.mirrored)
+            self.state.count(remote_bytes_written=result.nbytes)
             if result.error is not None:
-                self.index.stats.remote_errors += 1
-                self.index.once.warning("refill", "remote tier: copying session %r again failed (%s); its next save "
+                self.state.count(remote_errors=1)
+                self.state.once.warning("refill", "remote tier: copying session %r again failed (%s); its next save "
                                         "copies it", e.key[1], result.error)
-            self.index.remirror.discard(e.key)
-            self.index.cond.notify_all()
+            self.state.unqueue_remirror(e.key)
+            self.state.cond.notify_all()

@@ -82,7 +82,3 @@ class StoreStats:
     @property
     def read_gbps(self) -> float:
         return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
-
-    @property
-    def write_gbps(self) -> float:
-        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0

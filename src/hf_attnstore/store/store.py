@@ -1,15 +1,16 @@
 """AttnStore: the hierarchical KV store (host memory, then lower tiers) behind AttnStoreCache.
 
-This file is the public API, and the one place that decides between a local copy of a session and a longer
-copy in the shared remote tier. Around it, one module each: the index and its one owner (index.py: every
-entry, the byte counters and the queues, under one lock); making room (eviction.py); loads (reader.py: the
-`LoadPlanner` and its thread); saves (saver.py: the `SavePlanner` and its thread); a turn's writes (turns.py,
-and writer.py for the `TurnWriter` a turn holds). Below them: the tier interface (tier.py) and one file per tier
-(host.py with buffer.py, disk.py with format.py, remote.py), the policies (policy/) and the codec (codec.py).
+This file is the public API. Around it, one module each: the store's state and its one owner (store_state.py:
+every entry, the byte counters, pins, dirty marks and the queues, under one lock, held here as `_index`); making
+room (eviction.py); loads (load_planner.py, and load_thread.py for the thread that reads); saves (saver.py, and
+save_thread.py for the thread that writes); a turn's writes (turn_sink.py, and writer.py for the `TurnWriter` a
+turn holds); the choice between a local and a remote copy (remote_choice.py).
+Below them: the tier interface (tier.py) and one file per tier (host.py with buffer.py, disk.py with format.py,
+remote.py), the policies (policy/) and the codec (codec.py).
 
 Threads. Two I/O threads only move bytes: the load thread reads chunks into host buffers it was handed, the
-save thread writes host buffers to a lower tier. Neither sees the index: they report through the planners'
-callbacks, which take the index's lock. Loads have priority: the save thread waits for running loads between
+save thread writes host buffers to a lower tier. Neither sees the store's state: they report through the planners'
+callbacks, which take the state's lock. Loads have priority: the save thread waits for running loads between
 chunks (concurrent reads and writes slowed both by 18-20% in Pensieve).
 """
 
@@ -21,7 +22,6 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import fields
 
 import torch
 
@@ -30,16 +30,16 @@ from .codec import serves
 from .config import StoreConfig
 from .costs import ResumeCosts
 from .disk import DiskTier
-from .entry import Entry, Key, Write, remote_signature, validate_session_id
+from .entry import Entry, Key, Write, validate_session_id
 from .eviction import Eviction, NoDiskRoom
-from .format import FormatError, Manifest, check_chain
 from .found import Found, match_of
-from .index import Index
-from .reader import LoadPlanner
-from .remote import RemoteTier, RemoteUnavailableError
+from .load_planner import LoadPlanner
+from .remote import RemoteTier
+from .remote_choice import RemoteChoice
 from .saver import SavePlanner
 from .stats import StoreStats
-from .turns import Turns
+from .store_state import StoreState
+from .turn_sink import TurnSink
 from .writer import TurnWriter
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,8 @@ class AttnStore:
         elif options or disk_dir is not None:
             raise TypeError("pass either `config` or separate options, not both")
         self.config = config
-        self._index = Index(config, has_disk=config.disk_dir is not None,
-                            has_lower=config.disk_dir is not None or config.remote is not None)
+        self._index = StoreState(config, has_disk=config.disk_dir is not None,
+                                 has_lower=config.disk_dir is not None or config.remote is not None)
         self._next_turn = 0
         self._disk = DiskTier(config.disk_dir, fsync=config.fsync,
                               timeout_s=config.io_timeout_s) if config.disk_dir else None
@@ -108,7 +108,7 @@ class AttnStore:
                 self._remote = RemoteTier(config.remote, config.remote_ttl_s, config.remote_timeout_s,
                                           required=config.remote_required)
                 if not self._remote.connected:
-                    self._index.stats.remote_errors += 1
+                    self._index.count(remote_errors=1)
         except BaseException:
             if self._disk is not None:
                 self._disk.close()
@@ -116,8 +116,10 @@ class AttnStore:
         # The tier sessions are saved to and demoted to: the disk, else the remote tier itself. With both, the
         # remote tier holds a copy of what is durable on disk (the save thread's mirror).
         self._lower = self._disk if self._disk is not None else self._remote
+        self._remote_choice = RemoteChoice(self._index, self._remote, config, local_disk=self._disk is not None,
+                                           durable=self._lower is self._remote)
         self._eviction = Eviction(self._index, config, self._disk, self._lower)
-        self._turns = Turns(self._index, self._eviction, config, self._disk, self._lower)
+        self._turns = TurnSink(self._index, self._eviction, config, self._disk, self._lower)
         self._loads: LoadPlanner | None = None
         self._costs = ResumeCosts()  # measured load and prefill rates (`recompute_by_cost`)
         if self._lower is not None:
@@ -149,29 +151,29 @@ class AttnStore:
         """
         key = (fingerprint, validate_session_id(session_id))
         self._index.publish_states([key])  # the previous turn's cache may still be open (and hold the states)
-        found = self._remote_lookup(key)  # network I/O: outside the lock
+        found = self._remote_choice.find(key)  # network I/O: outside the lock
         with self._index.lock:
             return self._lookup_locked(key, found, prefill_key)
 
     def _lookup_locked(self, key: Key, found, prefill_key: str | None) -> SessionKV | None:
-        """`lookup` under the index's lock, with the remote tier's answer `found` (`_remote_lookup`)."""
+        """`lookup` under the index's lock, with the remote tier's answer `found` (`RemoteChoice.find`)."""
         self._index.check_open()
         self._index.apply_ended_turns()  # a turn that just ended may have left the state this lookup needs
         self._index.expire()
-        self._index.stats.lookups += 1
-        e = self._adopt_remote(key, found)
+        self._index.count(lookups=1)
+        e = self._remote_choice.adopt(key, found)
         if e is None or e.length == 0:
-            self._index.stats.misses += 1
+            self._index.count(misses=1)
             return None
         self._index.touch(e)
         if e.host is not None:
-            self._index.stats.hits_host += 1
+            self._index.count(hits_host=1)
             if e.load_job is not None:
                 self._loads.loader.promote(e.load_job)  # a prefetch this turn now waits for
             return e.host.snapshot(loader=e.loading, tier="host", generation=e.generation, key=key)
         tier = self._lower.name if e.manifest is not None else "remote"
         started = self._loads.start(e, prefill_key=prefill_key)
-        if not started and e.fallback is not None and self._restore_local(
+        if not started and e.fallback is not None and self._remote_choice.restore_local(
                 e, refuse=e.remote if self._remote.available() else None):
             # The remote copy cannot be loaded now (the tier just failed) or ever (it does not fit host
             # memory: refused until it changes): the local copy it was to replace is served instead.
@@ -180,156 +182,23 @@ class AttnStore:
             tier = self._lower.name
             started = self._loads.start(e, prefill_key=prefill_key)
         if not started:
-            self._index.stats.misses += 1
+            self._index.count(misses=1)
             return None
         if tier == "disk":
-            self._index.stats.hits_disk += 1
+            self._index.count(hits_disk=1)
         else:
-            self._index.stats.hits_remote += 1
+            self._index.count(hits_remote=1)
         return e.host.snapshot(loader=e.loading, tier=tier, generation=e.generation, key=key)
 
-    def _remote_lookup(self, key: Key) -> tuple[Manifest, tuple, bool] | None:
-        """The remote tier's manifest of the session, its layout and whether it may replace a local copy, or
-        None: absent, not longer than the local copy, or not servable here (a remote miss; a failure of the
-        tier or of its data is counted). Called without the lock.
-
-        With no local copy, only the first chunk's header is read (for the layout and codec): the load checks
-        the rest, and a failure is only a miss. With a local copy, which the remote one would replace, every
-        chunk's header is checked first (this session's, this model's, the local layout, a codec this store
-        serves, chained as the manifest pins): a copy refused here, or whose load fails later, is remembered
-        (`Entry.refused`) and not tried again until the remote copy changes."""
-        remote = self._remote
-        if remote is None or self._index.closed or not remote.available():
-            return None
-        local = None
-        try:
-            manifest = remote.manifest(key)
-            if manifest is None:
-                return None
-            with self._index.lock:  # the common case, a local copy at least as long, needs no more round trips
-                self._index.apply_ended_turns()
-                local = self._index.entries.get(key)
-                if local is not None and (local.length >= manifest.length or local.refused == remote_signature(manifest)
-                                          or local.pins or local.writers or local.loading is not None):
-                    return None  # (a local copy in use is not replaced: see `_adopt_remote`)
-            if not manifest.spans:
-                return None  # nothing stored but a dropped head: nothing to reuse
-            if local is None:
-                with remote.get(key, manifest.spans[0].chunk, manifest.spans[0].owner) as chunk:
-                    if not serves(self.config.codec, chunk.meta.accuracy) or \
-                            (chunk.meta.kept is not None and not self.config.sparse_copies):
-                        return None  # written by a store with a less accurate codec: a miss (the load checks all)
-                    return manifest, (chunk.meta.geometry, chunk.meta.dtype), False
-            if not self._verify_remote(remote, key, manifest, local.layout):
-                self._refuse_remote(local, manifest)
-                return None
-            return manifest, local.layout, True
-        except (RemoteUnavailableError, FormatError) as exc:
-            if isinstance(exc, FormatError) and local is not None:
-                self._refuse_remote(local, manifest)  # damaged or foreign data: a miss until it changes
-            with self._index.lock:
-                self._index.stats.remote_errors += 1
-            self._index.once.warning("remote_lookup", "remote tier: a lookup failed (%s); served as a miss", exc)
-            return None
-
-    def _verify_remote(self, remote: RemoteTier, key: Key, manifest: Manifest, layout: tuple) -> bool:
-        """Whether a remote copy may replace the local one: False when it holds chunks of a codec this store does
-        not serve. Reads every chunk's header (no KV); the load verifies the ids and checksums again.
-
-        Raises:
-            FormatError: A chunk is missing, damaged, of another model or session, of another layout, or not the
-                one the manifest pinned (the chain).
-            RemoteUnavailableError: The tier failed.
-        """
-        metas, seen = [], {}
-        for span in manifest.spans:
-            meta = seen.get(span.chunk)
-            if meta is None:
-                with remote.get(key, span.chunk, span.owner) as chunk:  # checks the header against `key`
-                    meta = seen[span.chunk] = chunk.meta
-            if not serves(self.config.codec, meta.accuracy) or (meta.kept is not None and not self.config.sparse_copies):
-                return False  # (a derived chunk counts as lossy; a sparse one is served where asked for)
-            if (meta.geometry, meta.dtype) != layout:
-                raise FormatError("the remote copy's shapes or dtype differ from the local copy's")
-            if span.end > meta.n_tokens:
-                raise FormatError("span beyond the chunk's tokens")
-            metas.append(meta)
-        check_chain(manifest, metas)
-        return True
-
-    def _refuse_remote(self, local: Entry, manifest: Manifest) -> None:
-        with self._index.lock:
-            if self._index.entries.get(local.key) is local:
-                local.refused = remote_signature(manifest)
-
-    def _adopt_remote(self, key: Key, found: tuple[Manifest, tuple, bool] | None) -> Entry | None:
-        """The entry a lookup uses (lock held): the local one, unless the remote copy is longer, was verified
-        to replace it (`_remote_lookup`), and the local one is idle (nothing reads or writes it). Last writer
-        wins, as for the remote tier itself.
-
-        A local durable copy is never deleted here: the remote entry takes over its files (the session's
-        folder, whose manifest stays valid until the remote copy, once loaded, is written over it) and keeps
-        it as its `fallback`, put back in the index if the remote copy fails to load (`_restore_local`)."""
-        e = self._index.entries.get(key)
-        if found is None:
-            return e
-        manifest, layout, verified = found
-        self._index.apply_ended_turns()
-        if e is not None and (e.length >= manifest.length or e.pins or e.writers or e.loading is not None
-                              or not verified or e.refused == remote_signature(manifest)):
-            return e
-        n = Entry(key=key, layout=layout)
-        if e is not None:
-            if self._disk is None:
-                self._index.drop(e)  # nothing of it is local but a host copy (its durable copy is in the remote tier)
-            else:
-                self._index.unindex(e)  # its host copy goes (and the session's dirty tail, if any, with it)
-                # A remote copy not loaded yet stands for the local copy it was to replace: that is the fallback.
-                n.fallback, e.fallback = (e if e.manifest is not None else e.fallback), None
-                self._index.hand_over(e, n)
-        if self._lower is self._remote:
-            # No disk tier: the remote copy is the session's durable copy, as a disk copy would be. Its chunks
-            # are named by digest; their token counts are the spans' (a later save may rewrite the last one).
-            self._index.set_manifest(n, manifest, {s.chunk: (0, s.end) for s in manifest.spans})
-        else:
-            n.remote = manifest
-            n.mirrored = {span.digest for span in manifest.spans}
-        n.last_access = time.monotonic()
-        self._index.entries[key] = n
-        return n
-
-    def _restore_local(self, e: Entry, refuse: Manifest | None = None) -> bool:
-        """Puts back the local copy that the remote entry `e` was to replace (lock held), if it has one and is
-        still indexed: its load failed or cannot start. Returns whether it did. With `refuse`, that remote copy
-        is not tried again until it changes."""
-        old = e.fallback
-        if old is None or self._index.entries.get(e.key) is not e:
-            return False
-        e.fallback = None
-        self._index.set_host(e, None)  # a failed load's buffer (the snapshot handed out keeps its own reference)
-        old.files, old.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
-        old.linked, e.linked = e.linked, {}
-        e.chunks = {}
-        old.generation = max(old.generation, e.generation) + 1  # no snapshot of the failed load is of its lineage
-        self._index.entries[e.key] = old
-        self._index.disk_policy.insert(e.key)
-        if refuse is not None:
-            old.refused = remote_signature(refuse)
-        self._index.stats.remote_restores += 1
-        return True
-
     def _load_done(self, job, error: BaseException | None) -> None:
-        """The load thread's report: first the store's own part for a remote copy that was to replace a local
+        """The load thread's report: first the remote choice's part for a remote copy that was to replace a local
         one (put the local copy back if the load failed; forget it once the remote copy has loaded), then the
         bookkeeping of every load (`LoadPlanner.finish`), which no longer finds the failed entry indexed."""
         e = job.entry
         with self._index.cond:
-            if error is None:
-                e.fallback = None  # verified and loaded: it replaces the local copy (written over it behind the turn)
-            elif self._restore_local(e, refuse=None if isinstance(error, RemoteUnavailableError) else job.manifest):
-                self._index.once.warning("remote_restore", "remote tier: session %r could not be loaded from it (%s); "
-                                   "the local copy is kept and served", e.key[1], error)
-            elif job.tier is self._disk and _io_error(error) and self._index.entries.get(e.key) is e and not e.writers:
+            restored = self._remote_choice.loaded(job, error)
+            if error is not None and not restored and job.tier is self._disk and _io_error(error) \
+                    and self._index.entries.get(e.key) is e and not e.writers:
                 # The disk failed to read the copy (EIO, EMFILE, ...), which is not damaged or missing data: a
                 # miss now, but the copy stays (indexed afresh), as it may well be readable at the next turn.
                 self._index.reindex(e)
@@ -391,7 +260,7 @@ class AttnStore:
             if n > longer_than and (best is None or n > best[1]):
                 best = (key[1], n)
         if best is not None:
-            self._index.stats.prefix_hits += 1
+            self._index.count(prefix_hits=1)
         return best
 
     def find(self, session_id: str, fingerprint: str, prompt_ids: torch.Tensor, *, prefill_key: str | None = None,
@@ -436,7 +305,7 @@ class AttnStore:
         key = (fingerprint, validate_session_id(session_id))
         ids = torch.as_tensor(prompt_ids).detach().to("cpu", torch.long).view(-1)
         self._index.publish_states([key])  # the previous turn's cache may still be open (and hold the states)
-        remote = self._remote_lookup(key)  # network I/O: outside the lock
+        remote = self._remote_choice.find(key)  # network I/O: outside the lock
         other = None
         with self._index.lock:
             own = self._fits(self._lookup_locked(key, remote, prefill_key), geometry)
@@ -522,11 +391,11 @@ class AttnStore:
         if self._remote is not None:
             for key in keys:
                 if key[0] is not None:
-                    found[key] = self._remote_lookup(key)  # network I/O: outside the lock
+                    found[key] = self._remote_choice.find(key)  # network I/O: outside the lock
         with self._index.lock:
             self._index.check_open()
             for key, hit in found.items():
-                self._adopt_remote(key, hit)
+                self._remote_choice.adopt(key, hit)
             # Remembered, in order: sessions that do not fit yet are fetched when a write-out frees room.
             if self._loads is None:
                 return 0  # host memory only: nothing to load from
@@ -621,7 +490,7 @@ class AttnStore:
             for key in list(self._index.dirty):
                 e = self._index.entries.get(key)
                 if e is not None and e.write is not Write.DEMOTE:
-                    e.write = Write.FLUSH  # a failed write is retried now
+                    self._index.set_write(e, Write.FLUSH)  # a failed write is retried now
             self._index.cond.notify_all()
 
             def settled() -> bool:  # every pending write has completed or failed again, every deletion is done
@@ -655,14 +524,8 @@ class AttnStore:
             (1, 1, 0)
         """
         with self._index.lock:
-            s = StoreStats(**{f.name: getattr(self._index.stats, f.name) for f in fields(StoreStats)})
-            s.sessions = len(self._index.entries)
-            s.host_sessions = sum(e.host is not None for e in self._index.entries.values())
-            s.disk_sessions = sum(e.manifest is not None for e in self._index.entries.values()) if self._disk else 0
-            s.host_bytes_used, s.disk_bytes_used = self._index.host.used, self._index.disk_used
-            s.loads_in_flight, s.saves_pending = self._index.loads_active, len(self._index.dirty)
-            s.remote_down = int(self._remote is not None and not self._remote.available())
-            return s
+            return self._index.stats_snapshot(local_disk=bool(self._disk),
+                                              remote_down=int(self._remote is not None and not self._remote.available()))
 
     def token_ids(self, session_id: str, fingerprint: str) -> torch.Tensor | None:
         """The ids a session's stored KV covers (without loading anything), or ``None``.
@@ -679,9 +542,9 @@ class AttnStore:
             ([5, 6, 7], None)
         """
         key = (fingerprint, validate_session_id(session_id))
-        found = self._remote_lookup(key)  # network I/O: outside the lock
+        found = self._remote_choice.find(key)  # network I/O: outside the lock
         with self._index.lock:
-            e = self._adopt_remote(key, found)
+            e = self._remote_choice.adopt(key, found)
             if e is None or e.length == 0:
                 return None
             if e.host is not None:
@@ -729,7 +592,7 @@ class AttnStore:
             if e is not None and e.host is buf and e.remote is None and e.dirty:
                 # A remote copy loaded without its head (`recompute_by_cost`) is written locally now that it is
                 # whole (LoadPlanner.finish left it out of the dirty set until then).
-                self._index.dirty.add(e.key)
+                self._index.mark_dirty(e)
                 self._index.cond.notify_all()
         return True
 
@@ -788,7 +651,7 @@ class AttnStore:
                 self.flush()
         finally:
             with self._index.cond:
-                self._index.closed = True
+                self._index.close()
                 self._index.cond.notify_all()
             if self._threads:
                 self._loads.loader.stop()
@@ -818,13 +681,12 @@ class AttnStore:
             ...     store.forward_finished()
         """
         with self._index.lock:
-            self._index.forwards_active += 1
+            self._index.forward_started()
 
     def forward_finished(self) -> None:
         """The forward of :meth:`forward_started` ended."""
         with self._index.cond:
-            self._index.forwards_active -= 1
-            self._index.last_forward = time.monotonic()
+            self._index.forward_ended()
             self._index.cond.notify_all()
 
     def _reopen(self) -> None:
@@ -847,13 +709,9 @@ class AttnStore:
                 self._disk.remove((manifest.fingerprint, manifest.session_id))
                 continue
             e = Entry(key=(manifest.fingerprint, manifest.session_id), layout=found.layout)
-            self._index.next_chunk[e.key] = manifest.next_chunk
-            e.last_access = now - max(0.0, now_wall - found.mtime)
-            self._index.entries[e.key] = e
-            self._index.set_manifest(e, manifest, found.chunks)
-            self._index.set_files(e, {name: size for name, (size, _) in found.chunks.items()}, found.manifest_size)
-            if not manifest.head:
-                self._index.prefixes.add(e.key, manifest.token_ids)  # rebuilt from the manifests, never a file
+            # (The prefix table is rebuilt from the manifests, never read from a file.)
+            self._index.reopened(e, manifest, {name: size for name, (size, _) in found.chunks.items()},
+                                 found.manifest_size, found.chunks, now - max(0.0, now_wall - found.mtime))
             for name, inode in found.inodes.items():
                 names.setdefault(inode, []).append((e, name, found.chunks[name][0]))
         # Shared files are counted once, from the names the valid manifests reference (the scan collected the

@@ -3,8 +3,8 @@
 A lower tier keeps a session as immutable chunks plus one manifest, under ``(fingerprint, session id)``,
 in the format of format.py (every chunk names its model, session and history, and carries checksums).
 A tier only moves and checks bytes. *Which* session lives where, and the pins that keep a session in place
-while it is read or written, belong to the store's index (entry.py): the index is the one owner of that
-state, so a tier never needs to know about turns, policies or limits.
+while it is read or written, belong to the store's state (store_state.py, entry.py): `StoreState` is the one
+owner of that state, so a tier never needs to know about turns, policies or limits.
 
 The calls a store makes, and on which thread:
 

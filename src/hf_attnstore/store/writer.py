@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -10,17 +10,34 @@ from .buffer import SessionKV
 from .entry import Key
 from .format import KV_DTYPES
 from .geometry import make_geometry
-from .loader import LoadError
+from .load_handle import LoadError
 from .state import SessionState
 
-if TYPE_CHECKING:
-    from .turns import Turns
+class Sink(Protocol):
+    """Where a writer's appends go: the store's side of the turn (`turn_sink.TurnSink`)."""
+
+    def append(self, writer: "TurnWriter", token_ids: torch.Tensor, keys, values, inexact_at: int | None) -> bool: ...
+
+    def end(self, writer: "TurnWriter", state: SessionState | None, ended: bool = True) -> None: ...
+
+    def truncate(self, writer: "TurnWriter", length: int) -> None: ...
 
 
 class TurnWriter:
-    """Appends one turn's KV to a session. Created by :meth:`AttnStore.open_turn`."""
+    """Appends one turn's KV to a session. Created by :meth:`AttnStore.open_turn`.
 
-    def __init__(self, sink: Turns, key: Key, turn: int, base: SessionKV | None, keep: torch.Tensor):
+    Example:
+        >>> from hf_attnstore import AttnStore
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> kv = [torch.zeros(1, 2, 3, 4) for _ in range(2)]  # two layers of [1, kv_heads, 3 tokens, head_dim]
+        >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as writer:
+        ...     writer.append(torch.tensor([1, 2, 3]), kv, kv)
+        True
+        >>> writer.append(torch.tensor([4]), kv, kv)  # closed: later appends are dropped
+        False
+    """
+
+    def __init__(self, sink: Sink, key: Key, turn: int, base: SessionKV | None, keep: torch.Tensor):
         self.sink, self.key, self.turn = sink, key, turn
         self.base, self.keep = base, keep.to(torch.long).cpu()
         self.started = False
@@ -28,8 +45,19 @@ class TurnWriter:
         self.geometry: tuple | None = None  # geometry.py
         self.dtype: torch.dtype | None = None
         # A hybrid model's turn: a weak reference to what publishes its states (layers.TurnEnd), asked by the
-        # store when it needs the states of a turn that is still open (`Index.publish_states`).
+        # store when it needs the states of a turn that is still open (`StoreState.publish_states`).
         self.state_source = None
+
+    def start(self) -> tuple[SessionKV | None, torch.Tensor]:
+        """The turn's first write begins (the sink, under the store's lock): the base and the positions it keeps;
+        the snapshot is no longer needed here, so its memory may go."""
+        self.started = True
+        base, self.base = self.base, None
+        return base, self.keep
+
+    def refuse(self) -> None:
+        """The store refused the turn's writes (closed, taken over, no room): later appends are dropped."""
+        self.dead = True
 
     def append(self, token_ids: torch.Tensor, keys, values, inexact_at: int | None = None) -> bool:
         """Appends tokens with their pre-RoPE keys and values: per-layer lists of ``[1, kv_heads, n, head_dim]``

@@ -8,7 +8,16 @@ from .base import EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):
-    """Evicts the session whose last read or write is oldest."""
+    """Evicts the session whose last read or write is oldest.
+
+    Example:
+        >>> policy = LRUPolicy()
+        >>> for key in ("a", "b", "c"):
+        ...     policy.insert(key)
+        >>> policy.touch("a")
+        >>> list(policy.victims())
+        ['b', 'c', 'a']
+    """
 
     def touch(self, key: Hashable) -> None:
         if key in self.order:

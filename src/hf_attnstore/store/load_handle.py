@@ -11,7 +11,17 @@ import threading
 
 
 class LoadError(RuntimeError):
-    """A stored session could not be loaded (damaged or vanished files, I/O error)."""
+    """A stored session could not be loaded (damaged or vanished files, I/O error).
+
+    Example:
+        >>> handle = LoadHandle(num_layers=1, read_buffer_layers=None, timeout_s=1.0)
+        >>> handle.fail(OSError("EIO"))
+        >>> try:
+        ...     handle.wait_layer(0)
+        ... except LoadError as exc:
+        ...     print(exc)
+        loading the session failed: EIO
+    """
 
 
 class LoadHandle:
@@ -22,6 +32,13 @@ class LoadHandle:
         read_buffer_layers: How many layers the loader may load beyond the next one the consumer needs;
             ``None`` = no limit. Only applies while a consumer is attached.
         timeout_s: Longest wait for one layer before giving up (the load is then treated as failed).
+
+    Example:
+        >>> handle = LoadHandle(num_layers=2, read_buffer_layers=1, timeout_s=1.0)
+        >>> handle.layer_ready(0)  # the load thread verified layer 0
+        >>> handle.wait_layer(0)  # the layer computing next needs only its own
+        >>> handle.ready_layers, handle.done
+        (1, False)
     """
 
     def __init__(self, num_layers: int, read_buffer_layers: int | None, timeout_s: float):

@@ -1,7 +1,7 @@
-"""Loading: the store's decision to load a session from a lower tier, and the thread that reads it.
+"""The load thread: reads sessions from a lower tier into host buffers, layer by layer.
 
-The store starts a load (`LoadPlanner`, under the index's lock) when a turn finds a session
-only below host memory, or a prefetch asks for one; the load thread reads it into host buffers.
+The store decides to load (`LoadPlanner`, load_planner.py, under the state's lock) when a turn finds a session
+only below host memory, or a prefetch asks for one; this thread reads it into host buffers.
 
 One thread serves a priority queue. A load that a turn waits for (a *demand* load, from `lookup`) goes
 before prefetches, and a queued prefetch is promoted when a turn asks for its session. A load whose
@@ -21,43 +21,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from .buffer import SessionBuffer
 from .codec import KVCodec, serves
-from .costs import ResumeCosts
 from .encoded import EncodedSegment
 from .format import FormatError, Manifest, check_chain, layer_names, prefix_digest
-from .geometry import bytes_per_token
-from .loader import LoadHandle
+from .load_handle import LoadHandle
 from .sparse_copies import first_missing
-from .placement import choose_recompute
 from .state import SessionState
 from .tier import ChunkReader, Tier
-
-if TYPE_CHECKING:
-    from .config import StoreConfig
-    from .entry import Entry
-    from .eviction import Eviction
-    from .index import Index
 
 logger = logging.getLogger(__name__)
 DEMAND, PREFETCH = 0, 1
 _PARK_S = 0.02  # how long a gated load waits before letting another job run
-
-
-@dataclass(frozen=True)
-class ResumeDecision:
-    """A load-or-recompute decision (`LoadPlanner.choose`), for the stats (``resume_*``) and the metrics."""
-
-    chunks: int  # leading chunks recomputed instead of loaded
-    tokens: int  # their tokens
-    load_gbps: float  # the tier's measured rate, GB/s of KV at the model's precision
-    prefill_tokens_per_s: float  # the model's measured prefill rate
-    load_s: float  # the estimate of loading every chunk
-    chosen_s: float  # the estimate of the choice made
 
 
 @dataclass(eq=False)
@@ -76,7 +54,7 @@ class LoadJob:
     kept: dict[str, torch.Tensor] = field(default_factory=dict)  # sparse chunk -> its kept positions, verified
     blobs: dict[str, dict] = field(default_factory=dict)  # lossy chunk -> tensor name -> blob, as read
     encoded: list = field(default_factory=list)  # (start, part) built from `blobs` once every layer is read
-    entry: object = None  # the store's index entry (opaque here)
+    entry: object = None  # the session's entry in the store's state (opaque here)
     opened: dict[str, ChunkReader] = field(default_factory=dict)  # chunk name -> open chunk, verified
     verified: bool = False
     layer: int = 0  # next layer to read
@@ -281,162 +259,3 @@ def _span_absent(kept: torch.Tensor, start: int, end: int) -> torch.Tensor:
     absent = torch.ones(*kept.shape[:2], n + 1, dtype=torch.bool)
     absent.scatter_(2, torch.where((kept >= start) & (kept < end), kept - start, n), False)
     return absent[:, :, :n]
-
-
-class LoadPlanner:
-    """The store's load decisions, over its index (under `Index.lock`): which sessions to load and into which
-    buffers; the :class:`LoadThread` it owns only reads them and reports each end through `done`.
-
-    Example (through the store: a session demoted to disk is loaded back by a lookup)::
-
-        >>> import tempfile, torch
-        >>> from hf_attnstore import AttnStore
-        >>> kv = [torch.zeros(1, 2, 3, 4) for _ in range(2)]
-        >>> with AttnStore(host_bytes="1MiB", disk_dir=tempfile.mkdtemp()) as store:
-        ...     with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as turn:
-        ...         _ = turn.append(torch.tensor([5, 6, 7]), kv, kv)
-        ...     store.evict("chat-1")  # written to disk first, then out of host memory
-        ...     store.flush()
-        ...     snapshot = store.lookup("chat-1", "model-a")  # starts the load; layers arrive one by one
-        ...     snapshot.tier, snapshot.token_ids.tolist()
-        ('disk', [5, 6, 7])
-    """
-
-    def __init__(self, index: Index, eviction: Eviction, config: StoreConfig, lower: Tier, remote: Tier | None,
-                 done: Callable[[LoadJob, BaseException | None], None], costs: ResumeCosts | None = None):
-        self.index, self.eviction, self.config, self.lower, self.remote = index, eviction, config, lower, remote
-        self.costs = costs if costs is not None else ResumeCosts()
-        self.wanted: list[tuple[str | None, str]] = []  # the last prefetch request, in order
-        self.wanted_key: str | None = None  # its `prefill_key`: the first session's load is decided by cost
-        self.loader = LoadThread(done, config.io_timeout_s)
-
-    def retry_prefetch(self) -> int:
-        """Starts the wanted loads that fit now, in order (called by `prefetch`, and when a write-out frees room)."""
-        started = 0
-        first = self.wanted[0][1] if self.wanted else None  # the session whose turn runs next, when keyed
-        for fingerprint, sid in self.wanted:
-            for e in [e for k, e in self.index.entries.items() if k[1] == sid and (fingerprint is None or k[0] == fingerprint)]:
-                if e.host is None and (e.manifest or e.remote) is not None:
-                    if not self.start(e, must_fit=True, prefill_key=self.wanted_key if sid == first else None):
-                        return started  # in order: a later session must not take the room of an earlier one
-                    started += 1
-                    self.index.stats.prefetches += 1
-        return started
-
-    def start(self, e: Entry, must_fit: bool = False, prefill_key: str | None = None) -> bool:
-        """Starts loading a session found only below host memory (on disk, else in the remote tier). A
-        prefetch (`must_fit`) is skipped rather than overshooting the host limit; a load a turn waits for may
-        overshoot by this one session. With `prefill_key` (a turn about to run can recompute a head, and its
-        model's prefill rate is measured under that key) and `recompute_by_cost`, the leading chunks that are
-        cheaper to recompute are not read (:meth:`choose`)."""
-        assert e.host is None and (e.manifest or e.remote) is not None, "only sessions below host are loaded"
-        origin, tier = (e.manifest, self.lower) if e.manifest is not None else (e.remote, self.remote)
-        if tier is self.remote and not tier.available():
-            return False  # the remote tier failed moments ago: a miss now rather than a wait on a dead server
-        geometry, dtype = e.layout
-        length = origin.length
-        # Exactly the session's size: the next turn appends in a new segment, without copying this one.
-        buf = self.index.host.for_load(geometry, dtype, length)
-        if buf.nbytes > self.config.host_bytes:
-            self.index.once.warning("load_too_large", "session %r does not fit the host tier: served as a miss", e.key[1])
-            return False
-        manifest, decision = origin, None
-        if prefill_key is not None and self.config.recompute_by_cost:
-            manifest, decision = self.choose(origin, tier.name, prefill_key, bytes_per_token(geometry, dtype.itemsize))
-        position = self.index.host.position(e.key) if must_fit else None
-        if not self.eviction.make_host_room(buf.nbytes, exclude=e, keep_sooner_than=position) and must_fit:
-            return False
-        buf.parts[0][0].token_ids[:length].copy_(manifest.token_ids)
-        buf.missing_head = manifest.head  # a partially evicted head: left for the turn to recompute
-        if manifest.exact is not None:  # KV computed under sparse attention from there on (Segment.inexact_from)
-            buf.parts[0][0].mark_inexact(manifest.exact)
-        e.loading = LoadHandle(geometry[0], self.config.read_buffer_layers, self.config.io_timeout_s)
-        e.pins += 1
-        self.index.set_host(e, buf)
-        self.index.loads_active += 1
-        e.load_job = LoadJob(e.key, e.loading, manifest, buf, PREFETCH if must_fit else DEMAND, tier=tier, entry=e,
-                             codec=self.config.codec, keep_encoded=self.config.kv_codec_host, origin=origin,
-                             sparse_copies=self.config.sparse_copies)
-        self.loader.submit(e.load_job)
-        if decision is not None:  # counted once the load has started (a refused prefetch decided nothing)
-            stats = self.index.stats
-            stats.resume_decisions += 1
-            stats.resume_recomputes += decision.chunks > 0
-            stats.resume_recomputed_tokens += decision.tokens
-            stats.resume_load_gbps, stats.resume_prefill_tokens_per_s = decision.load_gbps, decision.prefill_tokens_per_s
-            stats.resume_load_estimate_s, stats.resume_chosen_estimate_s = decision.load_s, decision.chosen_s
-        return True
-
-    def choose(self, manifest: Manifest, tier: str, prefill_key: str,
-               token_bytes: int) -> tuple[Manifest, ResumeDecision | None]:
-        """The manifest to read (lock held): `manifest`, or it less the leading chunks that the turn recomputes
-        faster than the tier delivers them (:func:`~hf_attnstore.store.placement.choose_recompute`, by the
-        measured rates of `ResumeCosts`; nothing is chosen before both are measured). Only chunks computed in
-        this history may be recomputed (not rebased ones), and at least the last chunk is read. With it, the
-        decision for the stats (``resume_*``, counted once the load starts), or None when nothing was decided.
-
-        `token_bytes` is one token's KV at the model's precision: the rate is measured in those bytes whatever
-        the chunks' codec, so a tier that stores fewer bytes per token is measured faster.
-        """
-        load, prefill = self.costs.load_bytes_per_s(tier), self.costs.prefill_units_per_s(prefill_key)
-        if load is None or prefill is None or not manifest.spans or manifest.state is not None:
-            return manifest, None
-        units, pos = [], manifest.head
-        for span in manifest.spans:
-            units.append((pos, pos + span.length, span.length * token_bytes))
-            pos += span.length
-        eligible = 0
-        while eligible < len(manifest.spans) - 1 and not manifest.spans[eligible].rebased:
-            eligible += 1
-        if manifest.dropped and any(span.rebased for span in manifest.dropped):
-            eligible = 0  # a recomputed head must be this history's own KV from position 0
-        chunks, chosen_s, load_s = choose_recompute(units, manifest.head, eligible, 1 / load, 1 / prefill)
-        for _ in range(chunks):
-            manifest = manifest.drop_head_span()
-        tokens = units[chunks - 1][1] - units[0][0] if chunks else 0
-        return manifest, ResumeDecision(chunks, tokens, load / 1e9, prefill, load_s, chosen_s)
-
-    def finish(self, job: LoadJob, error: BaseException | None) -> None:
-        """The load thread finished a job (see reader.py)."""
-        if error is None:
-            geometry, dtype = job.buf.geometry, job.buf.dtype
-            tokens = job.manifest.length - job.manifest.head
-            self.costs.observe_load(job.tier.name, tokens * bytes_per_token(geometry, dtype.itemsize),
-                                    job.read_seconds)
-        with self.index.cond:
-            e = job.entry
-            e.pins -= 1
-            self.index.loads_active -= 1
-            remote = job.tier is self.remote
-            if remote:
-                self.index.stats.remote_bytes_read += job.nbytes
-                self.index.stats.remote_read_seconds += job.seconds
-            else:
-                self.index.stats.bytes_read += job.nbytes
-                self.index.stats.read_seconds += job.seconds
-            if e.loading is job.handle:
-                e.loading, e.load_job = None, None
-            if e.host is job.buf:
-                self.index.host.account(e)  # a state read with the KV counts now
-                if error is None:
-                    self.index.keep_encoded(e, job.encoded)  # applied now, or when the turn reading it ends
-            if error is not None:
-                self.index.stats.load_errors += 1
-                self.index.stats.remote_errors += remote
-                self.index.once.warning("load", "%s tier: session %r could not be loaded (%s); it is removed and will "
-                                   "be recomputed", job.tier.name, e.key[1], error)
-                if self.index.entries.get(e.key) is e:
-                    if e.manifest is None and e.predecessor is not None:
-                        e.remote = None  # a remote copy adopted over an unsaved new history: the older copy stays
-                        self.index.release_host(e)
-                    else:
-                        self.index.drop(e)
-            elif (job.origin or job.manifest) is e.remote and self.index.entries.get(e.key) is e:
-                # Found remotely, local now: written to disk behind the turn, like a session the turn computed.
-                # Not while leading chunks left to the turn are missing from the buffer: `AttnStore.fill_head`
-                # marks it for writing once they are there (writing it now would store whatever the buffer held).
-                e.remote = None
-                e.last_write = time.monotonic()
-                if not job.buf.missing_head:
-                    self.index.dirty.add(e.key)
-            self.index.cond.notify_all()

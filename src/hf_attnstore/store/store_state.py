@@ -1,23 +1,25 @@
-"""The store's index and its one owner: every session's entry, the byte counters and the queues between the
-store and its I/O threads, under one lock.
+"""The store's state and its one owner: every session's entry (the index of sessions by key, with the prefix table
+beside it), the byte counters, pins, dirty marks and the queues between the store and its I/O threads, under one
+lock.
 
-An `Index` holds the state; the deciders around it (placement in eviction.py, loads in reader.py, saves in
-saver.py, a turn's appends in turns.py, the public API in store.py) read and change it only while holding
-`Index.lock`, and only through the entries and the methods here. The I/O threads never see it: the save
-thread talks to `SavePlanner`, the load thread reports through a callback, a turn's writer through `Turns`.
+A `StoreState` holds all of it; the deciders around it (placement in eviction.py, loads in load_planner.py, saves
+in saver.py, a turn's appends in turn_sink.py, the public API in store.py) read it only while holding
+`StoreState.lock`, and change it only through the methods here: entries' fields, pins, dirty marks, disk
+reservations, queues and stats are written in this module alone (tests/store/test_ownership.py). The I/O threads
+never see it: the save thread talks to `SavePlanner`, the load thread reports through a callback, a turn's writer
+through its `TurnSink`.
 
 Sessions are named paths over chunks: an entry is keyed by ``(fingerprint, session_id)`` and its durable copy is a
 manifest, a list of spans over chunk files, each chunk identified by a digest chained over every token id
-before it (format.py). Two sessions whose histories start alike name chunks of equal digests: what sharing
-them across sessions needs (the prefix-sharing issue) is a table of chunks by digest with the sessions using
-each, beside the entries here (docs/design.md, "The index").
+before it (format.py). Which sessions begin with which prefix is the prefix table's (`PrefixTable`,
+prefixes.py), held here (docs/design.md, "The store's state and its owner").
 
 Example:
     >>> from hf_attnstore.store.config import StoreConfig
-    >>> index = Index(StoreConfig(host_bytes="1MiB"), has_disk=False, has_lower=False)
-    >>> with index.lock:
-    ...     index.check_open()
-    ...     len(index.entries), index.disk_used
+    >>> state = StoreState(StoreConfig(host_bytes="1MiB"), has_disk=False, has_lower=False)
+    >>> with state.lock:
+    ...     state.check_open()
+    ...     len(state.entries), state.disk_used
     (0, 0)
 """
 
@@ -27,10 +29,11 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import fields
 
 from .buffer import SessionBuffer
 from .config import StoreConfig
-from .entry import Entry, Key, blocks
+from .entry import Entry, Key, Write, blocks
 from .format import Manifest, prefix_digest
 from .host import HostTier
 from .logs import OnceLogger
@@ -42,9 +45,9 @@ from .stats import StoreStats
 logger = logging.getLogger("hf_attnstore.store.store")
 
 
-class Index:
+class StoreState:
     """The entries of every session and the counters of every tier, owned under one lock (see the module
-    docstring). Methods other than `publish_states` expect the caller to hold `lock`."""
+    docstring). Methods other than `publish_states` and `queue_ended_turn` expect the caller to hold `lock`."""
 
     def __init__(self, config: StoreConfig, *, has_disk: bool, has_lower: bool):
         self.config = config
@@ -97,12 +100,19 @@ class Index:
             self.disk_policy.touch(e.key)
 
     def set_host(self, e: Entry, buf: SessionBuffer | None) -> None:
-        if buf is not None:
-            self.host.put(e, buf)
-            return
-        if e.host is not None:
+        """Makes `buf` the session's host copy (replacing any other), or lets it go (None): its bytes are freed
+        when the last snapshot of it is."""
+        if buf is None and e.host is not None:
             self.dirty.discard(e.key)  # what is not written by now is given up with the buffer
-        self.host.remove(e)
+            self.host.policy.remove(e.key)
+        elif buf is not None and e.host is None:
+            self.host.policy.insert(e.key)
+        e.host = buf
+        self.account(e)
+
+    def account(self, e: Entry) -> None:
+        """Brings the host tier's count up to date after the session's buffer grew, shrank or changed."""
+        e.host_segments, e.host_accounted = self.host.account(e.host, e.host_segments, e.host_accounted)
 
     def set_manifest(self, e: Entry, manifest: Manifest | None, chunks: dict[str, tuple[int, int]]) -> None:
         if manifest is None and e.manifest is not None:
@@ -276,7 +286,7 @@ class Index:
         """Shortens a session. A new generation: a save in flight may hold tokens past the cut, and must not
         commit them (it would describe a history that no longer exists)."""
         e.host.truncate(length)
-        self.host.account(e)  # a state of the cut tokens went with them
+        self.account(e)  # a state of the cut tokens went with them
         e.generation += 1
         if e.persisted > length:
             self.set_manifest(e, e.manifest.select([(0, length)]), e.chunks)
@@ -325,7 +335,7 @@ class Index:
             return
         ids = buf.snapshot().token_ids
         buf.state = state.sealed(e.key, prefix_digest(e.key[0], ids))
-        self.host.account(e)
+        self.account(e)
         self.stats.states_kept += 1
         if self.has_lower and e.dirty:
             self.dirty.add(e.key)
@@ -346,4 +356,289 @@ class Index:
         if e.host.pending and not (e.pins or e.writers or e.loading is not None):
             tokens = e.host.compact()
             self.stats.host_encoded_tokens += tokens
-        self.host.account(e)
+        self.account(e)
+
+    # -- the owner's transitions: with the methods above, the only writers of entries, pins, dirty marks,
+    # reservations and stats (tests/store/test_ownership.py). Each expects the caller to hold `lock` unless it
+    # says otherwise.
+    def count(self, **deltas: float) -> None:
+        """Adds to counters of `stats`, e.g. ``count(misses=1)``."""
+        for name, delta in deltas.items():
+            setattr(self.stats, name, getattr(self.stats, name) + delta)
+
+    def record(self, **values: float) -> None:
+        """Sets gauges of `stats` (the last resume decision's inputs)."""
+        for name, value in values.items():
+            setattr(self.stats, name, value)
+
+    def stats_snapshot(self, local_disk: bool, remote_down: int) -> StoreStats:
+        """A copy of the counters with the gauges of this moment."""
+        s = StoreStats(**{f.name: getattr(self.stats, f.name) for f in fields(StoreStats)})
+        s.sessions = len(self.entries)
+        s.host_sessions = sum(e.host is not None for e in self.entries.values())
+        s.disk_sessions = sum(e.manifest is not None for e in self.entries.values()) if local_disk else 0
+        s.host_bytes_used, s.disk_bytes_used = self.host.used, self.disk_used
+        s.loads_in_flight, s.saves_pending = self.loads_active, len(self.dirty)
+        s.remote_down = remote_down
+        return s
+
+    def pin(self, e: Entry) -> None:
+        """A load or a write of the session is in flight: its buffers must not change, eviction skips it."""
+        e.pins += 1
+
+    def unpin(self, e: Entry) -> None:
+        e.pins -= 1
+
+    def mark_dirty(self, e: Entry, write: Write | None = None) -> None:
+        """The session has tokens to write (`write`: how soon, else as it was)."""
+        if write is not None:
+            e.write = write
+        self.dirty.add(e.key)
+
+    def mark_clean(self, e: Entry, write: Write | None = None) -> None:
+        """Nothing of the session is to be written now (`write`: what then, else as it was)."""
+        if write is not None:
+            e.write = write
+        self.dirty.discard(e.key)
+
+    def set_write(self, e: Entry, write: Write) -> None:
+        e.write = write
+
+    def new_history(self, e: Entry) -> None:
+        """A new generation: a save in flight may hold tokens past a cut or of a replaced copy, and must not
+        commit them."""
+        e.generation += 1
+
+    def reserve_disk(self, nbytes: int) -> None:
+        """Counts `nbytes` about to be written (a save's bound) before they are, so the files never exceed the
+        limit; `release_disk` gives back what was not written."""
+        self.disk_used += nbytes
+
+    def release_disk(self, nbytes: int) -> None:
+        self.disk_used -= nbytes
+
+    def reserve_manifest_room(self, nbytes: int) -> None:
+        """Room for the largest new manifest a queued head drop writes beside the old one (eviction.py)."""
+        if nbytes > self.manifest_room:
+            self.disk_used += nbytes - self.manifest_room
+            self.manifest_room = nbytes
+
+    def deletes_done(self, deletes: list[tuple[Key, int, tuple | None]]) -> None:
+        """Queued deletions ran (failed or not): their bytes are no longer counted."""
+        nbytes = sum(item[1] for item in deletes)
+        self.disk_used -= nbytes
+        self.deleting -= nbytes
+        self.deletions -= len(deletes)
+        if not self.deletes:  # no head drop left to write a manifest beside its old one
+            self.disk_used -= self.manifest_room
+            self.manifest_room = 0
+
+    def forget_replaced(self, e: Entry) -> None:
+        """Lets the older copy a new history keeps (`hand_over`) go, with its folder."""
+        e.predecessor, e.chunks = None, {}
+        self.delete_folder(e)
+
+    def drop_disk_copy(self, e: Entry) -> None:
+        """Removes a session from the disk tier; with no copy in host memory either, it is gone."""
+        if e.host is None:
+            self.drop(e)
+            return
+        self.set_manifest(e, None, {})
+        e.write = Write.NEVER  # not written again this turn: it would only push another session out
+        self.delete_folder(e)
+
+    def start_load(self, e: Entry, buf: SessionBuffer, job) -> None:
+        """A load of the session into `buf` is submitted (`job`, load_thread.py): pinned until `end_load`."""
+        e.loading, e.load_job = job.handle, job
+        e.pins += 1
+        self.set_host(e, buf)
+        self.loads_active += 1
+
+    def end_load(self, e: Entry, handle) -> None:
+        e.pins -= 1
+        self.loads_active -= 1
+        if e.loading is handle:
+            e.loading, e.load_job = None, None
+
+    def loaded_remote(self, e: Entry, dirty: bool) -> None:
+        """A copy found remotely is local now (`dirty`: to be written to the lower tier behind the turn)."""
+        e.remote = None
+        e.last_write = time.monotonic()
+        if dirty:
+            self.dirty.add(e.key)
+
+    def give_up_remote(self, e: Entry) -> None:
+        """A remote copy adopted over an unsaved new history failed to load: the older copy stays."""
+        e.remote = None
+        self.release_host(e)
+
+    def add_mirrored(self, e: Entry, digests) -> None:
+        """Chunks of the session that this store put in the remote tier."""
+        e.mirrored |= digests
+
+    def set_mirrored(self, e: Entry, digests: set) -> None:
+        e.mirrored = digests
+
+    def lost_mirror(self) -> None:
+        """The remote tier lost what it held: no chunk is known to be there any more."""
+        for e in self.entries.values():
+            e.mirrored.clear()
+
+    def queue_remirror(self, key: Key) -> None:
+        self.remirror.add(key)
+
+    def unqueue_remirror(self, key: Key | None = None) -> None:
+        """The session is no longer to be copied again to the mirror (None: none is, the store closing)."""
+        if key is None:
+            self.remirror.clear()
+        else:
+            self.remirror.discard(key)
+
+    def take_chunk_numbers(self, key: Key, count: int) -> int:
+        """The first of `count` new chunk numbers of the session (they only ever grow)."""
+        first = self.next_chunk.get(key, 0)
+        self.next_chunk[key] = first + count
+        return first
+
+    def save_failed(self, e: Entry, error: BaseException | None = None, retry_at: float = 0.0) -> None:
+        """A write of the session failed: retried after `retry_at` (`error`; None: written whole again at once)."""
+        if error is not None:
+            e.last_error, e.write = error, Write.FAILED
+            e.retry_at = retry_at
+        e.failures += 1
+
+    def never_write(self, e: Entry, error: BaseException) -> None:
+        """The session is larger than the lower tier can hold: not written again until its next turn."""
+        self.dirty.discard(e.key)
+        e.write, e.last_error = Write.NEVER, error
+
+    def save_ok(self, e: Entry) -> None:
+        e.failures, e.last_error = 0, None
+        if e.write is Write.FAILED:
+            e.write = Write.BEHIND
+
+    def saved(self, e: Entry, manifest: Manifest, chunks: dict) -> None:
+        """The session's own copy is durable as `manifest`: the older copy it was handed is collected."""
+        self.set_manifest(e, manifest, chunks)
+        e.predecessor = None
+
+    def forget_dirty(self, key: Key) -> None:
+        """A session gone, or with nothing to write, leaves the dirty set."""
+        self.dirty.discard(key)
+
+    def refuse_remote(self, e: Entry, signature: tuple | None) -> None:
+        """A remote copy that failed to verify or load is not tried again (`remote_signature`)."""
+        e.refused = signature
+
+    def add(self, e: Entry, last_access: float | None = None) -> None:
+        """Puts an entry in the index (replacing any other of its key)."""
+        if last_access is not None:
+            e.last_access = last_access
+        self.entries[e.key] = e
+
+    def reopened(self, e: Entry, manifest: Manifest, files: dict, manifest_size: int, chunks: dict,
+                 last_access: float) -> None:
+        """A session found on disk when the store reopens: indexed with its manifest and files."""
+        e.last_access = last_access
+        self.next_chunk[e.key] = manifest.next_chunk
+        self.entries[e.key] = e
+        self.set_manifest(e, manifest, chunks)
+        self.set_files(e, files, manifest_size)
+        if not manifest.head:
+            self.prefixes.add(e.key, manifest.token_ids)  # rebuilt from the manifests, never a file
+
+    def adopt_remote(self, e: Entry | None, n: Entry, manifest: Manifest, local_disk: bool, durable: bool) -> Entry:
+        """Indexes `n`, the entry of the remote copy `manifest`, in place of the local entry `e` (if any).
+
+        A local durable copy is never deleted here: with a disk tier (`local_disk`), `n` takes over `e`'s files
+        (the session's folder, whose manifest stays valid until the remote copy, once loaded, is written over it)
+        and keeps it as its `fallback`, put back if the remote copy fails to load (`restore_local`); without one,
+        nothing of `e` is local but a host copy. `durable`: the remote tier is the tier below host memory, so the
+        remote copy is the session's durable copy, as a disk copy would be."""
+        if e is not None:
+            if not local_disk:
+                self.drop(e)
+            else:
+                self.unindex(e)  # its host copy goes (and the session's dirty tail, if any, with it)
+                # A remote copy not loaded yet stands for the local copy it was to replace: that is the fallback.
+                n.fallback, e.fallback = (e if e.manifest is not None else e.fallback), None
+                self.hand_over(e, n)
+        if durable:
+            # Its chunks are named by digest; their token counts are the spans' (a later save may rewrite the last).
+            self.set_manifest(n, manifest, {s.chunk: (0, s.end) for s in manifest.spans})
+        else:
+            n.remote = manifest
+            n.mirrored = {span.digest for span in manifest.spans}
+        n.last_access = time.monotonic()
+        self.entries[n.key] = n
+        return n
+
+    def restore_local(self, e: Entry, refuse: tuple | None = None) -> bool:
+        """Puts back the local copy that the remote entry `e` was to replace, if it has one and `e` is still
+        indexed. Returns whether it did. `refuse`: the signature of a remote copy not to try again."""
+        old = e.fallback
+        if old is None or self.entries.get(e.key) is not e:
+            return False
+        e.fallback = None
+        self.set_host(e, None)  # a failed load's buffer (the snapshot handed out keeps its own reference)
+        old.files, old.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
+        old.linked, e.linked = e.linked, {}
+        e.chunks = {}
+        old.generation = max(old.generation, e.generation) + 1  # no snapshot of the failed load is of its lineage
+        self.entries[e.key] = old
+        self.disk_policy.insert(e.key)
+        if refuse is not None:
+            old.refused = refuse
+        self.stats.remote_restores += 1
+        return True
+
+    def forget_fallback(self, e: Entry) -> None:
+        """The remote copy is verified and loaded: it replaces the local copy (written over it behind the turn)."""
+        e.fallback = None
+
+    def close(self) -> None:
+        self.closed = True
+
+    def forward_started(self) -> None:
+        self.forwards_active += 1
+
+    def forward_ended(self) -> None:
+        self.forwards_active -= 1
+        self.last_forward = time.monotonic()
+
+    def queue_ended_turn(self, key: Key, turn: int, state: SessionState | None, ended: bool) -> None:
+        """A turn ended (or offers its states): applied at the next decision (`apply_ended_turns`). Needs no lock
+        (a writer's finalizer may run while this thread holds it): a deque's append is atomic."""
+        self.ended_turns.append((key, turn, state, ended))
+
+    def room_wait(self, delta: int) -> None:
+        """An append starts (+1) or stops (-1) waiting for host room (the save thread does not yield meanwhile)."""
+        self.room_waiters += delta
+
+    def offered_prefix(self, e: Entry, token_ids, blocks_offered: int) -> None:
+        """The session's stored tokens are offered for sharing (prefixes.py), `blocks_offered` whole blocks of them."""
+        self.prefixes.add(e.key, token_ids)
+        e.prefix_blocks = blocks_offered
+
+    def appended(self, e: Entry, tokens: int) -> None:
+        """A turn appended `tokens` to the session's host copy."""
+        self.account(e)
+        self.touch(e)
+        self.stats.appended_tokens += tokens
+        e.last_write = time.monotonic()
+
+    def writer_refused(self, e: Entry, turn: int) -> None:
+        """The turn's appends are refused (the session outgrew the host tier): its host copy may go."""
+        e.writers.discard(turn)
+        if e.pins == 0:
+            e.write = Write.BEHIND
+            self.release_host(e)
+
+    def owned_by(self, e: Entry, turn: int, live) -> None:
+        """The turn owns the session now: pinned in host memory until it closes (older turns' pins are void)."""
+        e.owner = turn
+        e.live = live
+        e.writers = {turn}
+        e.prefix_blocks = 0  # the new turn's history is offered again as it grows
+        if e.write is Write.NEVER:
+            e.write = Write.BEHIND  # a new turn: the disk tier may have room again

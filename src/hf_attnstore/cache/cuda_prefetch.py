@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from .loader import LoadHandle
+from ..store.load_handle import LoadHandle
 
 Parts = list[tuple[torch.Tensor, torch.Tensor]]
 
