@@ -88,11 +88,11 @@ def main(argv=None) -> int:
 
     from hf_attnstore.cache.layers import AttnStoreLayer
 
-    from hf_attnstore.cache.turn import Turn
+    from hf_attnstore.cache.turn import CacheTurn
 
     setattr(AttnStoreCache, "__init__", timed(AttnStoreCache.__init__))
     for name in ("begin_forward", "end_forward", "record", "load_layer"):
-        setattr(Turn, name, timed(getattr(Turn, name)))
+        setattr(CacheTurn, name, timed(getattr(CacheTurn, name)))
     for cls in (DynamicLayer, AttnStoreLayer):
         cls.update = timed(cls.update)
     if args.resume:
