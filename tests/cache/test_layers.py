@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.serving.batching import batchable
 from hf_attnstore.cache.fingerprint import kv_geometry
-from hf_attnstore.cache.layers import BOTH, KV, NONE, STATE, LayerLayout
+from hf_attnstore.cache.layout import BOTH, KV, NONE, STATE, LayerLayout
 from hf_attnstore.cache.rope import HYBRID_MODEL_TYPES
 
 from . import test_cache

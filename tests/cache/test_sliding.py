@@ -14,7 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache
-from hf_attnstore.cache.layers import AttnStoreSlidingLayer, LayerLayout
+from hf_attnstore.cache.layers import AttnStoreSlidingLayer
+from hf_attnstore.cache.layout import LayerLayout
 
 from ..conftest import make_tiny, random_ids
 from hf_attnstore.cache.upstream import cache_kwargs

@@ -18,7 +18,7 @@ from .config import SparseConfig, TruncationConfig
 from .fingerprint import model_fingerprint, salted_fingerprint
 from .hooks import install_generation_hook, install_hooks
 from .rope import RopeAdapter
-from .layers import LayerLayout
+from .layout import LayerLayout
 from .turn import CacheTurn, check_scored, head_prefill_key, regime_keys
 from .upstream import Cache, DynamicCache
 

@@ -36,7 +36,7 @@ def kv_geometry(model: nn.Module) -> tuple:
     head_dim)`` for most models (a hybrid model's linear-attention layers keep no KV: see layers.LayerLayout);
     ``(layers, 1, qk_rope_head_dim, 1, kv_lora_rank)`` for multi-head latent attention, whose store keys are
     the key's rotary part and whose values are the compressed latent."""
-    from .layers import LayerLayout  # imports transformers' cache classes: only when a model is measured
+    from .layout import LayerLayout  # imports transformers' cache classes: only when a model is measured
     from ..store.geometry import make_geometry
 
     cfg = model.config.get_text_config(decoder=True)

@@ -17,7 +17,7 @@ from torch import nn
 from ..store import AttnStore, SessionKV
 from ..store.buffer import Segment
 from ..store.logs import OnceLogger
-from .layers import LayerLayout
+from .layout import LayerLayout
 from .prefill_clock import PrefillClock
 from .record import inverse_rope, unrotate
 from .rope import RopeAdapter

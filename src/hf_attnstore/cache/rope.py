@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from . import upstream
-from .layers import LATENT_MODEL_TYPES, LayerLayout
+from .layout import LATENT_MODEL_TYPES, LayerLayout
 
 logger = logging.getLogger(__name__)
 

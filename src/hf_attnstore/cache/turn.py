@@ -29,7 +29,8 @@ from . import importance
 from .config import SparseConfig, TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint, salted_fingerprint
 from .head import recompute_head
-from .layers import AttnStoreSparseLayer, LayerLayout, TurnEnd, build_layers
+from .layers import AttnStoreSparseLayer, TurnEnd, build_layers
+from .layout import LayerLayout
 from .load import ReuseLoader
 from .plan import ModelFacts, TurnPlan, miss_plan, plan_turn, score_names, shares, stored_scores
 from .prefill_clock import PrefillClock

@@ -89,7 +89,7 @@ def batchable(model, sparse=None) -> tuple[bool, str]:
         (True, '')
     """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    from ..cache.layers import LayerLayout
+    from ..cache.layout import LayerLayout
 
     layout = LayerLayout.of(model)
     if layout.has_state:
