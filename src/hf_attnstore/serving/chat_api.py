@@ -11,9 +11,12 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from .base import OpenAIServing, Started, sse_data, store_info, usage_of
+from transformers import LogitsProcessorList
+
+from .base import OpenAIServing, Started, generate_options, sse_data, store_info, usage_of
 from .engine import ToolsUnsupported, Turn
 from .errors import APIError
+from .forced import ForcingUnsupported, forced_call_processor
 from .protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice, Delta,
                        ResponseMessage, ToolCallDelta)
 
@@ -102,7 +105,21 @@ class ChatServing(OpenAIServing):
             raise APIError(400, str(exc), param="tools")
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages")
-        return turn, parser, self.turn_options(body, max_new)
+        forced = body.forced_functions()
+        if forced is None:
+            return turn, parser, self.turn_options(body, max_new)
+        # A forced call: the reply is constrained to calls (a `response_format` is for text replies: not this one).
+        options = generate_options(body, max_new)
+        try:
+            processor = forced_call_processor(self.engine.grammars, self.engine.response_template, tools, forced,
+                                              several=body.tool_choice == "required" and
+                                              body.parallel_tool_calls is not False)
+        except ForcingUnsupported as exc:
+            raise APIError(400, str(exc), param="tool_choice")
+        except ValueError as exc:  # GrammarError: a function's parameters llguidance cannot compile
+            raise APIError(400, f"the tools' parameters cannot be forced: {exc}", param="tools")
+        options["logits_processor"] = LogitsProcessorList([*options.get("logits_processor", []), processor])
+        return turn, parser, options
 
     async def _more_samples(self, first: Started, body: ChatCompletionRequest, count: int) -> list[Started]:
         """`count` more samples of `first`'s prompt (OpenAI's ``n``), each a turn of its own on a new session with

@@ -2,8 +2,9 @@
 completion and its stream chunks.
 
 Requests accept OpenAI's fields; fields this server does not implement are refused with a 400 naming them
-when they would change the answer (``n > 1`` with ``stream``, a ``tool_choice`` that forces a call, a
-``response_format`` other than text), honoured when implemented (``tools``, ``tool_choice`` "auto" and "none",
+when they would change the answer (``n > 1`` with ``stream``, a ``tool_choice`` of allowed tools, a
+``response_format`` other than text), honoured when implemented (``tools``, every ``tool_choice`` but allowed
+tools ("required" and a named function by constrained decoding, forced.py),
 ``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages, ``n`` (each sample a turn that reuses
 the first one's prompt), ``logprobs`` and ``top_logprobs``, ``frequency_penalty``, ``presence_penalty``,
 ``logit_bias``, ``seed``, ``stop``, ``top_k``), and ignored only when they do not change the answer (OpenAI
@@ -20,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .common import (FORCING_TOOL_CHOICE, TOOL_NAME, AttnStoreInfo, CompletionBase, FunctionCall, OpenAIRequest,
+from .common import (OTHER_TOOL_CHOICE, TOOL_NAME, AttnStoreInfo, CompletionBase, FunctionCall, OpenAIRequest,
                      StreamOptions, Usage, check_tool_choice, response_format_schema, stop_strings)
 
 
@@ -211,8 +212,8 @@ class ChatCompletionRequest(OpenAIRequest):
         """The first requested feature this server does not implement, as (field, what), or None."""
         if self.n > 1 and self.stream:
             return "n", "`n` > 1 with `stream`"
-        if self.tools and self.tool_choice not in (None, "auto", "none"):
-            return "tool_choice", FORCING_TOOL_CHOICE
+        if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") != "function":
+            return "tool_choice", OTHER_TOOL_CHOICE
         if self.functions or self.function_call not in (None, "none", "auto"):
             field = "functions" if self.functions else "function_call"
             return field, f"`{field}` (deprecated function calling; send the functions as `tools`)"
@@ -233,6 +234,23 @@ class ChatCompletionRequest(OpenAIRequest):
         """Whether the reply is parsed for tool calls: tools are given and `tool_choice` is not "none" (then the
         tools are still rendered, as vLLM does, so the prompt stays the conversation's prefix)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_functions(self) -> list[str] | None:
+        """The functions the reply must call, when ``tool_choice`` forces a call: the named one, or every offered
+        one for "required"; None when the model may answer in text.
+
+        Example:
+            >>> ChatCompletionRequest.model_validate({
+            ...     "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            ...     "tools": [{"type": "function", "function": {"name": "f"}}],
+            ...     "tool_choice": {"type": "function", "function": {"name": "f"}}}).forced_functions()
+            ['f']
+        """
+        if not self.tools or self.tool_choice in (None, "auto", "none"):
+            return None
+        if self.tool_choice == "required":
+            return [tool.function.name for tool in self.tools]
+        return [_chat_named(self.tool_choice)]
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
