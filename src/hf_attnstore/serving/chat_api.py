@@ -21,6 +21,8 @@ from .protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionReques
                        ResponseMessage, ToolCallDelta)
 
 
+RETAIN_24H_S = 24 * 3600  # `prompt_cache_retention: "24h"`
+
 class ChatServing(OpenAIServing):
     """The chat-completions route over the shared base (`OpenAIServing`); the Responses route runs its requests
     as chat turns through `start_turn`.
@@ -88,7 +90,10 @@ class ChatServing(OpenAIServing):
             problem = self.limits.session_id_problem(header, "X-Session-ID")
             if problem is not None:
                 raise APIError(400, problem, param="X-Session-ID")
-        session = header or body.user or session or None  # an empty id names no session
+        # The session the client names: its header, else OpenAI's prompt-cache key (the one that survives gateways
+        # that drop custom headers and `user`), else `user`; an empty one names no session.
+        session = header or body.prompt_cache_key or body.user or session or None
+        self.metrics.prompt_cache(body.prompt_cache_key, body.prompt_cache_retention)
         max_new = body.max_new_tokens(self.default_max_tokens)
         return await self.start(lambda: self._setup(body, session, max_new), max_new, stream=body.stream)
 
@@ -99,6 +104,8 @@ class ChatServing(OpenAIServing):
             if turn is None:
                 turn = self.engine.prepare([m.as_template_message() for m in body.messages], session,
                                            body.cache_salt, tools)
+            if body.prompt_cache_retention == "24h":  # OpenAI's longest: idleness does not expire it before
+                self.engine.pipeline.retain(turn.session_id, RETAIN_24H_S, turn.cache_salt)
             parser = self.engine.reply_parser(turn, tools, body.parallel_tool_calls is not False) \
                 if body.parses_tool_calls() else None
         except ToolsUnsupported as exc:

@@ -182,6 +182,8 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool | None = None
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # vLLM's: KV is shared only between requests with the same salt
+    prompt_cache_key: str | None = None  # OpenAI's: a session key, as X-Session-ID (scoped by the salt)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # OpenAI's: how long the session is kept
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None

@@ -135,6 +135,8 @@ class ResponsesRequest(OpenAIRequest):
     metadata: dict[str, str] | None = None
     text: dict | None = None
     cache_salt: str | None = None  # vLLM's extension, as in chat completions
+    prompt_cache_key: str | None = None  # OpenAI's, as in chat completions
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     background: bool | None = None
     conversation: str | dict | None = None
     prompt: dict | None = None
@@ -258,6 +260,7 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionR
         model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, tools=body.chat_tools(), tool_choice=chat_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls, user=body.user, cache_salt=body.cache_salt,
+        prompt_cache_key=body.prompt_cache_key, prompt_cache_retention=body.prompt_cache_retention,
         stream=body.stream, response_format=(body.text or {}).get("format"))
 
 
