@@ -124,3 +124,31 @@ def test_a_template_without_tools_or_a_format_that_cannot_be_forced_is_a_400():
     finally:
         plain.close()
         other.close()
+
+
+def test_a_responses_chain_keeps_the_calls_and_their_outputs_and_reuses_the_kv(server):
+    """An agent loop over `previous_response_id`: each step's call and its output stay in the context (the prompt
+    is the one the whole conversation gives through chat completions, token for token), and each step reuses all
+    of the previous one, through the tool pause."""
+    tools = [{"type": "function", **WEATHER["function"]}, {"type": "function", **TIME["function"]}]
+    chat_tools = [WEATHER, TIME]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    previous = server.client.responses.create(model="tiny", input=messages[0]["content"], tools=tools,
+                                              temperature=0, tool_choice={"type": "function", "name": "get_weather"},
+                                              parallel_tool_calls=False)
+    for step, (choice, result) in enumerate([("required", "18 C"), ("auto", "13:00")]):
+        [call] = [i for i in previous.output if i.type == "function_call"]
+        messages += [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": result}]
+        current = server.client.responses.create(
+            model="tiny", previous_response_id=previous.id, tools=tools, temperature=0, tool_choice=choice,
+            parallel_tool_calls=False,
+            max_output_tokens=120, input=[{"type": "function_call_output", "call_id": call.call_id, "output": result}])
+        # (Under a salt of its own: it neither continues nor feeds the chain's session.)
+        whole = server.client.chat.completions.create(model="tiny", messages=messages, tools=chat_tools,
+                                                      max_tokens=1, extra_body={"cache_salt": "check"})
+        assert current.usage.input_tokens == whole.usage.prompt_tokens, step  # nothing of the chain lost
+        reused = current.usage.input_tokens_details.cached_tokens
+        assert reused >= previous.usage.input_tokens + previous.usage.output_tokens - 1, step
+        previous = current
