@@ -152,3 +152,35 @@ def test_a_responses_chain_keeps_the_calls_and_their_outputs_and_reuses_the_kv(s
         reused = current.usage.input_tokens_details.cached_tokens
         assert reused >= previous.usage.input_tokens + previous.usage.output_tokens - 1, step
         previous = current
+
+
+def test_a_streamed_forced_call_arrives_as_deltas_that_add_up_to_the_call(server):
+    from .test_tools import streamed_calls
+
+    ask = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], temperature=0, parallel_tool_calls=False,
+               tool_choice={"type": "function", "function": {"name": "get_time"}})
+    content, calls, finish, pieces = streamed_calls(server.client.chat.completions.create(**ask, stream=True))
+    whole = server.client.chat.completions.create(**ask).choices[0].message.tool_calls
+    assert not content and finish == "tool_calls" and pieces > 1
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+    assert valid(whole[0])
+
+
+def test_the_responses_event_stream_gives_the_call_then_argument_deltas(server):
+    stream = server.client.responses.create(model="tiny", input="Weather in Paris?", temperature=0, stream=True,
+                                            tools=[{"type": "function", **WEATHER["function"]}],
+                                            tool_choice={"type": "function", "name": "get_weather"})
+    events = list(stream)
+    kinds = [e.type for e in events]
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.type == "function_call" and added.item.name == "get_weather" and added.item.arguments == ""
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert len(deltas) > 1 and "".join(deltas) == done.arguments
+    assert kinds.index("response.output_item.added") < kinds.index("response.function_call_arguments.delta") < \
+        kinds.index("response.function_call_arguments.done") < kinds.index("response.output_item.done")
+    [item] = events[-1].response.output
+    assert events[-1].type == "response.completed" and item.arguments == done.arguments
+    assert json.loads(item.arguments)["city"] in CITY["enum"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))

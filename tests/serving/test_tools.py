@@ -97,22 +97,40 @@ def test_a_tool_call_round_trip_is_parsed_sent_back_and_reused_exactly(server):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_a_streamed_reply_gives_content_then_the_call(server):
-    server.answer("Let me look." + CALL)
-    stream = server.client.chat.completions.create(model="tiny", tools=[WEATHER], stream=True,
-                                                   messages=[{"role": "user", "content": "Paris?"}])
-    content, calls, finish = "", [], None
+def streamed_calls(stream) -> tuple[str, dict[int, dict], str | None, int]:
+    """A chat stream's content, calls by index (id, name, arguments concatenated), finish reason, and how many
+    chunks carried argument text."""
+    content, calls, finish, pieces = "", {}, None, 0
     for chunk in stream:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
-        calls += delta.tool_calls or []
+        for call in delta.tool_calls or []:
+            if call.id is not None:  # the first chunk of a call: its id, type and name, no arguments yet
+                assert call.index not in calls and call.type == "function" and call.function.arguments == ""
+                calls[call.index] = {"id": call.id, "name": call.function.name, "arguments": ""}
+            else:
+                assert call.function.name is None
+                calls[call.index]["arguments"] += call.function.arguments
+                pieces += 1
         finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish, pieces
+
+
+def test_a_streamed_reply_gives_content_then_the_call_name_first_then_argument_deltas(server):
+    server.answer("Let me look." + CALL + CALL.replace("Paris", "Rome"))
+    ask = dict(model="tiny", tools=[WEATHER], messages=[{"role": "user", "content": "Paris?"}])
+    content, calls, finish, pieces = streamed_calls(server.client.chat.completions.create(**ask, stream=True))
     assert content == "Let me look."
-    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
-        [(0, "get_weather", {"city": "Paris"})]
+    assert [(i, c["name"], json.loads(c["arguments"])) for i, c in sorted(calls.items())] == \
+        [(0, "get_weather", {"city": "Paris"}), (1, "get_weather", {"city": "Rome"})]
+    assert pieces > 2  # the arguments came as they were written, not whole
     assert finish == "tool_calls"
+    # The deltas add up to the arguments the whole reply returns: the text the model wrote.
+    whole = server.client.chat.completions.create(**ask).choices[0].message.tool_calls
+    assert [c["arguments"] for _, c in sorted(calls.items())] == [c.function.arguments for c in whole]
+    assert whole[0].function.arguments == '{"city": "Paris"}'
 
 
 def test_parallel_calls_and_parallel_tool_calls_false(server):
@@ -134,9 +152,11 @@ def test_what_the_parser_cannot_take_stays_content(server):
         choice = server.client.chat.completions.create(**ask).choices[0]
         assert not choice.message.tool_calls and choice.finish_reason == "stop", text
         assert choice.message.content == text
-        stream = server.client.chat.completions.create(**ask, stream=True)
-        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        assert streamed == text
+        content, calls, finish, _ = streamed_calls(server.client.chat.completions.create(**ask, stream=True))
+        assert content == text and finish == "stop", text
+        # Streamed, a call whose JSON breaks after its name was sent was only begun (its arguments never
+        # complete, `finish_reason` is "stop"); a call to a function not offered is never begun.
+        assert all(c["name"] == "get_weather" and c["arguments"] in ("", "{") for c in calls.values()), calls
 
 
 def test_tool_choice_none_renders_the_tools_and_parses_nothing(server):

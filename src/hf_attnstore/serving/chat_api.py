@@ -18,7 +18,7 @@ from .engine import ToolsUnsupported, Turn
 from .errors import APIError
 from .forced import ForcingUnsupported, forced_call_processor
 from .protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice, Delta,
-                       ResponseMessage, ToolCallDelta)
+                       FunctionDelta, ResponseMessage, ToolCallDelta)
 
 
 RETAIN_24H_S = 24 * 3600  # `prompt_cache_retention: "24h"`
@@ -156,8 +156,8 @@ class ChatServing(OpenAIServing):
 
 
 class ChatEvents:
-    """A chat completion's stream chunks (`base.StreamEvents`): the assistant's role, text deltas, each tool call
-    whole when its region closes (as transformers serve streams them), then the finish reason with the
+    """A chat completion's stream chunks (`base.StreamEvents`): the assistant's role, text deltas, each tool call's
+    id and name, then its arguments as they are written (as OpenAI streams them), then the finish reason with the
     log-probabilities and our ``attnstore`` object, and the usage when ``stream_options`` asks for it.
 
     Example:
@@ -168,7 +168,6 @@ class ChatEvents:
 
     def __init__(self, serving: ChatServing, started: Started, body: ChatCompletionRequest, completion_id: str):
         self.serving, self.started, self.body, self.completion_id = serving, started, body, completion_id
-        self.calls = 0  # tool calls streamed so far (their `index`)
 
     def _chunk(self, delta: Delta, finish=None, logprobs=None, **extra) -> str:
         chunk = ChatCompletionChunk(id=self.completion_id, model=self.serving.model_name,
@@ -181,10 +180,15 @@ class ChatEvents:
 
     def deltas(self, content: str, calls: list) -> list[str]:
         out = [self._chunk(Delta(content=content))] if content else []
-        for call in calls:
-            out.append(self._chunk(Delta(tool_calls=[ToolCallDelta(index=self.calls, id=call.id,
-                                                                   function=call.function)])))
-            self.calls += 1
+        for piece in calls:  # tools.CallPiece: the call's id and name first, then its arguments as written
+            if piece.id is not None:
+                delta = ToolCallDelta(index=piece.index, id=piece.id, type="function",
+                                      function=FunctionDelta(name=piece.name, arguments=""))
+            elif piece.arguments:
+                delta = ToolCallDelta(index=piece.index, function=FunctionDelta(arguments=piece.arguments))
+            else:
+                continue  # the call's end: nothing more to send
+            out.append(self._chunk(Delta(tool_calls=[delta])))
         return out
 
     async def finished(self, reply) -> list[str]:

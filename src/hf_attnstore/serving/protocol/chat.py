@@ -324,18 +324,31 @@ class ChatCompletion(CompletionBase):
     attnstore: AttnStoreInfo
 
 
-class ToolCallDelta(BaseModel):
-    """A tool call in a stream chunk (sent whole when its region closes).
+class FunctionDelta(BaseModel):
+    """What a stream chunk adds to a call's function: its name (first), then pieces of its arguments' text.
 
     Example:
-        >>> ToolCallDelta(index=0, id="call_1", function={"name": "f", "arguments": "{}"}).index
-        0
+        >>> FunctionDelta(arguments='{"ci').model_dump(exclude_none=True)
+        {'arguments': '{"ci'}
+    """
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A tool call in a stream chunk, as OpenAI streams it: the first chunk of a call has its ``id``, ``type`` and
+    name (with empty arguments), later ones only pieces of its arguments, under the same ``index``.
+
+    Example:
+        >>> ToolCallDelta(index=0, function={"arguments": "{}"}).model_dump(exclude_none=True)
+        {'index': 0, 'function': {'arguments': '{}'}}
     """
 
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
 
 
 class Delta(BaseModel):
