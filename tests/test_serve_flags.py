@@ -196,6 +196,20 @@ def test_policy(model_dir, policy):
         assert cached(chat(client, follow_up(conversation(), first))) > 0
 
 
+def test_ttl_expires_idle_sessions_but_those_retained_for_24h(model_dir):
+    import time
+
+    # (No prefix sharing: the two conversations share the system prompt, which would be reused from the other.)
+    with serving(model_dir, "--ttl", "0.3", "--no-share-prefixes") as (client, server):
+        assert server.store.config.ttl_s == 0.3
+        kept = chat(client, conversation(1), prompt_cache_key="kept", prompt_cache_retention="24h")
+        idle = chat(client, conversation(2), prompt_cache_key="idle")
+        time.sleep(1.0)
+        assert cached(chat(client, follow_up(conversation(2), idle), prompt_cache_key="idle")) == 0
+        assert cached(chat(client, follow_up(conversation(1), kept), prompt_cache_key="kept")) > 0
+        assert server.store.stats().ttl_expired >= 1
+
+
 def test_recompute_by_cost(model_dir, tmp_path):
     """A session on disk only, with rates that make loading it slower than recomputing (a 1-byte load taking 1000 s,
     a million-token prefill in a millisecond, as tests/cache/test_load_or_recompute.py sets them): with the flag its

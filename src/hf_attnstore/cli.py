@@ -213,7 +213,7 @@ def build_server(args: argparse.Namespace) -> Server:
     store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
                       remote=args.remote, remote_required=args.remote_required, policy=args.policy,
                       kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes,
-                      recompute_by_cost=args.recompute_by_cost, sparse_copies=args.sparse_copies)
+                      recompute_by_cost=args.recompute_by_cost, sparse_copies=args.sparse_copies, ttl_s=args.ttl)
     # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
     window = args.context_window or getattr(model.config, "max_position_embeddings", None)
     try:
@@ -367,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "rediss://... or unix:///path.sock")
     _remote_required_option(sv)
     sv.add_argument("--policy", default="lookahead", choices=("lookahead", "lru", "fifo"))
+    sv.add_argument("--ttl", type=float, default=None,
+                    help="seconds after which an idle session is deleted from every tier (default: never); a request "
+                         "with prompt_cache_retention \"24h\" keeps its session for 24 hours whatever this says")
     sv.add_argument("--no-share-prefixes", action="store_true",
                     help="a new conversation never starts from another one's stored prefix (a shared system prompt, "
                     "a regenerated reply): each recomputes and stores its own (default: shared, within a cache_salt)")

@@ -238,13 +238,18 @@ def test_a_tool_choice_that_names_no_offered_tool_is_a_400_naming_it(server, rou
         assert word in error["message"], (word, error)
 
 
+ALLOWED = {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}
+
+
 @pytest.mark.parametrize("route, fields", [
-    ("chat", {"tool_choice": "required", "tools": [WEATHER]}),
-    ("chat", {"tool_choice": CHAT_NAMED, "tools": [WEATHER]}),
-    ("responses", {"tool_choice": "required", "tools": [RESPONSES_WEATHER]}),
-    ("responses", {"tool_choice": RESPONSES_NAMED, "tools": [RESPONSES_WEATHER]}),
+    ("chat", {"tool_choice": {"type": "allowed_tools", "allowed_tools": ALLOWED}, "tools": [WEATHER]}),
+    ("chat", {"tool_choice": {"type": "custom", "custom": {"name": "get_weather"}}, "tools": [WEATHER]}),
+    ("responses", {"tool_choice": ALLOWED, "tools": [RESPONSES_WEATHER]}),
+    ("responses", {"tool_choice": {"type": "web_search_preview"}, "tools": [RESPONSES_WEATHER]}),
 ])
-def test_a_forcing_tool_choice_over_offered_tools_is_still_refused_as_unsupported(server, route, fields):
+def test_a_tool_choice_object_other_than_a_function_is_refused_as_unsupported(server, route, fields):
+    """"required" and a named function are forced by constrained decoding (test_forced_calls.py); allowed tools and
+    choices of tools this server does not have are refused by name."""
     http, _ = server
     path, base, _, _ = ROUTES[route]
     r = http.post(path, json={**base, **fields})

@@ -215,7 +215,7 @@ def test_a_damaged_stored_response_is_unknown_not_a_crash(tmp_path):
     ({"previous_response_id": "resp_../../etc/passwd"}, 400, "previous_response_id"),
     ({"previous_response_id": "resp_" + "0" * 32}, 400, "previous_response_id"),
     ({"background": True}, 400, "background"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, 400, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 7}}}}, 400, "text.format"),
     ({"tools": [{"type": "web_search"}]}, 400, "tools.0.type"),
     ({"tools": [{"type": "function", "name": "bad name"}]}, 400, "tools"),
     ({"max_output_tokens": 10**9}, 400, "max_output_tokens"),

@@ -43,7 +43,7 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool
 class Server:
     """A tiny model behind the app, answering what `force.reply` says; `client` is the openai client."""
 
-    def __init__(self, template=TOOL_TEMPLATE, response=TOOL_RESPONSE, engine_template=None):
+    def __init__(self, template=TOOL_TEMPLATE, response=TOOL_RESPONSE, engine_template=None, force=True):
         tok = char_tokenizer()
         tok.chat_template = template
         if response is not None:
@@ -51,8 +51,9 @@ class Server:
         self.tok = tok
         self.force = ForceReply(tok, [])
         self.store = AttnStore("16MiB")
+        # Without `force`, the random model answers itself (constrained decoding decides what it may say).
         self.pipe = ChatPipeline(make_tiny("llama"), tok, self.store, max_new_tokens=200,
-                                 logits_processor=LogitsProcessorList([self.force]))
+                                 logits_processor=LogitsProcessorList([self.force] if force else []))
         app = create_app(ChatEngine(self.pipe, response_template=engine_template), "tiny", default_max_tokens=200)
         self.http = TestClient(app)
         self.client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=self.http,
@@ -96,22 +97,40 @@ def test_a_tool_call_round_trip_is_parsed_sent_back_and_reused_exactly(server):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_a_streamed_reply_gives_content_then_the_call(server):
-    server.answer("Let me look." + CALL)
-    stream = server.client.chat.completions.create(model="tiny", tools=[WEATHER], stream=True,
-                                                   messages=[{"role": "user", "content": "Paris?"}])
-    content, calls, finish = "", [], None
+def streamed_calls(stream) -> tuple[str, dict[int, dict], str | None, int]:
+    """A chat stream's content, calls by index (id, name, arguments concatenated), finish reason, and how many
+    chunks carried argument text."""
+    content, calls, finish, pieces = "", {}, None, 0
     for chunk in stream:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
-        calls += delta.tool_calls or []
+        for call in delta.tool_calls or []:
+            if call.id is not None:  # the first chunk of a call: its id, type and name, no arguments yet
+                assert call.index not in calls and call.type == "function" and call.function.arguments == ""
+                calls[call.index] = {"id": call.id, "name": call.function.name, "arguments": ""}
+            else:
+                assert call.function.name is None
+                calls[call.index]["arguments"] += call.function.arguments
+                pieces += 1
         finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish, pieces
+
+
+def test_a_streamed_reply_gives_content_then_the_call_name_first_then_argument_deltas(server):
+    server.answer("Let me look." + CALL + CALL.replace("Paris", "Rome"))
+    ask = dict(model="tiny", tools=[WEATHER], messages=[{"role": "user", "content": "Paris?"}])
+    content, calls, finish, pieces = streamed_calls(server.client.chat.completions.create(**ask, stream=True))
     assert content == "Let me look."
-    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
-        [(0, "get_weather", {"city": "Paris"})]
+    assert [(i, c["name"], json.loads(c["arguments"])) for i, c in sorted(calls.items())] == \
+        [(0, "get_weather", {"city": "Paris"}), (1, "get_weather", {"city": "Rome"})]
+    assert pieces > 2  # the arguments came as they were written, not whole
     assert finish == "tool_calls"
+    # The deltas add up to the arguments the whole reply returns: the text the model wrote.
+    whole = server.client.chat.completions.create(**ask).choices[0].message.tool_calls
+    assert [c["arguments"] for _, c in sorted(calls.items())] == [c.function.arguments for c in whole]
+    assert whole[0].function.arguments == '{"city": "Paris"}'
 
 
 def test_parallel_calls_and_parallel_tool_calls_false(server):
@@ -133,9 +152,11 @@ def test_what_the_parser_cannot_take_stays_content(server):
         choice = server.client.chat.completions.create(**ask).choices[0]
         assert not choice.message.tool_calls and choice.finish_reason == "stop", text
         assert choice.message.content == text
-        stream = server.client.chat.completions.create(**ask, stream=True)
-        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        assert streamed == text
+        content, calls, finish, _ = streamed_calls(server.client.chat.completions.create(**ask, stream=True))
+        assert content == text and finish == "stop", text
+        # Streamed, a call whose JSON breaks after its name was sent was only begun (its arguments never
+        # complete, `finish_reason` is "stop"); a call to a function not offered is never begun.
+        assert all(c["name"] == "get_weather" and c["arguments"] in ("", "{") for c in calls.values()), calls
 
 
 def test_tool_choice_none_renders_the_tools_and_parses_nothing(server):
@@ -175,8 +196,8 @@ def test_tools_a_model_cannot_take_are_refused_naming_tools():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
     ({"tools": [WEATHER] * 129}, "tools"),
     ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages.0"),

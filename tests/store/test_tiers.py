@@ -291,3 +291,38 @@ def test_closed_store_refuses_use(kvdir):
     store.close()
     with pytest.raises(ValueError, match="closed"):
         store.lookup("s", FP)
+
+
+def test_a_retained_session_outlives_the_ttl_until_its_retention_ends(kvdir, monkeypatch):
+    import time
+
+    from hf_attnstore.store import store as store_module
+
+    clock = [time.monotonic()]
+    monkeypatch.setattr(store_module.time, "monotonic", lambda: clock[0])
+    with make(kvdir, ttl_s=100) as store:
+        store.retain("kept", FP, 1000)  # before it is stored (a first turn asks for it)
+        write_turn(store, "kept", [1, 2])
+        write_turn(store, "idle", [3, 4])
+        assert store.stats().retained_sessions == 1
+        clock[0] += 500
+        assert store.lookup("idle", FP) is None and store.lookup("kept", FP) is not None
+        store.flush()  # the idle session's write to disk (it pins the session) is over
+        clock[0] += 600  # past its retention, and idle for longer than the TTL since the lookup
+        assert store.lookup("kept", FP) is None
+        s = store.stats()
+        assert s.ttl_expired == 2 and s.retained_sessions == 0 and s.retained_dropped == 0
+
+
+def test_capacity_still_evicts_a_retained_session_and_says_so():
+    from .kvdata import BYTES_PER_TOKEN
+
+    store = AttnStore(host_bytes=2 * 16 * BYTES_PER_TOKEN)  # two sessions; no lower tier
+    try:
+        store.retain("a", FP, 1000)
+        for name, ids in (("a", [1, 2]), ("b", [3, 4]), ("c", [5, 6])):
+            write_turn(store, name, ids)
+        assert "a" not in store.sessions()
+        assert store.stats().retained_dropped == 1
+    finally:
+        store.close()

@@ -11,12 +11,17 @@ from dataclasses import replace
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from .base import OpenAIServing, Started, sse_data, store_info, usage_of
+from transformers import LogitsProcessorList
+
+from .base import OpenAIServing, Started, generate_options, sse_data, store_info, usage_of
 from .engine import ToolsUnsupported, Turn
 from .errors import APIError
+from .forced import ForcingUnsupported, forced_call_processor
 from .protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice, Delta,
-                       ResponseMessage, ToolCallDelta)
+                       FunctionDelta, ResponseMessage, ToolCallDelta)
 
+
+RETAIN_24H_S = 24 * 3600  # `prompt_cache_retention: "24h"`
 
 class ChatServing(OpenAIServing):
     """The chat-completions route over the shared base (`OpenAIServing`); the Responses route runs its requests
@@ -85,7 +90,10 @@ class ChatServing(OpenAIServing):
             problem = self.limits.session_id_problem(header, "X-Session-ID")
             if problem is not None:
                 raise APIError(400, problem, param="X-Session-ID")
-        session = header or body.user or session or None  # an empty id names no session
+        # The session the client names: its header, else OpenAI's prompt-cache key (the one that survives gateways
+        # that drop custom headers and `user`), else `user`; an empty one names no session.
+        session = header or body.prompt_cache_key or body.user or session or None
+        self.metrics.prompt_cache(body.prompt_cache_key, body.prompt_cache_retention)
         max_new = body.max_new_tokens(self.default_max_tokens)
         return await self.start(lambda: self._setup(body, session, max_new), max_new, stream=body.stream)
 
@@ -96,13 +104,29 @@ class ChatServing(OpenAIServing):
             if turn is None:
                 turn = self.engine.prepare([m.as_template_message() for m in body.messages], session,
                                            body.cache_salt, tools)
+            if body.prompt_cache_retention == "24h":  # OpenAI's longest: idleness does not expire it before
+                self.engine.pipeline.retain(turn.session_id, RETAIN_24H_S, turn.cache_salt)
             parser = self.engine.reply_parser(turn, tools, body.parallel_tool_calls is not False) \
                 if body.parses_tool_calls() else None
         except ToolsUnsupported as exc:
             raise APIError(400, str(exc), param="tools")
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages")
-        return turn, parser, self.turn_options(body, max_new)
+        forced = body.forced_functions()
+        if forced is None:
+            return turn, parser, self.turn_options(body, max_new)
+        # A forced call: the reply is constrained to calls (a `response_format` is for text replies: not this one).
+        options = generate_options(body, max_new)
+        try:
+            processor = forced_call_processor(self.engine.grammars, self.engine.response_template, tools, forced,
+                                              several=body.tool_choice == "required" and
+                                              body.parallel_tool_calls is not False)
+        except ForcingUnsupported as exc:
+            raise APIError(400, str(exc), param="tool_choice")
+        except ValueError as exc:  # GrammarError: a function's parameters llguidance cannot compile
+            raise APIError(400, f"the tools' parameters cannot be forced: {exc}", param="tools")
+        options["logits_processor"] = LogitsProcessorList([*options.get("logits_processor", []), processor])
+        return turn, parser, options
 
     async def _more_samples(self, first: Started, body: ChatCompletionRequest, count: int) -> list[Started]:
         """`count` more samples of `first`'s prompt (OpenAI's ``n``), each a turn of its own on a new session with
@@ -132,8 +156,8 @@ class ChatServing(OpenAIServing):
 
 
 class ChatEvents:
-    """A chat completion's stream chunks (`base.StreamEvents`): the assistant's role, text deltas, each tool call
-    whole when its region closes (as transformers serve streams them), then the finish reason with the
+    """A chat completion's stream chunks (`base.StreamEvents`): the assistant's role, text deltas, each tool call's
+    id and name, then its arguments as they are written (as OpenAI streams them), then the finish reason with the
     log-probabilities and our ``attnstore`` object, and the usage when ``stream_options`` asks for it.
 
     Example:
@@ -144,7 +168,6 @@ class ChatEvents:
 
     def __init__(self, serving: ChatServing, started: Started, body: ChatCompletionRequest, completion_id: str):
         self.serving, self.started, self.body, self.completion_id = serving, started, body, completion_id
-        self.calls = 0  # tool calls streamed so far (their `index`)
 
     def _chunk(self, delta: Delta, finish=None, logprobs=None, **extra) -> str:
         chunk = ChatCompletionChunk(id=self.completion_id, model=self.serving.model_name,
@@ -157,10 +180,15 @@ class ChatEvents:
 
     def deltas(self, content: str, calls: list) -> list[str]:
         out = [self._chunk(Delta(content=content))] if content else []
-        for call in calls:
-            out.append(self._chunk(Delta(tool_calls=[ToolCallDelta(index=self.calls, id=call.id,
-                                                                   function=call.function)])))
-            self.calls += 1
+        for piece in calls:  # tools.CallPiece: the call's id and name first, then its arguments as written
+            if piece.id is not None:
+                delta = ToolCallDelta(index=piece.index, id=piece.id, type="function",
+                                      function=FunctionDelta(name=piece.name, arguments=""))
+            elif piece.arguments:
+                delta = ToolCallDelta(index=piece.index, function=FunctionDelta(arguments=piece.arguments))
+            else:
+                continue  # the call's end: nothing more to send
+            out.append(self._chunk(Delta(tool_calls=[delta])))
         return out
 
     async def finished(self, reply) -> list[str]:

@@ -63,6 +63,10 @@ class StoreCollector:
                             ("expired", s.ttl_expired)):
             evictions.add_metric([kind], value)
         yield evictions
+        yield GaugeMetricFamily("attnstore_store_retained_sessions", "Sessions kept from expiring by idleness "
+                                "(`prompt_cache_retention: 24h`)", value=s.retained_sessions)
+        yield CounterMetricFamily("attnstore_store_retained_dropped", "Retained sessions that capacity pressure "
+                                  "evicted before their retention ended", value=s.retained_dropped)
         errors = CounterMetricFamily("attnstore_store_errors", "Failed store I/O (each a miss or a retried write)",
                                      labels=["kind"])
         for kind, value in (("write", s.write_errors), ("load", s.load_errors), ("remote", s.remote_errors)):
@@ -135,11 +139,21 @@ class ServerMetrics:
                               ["status"], registry=r)
         self.cancelled = Counter("attnstore_cancelled_turns", "Turns stopped because the client went away",
                                  registry=r)
+        self.prompt_cache_keys = Counter("attnstore_prompt_cache_key_requests", "Requests that named their session "
+                                         "with OpenAI's `prompt_cache_key`", registry=r)
+        self.retention = Counter("attnstore_prompt_cache_retention_requests", "Requests by the `prompt_cache_retention` "
+                                 "they asked for (\"default\": none)", ["retention"], registry=r)
         depth = Gauge("attnstore_queue_depth", "Requests admitted and not finished", registry=r)
         depth.set_function(queue_depth)
         if batch_memory is not None:  # what a GPU's memory bounds: `kv_budget` makes each row its budget
             r.register(BatchCollector(batch_memory))
         r.register(StoreCollector(store))
+
+    def prompt_cache(self, key: str | None, retention: str | None) -> None:
+        """Counts a chat or Responses request's prompt-cache fields."""
+        if key:
+            self.prompt_cache_keys.inc()
+        self.retention.labels(retention or "default").inc()
 
     def observe(self, reply) -> None:
         self.turns.labels(reply.kv_source).inc()

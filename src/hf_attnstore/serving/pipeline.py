@@ -272,6 +272,17 @@ class ChatPipeline:
         tiers = (self.store.tier_of(session_id, fp) for fp in self._fingerprints())
         return {"session_id": session_id, "tokens": int(ids.shape[1]), "tier": next(filter(None, tiers), None)}
 
+    def retain(self, session_id: str, seconds: float, cache_salt: str | None = None) -> None:
+        """Keeps the session's KV (under `cache_salt`) from expiring by idleness for `seconds`
+        (`AttnStore.retain`; capacity may still evict it). Without a store, nothing is kept anyway.
+
+        Example:
+            >>> pipe.retain("agent-7", 24 * 3600)  # doctest: +SKIP
+        """
+        if self.store is not None:
+            for fingerprint in self._fingerprints(cache_salt):
+                self.store.retain(session_id, fingerprint, seconds)
+
     def _fingerprints(self, cache_salt: str | None = None) -> list[str]:
         """The keys of this model's sessions in the store under `cache_salt` (two for longrope:
         AttnStoreCache.fingerprints_of)."""

@@ -140,6 +140,7 @@ class ResponseEvents:
         self.sequence = 0
         self.output: list[dict] = []  # items done so far
         self.open_message: dict | None = None  # the message item text is being streamed into
+        self.open_calls: dict[int, tuple[int, str]] = {}  # a call being streamed: its output index and item id
         self.shell = response_object(body, response_id, serving.model_name, "in_progress", [])
 
     def _event(self, kind: str, **data) -> str:
@@ -179,17 +180,25 @@ class ResponseEvents:
             self.open_message["text"] += content
             lines.append(self._event("response.output_text.delta", item_id=self.open_message["id"],
                                      output_index=len(self.output), content_index=0, delta=content, logprobs=[]))
-        for call in calls:
-            lines += self._close_message()
-            index, done = len(self.output), call_item(call, "completed")
-            lines += [self._event("response.output_item.added", output_index=index,
-                                  item={**call_item(call, "in_progress"), "arguments": ""}),
-                      self._event("response.function_call_arguments.delta", item_id=done["id"], output_index=index,
-                                  delta=call.function.arguments),
-                      self._event("response.function_call_arguments.done", item_id=done["id"], output_index=index,
-                                  arguments=call.function.arguments),
-                      self._event("response.output_item.done", output_index=index, item=done)]
-            self.output.append(done)
+        for piece in calls:  # tools.CallPiece: a call's item opens with its name, its arguments stream, it closes
+            if piece.id is not None:
+                lines += self._close_message()
+                index = len(self.output)
+                self.open_calls[piece.index] = (index, f"fc_{piece.id.removeprefix('call_')}")
+                lines.append(self._event("response.output_item.added", output_index=index, item={
+                    "type": "function_call", "id": self.open_calls[piece.index][1], "call_id": piece.id,
+                    "name": piece.name, "arguments": "", "status": "in_progress"}))
+            index, item_id = self.open_calls[piece.index]
+            if piece.arguments:
+                lines.append(self._event("response.function_call_arguments.delta", item_id=item_id,
+                                         output_index=index, delta=piece.arguments))
+            if piece.done is not None:
+                done = call_item(piece.done, "completed")
+                lines += [self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                                      arguments=piece.done.function.arguments),
+                          self._event("response.output_item.done", output_index=index, item=done)]
+                self.output.append(done)
+                del self.open_calls[piece.index]
         return lines
 
     async def finished(self, reply) -> list[str]:

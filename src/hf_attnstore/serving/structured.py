@@ -52,12 +52,18 @@ class Grammars:
         self._lltok = None
         self._lock = threading.Lock()
 
+    max_chars = MAX_SCHEMA_CHARS
+
     def _tokenizer(self):
         import llguidance.hf
 
         with self._lock:
             if self._lltok is None:
-                self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=self.end_ids[0])
+                try:
+                    self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=self.end_ids[0])
+                except ValueError:  # a decoder llguidance cannot read (not byte-level, nor SentencePiece)
+                    self._lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTexts(self.tokenizer,
+                                                                                                 self.end_ids[0])))
             return self._lltok
 
     def processor(self, schema: dict | None) -> "GrammarProcessor":
@@ -76,6 +82,22 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise GrammarError(f"the schema cannot be compiled: {exc}") from None
+        return self.compile(grammar)
+
+    def compile(self, grammar: str, lark: bool = False) -> "GrammarProcessor":
+        """A processor constraining a reply to `grammar`: llguidance's grammar text, or (`lark`) a Lark grammar in
+        llguidance's dialect (which embeds JSON schemas as ``%json {...}``).
+
+        Raises:
+            GrammarError: llguidance refuses the grammar (its message says why).
+
+        Example:
+            >>> processor = grammars.compile('start: "yes" | "no"', lark=True)  # doctest: +SKIP
+        """
+        import llguidance
+
+        if lark:
+            grammar = llguidance.LLMatcher.grammar_from_lark(grammar)
         lltok = self._tokenizer()
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lltok)
         if failed:
@@ -84,6 +106,25 @@ class Grammars:
         if matcher.is_error():
             raise GrammarError(f"the schema cannot be compiled: {matcher.get_error()[:500]}")
         return GrammarProcessor(matcher, lltok.vocab_size, self.end_ids, self.vocab_size)
+
+
+class _TokenTexts:
+    """llguidance's view of a tokenizer whose decoder it cannot read (a word-level or character-level one): each
+    token's bytes are its text decoded alone, a special token's are its name after 0xFF (llguidance's mark of
+    special tokens, which grammars name as ``<|...|>``)."""
+
+    def __init__(self, tokenizer, eos_token_id: int):
+        specials = set(tokenizer.all_special_ids)
+        self.eos_token_id, self.bos_token_id = eos_token_id, tokenizer.bos_token_id
+        self.special_token_ids = sorted(specials)
+        self.tokens = [b"\xff" + str(tokenizer.convert_ids_to_tokens(i)).encode() if i in specials
+                       else tokenizer.decode([i]).encode() for i in range(len(tokenizer))]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "replace")
+        return self._tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 class GrammarProcessor(LogitsProcessor):

@@ -75,6 +75,8 @@ class Eviction:
         # loaded without its head, `recompute_by_cost`), cannot be written: dropped (the remote copy stays).
         unwritable = e.host is not None and e.host.missing_head > e.persisted
         if self.lower is None or e.write is Write.NEVER or e.length == 0 or unwritable:
+            if e.manifest is None:  # its only copy
+                self.state.dropped(e)
             self.state.release_host(e)  # its durable copy, if any, stays
             self.state.count(host_drops=1)
         elif e.dirty:
@@ -103,6 +105,7 @@ class Eviction:
                                   lambda key: entries[key] is not current and entries[key].pins == 0,
                                   self.state.disk_used - self.state.deleting - limit):
             self.state.count(disk_drops=1)
+            self.state.dropped(entries[key])
             self.drop_disk_copy(entries[key])
         return self.state.disk_used - self.state.deleting <= limit
 
@@ -147,6 +150,7 @@ class Eviction:
                 continue
             if len(e.manifest.spans) == 1:  # its last chunk: the session leaves the disk tier
                 self.state.count(disk_drops=1)
+                self.state.dropped(e)
                 self.drop_disk_copy(e)
             else:
                 self.drop_disk_head(e)

@@ -39,6 +39,8 @@ class StoreStats:
     load_errors: int = 0
     rejected_no_room: int = 0  # appends refused: the host tier was full of pinned or unwritable sessions
     ttl_expired: int = 0
+    retained_dropped: int = 0  # capacity evictions of sessions retained from expiry (`AttnStore.retain`)
+    retained_sessions: int = 0  # sessions whose retention deadline is ahead (now)
     prefetches: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0

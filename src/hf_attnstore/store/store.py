@@ -432,6 +432,27 @@ class AttnStore:
             for e in [e for k, e in self._index.entries.items() if k[1] == session_id and e.host is not None]:
                 self._eviction.evict_from_host(e)
 
+    def retain(self, session_id: str, fingerprint: str, seconds: float) -> None:
+        """Keeps the session from expiring by idleness (`ttl_s`) for `seconds` from now, whether it is stored yet
+        or not (OpenAI's ``prompt_cache_retention``). Capacity may still evict it: counted in
+        `StoreStats.retained_dropped`.
+
+        Example:
+            >>> store = AttnStore(host_bytes="1MiB", ttl_s=60)
+            >>> store.retain("chat-1", "model-a", 24 * 3600)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as turn:
+            ...     _ = turn.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> store.stats().retained_sessions
+            1
+        """
+        if not seconds > 0:
+            raise ValueError(f"`seconds` must be positive, got {seconds!r}")
+        key = (fingerprint, validate_session_id(session_id))
+        with self._index.lock:
+            self._index.check_open()
+            self._index.retain(key, float(seconds))
+
     def delete(self, session_id: str, fingerprint: str | None = None) -> bool:
         """Removes the session's KV from every tier, for every model (or only that stored under `fingerprint`).
         Returns whether anything was removed.

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import fields
 
 from .buffer import SessionBuffer
@@ -44,6 +44,8 @@ from .stats import StoreStats
 
 logger = logging.getLogger("hf_attnstore.store.store")
 
+
+MAX_RETAINED = 1_000_000  # sessions with a retention deadline (`StoreState.retain`): a bounded index
 
 class StoreState:
     """The entries of every session and the counters of every tier, owned under one lock (see the module
@@ -83,6 +85,9 @@ class StoreState:
         self.once = OnceLogger(logger)  # each kind of warning once per store
         self.closed = False
         self.prefixes = PrefixTable()  # which sessions begin with which prefix (prefix sharing, prefixes.py)
+        # Sessions a client asked to keep (OpenAI's `prompt_cache_retention`): key -> monotonic deadline before
+        # which `ttl_s` does not expire them. Capacity may still evict them (counted in `retained_dropped`).
+        self.retained: OrderedDict[Key, float] = OrderedDict()
 
     def take_deletes(self) -> list[tuple[Key, int, tuple | None]]:
         """The queued deletions, for the save thread to run (lock held)."""
@@ -272,13 +277,32 @@ class StoreState:
         c.files, c.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
         c.linked, e.linked = e.linked, {}
 
+    def retain(self, key: Key, seconds: float) -> None:
+        """Keeps `key`'s session from expiring by idleness for `seconds` from now (lock held); the index of such
+        deadlines holds at most `MAX_RETAINED` sessions (the earliest asked for go first)."""
+        self.retained[key] = max(self.retained.get(key, 0.0), time.monotonic() + seconds)
+        self.retained.move_to_end(key)
+        while len(self.retained) > MAX_RETAINED:
+            self.retained.popitem(last=False)
+
+    def is_retained(self, key: Key, now: float | None = None) -> bool:
+        return self.retained.get(key, 0.0) > (time.monotonic() if now is None else now)
+
+    def dropped(self, e: Entry) -> None:
+        """Counts a capacity eviction that took a retained session's last copy (lock held)."""
+        if self.is_retained(e.key):
+            self.stats.retained_dropped += 1
+
     def expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, until in self.retained.items() if until <= now]:
+            del self.retained[key]
         ttl = self.config.ttl_s
         if ttl is None:
             return
-        now = time.monotonic()
         self.apply_ended_turns()
-        for e in [e for e in self.entries.values() if now - e.last_access > ttl and e.pins == 0 and not e.writers]:
+        for e in [e for e in self.entries.values() if now - e.last_access > ttl and e.pins == 0 and not e.writers
+                  and not self.is_retained(e.key, now)]:
             self.drop(e)
             self.stats.ttl_expired += 1
 
@@ -380,6 +404,8 @@ class StoreState:
         s.host_bytes_used, s.disk_bytes_used = self.host.used, self.disk_used
         s.loads_in_flight, s.saves_pending = self.loads_active, len(self.dirty)
         s.remote_down = remote_down
+        now = time.monotonic()
+        s.retained_sessions = sum(self.is_retained(key, now) for key in self.entries)
         return s
 
     def pin(self, e: Entry) -> None:

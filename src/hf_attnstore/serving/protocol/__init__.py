@@ -17,9 +17,9 @@ Example:
 """
 
 from .chat import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, Choice, ChunkChoice, Delta,
-                   FunctionDef, NamedToolChoice, ResponseMessage, TextPart, ToolCallDelta, ToolCallIn, ToolCallOut,
-                   ToolDef)
-from .common import (FORCING_TOOL_CHOICE, TOOL_NAME, AttnStoreInfo, CompletionBase, FunctionCall, ModelCard, ModelList,
+                   FunctionDef, FunctionDelta, NamedToolChoice, ResponseMessage, TextPart, ToolCallDelta, ToolCallIn,
+                   ToolCallOut, ToolDef)
+from .common import (OTHER_TOOL_CHOICE, TOOL_NAME, AttnStoreInfo, CompletionBase, FunctionCall, ModelCard, ModelList,
                      OpenAIRequest, PromptTokensDetails, StreamOptions, Usage, check_tool_choice, echo_problem,
                      error_body, error_field, error_tag, json_object_text, response_format_schema, stop_strings,
                      surrogate_at)
@@ -31,7 +31,7 @@ from .responses import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, 
 
 __all__ = [
     "AttnStoreInfo", "ChatCompletion", "ChatCompletionChunk", "ChatCompletionRequest", "ChatMessage", "Choice",
-    "ChunkChoice", "CompletionBase", "CompletionRequest", "DEFAULT_MAX_TOKENS", "Delta", "FORCING_TOOL_CHOICE",
+    "ChunkChoice", "CompletionBase", "CompletionRequest", "DEFAULT_MAX_TOKENS", "Delta", "FunctionDelta", "OTHER_TOOL_CHOICE",
     "FunctionCall", "FunctionCallItem", "FunctionCallOutputItem", "FunctionDef", "FunctionTool", "FunctionToolChoice",
     "InputText", "Item", "MessageItem", "ModelCard", "ModelList", "NamedToolChoice", "OpenAIRequest",
     "PromptTokensDetails", "RequestLimits", "ResponseMessage", "ResponsesRequest", "StreamOptions", "TOOL_NAME",

@@ -2,8 +2,9 @@
 completion and its stream chunks.
 
 Requests accept OpenAI's fields; fields this server does not implement are refused with a 400 naming them
-when they would change the answer (``n > 1`` with ``stream``, a ``tool_choice`` that forces a call, a
-``response_format`` other than text), honoured when implemented (``tools``, ``tool_choice`` "auto" and "none",
+when they would change the answer (``n > 1`` with ``stream``, a ``tool_choice`` of allowed tools, a
+``response_format`` other than text), honoured when implemented (``tools``, every ``tool_choice`` but allowed
+tools ("required" and a named function by constrained decoding, forced.py),
 ``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages, ``n`` (each sample a turn that reuses
 the first one's prompt), ``logprobs`` and ``top_logprobs``, ``frequency_penalty``, ``presence_penalty``,
 ``logit_bias``, ``seed``, ``stop``, ``top_k``), and ignored only when they do not change the answer (OpenAI
@@ -20,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .common import (FORCING_TOOL_CHOICE, TOOL_NAME, AttnStoreInfo, CompletionBase, FunctionCall, OpenAIRequest,
+from .common import (OTHER_TOOL_CHOICE, TOOL_NAME, AttnStoreInfo, CompletionBase, FunctionCall, OpenAIRequest,
                      StreamOptions, Usage, check_tool_choice, response_format_schema, stop_strings)
 
 
@@ -181,6 +182,8 @@ class ChatCompletionRequest(OpenAIRequest):
     logprobs: bool | None = None
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None  # vLLM's: KV is shared only between requests with the same salt
+    prompt_cache_key: str | None = None  # OpenAI's: a session key, as X-Session-ID (scoped by the salt)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # OpenAI's: how long the session is kept
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -211,8 +214,8 @@ class ChatCompletionRequest(OpenAIRequest):
         """The first requested feature this server does not implement, as (field, what), or None."""
         if self.n > 1 and self.stream:
             return "n", "`n` > 1 with `stream`"
-        if self.tools and self.tool_choice not in (None, "auto", "none"):
-            return "tool_choice", FORCING_TOOL_CHOICE
+        if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") != "function":
+            return "tool_choice", OTHER_TOOL_CHOICE
         if self.functions or self.function_call not in (None, "none", "auto"):
             field = "functions" if self.functions else "function_call"
             return field, f"`{field}` (deprecated function calling; send the functions as `tools`)"
@@ -233,6 +236,23 @@ class ChatCompletionRequest(OpenAIRequest):
         """Whether the reply is parsed for tool calls: tools are given and `tool_choice` is not "none" (then the
         tools are still rendered, as vLLM does, so the prompt stays the conversation's prefix)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_functions(self) -> list[str] | None:
+        """The functions the reply must call, when ``tool_choice`` forces a call: the named one, or every offered
+        one for "required"; None when the model may answer in text.
+
+        Example:
+            >>> ChatCompletionRequest.model_validate({
+            ...     "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            ...     "tools": [{"type": "function", "function": {"name": "f"}}],
+            ...     "tool_choice": {"type": "function", "function": {"name": "f"}}}).forced_functions()
+            ['f']
+        """
+        if not self.tools or self.tool_choice in (None, "auto", "none"):
+            return None
+        if self.tool_choice == "required":
+            return [tool.function.name for tool in self.tools]
+        return [_chat_named(self.tool_choice)]
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default
@@ -304,18 +324,31 @@ class ChatCompletion(CompletionBase):
     attnstore: AttnStoreInfo
 
 
-class ToolCallDelta(BaseModel):
-    """A tool call in a stream chunk (sent whole when its region closes).
+class FunctionDelta(BaseModel):
+    """What a stream chunk adds to a call's function: its name (first), then pieces of its arguments' text.
 
     Example:
-        >>> ToolCallDelta(index=0, id="call_1", function={"name": "f", "arguments": "{}"}).index
-        0
+        >>> FunctionDelta(arguments='{"ci').model_dump(exclude_none=True)
+        {'arguments': '{"ci'}
+    """
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    """A tool call in a stream chunk, as OpenAI streams it: the first chunk of a call has its ``id``, ``type`` and
+    name (with empty arguments), later ones only pieces of its arguments, under the same ``index``.
+
+    Example:
+        >>> ToolCallDelta(index=0, function={"arguments": "{}"}).model_dump(exclude_none=True)
+        {'index': 0, 'function': {'arguments': '{}'}}
     """
 
     index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
 
 
 class Delta(BaseModel):

@@ -28,9 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 _TYPE_TAG = re.compile(r"[a-z][a-z-]*\[.*\]|str|int|float|bool|none|dict|list", re.DOTALL)
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 
-# What `unsupported` says of a `tool_choice` that forces or restricts the calls (chat completions and Responses).
-FORCING_TOOL_CHOICE = ("`tool_choice` other than \"auto\" or \"none\" (\"required\", a named function, allowed "
-                       "tools) needs constrained decoding, which this server does not do: use \"auto\" or \"none\"")
+# What `unsupported` says of a `tool_choice` object this server does not implement (chat completions and Responses).
+OTHER_TOOL_CHOICE = ("a `tool_choice` object other than a named function (allowed tools, custom or built-in "
+                     "tools): use \"auto\", \"none\", \"required\" or {\"type\": \"function\", ...}")
 
 
 class OpenAIRequest(BaseModel):

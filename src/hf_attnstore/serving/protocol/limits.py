@@ -132,10 +132,11 @@ class RequestLimits:
                                 "characters are accepted")
             if surrogate_at(stop) is not None:
                 return "stop", "`stop` strings must be valid Unicode text: one has a lone surrogate"
-        if body.user:
-            problem = self.session_id_problem(body.user, "user")
+        for field in ("prompt_cache_key", "user"):
+            value = getattr(body, field)
+            problem = self.session_id_problem(value, field) if value else None
             if problem is not None:
-                return "user", problem
+                return field, problem
         if body.logit_bias:
             problem = self.logit_bias_problem(body.logit_bias)
             if problem is not None:

@@ -11,7 +11,7 @@ from typing import Literal, Union
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .chat import ChatCompletionRequest, ChatMessage, ToolDef
-from .common import FORCING_TOOL_CHOICE, OpenAIRequest, check_tool_choice, json_object_text
+from .common import OTHER_TOOL_CHOICE, OpenAIRequest, check_tool_choice, json_object_text
 
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
 
@@ -135,6 +135,8 @@ class ResponsesRequest(OpenAIRequest):
     metadata: dict[str, str] | None = None
     text: dict | None = None
     cache_salt: str | None = None  # vLLM's extension, as in chat completions
+    prompt_cache_key: str | None = None  # OpenAI's, as in chat completions
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     background: bool | None = None
     conversation: str | dict | None = None
     prompt: dict | None = None
@@ -185,8 +187,8 @@ class ResponsesRequest(OpenAIRequest):
         for i, tool in enumerate(self.tools or ()):
             if tool.get("type") != "function":
                 return f"tools.{i}.type", f"tools of type {str(tool.get('type'))[:50]!r} (only functions)"
-        if self.tools and self.tool_choice not in (None, "auto", "none"):
-            return "tool_choice", FORCING_TOOL_CHOICE
+        if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") != "function":
+            return "tool_choice", OTHER_TOOL_CHOICE
         return None
 
     def chat_tools(self) -> list[ToolDef] | None:
@@ -231,6 +233,18 @@ def _named(choice: dict) -> str:
         raise ValueError('a named `tool_choice` is {"type": "function", "name": ...}') from None
 
 
+def chat_tool_choice(choice):
+    """A Responses ``tool_choice`` in the chat-completions form (a named function nests its name).
+
+    Example:
+        >>> chat_tool_choice({"type": "function", "name": "f"})
+        {'type': 'function', 'function': {'name': 'f'}}
+    """
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": _named(choice)}}
+    return choice
+
+
 def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
     """The chat turn a Responses request asks for: `history` (the chain's messages), then its input, after its
     ``instructions`` as a system message (raises ValueError or ValidationError naming what is wrong).
@@ -244,8 +258,9 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionR
         messages.insert(0, ChatMessage(role="system", content=body.instructions))
     return ChatCompletionRequest(
         model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
-        temperature=body.temperature, top_p=body.top_p, tools=body.chat_tools(), tool_choice=body.tool_choice,
+        temperature=body.temperature, top_p=body.top_p, tools=body.chat_tools(), tool_choice=chat_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls, user=body.user, cache_salt=body.cache_salt,
+        prompt_cache_key=body.prompt_cache_key, prompt_cache_retention=body.prompt_cache_retention,
         stream=body.stream, response_format=(body.text or {}).get("format"))
 
 
