@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from transformers import LogitsProcessorList
 
-from .engine import ChatEngine, Overloaded, Turn
+from .engine import ChatEngine, Overloaded, RequestTurn
 from .errors import APIError
 from .metrics import ServerMetrics
 from .penalties import OpenAIPenalties
@@ -47,7 +47,7 @@ class Started:
         >>> reply = await serving.wait(started, request)  # doctest: +SKIP
     """
 
-    turn: Turn
+    turn: RequestTurn
     parser: ReplyParser | None  # with tools: parses the reply into content and calls
     future: object  # the pipeline's Future of the Reply
     streamer: object | None  # with `stream`: the reply's text as it is generated
@@ -139,7 +139,7 @@ class OpenAIServing:
             raise APIError(429, f"{exc}{why}", kind="rate_limit_error", code="overloaded",
                            headers={"Retry-After": "1"})
 
-    def submit(self, turn: Turn, streamer, cancel: threading.Event, options: dict):
+    def submit(self, turn: RequestTurn, streamer, cancel: threading.Event, options: dict):
         """Queues `turn` on the engine; its Future of the Reply.
 
         Raises:
@@ -153,7 +153,7 @@ class OpenAIServing:
         except ValueError as exc:  # validated before: a bug here, but the client's request all the same
             raise APIError(400, str(exc))
 
-    async def start(self, setup: Callable[[], tuple[Turn, ReplyParser | None, dict]], max_new: int,
+    async def start(self, setup: Callable[[], tuple[RequestTurn, ReplyParser | None, dict]], max_new: int,
                     stream: bool = False, why: str = "") -> Started:
         """Admits a request, sets up its turn and queues it. `setup` (run off the event loop: rendering and
         tokenizing a long conversation and compiling a grammar take a while, and other requests and streams must
@@ -217,7 +217,7 @@ class OpenAIServing:
         self.metrics.cancelled.inc()
         return Response(status_code=499)
 
-    def record(self, turn: Turn, reply, parser: ReplyParser | None = None):
+    def record(self, turn: RequestTurn, reply, parser: ReplyParser | None = None):
         """A finished turn: the engine learns where its session stands (`ChatEngine.finish`, whose answer it
         returns) and the metrics count its reply."""
         remembered = self.engine.finish(turn, reply, parser)
@@ -339,7 +339,7 @@ def generate_options(body, max_new: int) -> dict:
     return options
 
 
-def store_info(turn: Turn, reply) -> AttnStoreInfo:
+def store_info(turn: RequestTurn, reply) -> AttnStoreInfo:
     """Ours, beside OpenAI's fields: how the turn used the store.
 
     Example:
@@ -351,7 +351,7 @@ def store_info(turn: Turn, reply) -> AttnStoreInfo:
                          ttft_ms=1000 * reply.ttft_s, queue_ms=1000 * reply.queued_s)
 
 
-def usage_of(turn: Turn, reply) -> Usage:
+def usage_of(turn: RequestTurn, reply) -> Usage:
     """OpenAI's usage of a turn: ``cached_tokens`` are the prompt tokens whose KV was reused.
 
     Example:

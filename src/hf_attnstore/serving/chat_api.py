@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from transformers import LogitsProcessorList
 
 from .base import OpenAIServing, Started, generate_options, sse_data, store_info, usage_of
-from .engine import ToolsUnsupported, Turn
+from .engine import ToolsUnsupported, RequestTurn
 from .errors import APIError
 from .forced import ForcingUnsupported, forced_call_processor
 from .protocol import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, Choice, ChunkChoice, Delta,
@@ -97,7 +97,7 @@ class ChatServing(OpenAIServing):
         max_new = body.max_new_tokens(self.default_max_tokens)
         return await self.start(lambda: self._setup(body, session, max_new), max_new, stream=body.stream)
 
-    def _setup(self, body: ChatCompletionRequest, session: str | None, max_new: int, turn: Turn | None = None):
+    def _setup(self, body: ChatCompletionRequest, session: str | None, max_new: int, turn: RequestTurn | None = None):
         """A request's turn (rendered, unless given), reply parser and options; APIErrors for the client's faults."""
         try:
             tools = body.template_tools()

@@ -1,6 +1,6 @@
 """The engine behind the HTTP handlers: admission, sessions, and the pipeline that runs the turns.
 
-Handlers never run the model: they turn a request into a :class:`Turn` (token ids and the session it
+Handlers never run the model: they turn a request into a :class:`RequestTurn` (token ids and the session it
 continues), submit it, and await the result; queueing, serialization of a session's turns, cancellation and
 back-pressure live here and in the pipeline (one place, as in vLLM's AsyncLLM).
 
@@ -72,12 +72,12 @@ class Remembered:
 
 
 @dataclass
-class Turn:
+class RequestTurn:
     """A request's turn: the session it continues and its prompt ids, as the client's messages give them and as
     the model is fed them.
 
     Example:
-        >>> Turn("s1", [1, 2], [1, 2], explicit=True).scope
+        >>> RequestTurn("s1", [1, 2], [1, 2], explicit=True).scope
         ''
     """
 
@@ -149,7 +149,7 @@ class ChatEngine:
 
     # -- turns ------------------------------------------------------------------------------------------
     def prepare(self, messages: list[dict], session_id: str | None = None, cache_salt: str | None = None,
-                tools: list[dict] | None = None) -> Turn:
+                tools: list[dict] | None = None) -> RequestTurn:
         """The turn a request asks for: its prompt ids and its session (within `cache_salt`'s scope), rendered
         with `tools` (template form) when given.
 
@@ -157,7 +157,7 @@ class ChatEngine:
             ToolsUnsupported: `tools` are given and the chat template ignores them.
             ValueError: The messages cannot be rendered, or the session id or salt is invalid.
         """
-        turn = Turn("", [], [], session_id is not None, cache_salt)
+        turn = RequestTurn("", [], [], session_id is not None, cache_salt)
         scope = turn.scope  # a bad salt fails here, before anything is rendered
         if tools and not self.tokens.takes_tools(tools):
             raise ToolsUnsupported("this model's chat template does not render tools, so the model would never "
@@ -168,16 +168,16 @@ class ChatEngine:
             raise ValueError("the messages render to an empty prompt")
         return self._place(turn, client, session_id)
 
-    def prepare_ids(self, ids: list[int], session_id: str | None = None, cache_salt: str | None = None) -> Turn:
+    def prepare_ids(self, ids: list[int], session_id: str | None = None, cache_salt: str | None = None) -> RequestTurn:
         """The turn of a prompt given as token ids (completions): it continues the session that `session_id`
         names, else the stored session whose ids are the longest prefix of `ids`, else a new one."""
         if not ids:
             raise ValueError("the prompt is empty")
-        turn = Turn("", [], [], session_id is not None, cache_salt)
+        turn = RequestTurn("", [], [], session_id is not None, cache_salt)
         turn.scope  # a bad salt fails here
         return self._place(turn, list(ids), session_id)
 
-    def _place(self, turn: Turn, client: list[int], session_id: str | None) -> Turn:
+    def _place(self, turn: RequestTurn, client: list[int], session_id: str | None) -> RequestTurn:
         """`turn` with its session and the ids the model is fed for the client's `client` ids."""
         scope = turn.scope
         if session_id is None:
@@ -192,7 +192,7 @@ class ChatEngine:
         turn.session_id, turn.client_ids, turn.model_ids = session_id, client, model
         return turn
 
-    def submit(self, turn: Turn, streamer=None, cancel: threading.Event | None = None, **options) -> Future:
+    def submit(self, turn: RequestTurn, streamer=None, cancel: threading.Event | None = None, **options) -> Future:
         return self.pipeline.submit_prompt(turn.session_id, turn.model_ids, streamer, cancel=cancel,
                                            cache_salt=turn.cache_salt, **options)
 
@@ -228,7 +228,7 @@ class ChatEngine:
                 self._grammars = Grammars(self.pipeline.tokenizer, ends, int(size))
             return self._grammars
 
-    def reply_parser(self, turn: Turn, tools: list[dict], parallel: bool = True) -> ReplyParser:
+    def reply_parser(self, turn: RequestTurn, tools: list[dict], parallel: bool = True) -> ReplyParser:
         """A parser of `turn`'s reply into content and tool calls.
 
         Raises:
@@ -241,7 +241,7 @@ class ChatEngine:
         prompt = self.pipeline.tokenizer.decode(turn.model_ids)
         return ReplyParser(self.pipeline.tokenizer, self.response_template, prompt, tools, parallel)
 
-    def finish(self, turn: Turn, reply: Reply, parser: ReplyParser | None = None) -> Remembered | None:
+    def finish(self, turn: RequestTurn, reply: Reply, parser: ReplyParser | None = None) -> Remembered | None:
         """Records a finished turn: the session's ids for the index, and the reply's exact ids for the memo
         (a reply with tool calls also under its calls, `tools.call_key`, as `parser` found them). Returns what
         the memo was given (None for a cancelled turn), which `remember` gives it again."""
