@@ -40,7 +40,20 @@ LOCK = "LOCK"
 
 
 class DiskLockedError(RuntimeError):
-    """Another store (in this process or another) has the disk tier's folder open."""
+    """Another store (in this process or another) has the disk tier's folder open.
+
+    Example:
+        >>> import tempfile
+        >>> from hf_attnstore.store import AttnStore
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     first = AttnStore(host_bytes="1MiB", disk_dir=folder)
+        ...     try:
+        ...         AttnStore(host_bytes="1MiB", disk_dir=folder)  # a second store on the same folder
+        ...     except DiskLockedError:
+        ...         print("locked")
+        ...     first.close()
+        locked
+    """
 
 
 def _numpy(t: torch.Tensor):
