@@ -109,7 +109,8 @@ class AttnStoreCache(DynamicCache):
         >>> store = AttnStore(host_bytes="1GiB")
         >>> ids = torch.tensor([[1, 5, 9, 12, 7, 3]])
         >>> cache = AttnStoreCache(model, store, session_id="alice", input_ids=ids)
-        >>> out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, do_sample=False)
+        >>> out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, do_sample=False,
+        ...                      min_new_tokens=4)  # a random model may say EOS early: always 4 tokens here
         >>> next_turn = torch.cat([out, torch.tensor([[4, 8]])], dim=1)  # the reply, then the user's next message
         >>> AttnStoreCache(model, store, "alice", input_ids=next_turn).reused_tokens  # all but the last reply token
         9
