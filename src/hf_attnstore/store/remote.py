@@ -106,7 +106,14 @@ def _cluster_enabled(client) -> bool:
 
 
 def redacted(url: str) -> str:
-    """The URL without its password (in the user part or a ``password=`` query): never logged or raised."""
+    """The URL without its password (in the user part or a ``password=`` query): never logged or raised.
+
+    Example:
+        >>> redacted("redis://alice:secret@cache.internal:6379/0")
+        'redis://alice:***@cache.internal:6379/0'
+        >>> redacted("unix:///run/redis.sock?password=secret&db=2")
+        'unix:///run/redis.sock?password=***&db=2'
+    """
     parts = urlsplit(url)
     netloc = parts.netloc
     if parts.password is not None:
