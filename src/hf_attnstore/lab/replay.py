@@ -54,6 +54,14 @@ class ReplayConfig:
         seed: Seed of arrivals and think times.
         timeout_s: Longest wait for one turn.
         rejoin: Replay whole conversations, joining the parts the packaged (split) ShareGPT cut apart.
+
+    Example:
+        >>> ReplayConfig(conversations=10, max_turns=3, context_window=1024).max_user_tokens
+        256
+        >>> ReplayConfig(max_user_tokens=600, context_window=1024)
+        Traceback (most recent call last):
+        ...
+        ValueError: `max_user_tokens` (600) must be under half the context window (1024) so that a message fits ...
     """
 
     conversations: int = 40
@@ -91,7 +99,14 @@ class ReplayConfig:
 
 @dataclass(frozen=True)
 class Trace:
-    """Sessions, their turns (message, recorded reply or None) and when they arrive."""
+    """Sessions, their turns (message, recorded reply or None) and when they arrive.
+
+    Example:
+        >>> trace = Trace(["s00000", "s00001"], [[("Hi", "Hello"), ("Bye", "Bye!")], [("Hey", None)]], [0.0, 4.2],
+        ...               [[30.0, 12.5], [8.0]])
+        >>> trace.num_turns
+        3
+    """
 
     session_ids: list[str]
     turns: list[list[tuple[str, str | None]]]
@@ -233,6 +248,15 @@ def drive(pipe: ChatPipeline, trace: Trace, *, label: str = "", timeout_s: float
 
 
 def kv_bytes_per_token(model) -> int:
+    """Bytes of KV the store keeps per token of `model` (every layer's keys and values, in the model's dtype).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> kv_bytes_per_token(model)  # 2 layers x (keys + values) x 2 KV heads x head_dim 4 x 4 bytes (fp32)
+        128
+    """
     from ..cache.fingerprint import kv_geometry
     from ..store.geometry import bytes_per_token
 
