@@ -109,7 +109,8 @@ class AttnStoreCache(DynamicCache):
         >>> store = AttnStore(host_bytes="1GiB")
         >>> ids = torch.tensor([[1, 5, 9, 12, 7, 3]])
         >>> cache = AttnStoreCache(model, store, session_id="alice", input_ids=ids)
-        >>> out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, do_sample=False)
+        >>> out = model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=4, do_sample=False,
+        ...                      min_new_tokens=4)  # a random model may say EOS early: always 4 tokens here
         >>> next_turn = torch.cat([out, torch.tensor([[4, 8]])], dim=1)  # the reply, then the user's next message
         >>> AttnStoreCache(model, store, "alice", input_ids=next_turn).reused_tokens  # all but the last reply token
         9
@@ -234,25 +235,69 @@ class AttnStoreCache(DynamicCache):
     @staticmethod
     def fingerprints_of(model: nn.Module, store: AttnStore | None = None, cache_salt: str | None = None) -> list[str]:
         """Every key under which this model's sessions may be stored, the one of longer contexts first: one
-        for most models; two for `longrope`, whose KV is keyed by its frequency regime (short, long)."""
+        for most models; two for `longrope`, whose KV is keyed by its frequency regime (short, long).
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+            >>> AttnStoreCache.fingerprints_of(model) == [AttnStoreCache.fingerprint_of(model)]  # static RoPE: one key
+            True
+        """
         return regime_keys(AttnStoreCache.fingerprint_of(model, store, cache_salt), RopeAdapter(model))
 
     def batch_row(self):
         """What a batch that decodes this session after its prompt needs (serving/batching.py): ``(scorer, columns,
         slot_of)``, the turn's importance scorer (None when it does not score), the session positions of the keys
         each KV slot holds (``{slot: [kv_heads, K]}``, for a cache kept sparse; None when every layer holds every
-        position in order), and which model layer is which slot among the full-attention ones."""
+        position in order), and which model layer is which slot among the full-attention ones.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+            >>> cache = AttnStoreCache(model, AttnStore(host_bytes="1MiB"), "alice", torch.tensor([[1, 5, 9]]))
+            >>> cache.batch_row()  # dense: no scorer, every position in order; layers 0 and 1 are KV slots 0 and 1
+            (None, None, {0: 0, 1: 1})
+        """
         return self.turn.batch_row()
 
     def append_computed(self, token_ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor], sparse_from: int | None = None) -> None:
         """Stores KV the model computed for this session outside this cache (a batched decoding step over
-        several sessions), exactly as a forward through the cache would store it: see `CacheTurn.append_computed`."""
+        several sessions), exactly as a forward through the cache would store it: see `CacheTurn.append_computed`.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> from hf_attnstore import cache_kwargs
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> cache = AttnStoreCache(model, store, "alice", input_ids=torch.tensor([[1, 5, 9]]))
+            >>> _ = model(cache.input_ids, **cache_kwargs(cache))  # the prompt, through the cache
+            >>> kv = [torch.zeros(1, 2, 1, 8) for _ in range(2)]  # token 4 at position 3, decoded by a batch elsewhere
+            >>> cache.append_computed(torch.tensor([4]), torch.tensor([3]), kv, kv)
+            >>> store.token_ids("alice", cache.fingerprint).tolist()
+            [1, 5, 9, 4]
+        """
         self.turn.append_computed(token_ids, positions, keys, values, sparse_from)
 
     def close(self) -> None:
         """Ends the turn: the store may demote the session again. Later forwards through this cache are not
-        saved. Called when the cache is garbage-collected; call it (or use ``with``) when keeping caches."""
+        saved. Called when the cache is garbage-collected; call it (or use ``with``) when keeping caches.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> from hf_attnstore import cache_kwargs
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> with AttnStoreCache(model, store, "alice", input_ids=torch.tensor([[1, 5, 9]])) as cache:
+            ...     _ = model(cache.input_ids, **cache_kwargs(cache))
+            >>> _ = model(torch.tensor([[2]]), **cache_kwargs(cache))  # after close: not saved
+            >>> store.token_ids("alice", cache.fingerprint).tolist()
+            [1, 5, 9]
+        """
         self.turn.close()
 
     def __enter__(self) -> "AttnStoreCache":
@@ -264,17 +309,68 @@ class AttnStoreCache(DynamicCache):
     # -- operations a single-session cache does not support -------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
         """Drops the last tokens (assisted generation rejecting drafts; a negative count removes that many): from
-        the layers, and from the session in the store (see cache/speculative.py)."""
+        the layers, and from the session in the store (see cache/speculative.py).
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> from hf_attnstore import cache_kwargs
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> cache = AttnStoreCache(model, store, "alice", input_ids=torch.tensor([[1, 5, 9, 12, 7, 3]]))
+            >>> _ = model(cache.input_ids, **cache_kwargs(cache))
+            >>> cache.crop(-2)  # two drafted tokens rejected
+            >>> cache.get_seq_length(), store.token_ids("alice", cache.fingerprint).tolist()
+            (4, [1, 5, 9, 12])
+        """
         super().crop(tokens_to_remove)
         self.turn.cropped(self.get_seq_length())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Refuses to repeat the session (beam search, several return sequences): the cache holds one session.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+            >>> cache = AttnStoreCache(model, AttnStore(host_bytes="1MiB"), "alice", torch.tensor([[1, 5, 9]]))
+            >>> cache.batch_repeat_interleave(1)  # one row: nothing to do
+            >>> cache.batch_repeat_interleave(2)
+            Traceback (most recent call last):
+            ...
+            ValueError: AttnStoreCache holds one session: use num_beams=1 and num_return_sequences=1
+        """
         if repeats != 1:
             raise ValueError("AttnStoreCache holds one session: use num_beams=1 and num_return_sequences=1")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Refuses to select batch rows other than the one session it holds.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+            >>> cache = AttnStoreCache(model, AttnStore(host_bytes="1MiB"), "alice", torch.tensor([[1, 5, 9]]))
+            >>> cache.batch_select_indices(torch.tensor([0]))  # its one row: nothing to do
+            >>> cache.batch_select_indices(torch.tensor([0, 0]))
+            Traceback (most recent call last):
+            ...
+            ValueError: AttnStoreCache holds one session and cannot select several batch rows
+        """
         if indices.numel() != 1:
             raise ValueError("AttnStoreCache holds one session and cannot select several batch rows")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Refuses beam search (``num_beams > 1``): the cache holds one session.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+            ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+            >>> cache = AttnStoreCache(model, AttnStore(host_bytes="1MiB"), "alice", torch.tensor([[1, 5, 9]]))
+            >>> cache.reorder_cache(torch.tensor([0]))
+            Traceback (most recent call last):
+            ...
+            ValueError: AttnStoreCache does not support beam search: use num_beams=1
+        """
         raise ValueError("AttnStoreCache does not support beam search: use num_beams=1")

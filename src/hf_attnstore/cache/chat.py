@@ -20,11 +20,28 @@ class ChatTokens:
         tokenizer: A tokenizer with a chat template.
         system_prompt: Optional system message placed first.
 
-    Example:
-        >>> chat = ChatTokens(tokenizer)  # doctest: +SKIP
-        >>> ids = chat.first_turn("Hello!")  # doctest: +SKIP
-        >>> out = model.generate(ids, ...)  # doctest: +SKIP
-        >>> ids = chat.next_turn(out, "And then?")  # doctest: +SKIP
+    Example (a word-level tokenizer with a tiny chat template; any chat model's tokenizer works alike):
+        >>> from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> words = ["[UNK]", "<eot>", "user:", "bot:", "hi", "hello", "how", "are", "you", "fine"]
+        >>> core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+        >>> core.pre_tokenizer, core.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]")
+        >>> tokenizer.chat_template = ("{% for m in messages %}{{ 'user: ' if m.role == 'user' else 'bot: ' }}"
+        ...     "{{ m.content }} <eot> {% endfor %}{% if add_generation_prompt %}bot: {% endif %}")
+        >>> chat = ChatTokens(tokenizer)
+        >>> ids = chat.first_turn("hi")  # "user: hi <eot> bot:"
+        >>> ids.tolist(), chat.eot_ids
+        ([[2, 4, 1, 3]], [1])
+        >>> out = torch.cat([ids, torch.tensor([[9]])], dim=1)  # the model replied "fine"
+        >>> chat.reply_text(out[0, ids.shape[1]:])
+        'fine'
+        >>> chat.next_turn(out, "how are you").tolist()  # the history's ids are kept as they are, never re-tokenized
+        [[2, 4, 1, 3, 9, 1, 2, 6, 7, 8, 1, 3]]
+        >>> chat.message_ids("how are you"), chat.reply_ids("hello").tolist()
+        ([2, 6, 7, 8, 1, 3], [[5, 1]])
+        >>> clip_text(tokenizer, "how are you", 2)
+        'how are'
     """
 
     def __init__(self, tokenizer, system_prompt: str | None = None):

@@ -113,7 +113,14 @@ class SparseConfig:
         return self.policy != "streaming"
 
     def budget(self, length: int) -> int:
-        """How many of a history of `length` tokens are kept."""
+        """How many of a history of `length` tokens are kept.
+
+        Example:
+            >>> SparseConfig(kv_budget=0.25).budget(100)
+            25
+            >>> SparseConfig(kv_budget=0.25, sink_tokens=4).budget(8)  # always more than the sinks
+            5
+        """
         if isinstance(self.kv_budget, float):
             keep = math.ceil(self.kv_budget * length)
         else:
@@ -121,7 +128,13 @@ class SparseConfig:
         return min(length, max(keep, self.sink_tokens + 1))
 
     def split(self, keep: int, length: int) -> tuple[int, int]:
-        """Of `keep` kept tokens out of `length`: how many sinks and how many recent ones (the rest: important)."""
+        """Of `keep` kept tokens out of `length`: how many sinks and how many recent ones (the rest: important).
+
+        Example:
+            >>> config = SparseConfig(kv_budget=0.2, sink_tokens=4, recent_ratio=0.5)
+            >>> config.split(keep=200, length=1000)  # 4 sinks, 98 recent tokens; the other 98 chosen by importance
+            (4, 98)
+        """
         sinks = min(self.sink_tokens, keep)
         rest = keep - sinks
         recent = rest if not self.scored else math.ceil(self.recent_ratio * rest)

@@ -35,7 +35,15 @@ def kv_geometry(model: nn.Module) -> tuple:
     """The geometry of the KV the store keeps for `model` (store/geometry.py): ``(layers with KV, num_kv_heads,
     head_dim)`` for most models (a hybrid model's linear-attention layers keep no KV: see layers.LayerLayout);
     ``(layers, 1, qk_rope_head_dim, 1, kv_lora_rank)`` for multi-head latent attention, whose store keys are
-    the key's rotary part and whose values are the compressed latent."""
+    the key's rotary part and whose values are the compressed latent.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> kv_geometry(model)  # 2 layers, 2 KV heads, head_dim 16 / 4
+        (2, 2, 4)
+    """
     from .layout import LayerLayout  # imports transformers' cache classes: only when a model is measured
     from ..store.geometry import make_geometry
 
@@ -202,6 +210,10 @@ def regime_fingerprint(fingerprint: str, regime: str) -> str:
     `fingerprint` itself for the base regime ``""``, which is every static-RoPE model's KV, so their keys never
     change; a salted one otherwise (`longrope` past its original length), so KV of one regime is never served
     to a forward of another: a miss, never KV computed with other frequencies.
+
+    Example:
+        >>> regime_fingerprint("abc", "") == "abc", len(regime_fingerprint("abc", "long"))
+        (True, 64)
     """
     if not regime:
         return fingerprint
@@ -212,5 +224,17 @@ def forget_fingerprint(model: nn.Module) -> None:
     """Drops the memoized fingerprint: the next call hashes every weight again.
 
     Needed only after changing weights through ``param.data`` by hand, which PyTorch does not track.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> before = model_fingerprint(model)
+        >>> _ = model.lm_head.weight.data.zero_()  # by hand: not tracked
+        >>> model_fingerprint(model) == before  # the memo still answers
+        True
+        >>> forget_fingerprint(model)
+        >>> model_fingerprint(model) == before
+        False
     """
     model.__dict__.pop(_MEMO_ATTR, None)

@@ -34,7 +34,27 @@ _REGIME_SWITCHING = frozenset({"phi3"})
 
 
 class ReuseFailed(Exception):
-    """Raised inside a forward when the reused KV could not be loaded; caught by the wrapper."""
+    """Raised inside a forward when the reused KV could not be loaded; caught by the wrapper.
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from hf_attnstore import AttnStore, AttnStoreCache, cache_kwargs
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)).eval()
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> with AttnStoreCache(model, store, "alice", torch.tensor([[1, 5, 9, 4]])) as cache:
+        ...     _ = model(cache.input_ids, **cache_kwargs(cache))
+        >>> cache = AttnStoreCache(model, store, "alice", torch.tensor([[1, 5, 9, 4, 7]]))
+        >>> def unreadable(*args, **kwargs):  # as if the stored KV were damaged
+        ...     del cache.turn.load_layer  # once
+        ...     raise ReuseFailed("layer 0")
+        >>> cache.turn.load_layer = unreadable
+        >>> new = cache.input_ids[:, cache.get_seq_length():]  # the one token not reused
+        >>> logits = model(new, **cache_kwargs(cache)).logits  # the wrapper recomputes the whole prompt instead
+        >>> cache.recomputed, tuple(logits.shape), cache.get_seq_length()
+        (True, (1, 1, 32), 5)
+    """
 
 
 def _cache_of(kwargs: dict):
@@ -45,7 +65,17 @@ def _cache_of(kwargs: dict):
 
 
 def install_hooks(model: nn.Module) -> None:
-    """Wraps ``model.base_model.forward`` unless it is wrapped already."""
+    """Wraps ``model.base_model.forward`` unless it is wrapped already.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> install_hooks(model); wrapped = model.model.forward
+        >>> install_hooks(model)  # once only
+        >>> model.model.forward is wrapped  # forwards without an AttnStoreCache run as before
+        True
+    """
     base = upstream.base_model(model)
     if getattr(base, _HOOK_ATTR, None) is not None:
         return
@@ -75,7 +105,18 @@ def install_hooks(model: nn.Module) -> None:
 
 
 def install_generation_hook(model: nn.Module) -> None:
-    """Wraps the model's `prepare_inputs_for_generation` and `_get_candidate_generator` once (module docstring)."""
+    """Wraps the model's `prepare_inputs_for_generation` and `_get_candidate_generator` once (module docstring).
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> install_generation_hook(model)
+        >>> inputs = model.prepare_inputs_for_generation(torch.tensor([[1, 2, 3]]))  # no AttnStoreCache: as before
+        >>> inputs["input_ids"].tolist()
+        [[1, 2, 3]]
+    """
     if getattr(model, _PREPARE_ATTR, None) is not None:
         return
     own = model.prepare_inputs_for_generation

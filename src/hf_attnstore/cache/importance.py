@@ -44,7 +44,18 @@ _registered = False
 
 def scored_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask, **kwargs):
-    """SDPA, plus importance scores for the active turn's scorer (if any): registered as ``attnstore_sdpa``."""
+    """SDPA, plus importance scores for the active turn's scorer (if any): registered as ``attnstore_sdpa``.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)).eval()
+        >>> ids = torch.tensor([[1, 2, 3]])
+        >>> before = model(ids).logits
+        >>> enable(model)  # the model now calls scored_attention
+        >>> torch.allclose(model(ids).logits, before, atol=1e-5)  # the same attention while no turn scores
+        True
+    """
     output = upstream.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
     scorer = _active.get()
     if scorer is not None:
@@ -54,7 +65,17 @@ def scored_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 def scored_eager_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask, **kwargs):
-    """The family's eager attention, whose weights (softcapping and all) are the scores: ``attnstore_eager``."""
+    """The family's eager attention, whose weights (softcapping and all) are the scores: ``attnstore_eager``.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+        >>> upstream.set_attention_implementation(model, "eager")
+        >>> enable(model)
+        >>> upstream.attention_implementation(model) == EAGER_NAME  # "attnstore_eager": this function
+        True
+    """
     output, weights = upstream.eager_attention(module)(module, query, key, value, attention_mask, **kwargs)
     scorer = _active.get()
     if scorer is not None:
@@ -68,6 +89,16 @@ def enable(model: nn.Module) -> None:
 
     Raises:
         ValueError: The model runs another attention (flash, flex): scores are computed beside SDPA or eager.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+        >>> upstream.attention_implementation(model)
+        'sdpa'
+        >>> enable(model)
+        >>> upstream.attention_implementation(model) == ATTENTION_NAME
+        True
     """
     global _registered
     if not _registered:
@@ -94,6 +125,19 @@ class Scorer:
         columns: Slot -> ``[kv_heads, K]`` session positions of the K keys that layer attends to in the current
             forward, or None when they are simply ``0..K-1`` (a dense layer).
         initial: Slot -> ``[kv_heads, n]`` scores the session had when this turn began (persisted).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+        >>> enable(model)
+        >>> scorer = Scorer({0: 0, 1: 1}, policy="h2o")  # layers 0 and 1 are KV slots 0 and 1
+        >>> with scoring(scorer):
+        ...     _ = model(torch.tensor([[1, 2, 3, 4]]))
+        >>> scorer.has_scores, tuple(scorer.scores[0].shape)  # per slot: [kv_heads, tokens]
+        (True, (1, 4))
+        >>> round(float(scorer.scores[0].sum()), 4)  # h2o: every query's weights, which sum to 1 per query head
+        8.0
     """
 
     def __init__(self, slot_of: dict[int, int], policy: str = "alisa", window: int = 32,
@@ -270,7 +314,16 @@ def score_name(slot: int, policy: str, window: int) -> str:
 
 
 def scoring(scorer: "Scorer | BatchScorer | None"):
-    """A context in which the model's scored attention feeds `scorer` (nothing when None)."""
+    """A context in which the model's scored attention feeds `scorer` (nothing when None).
+
+    Example:
+        >>> scorer = Scorer({0: 0})
+        >>> with scoring(scorer) as active:
+        ...     active is scorer  # scored attention feeds it inside the block
+        True
+        >>> with scoring(None):  # no scoring turn: nothing happens
+        ...     pass
+    """
     if scorer is None:
         return contextlib.nullcontext()
     return _activated(scorer)
@@ -287,7 +340,13 @@ def _activated(scorer: "Scorer | BatchScorer"):
 
 def token_importance(scores: dict[int, torch.Tensor], length: int) -> torch.Tensor:
     """One score per token of the first `length`: each slot's scores, averaged over its KV heads and normalized
-    to sum 1 per slot, summed over slots (so that no layer's scale dominates). ``[length]`` float32, CPU."""
+    to sum 1 per slot, summed over slots (so that no layer's scale dominates). ``[length]`` float32, CPU.
+
+    Example:
+        >>> scores = {0: torch.tensor([[1.0, 3.0]]), 1: torch.tensor([[20.0, 20.0]])}  # two slots, one KV head each
+        >>> token_importance(scores, 2).tolist()  # each slot normalized to 1, then summed
+        [0.75, 1.25]
+    """
     total = torch.zeros(length)
     for s in scores.values():
         per_token = s[:, :length].float().mean(0).cpu()

@@ -64,6 +64,19 @@ class AttnStoreLayer(DynamicLayer):
     Until the layer's first `update()`, its reused KV stays in the store and only its length is known
     (`generate` needs the length before any forward). The first update loads this layer alone and
     re-applies RoPE for the new positions, so loading proceeds layer by layer with the forward pass.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from hf_attnstore import AttnStore, AttnStoreCache, cache_kwargs
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)).eval()
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> with AttnStoreCache(model, store, "alice", torch.tensor([[1, 5, 9, 4]])) as cache:
+        ...     _ = model(cache.input_ids, **cache_kwargs(cache))
+        >>> cache = AttnStoreCache(model, store, "alice", torch.tensor([[1, 5, 9, 4, 7]]))
+        >>> layer = cache.layers[0]
+        >>> type(layer).__name__, layer.get_seq_length(), layer.keys is None  # 4 tokens reused, not loaded yet
+        ('AttnStoreLayer', 4, True)
     """
 
     def __init__(self, owner: LayerOwner, slot: int, reused: int, swap: bool = False):
@@ -110,7 +123,20 @@ class AttnStoreLayer(DynamicLayer):
 class AttnStoreSlidingLayer(AttnStoreLayer, DynamicSlidingWindowLayer):
     """A sliding-window KV layer (store slot `slot`): like transformers' `DynamicSlidingWindowLayer`, it keeps
     only the last ``sliding_window - 1`` tokens, all its next query can attend to, and it loads only those of
-    the reused ones. The store keeps every token (a later turn may diverge or truncate earlier)."""
+    the reused ones. The store keeps every token (a later turn may diverge or truncate earlier).
+
+    Example:
+        >>> from transformers import MistralConfig, MistralForCausalLM
+        >>> from hf_attnstore import AttnStore, AttnStoreCache, cache_kwargs
+        >>> model = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, sliding_window=4)).eval()
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> cache = AttnStoreCache(model, store, "alice", torch.arange(10).view(1, -1))
+        >>> _ = model(cache.input_ids, **cache_kwargs(cache))
+        >>> stored = store.token_ids("alice", cache.fingerprint)
+        >>> type(cache.layers[0]).__name__, cache.layers[0].keys.shape[2], len(stored)  # the store keeps all 10
+        ('AttnStoreSlidingLayer', 3, 10)
+    """
 
     is_sliding = True
 
@@ -205,6 +231,16 @@ class AttnStoreSparseLayer(AttnStoreLayer):
     Attributes:
         total: The session's tokens so far (what `get_seq_length` reports).
         columns: ``[kv_heads, K]`` session positions of the K keys the layer holds (per head).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from hf_attnstore import AttnStore, AttnStoreCache
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> cache = AttnStoreCache(model, store, "alice", torch.tensor([[1, 5, 9]]), kv_budget=0.5)
+        >>> [type(layer).__name__ for layer in cache.layers]
+        ['AttnStoreSparseLayer', 'AttnStoreSparseLayer']
     """
 
     # A selection cannot be put back as it was before a forward (`crop` refuses): transformers then never relies on it.
@@ -302,7 +338,15 @@ class AttnStoreSparseLayer(AttnStoreLayer):
 def build_layers(owner: LayerOwner, layout: LayerLayout, reused: int, state: SessionState | None,
                  device: torch.device, sparse=None) -> list:
     """The cache's layers for a turn that reuses `reused` tokens (and, for a hybrid model, `state`: the states
-    after exactly those tokens); with `sparse` (a SparseConfig), its full-attention layers are kept sparse."""
+    after exactly those tokens); with `sparse` (a SparseConfig), its full-attention layers are kept sparse.
+
+    Example:
+        >>> layout = LayerLayout(kinds=("kv", "state", "none"), states=(0, 1, 0))
+        >>> owner = type("Turn", (), {})()  # what the layers load from and record to: the cache's CacheTurn
+        >>> layers = build_layers(owner, layout, reused=0, state=None, device=torch.device("cpu"))
+        >>> [type(layer).__name__ for layer in layers]
+        ['AttnStoreLayer', 'LinearAttentionLayer', 'DummyLayer']
+    """
     layers, slot = [], 0
     for idx, (kind, n_states) in enumerate(zip(layout.kinds, layout.states)):
         if kind == KV and layout.windows and layout.windows[idx]:
@@ -340,7 +384,15 @@ def _restore(layer: LinearAttentionCacheLayerMixin, idx: int, state: SessionStat
 
 def state_tensors(layers: list) -> dict[str, torch.Tensor] | None:
     """The conv and recurrent states of every linear-attention layer (views: copy before the model runs
-    again), or None if some layer has none yet."""
+    again), or None if some layer has none yet.
+
+    Example:
+        >>> layout = LayerLayout(kinds=("kv", "state"), states=(0, 1))
+        >>> owner = type("Turn", (), {})()  # what the layers load from and record to: the cache's CacheTurn
+        >>> layers = build_layers(owner, layout, reused=0, state=None, device=torch.device("cpu"))
+        >>> state_tensors(layers) is None, state_tensors(layers[:1])  # the linear layer has computed nothing yet
+        (True, {})
+    """
     out = {}
     for idx, layer in enumerate(layers):
         if not isinstance(layer, LinearAttentionCacheLayerMixin):

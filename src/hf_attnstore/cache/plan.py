@@ -148,7 +148,12 @@ def stored_scores(state: SessionState | None, names: dict[int, str], heads: int)
 
 
 def score_names(slots, policy: str, window: int) -> dict[int, str]:
-    """The state tensors holding each scored KV slot's importance under `policy` and `window` (see `stored_scores`)."""
+    """The state tensors holding each scored KV slot's importance under `policy` and `window` (see `stored_scores`).
+
+    Example:
+        >>> score_names([0, 1], "h2o", 16)
+        {0: 'I0000.h2o', 1: 'I0001.h2o'}
+    """
     return {slot: score_name(slot, policy, window) for slot in slots}
 
 

@@ -81,14 +81,24 @@ _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Rotates half the hidden dims, as transformers' Llama-family attention does."""
+    """Rotates half the hidden dims, as transformers' Llama-family attention does.
+
+    Example:
+        >>> rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist()
+        [-3.0, -4.0, 1.0, 2.0]
+    """
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     """Rotates interleaved pairs of dims ``(0, 1), (2, 3), ...``, as cohere, glm, helium, ernie4_5 and llama4
-    (with complex numbers) do."""
+    (with complex numbers) do.
+
+    Example:
+        >>> rotate_pairs(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist()
+        [-2.0, 1.0, -4.0, 3.0]
+    """
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
 
 
@@ -101,6 +111,17 @@ class RopeAdapter:
     Raises:
         ValueError: If stored KV could not be reused exactly for the model (a family listed in `_REFUSED`,
             length-dependent RoPE per layer type), or its family is not verified here; the message says which.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+        >>> rope = RopeAdapter(model)
+        >>> keys = torch.randn(1, 1, 5, 8)  # [batch, kv_heads, seq, head_dim], pre-RoPE
+        >>> cos, sin = rope.cos_sin(torch.arange(5), torch.float32)
+        >>> rotated = rope.rotate(keys, cos, sin)  # as the model's attention caches them
+        >>> torch.allclose(rope.unrotate(rotated, *rope.inverse(cos, sin)), keys, atol=1e-6)
+        True
     """
 
     def __init__(self, model: nn.Module):
@@ -156,11 +177,27 @@ class RopeAdapter:
     _group_of: dict = {}
 
     def layer_has_rope(self, slot: int) -> bool:
-        """Whether the keys of KV slot `slot` (see layers.LayerLayout) are rotated."""
+        """Whether the keys of KV slot `slot` (see layers.LayerLayout) are rotated.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+            ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+            >>> RopeAdapter(model).layer_has_rope(0), RopeAdapter(model).layer_has_rope(1)
+            (True, True)
+        """
         return self.rotary is not None and slot in self._group_of
 
     def group(self, slot: int):
-        """The rotary group of a KV slot (its layer type for per-type rotary, else None)."""
+        """The rotary group of a KV slot (its layer type for per-type rotary, else None).
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+            ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+            >>> RopeAdapter(model).group(1) is None  # one rotary for every layer
+            True
+        """
         return self._group_of[slot]
 
     @property
@@ -186,6 +223,13 @@ class RopeAdapter:
         `longrope` past it (its long factors are one fixed set); ``None`` for `dynamic` from `limit` on, where
         the frequencies differ for every length (and depend on the largest length the module has seen), so
         nothing there can be reused.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+            ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+            >>> RopeAdapter(model).regime(10), RopeAdapter(model).regime(100_000)  # static RoPE: one regime
+            ('', '')
         """
         if self.scaling == "longrope":
             return "" if length <= self.limit else "long"
@@ -202,6 +246,14 @@ class RopeAdapter:
 
         `length` is the sequence length of the forward they serve, where it exceeds the positions (reused
         keys re-rotated for a longer forward): length-dependent RoPE picks its frequencies from it.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+            ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+            >>> cos, sin = RopeAdapter(model).cos_sin(torch.arange(5), torch.float32)
+            >>> tuple(cos.shape), cos[0, 0, 0].tolist() == [1.0] * 8  # position 0: no rotation
+            ((1, 1, 5, 8), True)
         """
         assert self.rotary is not None, "cos_sin needs a RoPE model"
         if self.length_dependent and length is not None and positions.numel() \
@@ -226,7 +278,18 @@ class RopeAdapter:
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def rotate(self, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Applies RoPE exactly as the model's attention does (partial rotary passes the tail dims)."""
+        """Applies RoPE exactly as the model's attention does (partial rotary passes the tail dims).
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+            ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+            >>> rope, keys = RopeAdapter(model), torch.randn(1, 1, 3, 8)
+            >>> at_5 = rope.rotate(keys, *rope.cos_sin(torch.full((3,), 5), torch.float32))
+            >>> at_7 = rope.rotate(keys, *rope.cos_sin(torch.full((3,), 7), torch.float32))
+            >>> torch.allclose(at_5 @ at_5.mT, at_7 @ at_7.mT, atol=1e-5)  # equal shifts keep dot products
+            True
+        """
         rot = cos.shape[-1]
         if rot == keys.shape[-1]:
             return keys * cos + self._turn(keys) * sin
@@ -236,7 +299,15 @@ class RopeAdapter:
     @staticmethod
     def halves_equal(cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """Whether cos/sin are two equal halves (``cat(freqs, freqs)``), as transformers' rotary modules build
-        them: then :meth:`rotate_into` takes its fused path. Check once per set of positions."""
+        them: then :meth:`rotate_into` takes its fused path. Check once per set of positions.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+            ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+            >>> RopeAdapter.halves_equal(*RopeAdapter(model).cos_sin(torch.arange(4), torch.float32))
+            True
+        """
         rot = cos.shape[-1]
         half = rot // 2
         return rot % 2 == 0 and torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half],
@@ -248,6 +319,17 @@ class RopeAdapter:
 
         With `halves_equal` (see :meth:`halves_equal`) and ``c, s`` one half of cos/sin:
         ``out_a = k_a c - k_b s`` and ``out_b = k_b c + k_a s``. Otherwise the general path.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+            ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+            >>> rope, keys = RopeAdapter(model), torch.randn(1, 1, 4, 8)
+            >>> cos, sin = rope.cos_sin(torch.arange(4), torch.float32)
+            >>> out = torch.empty_like(keys)
+            >>> rope.rotate_into(out, keys, cos, sin, RopeAdapter.halves_equal(cos, sin))
+            >>> torch.allclose(out, rope.rotate(keys, cos, sin), atol=1e-6)
+            True
         """
         if not halves_equal or self._turn is not rotate_half:
             out.copy_(self.rotate(keys, cos, sin))
@@ -270,13 +352,29 @@ class RopeAdapter:
 
         RoPE is a rotation by angle theta scaled by `attention_scaling` (s): k' = s·R(θ)k, so
         k = R(-θ)k' / s² with s² = cos² + sin². Dividing keeps yarn-style scaled RoPE exact too.
+
+        Example:
+            >>> cos, sin = torch.tensor([0.6]), torch.tensor([0.8])
+            >>> RopeAdapter.inverse(2 * cos, 2 * sin)  # a rotation scaled by 2 is undone by the rotation back, over 2
+            (tensor([0.3000]), tensor([0.4000]))
         """
         cos32, sin32 = cos.float(), sin.float()
         norm = cos32 * cos32 + sin32 * sin32
         return cos32 / norm, sin32 / norm
 
     def unrotate(self, keys: torch.Tensor, inv_cos: torch.Tensor, inv_sin: torch.Tensor) -> torch.Tensor:
-        """Inverts :meth:`rotate` in fp32 with factors from :meth:`inverse`; returns the keys' dtype."""
+        """Inverts :meth:`rotate` in fp32 with factors from :meth:`inverse`; returns the keys' dtype.
+
+        Example:
+            >>> from transformers import LlamaConfig, LlamaForCausalLM
+            >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+            ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+            >>> rope, keys = RopeAdapter(model), torch.randn(1, 1, 4, 8, dtype=torch.bfloat16)
+            >>> cos, sin = rope.cos_sin(torch.arange(4), torch.float32)
+            >>> back = rope.unrotate(rope.rotate(keys.float(), cos, sin), *rope.inverse(cos, sin)).to(torch.bfloat16)
+            >>> torch.equal(back, keys)
+            True
+        """
         rot = inv_cos.shape[-1]
         k32 = keys.float()
         head = k32[..., :rot]

@@ -36,7 +36,14 @@ def select(held: torch.Tensor, scores: torch.Tensor | None, keep: int, config: S
     """Which of the held tokens to keep: indices into `held` (``[kv_heads, K]`` session positions, ascending),
     ``[kv_heads, keep]`` ascending. The first `sink_tokens` and the most recent ones are always kept; the rest of
     the budget goes to the highest `scores` (``[kv_heads, K]``, one per held token), or to more recent tokens
-    when there are no scores."""
+    when there are no scores.
+
+    Example:
+        >>> held = torch.arange(10).expand(2, -1)  # 2 KV heads hold positions 0..9
+        >>> scores = torch.tensor([[0, 0, 9, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 9, 0, 0, 0, 0.]])
+        >>> select(held, scores, keep=4, config=SparseConfig(kv_budget=4, sink_tokens=1, recent_ratio=0.5)).tolist()
+        [[0, 2, 8, 9], [0, 5, 8, 9]]
+    """
     heads, n = held.shape
     if keep >= n:
         return torch.arange(n, device=held.device).expand(heads, -1)

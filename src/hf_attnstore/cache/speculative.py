@@ -62,6 +62,17 @@ def check_drafting(turn, generator, generation_config, assistant_model) -> None:
         ValueError: A sparse cache (`kv_budget`: its layers cannot be cropped), importance scores (the rejected
             drafts' attention cannot be taken back out of them), or a drafter that reads the model's hidden states
             of the whole prompt on a resumed session (its reused tokens are loaded, never computed).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> from hf_attnstore.cache.config import SparseConfig
+        >>> dense = SimpleNamespace(sparse=None, scorer=None, reused_tokens=100)
+        >>> check_drafting(dense, object(), None, None)  # a dense turn drafting with a separate model: allowed
+        >>> sparse = SimpleNamespace(sparse=SparseConfig(0.2), scorer=None, reused_tokens=100)
+        >>> check_drafting(sparse, object(), None, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: assisted generation (...) is not supported with `kv_budget`: a sparse cache ...
     """
     if turn.sparse is not None:
         raise ValueError(f"{ASSISTED} is not supported with `kv_budget`: a sparse cache keeps a selection of the "

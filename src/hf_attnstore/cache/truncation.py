@@ -25,6 +25,12 @@ class ReusePlan:
             original positions (``keep``) in ``naive`` mode.
         dropped: Number of tokens dropped by truncation (0 if the context did not overflow).
         common_prefix: Length of the longest common prefix of the prompt and the stored ids.
+
+    Example:
+        >>> stored, prompt = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([1, 2, 3, 9])  # an edited message
+        >>> plan = plan_reuse(prompt, stored, TruncationConfig(), has_rope=True)
+        >>> plan.input_ids.tolist(), plan.keep.tolist(), plan.reused, plan.dropped, plan.common_prefix
+        ([[1, 2, 3, 9]], [0, 1, 2], 3, 0, 3)
     """
 
     input_ids: torch.Tensor
@@ -39,7 +45,13 @@ class ReusePlan:
 
 
 def common_prefix_length(a: torch.Tensor, b: torch.Tensor | None) -> int:
-    """Length of the longest common prefix of two 1-D id tensors."""
+    """Length of the longest common prefix of two 1-D id tensors.
+
+    Example:
+        >>> common_prefix_length(torch.tensor([1, 2, 3, 9]), torch.tensor([1, 2, 3, 4, 5])), common_prefix_length(
+        ...     torch.tensor([1, 2]), None)
+        (3, 0)
+    """
     if b is None:
         return 0
     n = min(a.numel(), b.numel())
@@ -55,6 +67,11 @@ def tokens_to_drop(length: int, cfg: TruncationConfig) -> int:
     Nothing is dropped while the sequence fits. On overflow the oldest `truncation_ratio` of the window is
     dropped (engines drop half the history at once so that the next turns fit without truncating again),
     or more when the new tokens alone need more room. One token is always left to compute.
+
+    Example:
+        >>> config = TruncationConfig(context_window=100, truncation_ratio=0.5, keep_first=4)
+        >>> tokens_to_drop(100, config), tokens_to_drop(101, config), tokens_to_drop(200, config)
+        (0, 48, 100)
     """
     window = cfg.context_window
     if window is None or length <= window:
@@ -80,6 +97,13 @@ def plan_reuse(
 
     Returns:
         A :class:`ReusePlan`. At least one token is always left to compute, so the model produces logits.
+
+    Example:
+        >>> config = TruncationConfig(context_window=8, truncation_ratio=0.5, keep_first=2)
+        >>> stored, prompt = torch.arange(8), torch.arange(10)  # 2 new tokens overflow the window
+        >>> plan = plan_reuse(prompt, stored, config, has_rope=True)
+        >>> plan.dropped, plan.input_ids.tolist(), plan.keep.tolist(), plan.key_positions.tolist()
+        (3, [[0, 1, 5, 6, 7, 8, 9]], [0, 1, 5, 6, 7], [0, 1, 2, 3, 4])
     """
     ids = input_ids.view(-1)
     lcp = common_prefix_length(ids, stored_ids)

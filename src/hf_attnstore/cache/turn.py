@@ -72,7 +72,18 @@ def check_scored(model: nn.Module, layout: LayerLayout, model_type: str, sparse:
                  scored: bool) -> None:
     """Refuses, saying why, the models whose sessions cannot be kept sparse (`sparse`) or scored (`scored`:
     importance truncation, or a sparse policy that ranks by importance); switches a scored model's attention to
-    the scoring one (importance.enable)."""
+    the scoring one (importance.enable).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> layout = LayerLayout(kinds=("kv",), states=(0,), full=(False,))  # as if its one layer were sliding
+        >>> check_scored(model, layout, "llama", SparseConfig(0.5), scored=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: `kv_budget` needs full-attention layers, and llama has none
+    """
     what = "`kv_budget`" if sparse is not None else "`truncation=\"importance\"`"
     if layout.latent:
         raise ValueError(f"{what} is not supported for multi-head latent attention ({model_type}): "

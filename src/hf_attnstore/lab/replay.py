@@ -54,6 +54,14 @@ class ReplayConfig:
         seed: Seed of arrivals and think times.
         timeout_s: Longest wait for one turn.
         rejoin: Replay whole conversations, joining the parts the packaged (split) ShareGPT cut apart.
+
+    Example:
+        >>> ReplayConfig(conversations=10, max_turns=3, context_window=1024).max_user_tokens
+        256
+        >>> ReplayConfig(max_user_tokens=600, context_window=1024)
+        Traceback (most recent call last):
+        ...
+        ValueError: `max_user_tokens` (600) must be under half the context window (1024) so that a message fits ...
     """
 
     conversations: int = 40
@@ -91,7 +99,14 @@ class ReplayConfig:
 
 @dataclass(frozen=True)
 class Trace:
-    """Sessions, their turns (message, recorded reply or None) and when they arrive."""
+    """Sessions, their turns (message, recorded reply or None) and when they arrive.
+
+    Example:
+        >>> trace = Trace(["s00000", "s00001"], [[("Hi", "Hello"), ("Bye", "Bye!")], [("Hey", None)]], [0.0, 4.2],
+        ...               [[30.0, 12.5], [8.0]])
+        >>> trace.num_turns
+        3
+    """
 
     session_ids: list[str]
     turns: list[list[tuple[str, str | None]]]
@@ -104,7 +119,15 @@ class Trace:
 
 
 def build_trace(tokenizer, cfg: ReplayConfig, conversations=None) -> Trace:
-    """The trace of `cfg` (ShareGPT unless `conversations`, objects with ``id`` and ``turns``, are given)."""
+    """The trace of `cfg` (ShareGPT unless `conversations`, objects with ``id`` and ``turns``, are given).
+
+    Example:
+        >>> from hf_attnstore import load_default_model
+        >>> model, tokenizer = load_default_model()  # doctest: +SKIP
+        >>> trace = build_trace(tokenizer, ReplayConfig(conversations=4, max_turns=3))  # doctest: +SKIP
+        >>> len(trace.session_ids), trace.session_ids[0], trace.num_turns <= 12  # doctest: +SKIP
+        (4, 's00000', True)
+    """
     convs = conversations if conversations is not None else load_sharegpt(limit=cfg.conversations, min_user_turns=2,
                                                                           rejoin=cfg.rejoin)
     rng = random.Random(cfg.seed)
@@ -123,7 +146,14 @@ def build_trace(tokenizer, cfg: ReplayConfig, conversations=None) -> Trace:
 
 @dataclass(frozen=True)
 class TurnRecord:
-    """One replayed turn: when it arrived and started (virtual seconds) and the pipeline's reply."""
+    """One replayed turn: when it arrived and started (virtual seconds) and the pipeline's reply.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> reply = SimpleNamespace(ttft_s=0.2)  # the pipeline's Reply: its own TTFT, 0.2 s
+        >>> TurnRecord(session=0, turn=1, arrival_s=10.0, start_s=10.5, reply=reply).ttft_queued_s  # 0.5 s queued
+        0.7
+    """
 
     session: int
     turn: int
@@ -140,7 +170,17 @@ class TurnRecord:
 
 @dataclass
 class ReplayRun:
-    """The outcome of one system on a trace."""
+    """The outcome of one system on a trace.
+
+    Example:
+        >>> from hf_attnstore import load_default_model
+        >>> model, tokenizer = load_default_model()  # doctest: +SKIP
+        >>> cfg = ReplayConfig(conversations=4, max_turns=3)
+        >>> trace = build_trace(tokenizer, cfg)  # doctest: +SKIP
+        >>> run = run_store(model, tokenizer, trace, cfg, progress=False)  # doctest: +SKIP
+        >>> run.summary()["turns"] == trace.num_turns  # doctest: +SKIP
+        True
+    """
 
     label: str
     records: list[TurnRecord]
@@ -233,6 +273,15 @@ def drive(pipe: ChatPipeline, trace: Trace, *, label: str = "", timeout_s: float
 
 
 def kv_bytes_per_token(model) -> int:
+    """Bytes of KV the store keeps per token of `model` (every layer's keys and values, in the model's dtype).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> kv_bytes_per_token(model)  # 2 layers x (keys + values) x 2 KV heads x head_dim 4 x 4 bytes (fp32)
+        128
+    """
     from ..cache.fingerprint import kv_geometry
     from ..store.geometry import bytes_per_token
 
@@ -258,7 +307,17 @@ def host_capacity(model, tokenizer, trace: Trace, cfg: ReplayConfig) -> tuple[in
 
 
 def run_recompute(model, tokenizer, trace: Trace, cfg: ReplayConfig, progress: bool = True) -> ReplayRun:
-    """RE: every turn recomputes its whole (token-truncated) history."""
+    """RE: every turn recomputes its whole (token-truncated) history.
+
+    Example:
+        >>> from hf_attnstore import load_default_model
+        >>> model, tokenizer = load_default_model()  # doctest: +SKIP
+        >>> cfg = ReplayConfig(conversations=4, max_turns=3)
+        >>> trace = build_trace(tokenizer, cfg)  # doctest: +SKIP
+        >>> run = run_recompute(model, tokenizer, trace, cfg, progress=False)  # doctest: +SKIP
+        >>> run.label, len(run.records) == trace.num_turns  # every turn recomputes its whole history  # doctest: +SKIP
+        ('RE', True)
+    """
     started = time.perf_counter()
     with ChatPipeline(model, tokenizer, None, context_window=cfg.context_window,
                       max_new_tokens=cfg.max_new_tokens) as pipe:
@@ -360,7 +419,16 @@ def report(model, tokenizer, cfg: ReplayConfig, policies: list[tuple[str, bool]]
     """Runs RE and AS (one run per ``(policy, prefetch)``) on one trace and prints the comparison.
 
     With `host_only`, one more AS run has a host tier that holds every session and no disk: reuse without
-    any tier traffic, the bound the tiered runs approach."""
+    any tier traffic, the bound the tiered runs approach.
+
+    Example:
+        >>> from hf_attnstore import load_default_model
+        >>> model, tokenizer = load_default_model()  # doctest: +SKIP
+        >>> cfg = ReplayConfig(conversations=4, max_turns=3)
+        >>> runs = report(model, tokenizer, cfg, [("lookahead", True)], progress=False)  # doctest: +SKIP
+        >>> len(runs), runs[0].label  # recomputation, then one run over the store  # doctest: +SKIP
+        (2, 'RE')
+    """
     import json
 
     import torch

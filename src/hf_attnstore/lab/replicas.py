@@ -36,7 +36,14 @@ BALANCERS = ("random", "sticky")
 
 
 def choose_replica(balancer: str, replicas: int, seed: int, session: int, turn: int) -> int:
-    """The replica the load balancer sends turn `turn` of session `session` to (deterministic per seed)."""
+    """The replica the load balancer sends turn `turn` of session `session` to (deterministic per seed).
+
+    Example:
+        >>> [choose_replica("sticky", 4, seed=0, session=7, turn=t) for t in range(3)]  # one replica per session
+        [3, 3, 3]
+        >>> [choose_replica("random", 4, seed=0, session=7, turn=t) for t in range(3)]  # any replica, each turn
+        [1, 1, 3]
+    """
     if balancer not in BALANCERS:
         raise ValueError(f"`balancer` must be one of {BALANCERS}, got {balancer!r}")
     draw = f"{seed}:{session}" if balancer == "sticky" else f"{seed}:{session}:{turn}"
@@ -73,7 +80,13 @@ def drive_replicas(pipes: list[ChatPipeline], stores: list[AttnStore], trace: Tr
 
 
 def sum_stats(stats: list[StoreStats]) -> StoreStats:
-    """The replicas' counters added up (limits and usage too: the fleet's)."""
+    """The replicas' counters added up (limits and usage too: the fleet's).
+
+    Example:
+        >>> total = sum_stats([StoreStats(lookups=3, hits_host=2), StoreStats(lookups=5, hits_host=1)])
+        >>> total.lookups, total.hits_host
+        (8, 3)
+    """
     total = StoreStats()
     for f in fields(StoreStats):
         setattr(total, f.name, sum(getattr(s, f.name) for s in stats))

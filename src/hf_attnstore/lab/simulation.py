@@ -37,7 +37,17 @@ from ..cache.truncation import tokens_to_drop
 
 @dataclass(frozen=True)
 class ModelProfile:
-    """Per-token costs of a served model (A100-class GPUs, fp16)."""
+    """Per-token costs of a served model (A100-class GPUs, fp16).
+
+    Example:
+        >>> profile = PROFILES["llama-13b"]
+        >>> profile.name, profile.kv_bytes_per_token, profile.context_window, profile.gpus
+        ('LLaMA-13B', 780000.0, 2048, 1)
+        >>> tiny = ModelProfile("tiny", kv_bytes_per_token=1e4, prefill_s_per_token=1e-5, decode_s_per_step=0.01,
+        ...                     context_window=512)
+        >>> tiny.prefill_s_per_token * 1000  # seconds to prefill 1,000 tokens
+        0.01
+    """
 
     name: str
     kv_bytes_per_token: float
@@ -93,6 +103,13 @@ class SimConfig:
         share_prefixes: Sessions that open with one system prompt (:func:`with_system_prompts`) share its KV in
             each tier and reuse it across sessions (see the module docstring). Partial eviction leaves such
             sessions' heads alone (their first chunks are the shared prompt).
+
+    Example:
+        >>> conversations = [[(200, 100), (50, 80), (60, 40)]] * 20  # per turn: (user tokens, reply tokens)
+        >>> store = simulate(conversations, PROFILES["llama-13b"], SimConfig(host_bytes=50e9, disk_bytes=0))
+        >>> recompute = simulate(conversations, PROFILES["llama-13b"], SimConfig(host_bytes=0, disk_bytes=0))  # RE
+        >>> store.prefill_tokens, recompute.prefill_tokens
+        (6200, 20800)
     """
 
     host_bytes: float = 128e9
@@ -118,7 +135,12 @@ class SimConfig:
 
 def codec_ratio(kv_codec: str | None, group: int = 32, dtype_bytes: int = 2) -> float:
     """Bytes of a codec's copy per byte of the model's KV (`dtype_bytes` per value; heads of >= `group` channels,
-    as LLaMA's 128): the integers plus an fp16 scale and zero point per group (see store/codec.py)."""
+    as LLaMA's 128): the integers plus an fp16 scale and zero point per group (see store/codec.py).
+
+    Example:
+        >>> codec_ratio(None), codec_ratio("int8"), codec_ratio("int4")  # of fp16 KV, scales included
+        (1.0, 0.5625, 0.3125)
+    """
     if kv_codec is None:
         return 1.0
     from ..store.codec import KVCodec
@@ -129,7 +151,14 @@ def codec_ratio(kv_codec: str | None, group: int = 32, dtype_bytes: int = 2) -> 
 
 @dataclass
 class SimResult:
-    """Counts over the replayed turns; resumed turns are every turn but a session's first."""
+    """Counts over the replayed turns; resumed turns are every turn but a session's first.
+
+    Example:
+        >>> conversations = [[(200, 100), (50, 80), (60, 40)]] * 20
+        >>> result = simulate(conversations, PROFILES["llama-13b"], SimConfig(host_bytes=50e9, disk_bytes=0))
+        >>> result.turns, result.resumed, result.hits_host, result.hit_rate
+        (60, 40, 40, 1.0)
+    """
 
     turns: int = 0
     resumed: int = 0
@@ -164,7 +193,14 @@ class SimResult:
         return (self.hits_host + self.hits_disk) / self.resumed if self.resumed else float("nan")
 
     def cost(self, profile: ModelProfile, cfg: "SimConfig", prices=None) -> dict[str, float]:
-        """Dollars of GPU time (busy time x the model's GPUs) plus the provisioned DRAM and SSD over the run."""
+        """Dollars of GPU time (busy time x the model's GPUs) plus the provisioned DRAM and SSD over the run.
+
+        Example:
+            >>> config = SimConfig(host_bytes=50e9, disk_bytes=0)
+            >>> result = simulate([[(200, 100), (50, 80), (60, 40)]] * 20, PROFILES["llama-13b"], config)
+            >>> sorted(result.cost(PROFILES["llama-13b"], config))  # dollars of each
+            ['dram', 'gpu', 'ssd', 'total']
+        """
         from .costs import CostModel
 
         return (prices or CostModel()).cost(self.gpu_busy_s * profile.gpus, cfg.host_bytes, cfg.disk_bytes,
@@ -178,6 +214,12 @@ class SimResult:
 
     @property
     def host_share(self) -> float:
+        """Share of the hits served from host memory (the rest: from disk); NaN without hits.
+
+        Example:
+            >>> SimResult(hits_host=3, hits_disk=1).host_share
+            0.75
+        """
         hits = self.hits_host + self.hits_disk
         return self.hits_host / hits if hits else float("nan")
 
@@ -408,6 +450,12 @@ def simulate(conversations: list[list[tuple[int, int]]], profile: ModelProfile, 
 
     Returns:
         A :class:`SimResult`.
+
+    Example:
+        >>> conversations = [[(200, 100), (50, 80), (60, 40)]] * 20  # per turn: (user tokens, reply tokens)
+        >>> result = simulate(conversations, PROFILES["llama-13b"], SimConfig(host_bytes=50e9, disk_bytes=0))
+        >>> result.hit_rate, result.prefill_tokens  # every resumed turn prefills its new message only
+        (1.0, 6200)
     """
     if system is not None and len(system) != len(conversations):
         raise ValueError(f"`system` has {len(system)} entries for {len(conversations)} conversations: give one "
@@ -598,6 +646,13 @@ def sharegpt_trace(tokenizer, limit: int | None = None, rejoin: bool = False) ->
     the parts of conversations the packaged (split) file cut apart are joined (see `iter_sharegpt`). The counts
     are cached under :func:`hf_attnstore.lab.models.cache_root` (tokenizing 17,671 conversations takes minutes on
     two cores); without that cache, a `limit` tokenizes only the conversations it keeps.
+
+    Example:
+        >>> from transformers import AutoTokenizer  # doctest: +SKIP
+        >>> tokenizer = AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")  # doctest: +SKIP
+        >>> trace = sharegpt_trace(tokenizer, limit=2)  # doctest: +SKIP
+        >>> len(trace), type(trace[0][0][0])  # doctest: +SKIP
+        (2, <class 'int'>)
     """
     import hashlib
     import json

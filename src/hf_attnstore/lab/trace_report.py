@@ -23,7 +23,15 @@ DEFAULT_MODELS = ("llama-13b", "llama-70b")
 
 @dataclass(frozen=True)
 class Bandwidths:
-    """Read bandwidths of the tiers, bytes/s (PCIe 4.0 x16 for host memory; one NVMe SSD for disk)."""
+    """Read bandwidths of the tiers, bytes/s (PCIe 4.0 x16 for host memory; one NVMe SSD for disk).
+
+    Example:
+        >>> from hf_attnstore.lab.traces import TraceRequest
+        >>> result = simulate_trace([TraceRequest(0, 512, 1, (1,))] * 2, TraceSimConfig(host_tokens=512))
+        >>> slow = request_costs(result, PROFILES["llama-13b"], Bandwidths(host=1e9))  # the second request's KV read
+        >>> slow["ttft_mean_s"] > request_costs(result, PROFILES["llama-13b"])["ttft_mean_s"]
+        True
+    """
 
     host: float = 25e9
     disk: float = 5e9
@@ -110,7 +118,14 @@ def _tokens(n: int) -> str:
 
 
 def format_tables(table: dict) -> str:
-    """The hit-rate table (capacity × policy, with the bounds) and the cost table, as Markdown."""
+    """The hit-rate table (capacity × policy, with the bounds) and the cost table, as Markdown.
+
+    Example:
+        >>> from hf_attnstore.lab.traces import TraceRequest
+        >>> reqs = [TraceRequest(0, 1024, 1, (1, 2)), TraceRequest(1, 1000, 1, (1, 3))]
+        >>> print(format_tables(run_table(reqs, [1024], ["lru"], models=[])).splitlines()[0])
+        2 requests, 2,024 input tokens; look-ahead window 0 requests.
+    """
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
     policies = list(dict.fromkeys(r["policy"] for r in table["results"]))
     by = {(r["host_tokens"], r["policy"]): r for r in table["results"]}

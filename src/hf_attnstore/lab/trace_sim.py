@@ -42,6 +42,14 @@ class TraceSimConfig:
         disk_tokens: A second (SSD) tier's capacity in tokens; 0 for none.
         window: Requests of look-ahead the policies are shown (the waiting queue); 0 for none.
         block: Tokens per block.
+
+    Example:
+        >>> TraceSimConfig(host_tokens=10_000, policy="lru-leaf", window=8)
+        TraceSimConfig(host_tokens=10000, policy='lru-leaf', disk_tokens=0, window=8, block=512)
+        >>> TraceSimConfig(host_tokens=100)
+        Traceback (most recent call last):
+        ...
+        ValueError: `host_tokens`=100 holds no 512-token block
     """
 
     host_tokens: int
@@ -67,7 +75,14 @@ class TraceSimConfig:
 
 @dataclass
 class TraceResult:
-    """What one replay measured, per request in trace order (tokens)."""
+    """What one replay measured, per request in trace order (tokens).
+
+    Example:
+        >>> reqs = [TraceRequest(0, 1024, 1, (1, 2)), TraceRequest(1, 1000, 1, (1, 3))]
+        >>> result = simulate_trace(reqs, TraceSimConfig(host_tokens=1024))
+        >>> result.input_tokens, result.host_hits, round(result.token_hit_rate, 3)  # the shared first block
+        ([1024, 1000], [0, 512], 0.253)
+    """
 
     config: TraceSimConfig
     input_tokens: list[int] = field(default_factory=list)

@@ -29,6 +29,13 @@ class TraceRequest:
         timestamp_ms: Arrival time from the start of the trace, milliseconds.
         input_length, output_length: Prompt and reply tokens.
         hash_ids: The prompt's prefix blocks, first first.
+
+    Example:
+        >>> request = parse_request({"timestamp": 5, "input_length": 600, "output_length": 3, "hash_ids": [1, 2]})
+        >>> request
+        TraceRequest(timestamp_ms=5.0, input_length=600, output_length=3, hash_ids=(1, 2))
+        >>> block_tokens(request, 0), block_tokens(request, 1)  # a full block, then the partial last one
+        (512, 88)
     """
 
     timestamp_ms: float

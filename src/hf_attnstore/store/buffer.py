@@ -29,7 +29,13 @@ def _round(n: int) -> int:
 
 
 class Segment:
-    """Host memory for `capacity` tokens of every layer (pinned when asked: async GPU copies)."""
+    """Host memory for `capacity` tokens of every layer (pinned when asked: async GPU copies).
+
+    Example:
+        >>> seg = Segment((2, 1, 4), torch.float32, capacity=16, pin_memory=False)  # 2 layers, 1 KV head, head_dim 4
+        >>> seg.capacity, seg.filled, tuple(seg.keys[1].shape)
+        (16, 0, (1, 1, 16, 4))
+    """
 
     # Tokens [0, lossy_upto) hold KV dequantized from the codec `lossy` (loaded from lossy chunks): written
     # again, they must be labelled lossy (format.encode_chunk's `derived`). Appended tokens are exact.
@@ -65,7 +71,13 @@ class Segment:
 
     @classmethod
     def adopt(cls, token_ids: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> "Segment":
-        """A full segment made of the given CPU tensors, without copying them (they must not change)."""
+        """A full segment made of the given CPU tensors, without copying them (they must not change).
+
+        Example:
+            >>> seg = Segment.adopt(torch.tensor([5, 6]), [torch.zeros(1, 1, 2, 4)], [torch.zeros(1, 1, 2, 4)])
+            >>> seg.capacity, seg.filled  # full: appends go to a new segment
+            (2, 2)
+        """
         seg = cls.__new__(cls)
         n = int(token_ids.numel())
         seg.capacity = seg.filled = n
@@ -76,25 +88,61 @@ class Segment:
         return seg
 
     def layer(self, idx: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of layer `idx`'s keys and values, tokens ``[a, b)``."""
+        """Views of layer `idx`'s keys and values, tokens ``[a, b)``.
+
+        Example:
+            >>> keys = [torch.arange(3.0).view(1, 1, 3, 1)]
+            >>> seg = Segment.adopt(torch.tensor([5, 6, 7]), keys, [torch.zeros(1, 1, 3, 1)])
+            >>> k, v = seg.layer(0, 1, 3)
+            >>> k.flatten().tolist()
+            [1.0, 2.0]
+        """
         return self.keys[idx][:, :, a:b], self.values[idx][:, :, a:b]
 
     def mark_lossy(self, codec: KVCodec | None, upto: int) -> None:
-        """Records that tokens ``[0, upto)`` hold KV dequantized from `codec` (None: nothing to record)."""
+        """Records that tokens ``[0, upto)`` hold KV dequantized from `codec` (None: nothing to record).
+
+        Example:
+            >>> from hf_attnstore.store.codec import KVCodec
+            >>> seg = Segment.adopt(torch.arange(4), [torch.zeros(1, 1, 4, 2)], [torch.zeros(1, 1, 4, 2)])
+            >>> seg.mark_lossy(KVCodec("int8"), 2)  # tokens 0 and 1 were loaded from int8 chunks
+            >>> seg.lossy_upto, seg.lossy_between(2, 4) is None
+            (2, True)
+        """
         if codec is not None and upto > 0:
             self.lossy = least_accurate(self.lossy, codec)
             self.lossy_upto = max(self.lossy_upto, upto)
 
     def lossy_between(self, a: int, b: int) -> KVCodec | None:
-        """The codec some of tokens ``[a, b)`` were dequantized from, or None if all of them are exact."""
+        """The codec some of tokens ``[a, b)`` were dequantized from, or None if all of them are exact.
+
+        Example:
+            >>> seg = Segment.adopt(torch.arange(4), [torch.zeros(1, 1, 4, 2)], [torch.zeros(1, 1, 4, 2)])
+            >>> seg.lossy_between(0, 4) is None  # adopted from exact tensors
+            True
+        """
         return self.lossy if a < self.lossy_upto and a < b else None
 
     def mark_inexact(self, start: int) -> None:
-        """Records that tokens ``[start, ...)`` hold KV computed under sparse attention, or after such KV."""
+        """Records that tokens ``[start, ...)`` hold KV computed under sparse attention, or after such KV.
+
+        Example:
+            >>> seg = Segment.adopt(torch.arange(4), [torch.zeros(1, 1, 4, 2)], [torch.zeros(1, 1, 4, 2)])
+            >>> seg.mark_inexact(3); seg.mark_inexact(5)  # the earliest start wins
+            >>> seg.inexact_from
+            3
+        """
         self.inexact_from = min(self.inexact_from, start)
 
     def mark_absent(self, start: int, absent: torch.Tensor) -> None:
-        """Records that tokens ``[start, start + n)`` lack KV where `absent` ``[layers, heads, n]`` is True."""
+        """Records that tokens ``[start, start + n)`` lack KV where `absent` ``[layers, heads, n]`` is True.
+
+        Example:
+            >>> seg = Segment.adopt(torch.arange(3), [torch.zeros(1, 1, 3, 2)], [torch.zeros(1, 1, 3, 2)])
+            >>> seg.mark_absent(1, torch.tensor([[[False, True]]]))  # layer 0, head 0: token 2 has no KV
+            >>> seg.absent[0, 0].tolist(), seg.inexact_from
+            ([False, False, True], 2)
+        """
         if self.absent is None:
             self.absent = torch.zeros(absent.shape[0], absent.shape[1], self.capacity, dtype=torch.bool)
         self.absent[:, :, start : start + absent.shape[2]] |= absent
@@ -133,6 +181,14 @@ class SessionKV:
         state: A hybrid model's recurrent and convolution states after the first ``state.tokens`` tokens
             (state.py), or None. Set once the session is loaded (a snapshot of a session still loading has
             none: read the buffer's, ``source.state``, after waiting for the load).
+
+    Example:
+        >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)  # 1 layer, 2 KV heads, head_dim 4
+        >>> kv = [torch.zeros(1, 2, 3, 4)]
+        >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+        >>> snap = buf.snapshot()
+        >>> snap.token_ids.tolist(), snap.length, snap.tier, snap.head
+        ([5, 6, 7], 3, 'host', 0)
     """
 
     token_ids: torch.Tensor
@@ -157,6 +213,13 @@ class SessionKV:
 
         Raises:
             LoadError: The load failed (damaged file, I/O error) or timed out.
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> [tuple(k.shape) for k, v in buf.snapshot().layer_parts(0, length=2)]
+            [(1, 2, 2, 4)]
         """
         if self.loader is not None:
             self.loader.wait_layer(idx)
@@ -173,7 +236,17 @@ class SessionKV:
 
     def with_head(self, seg: "Segment") -> "SessionKV":
         """This snapshot with its first ``seg.filled`` tokens read from `seg` instead (a recomputed head); the
-        tokens after them, up to the missing head's end, are never read (not kept by the turn)."""
+        tokens after them, up to the missing head's end, are never read (not kept by the turn).
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> head = Segment.adopt(torch.tensor([5]), [torch.ones(1, 2, 1, 4)], [torch.ones(1, 2, 1, 4)])
+            >>> snap = buf.snapshot().with_head(head)  # token 0 now read from `head`
+            >>> [(s is head, a, b) for s, a, b in snap.parts]
+            [(True, 0, 1), (False, 1, 3)]
+        """
         n, parts, pos = seg.filled, [(seg, 0, seg.filled)], 0
         for s, a, b in self.parts:
             x = max(a, a + n - pos)
@@ -183,7 +256,16 @@ class SessionKV:
         return dataclasses.replace(self, parts=tuple(parts), head=0)
 
     def tensors(self, start: int, end: int) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-        """Contiguous copies of tokens ``[start, end)``: ids and per-layer keys and values (for the writer)."""
+        """Contiguous copies of tokens ``[start, end)``: ids and per-layer keys and values (for the writer).
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> ids, keys, values = buf.snapshot().tensors(1, 3)
+            >>> ids.tolist(), tuple(keys[0].shape)
+            ([6, 7], (1, 2, 2, 4))
+        """
         _sync(self.parts)
         pieces, pos = [], 0
         for seg, a, b in self.parts:
@@ -210,7 +292,11 @@ class SessionKV:
         counts as lossy too, even if its own values were never quantized.
 
         Example:
-            >>> snap.lossy_before(256) is None  # doctest: +SKIP
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> snap = buf.snapshot()
+            >>> snap.lossy_before(3) is None  # appended KV is exact
             True
         """
         worst, pos = None, 0
@@ -227,14 +313,25 @@ class SessionKV:
         every token after an inexact one is inexact too, whatever its segment says.
 
         Example:
-            >>> snap.exact_prefix() == snap.length  # doctest: +SKIP
-            True
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv, inexact_at=2)  # token 7 under sparse attention
+            >>> buf.snapshot().exact_prefix(), buf.snapshot().exact_prefix(1)
+            (2, 1)
         """
         return exact_prefix(self.parts, self.length if end is None else end)
 
     def absent(self, end: int | None = None) -> torch.Tensor | None:
         """Where the first `end` tokens lack KV, ``[layers, heads, end]`` (loaded from sparse cold copies), or None
-        when every one of them has KV."""
+        when every one of them has KV.
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> buf.snapshot().absent() is None  # every token has KV
+            True
+        """
         end = self.length if end is None else end
         shape = next((seg.absent.shape[:2] for seg, _, _ in self.parts if seg.absent is not None), None)
         if shape is None:
@@ -249,7 +346,15 @@ class SessionKV:
         return torch.cat(pieces, dim=2) if pieces else torch.zeros(*shape, 0, dtype=torch.bool)
 
     def select(self, keep: torch.Tensor) -> list[Part]:
-        """The parts holding tokens `keep` (sorted indices), in order; no data is copied."""
+        """The parts holding tokens `keep` (sorted indices), in order; no data is copied.
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> [(a, b) for _, a, b in buf.snapshot().select(torch.tensor([0, 2]))]
+            [(0, 1), (2, 3)]
+        """
         bounds, pos = [], 0
         for seg, a, b in self.parts:
             bounds.append((pos, pos + b - a, seg, a))
@@ -264,7 +369,14 @@ class SessionKV:
 
 
 def exact_prefix(parts, end: int) -> int:
-    """The leading tokens of `parts` (of the first `end`) before the first inexact one (SessionKV.exact_prefix)."""
+    """The leading tokens of `parts` (of the first `end`) before the first inexact one (SessionKV.exact_prefix).
+
+    Example:
+        >>> seg = Segment.adopt(torch.arange(4), [torch.zeros(1, 1, 4, 2)], [torch.zeros(1, 1, 4, 2)])
+        >>> seg.mark_inexact(3)  # token 3 was computed under sparse attention
+        >>> exact_prefix([(seg, 0, 4)], 4), exact_prefix([(seg, 0, 4)], 2)
+        (3, 2)
+    """
     pos = 0
     for seg, a, b in parts:
         if pos >= end:
@@ -282,7 +394,12 @@ def _sync(parts) -> None:
 
 
 def ranges(indices: torch.Tensor) -> list[tuple[int, int]]:
-    """Sorted indices as maximal ``[a, b)`` ranges."""
+    """Sorted indices as maximal ``[a, b)`` ranges.
+
+    Example:
+        >>> ranges(torch.tensor([0, 1, 2, 5, 6, 9]))
+        [(0, 3), (5, 7), (9, 10)]
+    """
     out: list[tuple[int, int]] = []
     for i in indices.tolist():
         if out and out[-1][1] == i:
@@ -293,7 +410,17 @@ def ranges(indices: torch.Tensor) -> list[tuple[int, int]]:
 
 
 class SessionBuffer:
-    """A session's KV in host memory: the parts it is made of, its length, and where to append."""
+    """A session's KV in host memory: the parts it is made of, its length, and where to append.
+
+    Example:
+        >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)  # 1 layer, 2 KV heads, head_dim 4
+        >>> kv = [torch.zeros(1, 2, 3, 4)]  # per layer: [1, kv_heads, tokens, head_dim]
+        >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+        >>> snap = buf.snapshot()
+        >>> buf.truncate(2)  # the snapshot still sees all three tokens
+        >>> buf.length, snap.token_ids.tolist()
+        (2, [5, 6, 7])
+    """
 
     def __init__(self, geometry: Geometry, dtype: torch.dtype, pin_memory: bool, parts: list[Part] | None = None):
         self.geometry = tuple(geometry)
@@ -315,22 +442,56 @@ class SessionBuffer:
         self.selected_tokens = 0
 
     def segments(self) -> dict[int, "Segment"]:
-        """The segments this session uses, by id (whole segments: that is what occupies memory)."""
+        """The segments this session uses, by id (whole segments: that is what occupies memory).
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> [seg.capacity for seg in buf.segments().values()]  # rounded up to 16 tokens
+            [16]
+        """
         segments = {id(seg): seg for seg, _, _ in self.parts}
         segments.update({id(seg): seg for _, (seg, _, _) in self.pending})
         return segments
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the segments this session uses, and of its state."""
+        """Bytes of the segments this session uses, and of its state.
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> buf.nbytes  # 16 tokens of room x (64 bytes of KV + 8 of token id)
+            1152
+        """
         kv = sum(seg.nbytes for seg in self.segments().values())
         return kv + (self.state.nbytes if self.state is not None else 0)
 
     def new_segment(self, capacity: int) -> Segment:
+        """A new, empty segment of this buffer's geometry and dtype for `capacity` tokens (rounded up to 16).
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> buf.new_segment(20).capacity  # rounded up to a multiple of 16 tokens
+            32
+        """
         return Segment(self.geometry, self.dtype, _round(capacity), self.pin_memory)
 
     def snapshot(self, loader: LoadHandle | None = None, tier: str = "host", generation: int = 0,
                  key: tuple | None = None) -> SessionKV:
+        """A read-only view of the buffer as it is now (:class:`SessionKV`): later appends and truncations leave
+        it as is.
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> snap = buf.snapshot(tier="disk", generation=2)
+            >>> snap.token_ids.tolist(), snap.tier, snap.generation, snap.source is buf
+            ([5, 6, 7], 'disk', 2, True)
+        """
         ids = [seg.token_ids[a:b] for seg, a, b in self.parts]
         if not ids:  # an empty buffer (a turn that stored nothing yet): torch.cat refuses an empty list
             token_ids = torch.empty(0, dtype=torch.long)
@@ -347,7 +508,15 @@ class SessionBuffer:
         return seg.capacity - b if b == seg.filled else 0
 
     def bytes_after_append(self, tokens: int) -> int:
-        """Bytes the buffer would hold after appending `tokens` tokens."""
+        """Bytes the buffer would hold after appending `tokens` tokens.
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> buf.bytes_after_append(10) == buf.nbytes, buf.bytes_after_append(20) > buf.nbytes  # 13 fit in 16
+            (True, True)
+        """
         if tokens <= self._tail_room():
             return self.nbytes
         per_token = bytes_per_token(self.geometry, torch.tensor([], dtype=self.dtype).element_size()) + 8
@@ -366,6 +535,14 @@ class SessionBuffer:
         ``[layers, 1, kv_heads, n, head_dim]`` tensors (copied in one operation). `inexact_at`: the appended
         tokens from this one on were computed under sparse attention (Segment.inexact_from); tokens appended
         after inexact ones are inexact whatever it says.
+
+        Example:
+            >>> buf = SessionBuffer((2, 2, 4), torch.float32, pin_memory=False)  # 2 layers
+            >>> kv = [torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> buf.append(torch.tensor([8]), torch.ones(2, 1, 2, 1, 4), torch.ones(2, 1, 2, 1, 4))  # stacked layers
+            >>> buf.length, buf.snapshot().token_ids.tolist()
+            (4, [5, 6, 7, 8])
         """
         n = int(token_ids.numel())
         if exact_prefix(self.parts, self.length) < self.length:
@@ -415,7 +592,16 @@ class SessionBuffer:
 
     def truncate(self, length: int) -> None:
         """Keeps the first `length` tokens. The data stays (snapshots may see it); the next append starts a
-        new segment instead of overwriting it."""
+        new segment instead of overwriting it.
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> buf.truncate(1)
+            >>> buf.snapshot().token_ids.tolist()
+            [5]
+        """
         assert 0 <= length <= self.length, f"cannot truncate {self.length} tokens to {length}"
         parts, pos = [], 0
         for seg, a, b in self.parts:
@@ -514,7 +700,16 @@ class SessionBuffer:
 
     @classmethod
     def selected(cls, base: SessionKV, keep: torch.Tensor, pin_memory: bool) -> "SessionBuffer":
-        """A buffer of `base`'s tokens at sorted indices `keep`, sharing its segments (no copy)."""
+        """A buffer of `base`'s tokens at sorted indices `keep`, sharing its segments (no copy).
+
+        Example:
+            >>> buf = SessionBuffer((1, 2, 4), torch.float32, pin_memory=False)
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> buf.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> picked = SessionBuffer.selected(buf.snapshot(), torch.tensor([0, 2]), pin_memory=False)
+            >>> picked.snapshot().token_ids.tolist(), picked.segments().keys() == buf.segments().keys()  # no copy
+            ([5, 7], True)
+        """
         assert base.loader is None or base.loader.done, "select only fully loaded snapshots"
         keep = keep.to(torch.long)
         buf = cls(base.source.geometry, base.source.dtype, pin_memory, parts=base.select(keep))
@@ -532,7 +727,13 @@ class SessionBuffer:
 
     @classmethod
     def for_load(cls, geometry, dtype, length: int, pin_memory: bool) -> "SessionBuffer":
-        """A buffer with one segment for `length` tokens, to be filled by the disk loader."""
+        """A buffer with one segment for `length` tokens, to be filled by the disk loader.
+
+        Example:
+            >>> buf = SessionBuffer.for_load((1, 2, 4), torch.float32, 40, pin_memory=False)
+            >>> buf.length, [(a, b) for _, a, b in buf.parts]
+            (40, [(0, 40)])
+        """
         buf = cls(geometry, dtype, pin_memory)
         seg = buf.new_segment(length)
         seg.filled = length

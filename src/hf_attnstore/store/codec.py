@@ -28,7 +28,16 @@ MAX_GROUP = 4096
 
 
 class CodecRangeError(ValueError):
-    """The KV has values a codec cannot represent (non-finite, or beyond fp16's range for the scales)."""
+    """The KV has values a codec cannot represent (non-finite, or beyond fp16's range for the scales).
+
+    Example:
+        >>> import torch
+        >>> try:
+        ...     KVCodec("int8").encode(torch.tensor([[[[1.0, float("inf")]]]]), keys=False)
+        ... except CodecRangeError:  # the store then writes that chunk lossless
+        ...     print("not representable")
+        not representable
+    """
 
 
 @dataclass(frozen=True)

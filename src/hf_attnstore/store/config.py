@@ -206,7 +206,14 @@ class StoreConfig:
 
     @property
     def codec(self) -> KVCodec | None:
-        """The codec of the cold copies (None: lossless)."""
+        """The codec of the cold copies (None: lossless).
+
+        Example:
+            >>> StoreConfig(disk_dir="/var/cache/kv", kv_codec="int4", kv_codec_group=64).codec  # of the disk copies
+            KVCodec(name='int4', group=64)
+            >>> StoreConfig().codec is None  # lossless
+            True
+        """
         if self.kv_codec is None:
             return None
         if not isinstance(self.kv_codec, str):
@@ -214,5 +221,11 @@ class StoreConfig:
         return KVCodec(self.kv_codec, self.kv_codec_group)
 
     def layerwise_on(self, device: torch.device) -> bool:
-        """Whether a session loading from disk is consumed layer by layer on `device` (see `preload`)."""
+        """Whether a session loading from disk is consumed layer by layer on `device` (see `preload`).
+
+        Example:
+            >>> cpu = torch.device("cpu")
+            >>> StoreConfig().layerwise_on(cpu), StoreConfig(preload=True).layerwise_on(cpu)  # default: on CUDA only
+            (False, True)
+        """
         return self.preload if self.preload is not None else device.type == "cuda"

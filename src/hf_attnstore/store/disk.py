@@ -40,7 +40,20 @@ LOCK = "LOCK"
 
 
 class DiskLockedError(RuntimeError):
-    """Another store (in this process or another) has the disk tier's folder open."""
+    """Another store (in this process or another) has the disk tier's folder open.
+
+    Example:
+        >>> import tempfile
+        >>> from hf_attnstore.store import AttnStore
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     first = AttnStore(host_bytes="1MiB", disk_dir=folder)
+        ...     try:
+        ...         AttnStore(host_bytes="1MiB", disk_dir=folder)  # a second store on the same folder
+        ...     except DiskLockedError:
+        ...         print("locked")
+        ...     first.close()
+        locked
+    """
 
 
 def _numpy(t: torch.Tensor):
@@ -65,7 +78,23 @@ def _fsync_dir(folder: Path) -> None:
 
 
 class DiskChunk(ChunkReader):
-    """A chunk file opened for reading (see :meth:`DiskTier.get`)."""
+    """A chunk file opened for reading (see :meth:`DiskTier.get`).
+
+    Example:
+        >>> import tempfile
+        >>> from hf_attnstore.store.format import encode_chunk
+        >>> ids, k, v = torch.tensor([5, 6, 7]), [torch.zeros(1, 2, 3, 4)], [torch.ones(1, 2, 3, 4)]
+        >>> data, _ = encode_chunk("model-a", "chat-1", ids, k, v, prefix="", previous="")
+        >>> keys, values = torch.empty(1, 2, 2, 4), torch.empty(1, 2, 2, 4)
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     tier = DiskTier(folder, fsync=False)
+        ...     _ = tier.write(("model-a", "chat-1"), "c0" + CHUNK_SUFFIX, data)
+        ...     chunk = tier.get(("model-a", "chat-1"), "c0")
+        ...     _ = chunk.read_layer_into(0, 1, 3, keys, values)  # layer 0, tokens 1 and 2 (checksums verified)
+        ...     chunk.close(); tier.close()
+        >>> chunk.meta.n_tokens, values.unique().tolist()
+        (3, [1.0])
+    """
 
     def __init__(self, tier: "DiskTier", fd: int, meta: ChunkMeta):
         self.tier, self.fd, self.meta = tier, fd, meta
@@ -101,6 +130,19 @@ class DiskTier(Tier):
     Raises:
         DiskLockedError: Another store has the folder open.
         ValueError: The folder (or its ``sessions`` entry) exists but is not a folder.
+
+    Example:
+        >>> import tempfile
+        >>> from hf_attnstore.store.format import encode_chunk
+        >>> ids, k, v = torch.tensor([5, 6, 7]), [torch.zeros(1, 2, 3, 4)], [torch.ones(1, 2, 3, 4)]
+        >>> data, _ = encode_chunk("model-a", "chat-1", ids, k, v, prefix="", previous="")
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     tier = DiskTier(folder, fsync=False)
+        ...     size = tier.put(("model-a", "chat-1"), "c0" + CHUNK_SUFFIX, data).result()  # on the writer thread
+        ...     with tier.get(("model-a", "chat-1"), "c0") as chunk:
+        ...         print(size == len(data), chunk.ids().tolist())
+        ...     tier.close()
+        True [5, 6, 7]
     """
 
     name = "disk"

@@ -30,7 +30,16 @@ NOT_INEXACT = 1 << 62  # `inexact_from` of a segment whose tokens are all exact 
 class EncodedSlice:
     """Tokens ``[start, start + length)`` of one layer's encoded keys or values, ``[1, heads, length, dim]``
     once decoded. Duck-types the tensor operations the readers of host parts use (`shape`, `narrow`, `to`,
-    `record_stream`)."""
+    `record_stream`).
+
+    Example:
+        >>> codec, keys = KVCodec("int8", group=32), torch.randn(1, 2, 32, 8)
+        >>> blob = codec.encode(keys, keys=True)
+        >>> part = EncodedSlice(codec, blob, n=32, start=0, length=32, heads=2, dim=8, keys=True)
+        >>> tail = part.narrow(2, 16, 16)  # tokens 16..31, still encoded
+        >>> tail.shape, bool((tail.decode(torch.float32) - keys[:, :, 16:]).abs().max() < 0.05 * keys.abs().max())
+        ((1, 2, 16, 8), True)
+    """
 
     codec: KVCodec
     blob: torch.Tensor  # uint8: the codec's encoding of the whole chunk's tensor
@@ -74,14 +83,29 @@ class EncodedSlice:
 
 def dense(x, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A host part's keys or values as a tensor on `device`: an encoded slice is moved there first, then
-    dequantized (so a GPU receives the codec's bytes, not the full-precision ones)."""
+    dequantized (so a GPU receives the codec's bytes, not the full-precision ones).
+
+    Example:
+        >>> dense(torch.ones(1, 2, 3, 4, dtype=torch.float16), torch.device("cpu"), torch.float32).dtype  # a plain part
+        torch.float32
+    """
     if isinstance(x, EncodedSlice):
         return x.to(device, non_blocking=True).decode(dtype)
     return x.to(device=device, dtype=dtype)
 
 
 def copy_into(out: torch.Tensor, x) -> None:
-    """``out.copy_(x)`` for a host part's keys or values, dequantizing an encoded slice on `out`'s device."""
+    """``out.copy_(x)`` for a host part's keys or values, dequantizing an encoded slice on `out`'s device.
+
+    Example:
+        >>> codec, keys = KVCodec("int8", group=32), torch.randn(1, 2, 32, 8)
+        >>> blob = codec.encode(keys, keys=True)
+        >>> part = EncodedSlice(codec, blob, n=32, start=0, length=32, heads=2, dim=8, keys=True)
+        >>> out = torch.empty(1, 2, 32, 8)
+        >>> copy_into(out, part)  # dequantized into `out`
+        >>> bool((out - keys).abs().max() < 0.05 * keys.abs().max())
+        True
+    """
     if isinstance(x, EncodedSlice):
         x.to(out.device, non_blocking=True).decode_into(out)
     else:
@@ -98,6 +122,14 @@ class EncodedSegment:
         keys: Per layer, the blob of the keys ``[1, key_heads, n, key_dim]``.
         values: Per layer, the blob of the values.
         dtype: The session's full precision (what readers that need dense tensors get).
+
+    Example:
+        >>> codec, kv = KVCodec("int8", group=32), torch.randn(1, 2, 32, 8)  # one layer of 32 tokens
+        >>> seg = EncodedSegment(codec, (1, 2, 8), torch.arange(32), [codec.encode(kv, keys=True)],
+        ...                      [codec.encode(kv, keys=False)], torch.float32)
+        >>> keys, values = seg.layer(0, 0, 4)
+        >>> keys.shape, seg.lossy_between(0, 4).name, seg.nbytes < 32 * (2 * 2 * 8 * 4 + 8)  # smaller than fp32
+        ((1, 2, 4, 8), 'int8', True)
     """
 
     def __init__(self, codec: KVCodec, geometry: Geometry, token_ids: torch.Tensor, keys: list[torch.Tensor],

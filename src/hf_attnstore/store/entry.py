@@ -51,7 +51,16 @@ def validate_session_id(session_id: object) -> str:
 
 def remote_signature(manifest: Manifest) -> tuple:
     """What identifies a remote copy of a session: its length and last chunk's digest (digests chain over the
-    whole history, so a copy written or extended by anyone since has another signature)."""
+    whole history, so a copy written or extended by anyone since has another signature).
+
+    Example:
+        >>> import torch
+        >>> from hf_attnstore.store.format import Manifest, Span
+        >>> spans = (Span("c0", 0, 4, "a" * 32), Span("c1", 0, 2, "b" * 32))
+        >>> manifest = Manifest("model-a", "chat-1", torch.arange(6), spans, next_chunk=2)
+        >>> remote_signature(manifest)  # its length and the digest that chains over the whole history
+        (6, 'bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb')
+    """
     return manifest.length, manifest.spans[-1].digest if manifest.spans else None
 
 
@@ -69,7 +78,13 @@ def blocks(nbytes: int) -> int:
 
 
 class Write(enum.Enum):
-    """What the save thread does with a session's tokens that are not on disk yet."""
+    """What the save thread does with a session's tokens that are not on disk yet.
+
+    Example:
+        >>> e = Entry(key=("model-a", "chat-1"))
+        >>> e.write, Write("flush")  # a new session is written behind its turn; a flush() asks for FLUSH
+        (<Write.BEHIND: 'behind'>, <Write.FLUSH: 'flush'>)
+    """
 
     BEHIND = "behind"  # written in the quiet gap after the turn (write-behind)
     FLUSH = "flush"  # at once: a flush() waits for it

@@ -45,45 +45,96 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 class FormatError(ValueError):
-    """A stored file is damaged, truncated, of another format, model or session."""
+    """A stored file is damaged, truncated, of another format, model or session.
+
+    Example:
+        >>> try:
+        ...     Manifest.decode(b"not a manifest")
+        ... except FormatError as error:  # damaged or foreign data: the store treats it as a miss
+        ...     print(type(error).__name__, isinstance(error, ValueError))
+        FormatError True
+    """
 
 
 def session_dirname(fingerprint: str, session_id: str) -> str:
-    """The folder of a session: a hash, so hostile ids ('../x', NUL, 10 kB) never reach a path."""
+    """The folder of a session: a hash, so hostile ids ('../x', NUL, 10 kB) never reach a path.
+
+    Example:
+        >>> name = session_dirname("model-a", "../../etc/passwd")
+        >>> len(name), name.isalnum(), name == session_dirname("model-b", "../../etc/passwd")
+        (40, True, False)
+    """
     return hashlib.sha256(f"{fingerprint}\0{session_id}".encode("utf-8", "surrogatepass")).hexdigest()[:40]
 
 
 def checksum(data) -> str:
+    """The xxh64 hex digest of `data` (bytes or a memoryview): the checksum of every stored tensor and manifest.
+
+    Example:
+        >>> checksum(b"hello")
+        '26c7827d889f6da3'
+    """
     return xxhash.xxh64(data).hexdigest()
 
 
 def prefix_hasher(fingerprint: str):
-    """A running digest of a session's token ids, seeded with the model fingerprint (see `prefix_digest`)."""
+    """A running digest of a session's token ids, seeded with the model fingerprint (see `prefix_digest`).
+
+    Example:
+        >>> hasher = prefix_hasher("model-a")
+        >>> hasher.update(tensor_bytes(torch.tensor([5, 6, 7])))
+        >>> hasher.hexdigest() == prefix_digest("model-a", torch.tensor([5, 6, 7]))
+        True
+    """
     digest = hashlib.blake2b(digest_size=16)
     digest.update(fingerprint.encode())
     return digest
 
 
 def prefix_digest(fingerprint: str, token_ids: torch.Tensor) -> str:
-    """The digest of the history ``token_ids`` (every id before a chunk) for this model."""
+    """The digest of the history ``token_ids`` (every id before a chunk) for this model.
+
+    Example:
+        >>> a = prefix_digest("model-a", torch.tensor([5, 6, 7]))
+        >>> other_model = prefix_digest("model-b", torch.tensor([5, 6, 7]))
+        >>> shorter = prefix_digest("model-a", torch.tensor([5, 6]))
+        >>> len(a), a == other_model, a == shorter
+        (32, False, False)
+    """
     digest = prefix_hasher(fingerprint)
     digest.update(tensor_bytes(token_ids.to(torch.int64)))
     return digest.hexdigest()
 
 
 def metadata_digest(meta: dict) -> str:
-    """A chunk's digest: a hash of its whole metadata, which holds the checksum of every tensor."""
+    """A chunk's digest: a hash of its whole metadata, which holds the checksum of every tensor.
+
+    Example:
+        >>> metadata_digest({"a": "1", "b": "2"}) == metadata_digest({"b": "2", "a": "1"})  # key order does not matter
+        True
+    """
     return hashlib.blake2b(json.dumps(meta, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 def layer_names(layer: int) -> tuple[str, str]:
+    """The names of layer `layer`'s keys and values tensors in a chunk file.
+
+    Example:
+        >>> layer_names(3)
+        ('L0003.k', 'L0003.v')
+    """
     return f"L{layer:04d}.k", f"L{layer:04d}.v"
 
 
 def chunk_payload_bytes(geometry, dtype: torch.dtype, n: int, codec: KVCodec | None) -> int:
     """The bytes of the tensors of a chunk of `n` tokens (:func:`encode_chunk`: ids, keys and values, encoded with
     `codec` if given), without its header. A save adds the header size it measured on its first chunk (the
-    headers of one session's chunks differ only in digits) to bound what it writes before it writes it."""
+    headers of one session's chunks differ only in digits) to bound what it writes before it writes it.
+
+    Example:
+        >>> chunk_payload_bytes((2, 4, 64), torch.float16, 16, None)  # 16 x 8 bytes of ids + 2 x (4 x 64) x 2 x 16 x 2
+        32896
+    """
     layers, (kh, kd), (vh, vd) = shapes(geometry)
     if codec is None:
         kv = layers * (kh * kd + vh * vd) * n * torch.tensor([], dtype=dtype).element_size()
@@ -94,12 +145,24 @@ def chunk_payload_bytes(geometry, dtype: torch.dtype, n: int, codec: KVCodec | N
 
 def manifest_bytes_bound(tokens: int, spans: int, session_id: str) -> int:
     """An upper bound of an encoded :class:`Manifest`'s bytes: the ids in base64, the spans, the session id escaped
-    (twice: the body is JSON inside JSON)."""
+    (twice: the body is JSON inside JSON).
+
+    Example:
+        >>> ids = torch.arange(100)
+        >>> manifest = Manifest("model-a", "chat-1", ids, (Span("c0", 0, 100, "d" * 32),), next_chunk=1)
+        >>> len(manifest.encode()) <= manifest_bytes_bound(100, 1, "chat-1")
+        True
+    """
     return 1024 + 4 * -(-8 * tokens // 3) + 192 * spans + 12 * len(session_id.encode("utf-8"))
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a contiguous CPU tensor (bf16 viewed as int16: numpy lacks bf16)."""
+    """The raw little-endian bytes of a contiguous CPU tensor (bf16 viewed as int16: numpy lacks bf16).
+
+    Example:
+        >>> tensor_bytes(torch.tensor([1, 2], dtype=torch.int16)).hex()  # little-endian
+        '01000200'
+    """
     t = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
@@ -108,7 +171,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 @dataclass(frozen=True)
 class ChunkMeta:
-    """What a chunk file's header says, validated."""
+    """What a chunk file's header says, validated.
+
+    Example:
+        >>> ids, k, v = torch.tensor([5, 6, 7]), [torch.zeros(1, 2, 3, 4)], [torch.ones(1, 2, 3, 4)]
+        >>> data, digest = encode_chunk("model-a", "chat-1", ids, k, v, prefix="", previous="")
+        >>> meta = read_chunk_meta(lambda size, offset: data[offset : offset + size], len(data), "model-a", "chat-1")
+        >>> meta.n_tokens, meta.geometry, meta.dtype, meta.codec, meta.digest == digest
+        (3, (1, 2, 4), torch.float32, None, True)
+    """
 
     fingerprint: str
     session_id: str
@@ -144,7 +215,19 @@ class ChunkMeta:
     def decode_into(self, name: str, data: bytes, out: torch.Tensor, start: int, keep: dict | None = None) -> None:
         """Writes tokens ``[start, start + out.shape[2])`` of tensor `name`, whose verified bytes are `data`,
         into `out` ``[1, heads, m, dim]`` (dequantized when the chunk is lossy; then `keep`, if given, gets
-        the blob under `name`)."""
+        the blob under `name`).
+
+        Example:
+            >>> ids, keys = torch.tensor([5, 6, 7]), [torch.arange(24.0).view(1, 2, 3, 4)]
+            >>> values = [torch.zeros(1, 2, 3, 4)]
+            >>> data, _ = encode_chunk("model-a", "chat-1", ids, keys, values, prefix="", previous="")
+            >>> pread = lambda size, offset: data[offset : offset + size]
+            >>> meta = read_chunk_meta(pread, len(data), "model-a", "chat-1")
+            >>> out = torch.empty(1, 2, 2, 4)
+            >>> meta.decode_into("L0000.k", read_range(pread, *meta.offsets["L0000.k"], "L0000.k", meta), out, start=1)
+            >>> torch.equal(out, keys[0][:, :, 1:])
+            True
+        """
         if self.codec is None:
             heads, dim = shape_of(self.geometry, name.endswith(".k"))
             out.copy_(bytes_to_tensor(data, self.dtype, [1, heads, self.kv_tokens, dim])[:, :, start : start + out.shape[2]])
@@ -157,7 +240,15 @@ class ChunkMeta:
 
 def encode_kv(keys: list[torch.Tensor], values: list[torch.Tensor], codec: KVCodec) -> tuple[list, list] | None:
     """The `codec` blobs of every layer's keys and values, or None when the codec cannot represent them
-    (non-finite, out of fp16's range)."""
+    (non-finite, out of fp16's range).
+
+    Example:
+        >>> from hf_attnstore.store.codec import KVCodec
+        >>> kv = [torch.randn(1, 2, 32, 4)]
+        >>> blobs = encode_kv(kv, kv, KVCodec("int8"))
+        >>> [blob.dtype for blob in blobs[0]], encode_kv([torch.full((1, 2, 32, 4), float("nan"))], kv, KVCodec("int8"))
+        ([torch.uint8], None)
+    """
     try:
         return [codec.encode(k, keys=True) for k in keys], [codec.encode(v, keys=False) for v in values]
     except CodecRangeError:
@@ -179,6 +270,13 @@ def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: lis
     from this one on were computed under sparse attention (buffer.Segment.inexact_from). `kept`: a sparse cold copy,
     ``[layers, heads, m]`` ascending chunk positions whose KV `keys` and `values` ``[1, heads, m, dim]`` hold (the
     chunk has ``len(ids)`` tokens; the others have none, so it must be labelled inexact from the first of them).
+
+    Example:
+        >>> ids, k, v = torch.tensor([5, 6, 7]), [torch.zeros(1, 2, 3, 4)], [torch.ones(1, 2, 3, 4)]
+        >>> data, digest = encode_chunk("model-a", "chat-1", ids, k, v, prefix=prefix_digest("model-a", ids[:0]),
+        ...                             previous="")
+        >>> chunk_digest(data) == digest, len(digest)
+        (True, 32)
     """
     tensors = {"ids": ids.detach().to("cpu", torch.int64).contiguous()}
     if codec is not None and blobs is None:
@@ -217,7 +315,15 @@ def encode_chunk(fingerprint: str, session_id: str, ids: torch.Tensor, keys: lis
 
 
 def file_reader(fd: int) -> Callable[[int, int], bytes]:
-    """``pread(size, offset)`` of a file descriptor (what :func:`read_chunk_meta` and :func:`read_range` take)."""
+    """``pread(size, offset)`` of a file descriptor (what :func:`read_chunk_meta` and :func:`read_range` take).
+
+    Example:
+        >>> import os, tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     _ = f.write(b"0123456789"); f.flush()
+        ...     file_reader(f.fileno())(4, 3)  # 4 bytes from offset 3
+        b'3456'
+    """
     return lambda size, offset: os.pread(fd, size, offset)
 
 
@@ -227,6 +333,17 @@ def read_chunk_meta(pread: Callable[[int, int], bytes], file_size: int, fingerpr
 
     Raises:
         FormatError: On any doubt.
+
+    Example:
+        >>> ids, k, v = torch.tensor([5, 6, 7]), [torch.zeros(1, 2, 3, 4)], [torch.ones(1, 2, 3, 4)]
+        >>> data, _ = encode_chunk("model-a", "chat-1", ids, k, v, prefix="", previous="")
+        >>> pread = lambda size, offset: data[offset : offset + size]
+        >>> read_chunk_meta(pread, len(data), "model-a", "chat-1").n_tokens
+        3
+        >>> read_chunk_meta(pread, len(data), "model-a", "chat-2")  # another session's chunk
+        Traceback (most recent call last):
+        ...
+        hf_attnstore.store.format.FormatError: ...
     """
     if file_size < 8:
         raise FormatError("file too short for a safetensors header")
@@ -319,6 +436,12 @@ def chunk_digest(data: bytes) -> str:
 
     Raises:
         FormatError: The bytes are not a chunk of this format.
+
+    Example:
+        >>> ids, k, v = torch.tensor([5, 6, 7]), [torch.zeros(1, 2, 3, 4)], [torch.ones(1, 2, 3, 4)]
+        >>> data, digest = encode_chunk("model-a", "chat-1", ids, k, v, prefix="", previous="")
+        >>> chunk_digest(data) == digest
+        True
     """
     try:
         (header_len,) = struct.unpack("<Q", data[:8])
@@ -336,7 +459,18 @@ def chunk_digest(data: bytes) -> str:
 
 def read_kept(pread: Callable[[int, int], bytes], meta: ChunkMeta) -> torch.Tensor:
     """A sparse chunk's kept positions ``[layers, heads, kept]`` (checksum verified, strictly ascending within the
-    chunk). Raises FormatError on any doubt."""
+    chunk). Raises FormatError on any doubt.
+
+    Example:
+        >>> # a sparse cold copy: each head keeps 2 of the chunk's 4 tokens
+        >>> k, v = [torch.zeros(1, 2, 2, 4)], [torch.ones(1, 2, 2, 4)]
+        >>> kept = torch.tensor([[[0, 3], [1, 2]]])  # [layers, heads, kept]
+        >>> data, _ = encode_chunk("model-a", "chat-1", torch.arange(4), k, v, prefix="", previous="", inexact_from=1,
+        ...                        kept=kept)
+        >>> pread = lambda size, offset: data[offset : offset + size]
+        >>> read_kept(pread, read_chunk_meta(pread, len(data), "model-a", "chat-1")).tolist()
+        [[[0, 3], [1, 2]]]
+    """
     begin, end = meta.offsets["kept"]
     shape = [meta.geometry[0], shape_of(meta.geometry, True)[0], meta.kept]
     kept = bytes_to_tensor(read_range(pread, begin, end, "kept", meta), torch.int64, shape)
@@ -347,12 +481,31 @@ def read_kept(pread: Callable[[int, int], bytes], meta: ChunkMeta) -> torch.Tens
 
 
 def read_range(pread: Callable[[int, int], bytes], begin: int, end: int, name: str, meta: ChunkMeta) -> bytes:
-    """Reads one tensor's bytes through ``pread(size, offset)`` and verifies its checksum."""
+    """Reads one tensor's bytes through ``pread(size, offset)`` and verifies its checksum.
+
+    Example:
+        >>> ids, k, v = torch.tensor([5, 6, 7]), [torch.zeros(1, 2, 3, 4)], [torch.ones(1, 2, 3, 4)]
+        >>> data, _ = encode_chunk("model-a", "chat-1", ids, k, v, prefix="", previous="")
+        >>> pread = lambda size, offset: data[offset : offset + size]
+        >>> meta = read_chunk_meta(pread, len(data), "model-a", "chat-1")
+        >>> bytes_to_tensor(read_range(pread, *meta.offsets["ids"], "ids", meta), torch.int64, [3]).tolist()
+        [5, 6, 7]
+    """
     return verified(pread(end - begin, begin), name, meta)
 
 
 def verified(data: bytes, name: str, meta: ChunkMeta) -> bytes:
-    """`data` if it is all of tensor `name`'s bytes with the checksum the header records; else FormatError."""
+    """`data` if it is all of tensor `name`'s bytes with the checksum the header records; else FormatError.
+
+    Example:
+        >>> ids, k, v = torch.tensor([5, 6, 7]), [torch.zeros(1, 2, 3, 4)], [torch.ones(1, 2, 3, 4)]
+        >>> data, _ = encode_chunk("model-a", "chat-1", ids, k, v, prefix="", previous="")
+        >>> meta = read_chunk_meta(lambda size, offset: data[offset : offset + size], len(data), "model-a", "chat-1")
+        >>> verified(bytes(tensor_bytes(torch.tensor([5, 6, 8]))), "ids", meta)  # one id changed
+        Traceback (most recent call last):
+        ...
+        hf_attnstore.store.format.FormatError: checksum mismatch in ids
+    """
     begin, end = meta.offsets[name]
     if len(data) != end - begin:
         raise FormatError(f"short read of {name}: the file or value is truncated")
@@ -362,6 +515,13 @@ def verified(data: bytes, name: str, meta: ChunkMeta) -> bytes:
 
 
 def bytes_to_tensor(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """A tensor of `dtype` and `shape` over a copy of raw little-endian `data` (the inverse of :func:`tensor_bytes`).
+
+    Example:
+        >>> t = torch.tensor([[1.5, -2.0]], dtype=torch.bfloat16)
+        >>> torch.equal(bytes_to_tensor(bytes(tensor_bytes(t)), torch.bfloat16, [1, 2]), t)
+        True
+    """
     if dtype == torch.bfloat16:
         return torch.frombuffer(bytearray(data), dtype=torch.int16).view(torch.bfloat16).view(*shape)
     return torch.frombuffer(bytearray(data), dtype=dtype).view(*shape)
@@ -374,7 +534,13 @@ STATE_PREFIX = "s-"  # state files (state.py) are named "s-<digest>"; chunk file
 @dataclass(frozen=True)
 class StateRef:
     """A manifest's hybrid-model state (state.py): file `name` (without its suffix), which summarizes the
-    session's first `tokens` tokens and whose metadata digest must be `digest`."""
+    session's first `tokens` tokens and whose metadata digest must be `digest`.
+
+    Example:
+        >>> ref = StateRef("s-0a1b", tokens=12, digest="d" * 32)
+        >>> StateRef.decode(ref.encode()) == ref
+        True
+    """
 
     name: str
     tokens: int
@@ -404,6 +570,11 @@ class Span:
     ``owner``: the session that wrote the chunk, when it is not the manifest's own (prefix sharing: the file
     is a hard link to a chunk of another session that begins with the same tokens, so its header names that
     session). Empty: the manifest's session. Readers check the header against it.
+
+    Example:
+        >>> span = Span("c3", start=16, end=48, digest="d" * 32)
+        >>> span.length, span.rebased, span.owner
+        (32, False, '')
     """
 
     chunk: str
@@ -426,6 +597,13 @@ class Manifest:
     chain). Their tokens, the session's *head*, have ids but no stored KV: a turn that resumes the session
     recomputes them (exactly: under causal attention the first tokens' KV does not depend on later ones) and
     loads ``spans``, which cover the tokens after the head.
+
+    Example:
+        >>> spans = (Span("c0", 0, 4, "a" * 32), Span("c1", 0, 2, "b" * 32))
+        >>> manifest = Manifest("model-a", "chat-1", torch.arange(6), spans, next_chunk=2)
+        >>> again = Manifest.decode(manifest.encode(), fingerprint="model-a")
+        >>> again.length, again.token_ids.tolist(), again.spans == spans
+        (6, [0, 1, 2, 3, 4, 5], True)
     """
 
     fingerprint: str
@@ -454,7 +632,14 @@ class Manifest:
         return sum(s.length for s in self.dropped)
 
     def drop_head_span(self) -> "Manifest":
-        """The manifest after partial eviction of its first stored span (its chunk's file can then go)."""
+        """The manifest after partial eviction of its first stored span (its chunk's file can then go).
+
+        Example:
+            >>> spans = (Span("c0", 0, 4, "a" * 32), Span("c1", 0, 2, "b" * 32))
+            >>> manifest = Manifest("model-a", "chat-1", torch.arange(6), spans, next_chunk=2).drop_head_span()
+            >>> manifest.head, manifest.length, [s.chunk for s in manifest.spans]  # tokens 0-3: ids, no KV
+            (4, 6, ['c1'])
+        """
         assert self.spans, "nothing left to drop"
         return Manifest(self.fingerprint, self.session_id, self.token_ids, self.spans[1:], self.next_chunk,
                         self.dropped + self.spans[:1], self.state, self.exact)
@@ -465,6 +650,13 @@ class Manifest:
         Tokens of the dropped head stay dropped; they can only lead (a head is recomputed from the start), so
         a selection that keeps stored tokens and then head tokens again stops before the latter: a shorter
         durable prefix, whose remainder the store writes again from host memory.
+
+        Example:
+            >>> spans = (Span("c0", 0, 4, "a" * 32), Span("c1", 0, 2, "b" * 32))
+            >>> manifest = Manifest("model-a", "chat-1", torch.arange(6), spans, next_chunk=2)
+            >>> kept = manifest.select([(0, 2), (4, 6)])  # drops tokens 2 and 3
+            >>> kept.token_ids.tolist(), [(s.chunk, s.start, s.end, s.rebased) for s in kept.spans]
+            ([0, 1, 4, 5], [('c0', 0, 2, False), ('c1', 0, 2, True)])
         """
         spans, dropped, ids, pos = [], [], [], 0
         bounds = []
@@ -503,6 +695,13 @@ class Manifest:
                         state, exact if exact is not None and exact < token_ids.numel() else None)
 
     def encode(self) -> bytes:
+        """The manifest as checksummed JSON bytes (what :meth:`decode` reads).
+
+        Example:
+            >>> manifest = Manifest("model-a", "chat-1", torch.arange(3), (Span("c0", 0, 3, "a" * 32),), next_chunk=1)
+            >>> Manifest.decode(manifest.encode()).token_ids.tolist()
+            [0, 1, 2]
+        """
         body = {
             "format": FORMAT,
             "fingerprint": self.fingerprint,
@@ -522,7 +721,15 @@ class Manifest:
 
     @classmethod
     def decode(cls, data: bytes, fingerprint: str | None = None) -> "Manifest":
-        """Parses and validates a manifest. Raises FormatError on any doubt."""
+        """Parses and validates a manifest. Raises FormatError on any doubt.
+
+        Example:
+            >>> manifest = Manifest("model-a", "chat-1", torch.arange(3), (Span("c0", 0, 3, "a" * 32),), next_chunk=1)
+            >>> Manifest.decode(manifest.encode(), fingerprint="model-b")
+            Traceback (most recent call last):
+            ...
+            hf_attnstore.store.format.FormatError: manifest of another model
+        """
         try:
             outer = json.loads(data)
             text = outer["body"]
@@ -577,6 +784,18 @@ def check_chain(manifest: Manifest, metas: list[ChunkMeta]) -> None:
 
     Raises:
         FormatError: A chunk is not the pinned one, or was computed after other tokens than the manifest's.
+
+    Example:
+        >>> ids, k, v = torch.tensor([5, 6, 7]), [torch.zeros(1, 2, 3, 4)], [torch.ones(1, 2, 3, 4)]
+        >>> data, digest = encode_chunk("model-a", "chat-1", ids, k, v, prefix=prefix_digest("model-a", ids[:0]),
+        ...                             previous="")
+        >>> meta = read_chunk_meta(lambda size, offset: data[offset : offset + size], len(data), "model-a", "chat-1")
+        >>> manifest = Manifest("model-a", "chat-1", ids, (Span("c0", 0, 3, digest),), next_chunk=1)
+        >>> check_chain(manifest, [meta])  # the pinned chunk, in its own history: no error
+        >>> check_chain(Manifest("model-a", "chat-1", ids, (Span("c0", 0, 3, "0" * 32),), 1), [meta])
+        Traceback (most recent call last):
+        ...
+        hf_attnstore.store.format.FormatError: chunk c0 is not the one the manifest pinned (replaced or rewritten)
     """
     hasher, pos = prefix_hasher(manifest.fingerprint), manifest.head
     hasher.update(tensor_bytes(manifest.token_ids[:pos].to(torch.int64)))

@@ -79,7 +79,19 @@ class Found:
 def verified_state(snapshot: SessionKV) -> SessionState | None:
     """The states stored with `snapshot` if they are the snapshot's session's and summarize exactly its first
     ``state.tokens`` ids (their digest matches), else None. A snapshot still loading must have its first layer
-    (the loader reads and verifies the state before it)."""
+    (the loader reads and verifies the state before it).
+
+    Example:
+        >>> from hf_attnstore.store import AttnStore
+        >>> from hf_attnstore.store.state import SessionState
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> kv = [torch.zeros(1, 2, 3, 4)]
+        >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as turn:
+        ...     _ = turn.append(torch.tensor([5, 6, 7]), kv, kv)
+        ...     turn.close(SessionState.capture(3, {"L0000.r0": torch.ones(2, 4)}))  # a hybrid model's states
+        >>> verified_state(store.lookup("chat-1", "model-a")).tokens
+        3
+    """
     state = snapshot.state if snapshot.loader is None else snapshot.source.state
     if state is None or snapshot.key is None or state.tokens > snapshot.length or state.key != snapshot.key \
             or state.prefix != prefix_digest(snapshot.key[0], snapshot.token_ids[: state.tokens]):
@@ -91,7 +103,18 @@ def match_of(snapshot: SessionKV, end: int | None, exact: bool, wait_first: bool
     """The :class:`Match` of a snapshot's first `end` tokens (None: all); `exact`: only those before the first
     inexact one. `wait_first`: a snapshot still loading is waited for until its first layer, whose check covers
     the states and the absent tokens (call without the store's lock: the load thread reports under it); a load
-    that failed is a miss (None)."""
+    that failed is a miss (None).
+
+    Example:
+        >>> from hf_attnstore.store import AttnStore
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> kv = [torch.zeros(1, 2, 3, 4)]
+        >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as turn:
+        ...     _ = turn.append(torch.tensor([5, 6, 7]), kv, kv, inexact_at=2)  # token 7 under sparse attention
+        >>> match = match_of(store.lookup("chat-1", "model-a"), None, exact=True, wait_first=True)
+        >>> match.session_id, match.token_ids.tolist(), match.tier
+        ('chat-1', [5, 6], 'host')
+    """
     if wait_first and snapshot.loader is not None:
         try:
             snapshot.loader.wait_layer(0)

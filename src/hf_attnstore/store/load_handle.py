@@ -54,18 +54,42 @@ class LoadHandle:
 
     # -- consumer side ------------------------------------------------------------------------------
     def attach(self) -> None:
-        """A cache will consume this load: from now on the read buffer limits run-ahead."""
+        """A cache will consume this load: from now on the read buffer limits run-ahead.
+
+        Example:
+            >>> handle = LoadHandle(num_layers=4, read_buffer_layers=1, timeout_s=1.0)
+            >>> handle.attach()
+            >>> handle.gate(2, timeout=0.01)  # the consumer needs no layer yet: at most layers 0 and 1 run ahead
+            False
+        """
         with self._cond:
             self._attached = True
 
     def release(self) -> None:
-        """The consumer is gone (done or abandoned): the loader may finish at full speed."""
+        """The consumer is gone (done or abandoned): the loader may finish at full speed.
+
+        Example:
+            >>> handle = LoadHandle(num_layers=4, read_buffer_layers=1, timeout_s=1.0)
+            >>> handle.attach(); handle.release()
+            >>> handle.gate(3)  # no consumer: no limit
+            True
+        """
         with self._cond:
             self._attached = False
             self._cond.notify_all()
 
     def wait_layer(self, layer: int) -> None:
-        """Blocks until `layer` is loaded. Raises LoadError if the load failed or timed out."""
+        """Blocks until `layer` is loaded. Raises LoadError if the load failed or timed out.
+
+        Example:
+            >>> handle = LoadHandle(num_layers=2, read_buffer_layers=None, timeout_s=0.05)
+            >>> handle.layer_ready(0)
+            >>> handle.wait_layer(0)  # returns at once
+            >>> handle.wait_layer(1)
+            Traceback (most recent call last):
+            ...
+            hf_attnstore.store.load_handle.LoadError: layer 1 was not loaded within 0.05 s
+        """
         with self._cond:
             if layer > self._needed:
                 self._needed = layer
@@ -76,6 +100,14 @@ class LoadHandle:
                 raise LoadError(f"loading the session failed: {self._error}") from self._error
 
     def wait_all(self) -> None:
+        """Blocks until every layer is loaded. Raises LoadError if the load failed or timed out.
+
+        Example:
+            >>> handle = LoadHandle(num_layers=2, read_buffer_layers=None, timeout_s=1.0)
+            >>> handle.layer_ready(0); handle.layer_ready(1)
+            >>> handle.wait_all(); handle.done
+            True
+        """
         self.wait_layer(self.num_layers - 1)
 
     @property
@@ -95,6 +127,12 @@ class LoadHandle:
 
         Returns whether the layer may be read now; False after `timeout` seconds (default: the handle's
         timeout, after which a load always proceeds rather than wait for a consumer that may be gone).
+
+        Example:
+            >>> handle = LoadHandle(num_layers=4, read_buffer_layers=1, timeout_s=1.0)
+            >>> handle.attach()
+            >>> handle.gate(1), handle.gate(2, timeout=0.01)  # the consumer is before layer 0: one layer of run-ahead
+            (True, False)
         """
         if self.read_buffer_layers is None:
             return True
@@ -109,12 +147,32 @@ class LoadHandle:
                 self._gate_waiting = False
 
     def layer_ready(self, layer: int) -> None:
+        """The load thread verified `layer` (layers are loaded in order): its consumer may go on.
+
+        Example:
+            >>> handle = LoadHandle(num_layers=2, read_buffer_layers=None, timeout_s=1.0)
+            >>> handle.layer_ready(0)
+            >>> handle.ready_layers, handle.done
+            (1, False)
+        """
         with self._cond:
             assert layer == self._ready, "layers are loaded in order"
             self._ready = layer + 1
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
+        """The load failed with `error`: waits for layers not loaded yet raise LoadError (loaded ones stay readable).
+
+        Example:
+            >>> handle = LoadHandle(num_layers=2, read_buffer_layers=None, timeout_s=1.0)
+            >>> handle.layer_ready(0)
+            >>> handle.fail(OSError("EIO"))
+            >>> handle.wait_layer(0)  # loaded before the failure: still readable
+            >>> handle.wait_layer(1)
+            Traceback (most recent call last):
+            ...
+            hf_attnstore.store.load_handle.LoadError: loading the session failed: EIO
+        """
         with self._cond:
             self._error = error
             self._cond.notify_all()

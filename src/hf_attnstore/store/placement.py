@@ -55,6 +55,12 @@ def lookahead_windows(host_limit: int, disk_limit: int, host_used: int, host_ses
     prefetch window is an upper bound of ``2 C_host / S_kv``: the store fetches the sessions in queue order
     only while they fit, never evicting one needed sooner, so it adapts to the sessions' actual sizes.
     Explicit windows override the computed ones.
+
+    Example:
+        >>> # 10 sessions of 1 MB each so far; 20 MB of host memory and 80 MB of disk: (prefetch, eviction) windows
+        >>> lookahead_windows(20_000_000, 80_000_000, host_used=10_000_000, host_sessions=10, disk_used=0,
+        ...                   disk_sessions=0)
+        (40, 100)
     """
     if host_sessions:
         mean = max(1, host_used // host_sessions)
@@ -137,6 +143,12 @@ def choose_head_drops(candidates: Iterable[tuple[Hashable, float, list[tuple[int
     Returns:
         One key per chunk to drop, in order (a key repeats when a session loses several chunks). They may
         free less than `overflow` if the candidates hold too little.
+
+    Example:
+        >>> candidates = [("old", 600.0, [(0, 256, 1000), (256, 512, 1000)]),  # idle for 10 minutes
+        ...               ("new", 5.0, [(0, 256, 1000), (256, 512, 1000)])]
+        >>> choose_head_drops(candidates, overflow=1500)  # the long-idle session loses its two chunks first
+        ['old', 'old']
     """
     heap, chosen = [], []
     for order, (key, idle, units) in enumerate(candidates):

@@ -63,7 +63,13 @@ class RemoteUnavailableError(RuntimeError):
     """The remote tier cannot be reached or refused us (wrong password, wrong database).
 
     `transient`: the server could not be reached (down, restarting, a network fault), as opposed to a refusal
-    that retrying cannot fix (credentials, database index, a malformed URL)."""
+    that retrying cannot fix (credentials, database index, a malformed URL).
+
+    Example:
+        >>> error = RemoteUnavailableError("redis://cache:6379: connection refused", transient=True)
+        >>> error.transient  # down or restarting: worth retrying, unlike a wrong password
+        True
+    """
 
     def __init__(self, message: str, transient: bool = False):
         super().__init__(message)
@@ -73,7 +79,12 @@ class RemoteUnavailableError(RuntimeError):
 class MissingChunks(RuntimeError):
     """A manifest was to be written that names chunks the remote tier no longer holds (expired, evicted, or lost
     with a restart): it is not written. `digests`: the missing ones (the caller puts them again, or rewrites the
-    session)."""
+    session).
+
+    Example:
+        >>> print(MissingChunks(["0123456789abcdef" * 2, "fedcba9876543210" * 2]))
+        the remote tier no longer holds 2 chunk(s) the manifest names (0123456789ab, fedcba987654)
+    """
 
     def __init__(self, digests: list[str]):
         super().__init__(f"the remote tier no longer holds {len(digests)} chunk(s) the manifest names "
@@ -106,7 +117,14 @@ def _cluster_enabled(client) -> bool:
 
 
 def redacted(url: str) -> str:
-    """The URL without its password (in the user part or a ``password=`` query): never logged or raised."""
+    """The URL without its password (in the user part or a ``password=`` query): never logged or raised.
+
+    Example:
+        >>> redacted("redis://alice:secret@cache.internal:6379/0")
+        'redis://alice:***@cache.internal:6379/0'
+        >>> redacted("unix:///run/redis.sock?password=secret&db=2")
+        'unix:///run/redis.sock?password=***&db=2'
+    """
     parts = urlsplit(url)
     netloc = parts.netloc
     if parts.password is not None:

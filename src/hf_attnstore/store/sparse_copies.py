@@ -42,6 +42,11 @@ def kept_positions(selection: dict[int, torch.Tensor] | None, scores: dict[int, 
         scores: Slot -> ``[heads, >= b]`` importance of every token (padding order); None: the latest first.
         absent: ``[slots, heads, b - a]``: tokens without KV in host memory (never kept), or None.
         heads: KV heads per slot.
+
+    Example:
+        >>> selection = {0: torch.tensor([[0, 5, 6, 7]])}  # slot 0, one head: the positions its next turn keeps
+        >>> kept_positions(selection, None, None, a=4, b=8, heads=1).tolist()  # of chunk [4, 8): positions 1, 2, 3
+        [[[1, 2, 3]]]
     """
     n = b - a
     if selection is None and absent is None:
@@ -82,11 +87,22 @@ def kept_positions(selection: dict[int, torch.Tensor] | None, scores: dict[int, 
 
 def first_missing(kept: torch.Tensor) -> int:
     """The first chunk position some slot or head does not keep (the chunk is inexact from there): the count of
-    leading positions every slot and head keeps (`kept` ascending, fewer than the chunk's tokens)."""
+    leading positions every slot and head keeps (`kept` ascending, fewer than the chunk's tokens).
+
+    Example:
+        >>> first_missing(torch.tensor([[[0, 1, 3]], [[0, 2, 3]]]))  # two slots: both keep position 0, not both 1
+        1
+    """
     return int((kept == torch.arange(kept.shape[-1])).all(dim=0).all(dim=0).long().cumprod(0).sum())
 
 
 def gather(tensors: list[torch.Tensor], kept: torch.Tensor) -> list[torch.Tensor]:
-    """Per slot, the kept tokens of ``[1, heads, n, dim]`` tensors: ``[1, heads, m, dim]``."""
+    """Per slot, the kept tokens of ``[1, heads, n, dim]`` tensors: ``[1, heads, m, dim]``.
+
+    Example:
+        >>> keys = [torch.arange(4.0).view(1, 1, 4, 1)]  # one slot, one head, 4 tokens
+        >>> gather(keys, torch.tensor([[[1, 3]]]))[0].flatten().tolist()
+        [1.0, 3.0]
+    """
     return [t.gather(2, kept[slot][None, :, :, None].expand(1, -1, -1, t.shape[-1]).to(t.device))
             for slot, t in enumerate(tensors)]

@@ -39,12 +39,24 @@ MAX_STATE_TENSORS = 4096
 
 
 def selection_name(slot: int) -> str:
-    """The name of KV slot `slot`'s selection: the positions a sparse session's next turn keeps (module docstring)."""
+    """The name of KV slot `slot`'s selection: the positions a sparse session's next turn keeps (module docstring).
+
+    Example:
+        >>> selection_name(3)
+        'S0003'
+    """
     return f"S{slot:04d}"
 
 
 def by_slot(state: "SessionState", kind: str) -> dict[int, torch.Tensor]:
-    """A state's selections (`kind` ``"S"``) or importance scores (``"I"``, of whatever policy), by KV slot."""
+    """A state's selections (`kind` ``"S"``) or importance scores (``"I"``, of whatever policy), by KV slot.
+
+    Example:
+        >>> state = SessionState.capture(4, {"S0000": torch.tensor([[0, 3]]), "S0001": torch.tensor([[1, 2]]),
+        ...                                  "L0002.r0": torch.zeros(2)})
+        >>> {slot: t.tolist() for slot, t in by_slot(state, "S").items()}
+        {0: [[0, 3]], 1: [[1, 2]]}
+    """
     return {int(name[1:5]): t for name, t in state.tensors.items() if name.startswith(kind)}
 
 
@@ -67,6 +79,14 @@ class SessionState:
         key: ``(fingerprint, session_id)`` once sealed.
         digest: Pins the state's content once sealed: a hash of its metadata, which holds every tensor's
             checksum (the manifest records it, as it records each chunk's).
+
+    Example:
+        >>> state = SessionState.capture(12, {"L0001.r0": torch.ones(2, 4), "L0001.c0": torch.zeros(2, 3)})
+        >>> state.tokens, sorted(state.tensors), state.nbytes
+        (12, ['L0001.c0', 'L0001.r0'], 56)
+        >>> sealed = state.sealed(("model-a", "chat-1"), prefix="p" * 32)  # bound to the ids it summarizes
+        >>> sealed.key, len(sealed.digest)
+        (('model-a', 'chat-1'), 32)
     """
 
     tokens: int

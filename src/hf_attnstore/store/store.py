@@ -46,7 +46,16 @@ logger = logging.getLogger(__name__)
 
 
 class StoreIOError(RuntimeError):
-    """Writing to the disk tier failed; the failed entries never became visible."""
+    """Writing to the disk tier failed; the failed entries never became visible.
+
+    Example:
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> try:
+        ...     store.flush()  # writes pending KV to the disk tier (none here)
+        ... except StoreIOError as error:  # a disk write failed: what it wrote never became visible
+        ...     print("disk trouble:", error)
+        >>> store.close()
+    """
 
 
 def _io_error(error: BaseException) -> bool:
@@ -591,6 +600,15 @@ class AttnStore:
         Called by the turn that recomputed it (AttnStoreCache), with per-layer pre-RoPE ``[1, kv_heads, head,
         head_dim]`` tensors of the snapshot's first ``snapshot.head`` tokens. The first caller fills the buffer;
         a concurrent or later one finds it claimed and changes nothing. Returns whether this call filled it.
+
+        Example:
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as turn:
+            ...     _ = turn.append(torch.tensor([5, 6, 7]), kv, kv)
+            >>> snap = store.lookup("chat-1", "model-a")
+            >>> snap.head, store.fill_head(snap, kv, kv)  # nothing evicted: no head to fill, nothing changes
+            (0, False)
         """
         buf, head = snapshot.source, snapshot.head
         with self._index.lock:
@@ -705,7 +723,14 @@ class AttnStore:
             self._index.forward_started()
 
     def forward_finished(self) -> None:
-        """The forward of :meth:`forward_started` ended."""
+        """The forward of :meth:`forward_started` ended.
+
+        Example:
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> store.forward_started()
+            >>> store.forward_finished()  # saves may run again
+            >>> store.close()
+        """
         with self._index.cond:
             self._index.forward_ended()
             self._index.cond.notify_all()

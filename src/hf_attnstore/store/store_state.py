@@ -49,7 +49,17 @@ MAX_RETAINED = 1_000_000  # sessions with a retention deadline (`StoreState.reta
 
 class StoreState:
     """The entries of every session and the counters of every tier, owned under one lock (see the module
-    docstring). Methods other than `publish_states` and `queue_ended_turn` expect the caller to hold `lock`."""
+    docstring). Methods other than `publish_states` and `queue_ended_turn` expect the caller to hold `lock`.
+
+    Example:
+        >>> from hf_attnstore.store.config import StoreConfig
+        >>> from hf_attnstore.store.entry import Entry
+        >>> state = StoreState(StoreConfig(host_bytes="1MiB"), has_disk=False, has_lower=False)
+        >>> with state.lock:  # every method but publish_states and queue_ended_turn expects it held
+        ...     state.entries[("model-a", "chat-1")] = Entry(key=("model-a", "chat-1"))
+        ...     sorted(state.entries), state.stats.host_bytes_limit
+        ([('model-a', 'chat-1')], 1048576)
+    """
 
     def __init__(self, config: StoreConfig, *, has_disk: bool, has_lower: bool):
         self.config = config

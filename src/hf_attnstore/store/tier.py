@@ -78,7 +78,23 @@ class ChunkReader(abc.ABC):
 
 @dataclass(frozen=True)
 class Found:
-    """A session found by :meth:`Tier.scan`."""
+    """A session found by :meth:`Tier.scan`.
+
+    Example:
+        >>> import tempfile
+        >>> from hf_attnstore.store import AttnStore
+        >>> from hf_attnstore.store.disk import DiskTier
+        >>> kv = [torch.zeros(1, 2, 3, 4)]
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     with AttnStore(host_bytes="1MiB", disk_dir=folder) as store:
+        ...         with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as turn:
+        ...             _ = turn.append(torch.tensor([5, 6, 7]), kv, kv)
+        ...     tier = DiskTier(folder)
+        ...     found = list(tier.scan())  # what a reopening store reads
+        ...     tier.close()
+        >>> [(f.manifest.session_id, f.manifest.length, f.layout) for f in found]
+        [('chat-1', 3, ((1, 2, 4), torch.float32))]
+    """
 
     manifest: Manifest
     chunks: dict[str, tuple[int, int]]  # chunk name -> (bytes, tokens)
@@ -197,6 +213,14 @@ class SerialWriter:
 
     The thread survives any failure (it becomes that write's future's exception). Writes submitted after
     :meth:`close` fail at once with ``RuntimeError``.
+
+    Example:
+        >>> writer = SerialWriter("example-writer")
+        >>> futures = [writer.submit(pow, 2, n) for n in range(4)]  # run one at a time, in order
+        >>> [f.result() for f in futures], writer.close(timeout=1.0)
+        ([1, 2, 4, 8], True)
+        >>> writer.submit(pow, 2, 5).exception()
+        RuntimeError('this tier is closed')
     """
 
     def __init__(self, name: str):

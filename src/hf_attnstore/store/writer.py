@@ -50,13 +50,33 @@ class TurnWriter:
 
     def start(self) -> tuple[SessionKV | None, torch.Tensor]:
         """The turn's first write begins (the sink, under the store's lock): the base and the positions it keeps;
-        the snapshot is no longer needed here, so its memory may go."""
+        the snapshot is no longer needed here, so its memory may go.
+
+        Example:
+            >>> from hf_attnstore import AttnStore
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> writer = store.open_turn("chat-1", "model-a", None, torch.empty(0))
+            >>> writer.started, writer.append(torch.tensor([1, 2, 3]), kv, kv), writer.started  # started by 1st append
+            (False, True, True)
+            >>> writer.close()
+        """
         self.started = True
         base, self.base = self.base, None
         return base, self.keep
 
     def refuse(self) -> None:
-        """The store refused the turn's writes (closed, taken over, no room): later appends are dropped."""
+        """The store refused the turn's writes (closed, taken over, no room): later appends are dropped.
+
+        Example:
+            >>> from hf_attnstore import AttnStore
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as writer:
+            ...     writer.refuse()
+            ...     writer.append(torch.tensor([1, 2, 3]), kv, kv)
+            False
+        """
         self.dead = True
 
     def append(self, token_ids: torch.Tensor, keys, values, inexact_at: int | None = None) -> bool:
@@ -73,6 +93,17 @@ class TurnWriter:
 
         Raises:
             TypeError: Keys or values of a dtype the store cannot keep, or of inconsistent shapes.
+
+        Example:
+            >>> from hf_attnstore import AttnStore
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> keys = torch.zeros(2, 1, 2, 3, 4)  # stacked: [layers, 1, kv_heads, tokens, head_dim]
+            >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as writer:
+            ...     writer.append(torch.tensor([1, 2, 3]), keys, keys.clone(), inexact_at=2)  # 3: sparse attention
+            True
+            >>> found = store.find("chat-1", "model-a", torch.tensor([1, 2, 3, 4]))
+            >>> found.own.token_ids.tolist()  # a dense turn reuses the exact tokens only
+            [1, 2]
         """
         if self.dead:
             return False
@@ -109,6 +140,17 @@ class TurnWriter:
 
         Also runs when the writer is garbage-collected. It never takes the store's lock (a collection may run
         while this thread holds it): the store applies it at its next placement decision or lookup.
+
+        Example:
+            >>> from hf_attnstore import AttnStore
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> writer = store.open_turn("chat-1", "model-a", None, torch.empty(0))
+            >>> writer.append(torch.tensor([1, 2, 3]), kv, kv)
+            True
+            >>> writer.close(); writer.close()  # idempotent
+            >>> writer.append(torch.tensor([4]), [torch.zeros(1, 2, 1, 4)], [torch.zeros(1, 2, 1, 4)])
+            False
         """
         # A turn that never wrote, or whose appends were refused (dead), has no state that matches its KV.
         self.sink.end(self, state if self.started and not self.dead else None)
@@ -117,12 +159,31 @@ class TurnWriter:
 
     def offer_state(self, state: SessionState) -> None:
         """Hands the store a hybrid model's states after the turn's last forward, the turn going on (the store
-        keeps them like those of `close`, see there). Never takes the store's lock."""
+        keeps them like those of `close`, see there). Never takes the store's lock.
+
+        Example:
+            >>> from hf_attnstore import AttnStore
+            >>> from hf_attnstore.store.state import SessionState
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> kv = [torch.zeros(1, 2, 3, 4)]
+            >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as writer:
+            ...     _ = writer.append(torch.tensor([1, 2, 3]), kv, kv)
+            ...     writer.offer_state(SessionState.capture(3, {"L0000.r0": torch.ones(2, 4)}))  # the turn goes on
+            >>> store.lookup("chat-1", "model-a").state.tokens
+            3
+        """
         if self.started and not self.dead:
             self.sink.end(self, state, ended=False)
 
     def publish_state(self) -> None:
-        """Asks the turn's state source (if any, and alive) to offer its current states."""
+        """Asks the turn's state source (if any, and alive) to offer its current states.
+
+        Example:
+            >>> from hf_attnstore import AttnStore
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as writer:
+            ...     writer.publish_state()  # no state source (not a hybrid model's turn): nothing to publish
+        """
         source = self.state_source() if self.state_source is not None else None
         if source is not None:
             source.publish()
@@ -134,7 +195,18 @@ class TurnWriter:
         self.close()
 
     def truncate(self, length: int) -> None:
-        """Cuts the session back to `length` tokens (e.g. after assisted decoding rejected tokens)."""
+        """Cuts the session back to `length` tokens (e.g. after assisted decoding rejected tokens).
+
+        Example:
+            >>> from hf_attnstore import AttnStore
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> kv = [torch.zeros(1, 2, 4, 4)]
+            >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as writer:
+            ...     _ = writer.append(torch.tensor([1, 2, 3, 4]), kv, kv)
+            ...     writer.truncate(2)  # assisted decoding rejected the last two tokens
+            >>> store.token_ids("chat-1", "model-a").tolist()
+            [1, 2]
+        """
         self.sink.truncate(self, length)
 
 

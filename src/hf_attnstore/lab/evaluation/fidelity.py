@@ -31,6 +31,12 @@ class FidelityResult:
             differing token; the logits after it have different inputs).
         reused_tokens / prompt_tokens: Totals over the resumed turns.
         first_difference: ``(conversation, turn, step)`` of each turn that differed.
+
+    Example:
+        >>> result = FidelityResult(turns=4, identical=3, max_abs_logit_diff=0.02, reused_tokens=900,
+        ...                         prompt_tokens=1000)
+        >>> result.identical_fraction, result.reused_tokens / result.prompt_tokens
+        (0.75, 0.9)
     """
 
     turns: int = 0
@@ -66,6 +72,13 @@ def reuse_fidelity(model, tokenizer, *, turns: int = 200, max_new_tokens: int = 
         max_turns_per_conversation: User turns replayed per conversation at most.
         max_prompt_tokens: A conversation stops before its prompt grows past this.
         progress: Show a progress bar.
+
+    Example:
+        >>> from hf_attnstore import load_default_model
+        >>> model, tokenizer = load_default_model()  # doctest: +SKIP
+        >>> result = reuse_fidelity(model, tokenizer, turns=10, progress=False)  # doctest: +SKIP
+        >>> result.turns, result.identical_fraction  # doctest: +SKIP
+        (10, 1.0)
     """
     store = AttnStore(host_bytes=2**62)
     try:
@@ -84,6 +97,13 @@ def codec_fidelity(model, tokenizer, codecs=("int8", "int4"), *, turns: int = 20
     After each turn the session is flushed to a disk tier (``kv_codec``) and evicted from host memory, so the
     next turn loads its whole history from the lossy copy: the worst case, a session that always went cold.
     All codecs are compared with the same recomputation, turn by turn.
+
+    Example:
+        >>> from hf_attnstore import load_default_model
+        >>> model, tokenizer = load_default_model()  # doctest: +SKIP
+        >>> results = codec_fidelity(model, tokenizer, ("int8",), turns=10, progress=False)  # doctest: +SKIP
+        >>> sorted(results), results["int8"].turns  # doctest: +SKIP
+        (['int8'], 10)
     """
     import tempfile
 

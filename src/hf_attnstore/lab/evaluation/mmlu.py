@@ -20,7 +20,13 @@ import torch
 
 @dataclass
 class ModeScores:
-    """Per-question choice log-likelihoods of one mode, in document order."""
+    """Per-question choice log-likelihoods of one mode, in document order.
+
+    Example:
+        >>> scores = ModeScores("decoupled", torch.tensor([[-1.0, -2.0], [-3.0, -0.5]]), torch.tensor([0, 0]), 1.5)
+        >>> scores.accuracy  # right on the first question only
+        0.5
+    """
 
     mode: str
     choice_logprobs: torch.Tensor  # [questions, choices]
@@ -33,19 +39,41 @@ class ModeScores:
 
 
 def agreement(a: ModeScores, b: ModeScores) -> float:
-    """Fraction of questions where both modes pick the same answer."""
+    """Fraction of questions where both modes pick the same answer.
+
+    Example:
+        >>> a = ModeScores("recompute", torch.tensor([[-1.0, -2.0], [-3.0, -0.5]]), torch.tensor([0, 1]), 1.0)
+        >>> b = ModeScores("naive", torch.tensor([[-1.0, -2.0], [-0.5, -3.0]]), torch.tensor([0, 1]), 1.0)
+        >>> agreement(a, b), agreement(a, a)
+        (0.5, 1.0)
+    """
     return float((a.choice_logprobs.argmax(-1) == b.choice_logprobs.argmax(-1)).float().mean())
 
 
 def mean_kl(reference: ModeScores, other: ModeScores) -> float:
-    """Mean KL(reference || other) of the answer distributions (softmax over the choices' log-likelihoods)."""
+    """Mean KL(reference || other) of the answer distributions (softmax over the choices' log-likelihoods).
+
+    Example:
+        >>> a = ModeScores("recompute", torch.tensor([[-1.0, -2.0]]), torch.tensor([0]), 1.0)
+        >>> b = ModeScores("decoupled", torch.tensor([[-1.0, -2.0]]) + 5, torch.tensor([0]), 1.0)  # same distribution
+        >>> mean_kl(a, a), round(mean_kl(a, b), 12)
+        (0.0, 0.0)
+    """
     p = torch.log_softmax(reference.choice_logprobs.double(), -1)
     q = torch.log_softmax(other.choice_logprobs.double(), -1)
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
 def scores_from_samples(mode: str, samples: list[dict], seconds: float) -> ModeScores:
-    """Reads lm-eval's logged samples (``log_samples=True``) of a multiple-choice task."""
+    """Reads lm-eval's logged samples (``log_samples=True``) of a multiple-choice task.
+
+    Example:
+        >>> samples = [{"doc_id": 1, "filtered_resps": [["-0.5", False], ["-2.0", False]], "target": 1},
+        ...            {"doc_id": 0, "filtered_resps": [["-1.0", False], ["-3.0", False]], "target": 0}]
+        >>> scores = scores_from_samples("none", samples, seconds=2.0)
+        >>> scores.choice_logprobs.tolist(), scores.targets.tolist(), scores.accuracy
+        ([[-1.0, -3.0], [-0.5, -2.0]], [0, 1], 0.5)
+    """
     samples = sorted(samples, key=lambda s: s["doc_id"])
     logprobs = torch.tensor([[float(r[0]) for r in s["filtered_resps"]] for s in samples])
     targets = torch.tensor([int(s["target"]) for s in samples])

@@ -38,6 +38,10 @@ class RecallResult:
         correct: Trials whose greedy answer contains the code.
         trials: Trials run.
         nll: Mean negative log-likelihood of the code's tokens after the answer's start (nats per token).
+
+    Example:
+        >>> RecallResult(correct=17, trials=20, nll=0.4).accuracy
+        0.85
     """
 
     correct: int

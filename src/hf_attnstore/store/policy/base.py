@@ -11,6 +11,14 @@ class EvictionPolicy:
 
     The store that owns the tier calls these methods under its index lock, so a policy needs no locking.
     The base class keeps keys in insertion order; subclasses decide what an access does.
+
+    Example:
+        >>> policy = EvictionPolicy()  # insertion order: first in, first out
+        >>> for key in ("a", "b", "c"):
+        ...     policy.insert(key)
+        >>> policy.touch("a"); policy.remove("b")
+        >>> list(policy.victims()), len(policy)
+        (['a', 'c'], 2)
     """
 
     looks_ahead = False  # whether `set_queue` changes the order (a scheduler may skip building the queue)

@@ -21,7 +21,13 @@ from .base import EvictionPolicy
 
 
 class BlockKey(NamedTuple):
-    """A prefix block: its id (content address) and its parent's id (``None`` for a first block)."""
+    """A prefix block: its id (content address) and its parent's id (``None`` for a first block).
+
+    Example:
+        >>> first, second = BlockKey(block=101, parent=None), BlockKey(block=102, parent=101)  # a two-block prefix
+        >>> second.parent == first.block
+        True
+    """
 
     block: Hashable
     parent: Hashable | None

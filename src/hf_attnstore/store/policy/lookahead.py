@@ -16,6 +16,14 @@ class LookaheadPolicy(EvictionPolicy):
 
     The scheduler calls :meth:`set_queue` with the session ids of its waiting jobs, in order (the store
     forwards :meth:`AttnStore.set_schedule`); keys are ``(fingerprint, session_id)``.
+
+    Example:
+        >>> policy = LookaheadPolicy()
+        >>> for sid in ("a", "b", "c", "d"):
+        ...     policy.insert(("model", sid))
+        >>> policy.set_queue(["c", "a"])  # c's job runs next, then a's
+        >>> [sid for _, sid in policy.victims()]  # idle sessions first, then the job furthest away
+        ['b', 'd', 'a', 'c']
     """
 
     looks_ahead = True

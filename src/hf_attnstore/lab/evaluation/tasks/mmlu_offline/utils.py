@@ -29,7 +29,12 @@ def _to_mmlu(record: dict) -> dict:
 
 
 def interleave_subjects(subjects: list[str]) -> list[int]:
-    """Row order that takes one question of each subject in turn (subjects by name, questions in file order)."""
+    """Row order that takes one question of each subject in turn (subjects by name, questions in file order).
+
+    Example:
+        >>> interleave_subjects(["law", "law", "art", "law", "art"])  # one question of each subject in turn
+        [2, 0, 4, 1, 3]
+    """
     by_subject: dict[str, list[int]] = {}
     for i, s in enumerate(subjects):
         by_subject.setdefault(s, []).append(i)
