@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,10 @@ def test_examples_exist_where_the_public_api_is():
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_docstring_examples_run(name):
+def test_docstring_examples_run(name, tmp_path, monkeypatch):
+    # Examples that make folders (`tempfile.mkdtemp()`, as a user would) make them in pytest's temporary folder,
+    # which pytest removes, so no run leaves attnstore folders behind in /tmp.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name} (run it with -s)"
