@@ -153,7 +153,10 @@ class LeafFirstPolicy(EvictionPolicy):
         heapq.heapify(self._heap)
 
     def victims(self) -> Iterator[Hashable]:
-        heap = self._heap
+        yield from self._walk(self._heap)
+
+    def _walk(self, heap: list) -> Iterator[BlockKey]:
+        """The valid entries of `heap` in order, first to evict first."""
         while heap and not self._valid(heap[0]):
             heapq.heappop(heap)  # stale: dropping it changes no order
         # Walk the heap in order without popping (a heap of indices), so that the caller may stop early.
@@ -320,15 +323,3 @@ class SegmentedPolicy(RetentionPolicy):
                 else:
                     yield key
         yield from sorted(queued, key=lambda k: -self.queued[k.block])
-
-    def _walk(self, heap: list) -> Iterator[BlockKey]:
-        while heap and not self._valid(heap[0]):
-            heapq.heappop(heap)
-        frontier = [(heap[0], 0)] if heap else []
-        while frontier:
-            entry, i = heapq.heappop(frontier)
-            if self._valid(entry):
-                yield self.present[entry[2]]
-            for j in (2 * i + 1, 2 * i + 2):
-                if j < len(heap):
-                    heapq.heappush(frontier, (heap[j], j))
