@@ -88,3 +88,18 @@ def test_formats_the_compiler_refuses_are_400s(servers, path, extra, param):
     r = http.post(path, json=body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_allowed_tokens_reads_llguidance_bitmask_bit_by_bit():
+    """Token 32*i + j is allowed exactly when bit j of word i is set, the sign bit included (llguidance's layout);
+    the vocabulary's tail past `width` is cut."""
+    import torch
+
+    from hf_attnstore.serving.structured import allowed_tokens
+
+    words = torch.randint(-2**31, 2**31 - 1, (1, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    words[0, 4] = -2**31  # only the sign bit: token 159
+    got = allowed_tokens(words, 150)
+    want = [bool((int(words[0, k // 32]) & 0xFFFFFFFF) >> (k % 32) & 1) for k in range(150)]
+    assert got.shape == (1, 150) and got[0].tolist() == want
+    assert allowed_tokens(words, 160)[0, 128:].nonzero().flatten().tolist() == [31]

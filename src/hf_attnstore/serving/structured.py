@@ -165,8 +165,25 @@ class GrammarProcessor(LogitsProcessor):
         llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
         width = min(self.tokenizer_vocab, scores.shape[-1])
         masked = scores[:, :width].contiguous().clone()
-        llguidance.torch.apply_token_bitmask_inplace(masked, self._bitmask.to(scores.device))
+        masked.masked_fill_(~allowed_tokens(self._bitmask.to(scores.device), width), float("-inf"))
         if scores.shape[-1] == width:
             return masked
         # The model's logits past the tokenizer's vocabulary (padding) are never allowed.
         return torch.cat([masked, scores.new_full((1, scores.shape[-1] - width), float("-inf"))], dim=-1)
+
+
+def allowed_tokens(bitmask: torch.Tensor, width: int) -> torch.Tensor:
+    """llguidance's token bitmask (int32 words, token ``32 * i + j`` allowed when bit ``j`` of word ``i`` is set)
+    as a boolean mask over the first `width` tokens.
+
+    Why not ``llguidance.torch.apply_token_bitmask_inplace``: it is ``torch.compile``d, so a server's first
+    constrained reply would compile a kernel (seconds, a C++ compiler at run time, files under /tmp); unpacking
+    the bits eagerly costs microseconds for a 50k vocabulary.
+
+    Example:
+        >>> allowed_tokens(torch.tensor([[0b101, -2**31]], dtype=torch.int32), 64).nonzero()[:, 1].tolist()
+        [0, 2, 63]
+    """
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: the sign bit of a word is its token 31
+    return bits.reshape(bitmask.shape[0], -1)[:, :width].bool()
