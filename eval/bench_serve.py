@@ -126,10 +126,11 @@ def conversations(n: int, turns: int, chars: int) -> list[list[str]]:
     raise ValueError(f"not enough ShareGPT conversations with long user messages for {n} users")
 
 
-def start(system: str, port: int, model_dir: str, args) -> subprocess.Popen:
+def start(system: str, port: int, model_dir: str, args, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Starts `system` (one of SYSTEMS) on `port` with `extra` command-line arguments, and waits for /health."""
     venv_bin = str(Path(sys.executable).parent)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": venv_bin + os.pathsep + os.environ.get("PATH", "")}
-    proc = subprocess.Popen(SYSTEMS[system](port, model_dir, args), env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([*SYSTEMS[system](port, model_dir, args), *extra], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while True:

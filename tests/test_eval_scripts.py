@@ -46,6 +46,16 @@ def same_counts(pattern: str):
     return check
 
 
+def forced_calls_reused(log: str) -> None:
+    """bench_agents --tools: every forced call came back schema-valid and each request reused >= 90% of the
+    agent's previous one (issue 46's bar)."""
+    row = re.search(r"\| attnstore \| forced \|(.*)", log)
+    assert row, log[-2000:]
+    cells = [c.strip() for c in row.group(1).split("|")]
+    assert cells[4] == "100%", cells  # valid calls
+    assert float(cells[6].rstrip("%")) >= 90, cells  # previous request reused
+
+
 # Two repetitions where a later one could find an earlier one's stored prompt (a cache hit timed as a resume).
 TINY_RESUME = ("--history", "64", "--new", "8", "--reps", "2")
 RUNS = {
@@ -56,6 +66,11 @@ RUNS = {
     "bench_agents": Script("bench_agents.py", ("--agents", "2", "--steps", "2", "--systems", "attnstore",
                                                "--max-tokens", "4", "--task-chars", "200", "--budget", "600"),
                            expect=("| attnstore | ",)),
+    # With tools: ours forces every call, so each is schema-valid, and a request reuses the one before it.
+    "bench_agents-tools": Script("bench_agents.py", ("--tools", "--agents", "2", "--steps", "2", "--systems",
+                                                     "attnstore", "--max-tokens", "4", "--task-chars", "200",
+                                                     "--budget", "1200"),
+                                 checks=(forced_calls_reused,)),
     "bench_batch": Script("bench_batch.py", ("--sessions", "2", "--turns", "1", "--batch", "1,2",
                                              "--max-new-tokens", "4", "--message-chars", "200"),
                           expect=("| 1 | ", "| 2 | ")),
