@@ -184,3 +184,35 @@ def test_the_responses_event_stream_gives_the_call_then_argument_deltas(server):
     assert events[-1].type == "response.completed" and item.arguments == done.arguments
     assert json.loads(item.arguments)["city"] in CITY["enum"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+# Qwen's templates write a call as `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, a newline between
+# calls: a forced call is generated so (forced.call_layout), or the template would render it back otherwise and
+# reuse would end at the call.
+QWEN_STYLE = (
+    "{% if tools %}<|system|>tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>"
+    "{% if m.get('tool_calls') %}{{ m['content'] or '' }}{% for c in m['tool_calls'] %}"
+    "{% if not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": "
+    "{{ c['function']['arguments'] | tojson }}{{ '}' }}\n</tool_call>{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_calls_are_forced_in_the_templates_own_layout_and_reused_whole():
+    srv = Server(template=QWEN_STYLE, force=False)
+    try:
+        messages = list(ASK)
+        first = srv.client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME],
+                                                   temperature=0, tool_choice="required")
+        calls = first.choices[0].message.tool_calls
+        assert calls and all(valid(c) for c in calls), calls
+        messages.append(first.choices[0].message.model_dump(exclude_none=True))
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": "18 C"} for c in calls]
+        second = srv.client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER, TIME],
+                                                    temperature=0, max_tokens=4)
+        # The template renders the calls back as they were generated: the previous prompt and all of the reply.
+        assert second.usage.prompt_tokens_details.cached_tokens >= \
+            first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    finally:
+        srv.close()

@@ -120,7 +120,7 @@ class ChatServing(OpenAIServing):
         try:
             processor = forced_call_processor(self.engine.grammars, self.engine.response_template, tools, forced,
                                               several=body.tool_choice == "required" and
-                                              body.parallel_tool_calls is not False)
+                                              body.parallel_tool_calls is not False, layout=self.engine.call_layout)
         except ForcingUnsupported as exc:
             raise APIError(400, str(exc), param="tool_choice")
         except ValueError as exc:  # GrammarError: a function's parameters llguidance cannot compile

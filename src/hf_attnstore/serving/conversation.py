@@ -110,6 +110,10 @@ class MessageTokens:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
 
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The chat template's text of `messages` (with `tools`), without a generation prompt."""
+        return self._render(messages, False, tools)
+
     def takes_tools(self, tools: list[dict]) -> bool:
         """Whether the chat template renders `tools` at all (a template that ignores them would let the model
         answer without knowing them)."""

@@ -28,6 +28,7 @@ from ..cache import upstream
 from ..cache.fingerprint import salted_fingerprint
 from .pipeline import ChatPipeline, Reply
 from .conversation import MessageTokens, ReplyMemo, SessionIndex
+from .forced import CallLayout, call_layout
 from .structured import Grammars
 from .tools import ReplyParser, call_key
 
@@ -122,6 +123,7 @@ class ChatEngine:
         self._lock = threading.Lock()
         self._special = set(pipeline.tokenizer.all_special_ids)
         self._grammars: Grammars | None = None
+        self._layouts: dict[tuple[str, str], CallLayout] = {}
         config = getattr(pipeline.model, "config", None)
         self.response_template = response_template if response_template is not None else \
             upstream.response_template(pipeline.tokenizer, getattr(config, "model_type", None))
@@ -227,6 +229,14 @@ class ChatEngine:
                     len(self.pipeline.tokenizer)
                 self._grammars = Grammars(self.pipeline.tokenizer, ends, int(size))
             return self._grammars
+
+    def call_layout(self, tags: tuple[str, str]) -> CallLayout:
+        """How the chat template writes a tool call around `tags` and between calls (`forced.call_layout`: probed
+        once), so that a forced call is generated as the template renders it back."""
+        layout = self._layouts.get(tags)
+        if layout is None:  # computing it twice in a race gives the same value
+            layout = self._layouts[tags] = call_layout(self.tokens.render, tags)
+        return layout
 
     def reply_parser(self, turn: RequestTurn, tools: list[dict], parallel: bool = True) -> ReplyParser:
         """A parser of `turn`'s reply into content and tool calls.

@@ -9,14 +9,18 @@ XML arguments) cannot be forced, and such a request is a 400 naming ``tool_choic
 
 The JSON is written compactly with OpenAI's (and Jinja's ``tojson``) separators, ``", "`` and ``": "``, so that a
 template that renders calls with ``tojson`` renders the call back as it was generated, and the memo gives its
-exact ids back (`conversation.ReplyMemo`). A named choice forces one call; ``"required"`` forces one, then allows
-more, separated by a newline, unless ``parallel_tool_calls`` is false.
+exact ids back (`conversation.ReplyMemo`). The whitespace around the JSON and between calls is the chat
+template's own (`call_layout` renders a probe call once): Qwen's templates write ``<tool_call>\n{...}\n</tool_call>``,
+and a call generated without those newlines would be rendered back otherwise, ending reuse at the call. A named
+choice forces one call; ``"required"`` forces one, then allows more, unless ``parallel_tool_calls`` is false.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
+from typing import Callable
 
 from .structured import GrammarError, GrammarProcessor, Grammars
 
@@ -71,6 +75,60 @@ def _literal(pattern: str) -> str | None:
     return re.sub(r"\\(.)", r"\1", pattern)
 
 
+@dataclass(frozen=True)
+class CallLayout:
+    """The text around a call's JSON and between two calls, as the chat template renders them.
+
+    Example:
+        >>> CallLayout("<tool_call>\\n", "\\n</tool_call>").between
+        '\\n'
+    """
+
+    opening: str  # the opening tag and what follows it before the JSON
+    closing: str  # what precedes the closing tag after the JSON, and the tag
+    between: str = "\n"  # between one call's closing and the next one's opening
+
+
+_PROBE_CALLS = ({"name": "probe_first", "arguments": {"a": 1}}, {"name": "probe_second", "arguments": {"b": 2}})
+
+
+def call_layout(render: Callable[[list[dict], list[dict]], str], tags: tuple[str, str]) -> CallLayout:
+    """How the chat template writes calls around `tags`, read from `render(messages, tools)` (the template's
+    text) of a conversation whose assistant message holds two probe calls. Only whitespace is taken from the
+    template; anything else (a template that formats calls its own way, or fails) gives the bare tags and a
+    newline between calls: forcing still works, and reuse ends at a call the template renders otherwise.
+
+    Example:
+        >>> qwen = lambda messages, tools: '<tool_call>\\n{"name": "probe_first", "arguments": {"a": 1}}\\n</tool_call>\\n' \\
+        ...     '<tool_call>\\n{"name": "probe_second", "arguments": {"b": 2}}\\n</tool_call>'
+        >>> call_layout(qwen, ("<tool_call>", "</tool_call>"))
+        CallLayout(opening='<tool_call>\\n', closing='\\n</tool_call>', between='\\n')
+    """
+    bare = CallLayout(tags[0], tags[1])
+    tools = [{"type": "function", "function": {"name": c["name"], "parameters": {"type": "object"}}}
+             for c in _PROBE_CALLS]
+    calls = [{"id": f"call_{i}", "type": "function", "function": dict(c)} for i, c in enumerate(_PROBE_CALLS)]
+    messages = [{"role": "user", "content": "probe"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    try:
+        text = render(messages, tools)
+    except Exception:  # noqa: BLE001 - a template that cannot render the probe: the bare tags
+        return bare
+    found = []
+    for call in _PROBE_CALLS:
+        body = text.find(json.dumps(call))
+        start = text.rfind(tags[0], 0, body) if body >= 0 else -1
+        end = text.find(tags[1], body + len(json.dumps(call))) if body >= 0 else -1
+        if start < 0 or end < 0:
+            return bare
+        found.append((start, body, body + len(json.dumps(call)), end + len(tags[1])))
+    (start, body, after, end), (start2, *_rest) = found
+    opening, closing, between = text[start:body], text[after:end], text[end:start2]
+    if (opening[len(tags[0]):].strip() or closing[:-len(tags[1])].strip() or between.strip() or not between
+            or not opening.startswith(tags[0]) or not closing.endswith(tags[1])):
+        return bare
+    return CallLayout(opening, closing, between)
+
+
 def call_schema(tools: list[dict], names: list[str]) -> dict:
     """The JSON schema of one call of a function among `names` (`tools` in the template form): its name, then
     arguments that satisfy its ``parameters``.
@@ -91,25 +149,26 @@ def call_schema(tools: list[dict], names: list[str]) -> dict:
     return {"x-guidance": _COMPACT, **schema}
 
 
-def forced_call_grammar(tags: tuple[str, str], schema: dict, several: bool) -> str:
-    """The Lark grammar (llguidance's dialect) of a reply that is one call (`several`: one or more, a newline
-    between them), each the opening tag, JSON matching `schema`, the closing tag.
+def forced_call_grammar(layout: CallLayout, schema: dict, several: bool) -> str:
+    """The Lark grammar (llguidance's dialect) of a reply that is one call (`several`: one or more, joined by
+    ``layout.between``), each ``layout.opening``, JSON matching `schema`, ``layout.closing``.
 
     Example:
-        >>> print(forced_call_grammar(("<c>", "</c>"), {"type": "object"}, False))
+        >>> print(forced_call_grammar(CallLayout("<c>", "</c>"), {"type": "object"}, False))
         start: call
         call: "<c>" body "</c>"
         body: %json {"type": "object"}
     """
-    start = 'start: call ("\\n" call)*' if several else "start: call"
-    return "\n".join([start, f"call: {json.dumps(tags[0])} body {json.dumps(tags[1])}",
+    start = f"start: call ({json.dumps(layout.between)} call)*" if several else "start: call"
+    return "\n".join([start, f"call: {json.dumps(layout.opening)} body {json.dumps(layout.closing)}",
                       f"body: %json {json.dumps(schema)}"])
 
 
 def forced_call_processor(grammars: Grammars, template: dict, tools: list[dict], names: list[str],
-                          several: bool) -> GrammarProcessor:
+                          several: bool, layout: Callable[[tuple[str, str]], CallLayout] | None = None
+                          ) -> GrammarProcessor:
     """A processor that constrains a reply to calls of the functions `names` among `tools` (template form) in the
-    format of `template` (a response template).
+    format of `template` (a response template), laid out as `layout(tags)` says (default: the bare tags).
 
     Raises:
         ForcingUnsupported: The format cannot be forced (`call_tags`).
@@ -122,4 +181,5 @@ def forced_call_processor(grammars: Grammars, template: dict, tools: list[dict],
     schema = call_schema(tools, names)
     if len(json.dumps(schema)) > grammars.max_chars:
         raise GrammarError(f"the tools' parameters have more than {grammars.max_chars} characters of JSON")
-    return grammars.compile(forced_call_grammar(tags, schema, several), lark=True)
+    return grammars.compile(forced_call_grammar(layout(tags) if layout else CallLayout(*tags), schema, several),
+                            lark=True)
