@@ -146,8 +146,8 @@ def valid_call(call: dict) -> bool:
         return (isinstance(arguments, dict) and set(arguments) == {"query"} and isinstance(arguments["query"], str)
                 and len(arguments["query"]) <= 40)
     if call["name"] == "read_section":
-        section = arguments.get("section") if isinstance(arguments, dict) else None
-        return set(arguments) == {"section"} and type(section) is int and 1 <= section <= 20
+        return (isinstance(arguments, dict) and set(arguments) == {"section"} and type(arguments["section"]) is int
+                and 1 <= arguments["section"] <= 20)
     return False
 
 

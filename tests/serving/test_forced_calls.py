@@ -93,8 +93,12 @@ def test_forced_calls_through_the_responses_api(server):
 
 @pytest.mark.parametrize("extra, param", [
     # A schema llguidance cannot compile.
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":
+                                                                                {"a": {"type": 7}}}}}],
       "tool_choice": "required"}, "tools"),
+    # Parameters that are not an object's schema (OpenAI's rule): refused, not forced into calls nobody can take.
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "required"}, "tools.0.function.parameters"),
     # A forced function that is not offered.
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
 ])
@@ -216,3 +220,59 @@ def test_calls_are_forced_in_the_templates_own_layout_and_reused_whole():
             first.usage.prompt_tokens + first.usage.completion_tokens - 1
     finally:
         srv.close()
+
+
+def test_parameters_refs_resolve_within_each_functions_schema(server):
+    """`$defs` (pydantic's nested models) and a recursive `#` resolve in the function's own parameters: the call
+    wrapper is not their root."""
+    city = {"$defs": {"City": {"type": "string", "enum": ["Paris", "Rome"]}}, "type": "object",
+            "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"], "additionalProperties": False}
+    tree = {"type": "object", "properties": {"child": {"$ref": "#"}, "v": {"type": "integer", "minimum": 0,
+                                                                           "maximum": 9}},
+            "required": ["v"], "additionalProperties": False}
+
+    def fits_tree(value) -> bool:
+        return (isinstance(value, dict) and set(value) <= {"child", "v"} and type(value.get("v")) is int
+                and 0 <= value["v"] <= 9 and ("child" not in value or fits_tree(value["child"])))
+
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": city}},
+             {"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    for name, fits in (("pick", lambda a: a.get("city") in ("Paris", "Rome") and set(a) == {"city"}),
+                       ("tree", fits_tree)):
+        for seed in range(3):
+            r = server.client.chat.completions.create(
+                model="tiny", messages=ASK, tools=tools, temperature=1.0, seed=seed, max_tokens=300,
+                tool_choice={"type": "function", "function": {"name": name}})
+            [call] = r.choices[0].message.tool_calls
+            assert call.function.name == name and fits(json.loads(call.function.arguments)), call
+
+
+def test_a_reply_cut_in_a_call_is_length_and_keeps_its_complete_calls(server):
+    """A reply cut by `max_tokens` in its last call: "length" (not "tool_calls"), its complete calls returned as
+    calls, streamed or not; through Responses, an incomplete response."""
+    kw = dict(model="tiny", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=3)
+    calls, full = [], None
+    for seed in range(20):  # a reply of at least two calls
+        full = server.client.chat.completions.create(**{**kw, "seed": seed})
+        if len(full.choices[0].message.tool_calls) >= 2:
+            kw["seed"] = seed
+            break
+    calls = full.choices[0].message.tool_calls
+    assert len(calls) >= 2, "no reply of two calls in 20 seeds"
+    cut = server.client.chat.completions.create(**kw, max_tokens=full.usage.completion_tokens - 4)
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length"
+    assert [c.function.arguments for c in choice.message.tool_calls] == [c.function.arguments for c in calls[:-1]]
+    finish, streamed = None, {}
+    for chunk in server.client.chat.completions.create(**kw, max_tokens=full.usage.completion_tokens - 4,
+                                                       stream=True):
+        for piece in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            streamed[piece.index] = streamed.get(piece.index, "") + (piece.function.arguments or "")
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert finish == "length"
+    assert [streamed[i] for i in sorted(streamed)][:len(calls) - 1] == [c.function.arguments for c in calls[:-1]]
+    flat = [{"type": "function", **tool["function"]} for tool in (WEATHER, TIME)]
+    response = server.client.responses.create(model="tiny", input=ASK[0]["content"], tools=flat, temperature=0,
+                                              tool_choice={"type": "function", "name": "get_time"},
+                                              max_output_tokens=20)  # in the call's name
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"

@@ -86,8 +86,12 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_turn(server):
     messages = [{"role": "user", "content": "tell me a long story"}]
     stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True,
                                             extra_headers={"X-Session-ID": "gone"})
-    next(iter(stream))  # the first event, then the client goes away
-    stream.close()
+    next(iter(stream))  # the first event (the role: it may come before the prompt is computed)
+    deadline = time.monotonic() + 30
+    while slow.steps < 1:  # the first step's logits: the prompt's KV has been computed
+        assert time.monotonic() < deadline, "no step was generated"
+        time.sleep(0.01)
+    stream.close()  # then the client goes away
 
     def cancelled() -> bool:
         text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()

@@ -226,11 +226,10 @@ class OpenAIServing:
 
     def parse_whole(self, parser: ReplyParser, reply) -> None:
         """Parses a whole reply for tool calls (its ids decoded with their special tokens, on which templates close
-        regions); a reply the parser gives up on is all content, as generated."""
+        regions). Where the parser gives up, the calls closed before stay calls and the rest is content, as a
+        streamed reply gives them (a reply cut in its last call keeps its complete ones)."""
         parser.feed(self.engine.pipeline.tokenizer.decode(list(reply.generated_ids)))
         parser.finish()
-        if parser.failed:
-            parser.content, parser.calls = reply.text, []
 
     def stream(self, started: Started, events: StreamEvents) -> StreamingResponse:
         """The turn's answer as server-sent events: `events` shape them, the loop here is every route's."""

@@ -280,10 +280,11 @@ class ChatEngine:
 
     @staticmethod
     def finish_reason(reply: Reply, max_new_tokens: int, parser: ReplyParser | None = None) -> str:
-        """"tool_calls" for a reply whose calls `parser` found; "length" for a reply cut at `max_new_tokens`, or
-        earlier where the model's positions end (the pipeline's cut: `Reply.max_new_tokens`); "stop" for one
+        """"length" for a reply cut at `max_new_tokens`, or earlier where the model's positions end (the
+        pipeline's cut: `Reply.max_new_tokens`), calls or not (a reply cut in its third call must not pass for
+        two complete ones, as OpenAI says); "tool_calls" for a reply whose calls `parser` found; "stop" for one
         that ended."""
-        if parser is not None and parser.calls:
-            return "tool_calls"
         limit = min(max_new_tokens, reply.max_new_tokens) if reply.max_new_tokens else max_new_tokens
-        return "length" if reply.generated_tokens >= limit else "stop"
+        if reply.generated_tokens >= limit:
+            return "length"
+        return "tool_calls" if parser is not None and parser.calls else "stop"

@@ -129,39 +129,36 @@ def call_layout(render: Callable[[list[dict], list[dict]], str], tags: tuple[str
     return CallLayout(opening, closing, between)
 
 
-def call_schema(tools: list[dict], names: list[str]) -> dict:
-    """The JSON schema of one call of a function among `names` (`tools` in the template form): its name, then
-    arguments that satisfy its ``parameters``.
-
-    Example:
-        >>> call_schema([{"type": "function", "function": {"name": "f"}}], ["f"])["properties"]["name"]
-        {'const': 'f'}
-    """
-    choices = []
-    for tool in tools:
-        function = tool["function"]
-        if function["name"] not in names:
-            continue
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        choices.append({"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-                        "required": ["name", "arguments"], "additionalProperties": False})
-    schema = choices[0] if len(choices) == 1 else {"anyOf": choices}
-    return {"x-guidance": _COMPACT, **schema}
-
-
-def forced_call_grammar(layout: CallLayout, schema: dict, several: bool) -> str:
+def forced_call_grammar(layout: CallLayout, tools: list[dict], names: list[str], several: bool) -> str:
     """The Lark grammar (llguidance's dialect) of a reply that is one call (`several`: one or more, joined by
-    ``layout.between``), each ``layout.opening``, JSON matching `schema`, ``layout.closing``.
+    ``layout.between``) of a function among `names` (`tools` in the template form): each ``layout.opening``,
+    ``{"name": <the name>, "arguments": <JSON satisfying its parameters>}``, ``layout.closing``.
+
+    Each function's ``parameters`` is a JSON-schema root of its own (``%json``), so its ``$ref``s (``#/$defs/...``,
+    pydantic's nested models, a recursive ``#``) resolve within it, as they do for the client; a parameters schema
+    without a ``type`` is an object's (OpenAI's function parameters are objects: other types are refused earlier).
 
     Example:
-        >>> print(forced_call_grammar(CallLayout("<c>", "</c>"), {"type": "object"}, False))
+        >>> print(forced_call_grammar(CallLayout("<c>", "</c>"), [{"type": "function", "function": {"name": "f"}}],
+        ...                           ["f"], False))  # doctest: +NORMALIZE_WHITESPACE
         start: call
         call: "<c>" body "</c>"
-        body: %json {"type": "object"}
+        body: body_0
+        body_0: "{\\"name\\": \\"f\\", \\"arguments\\": " args_0 "}"
+        args_0: %json {"x-guidance": {"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "},
+                       "type": "object", "properties": {}}
     """
-    start = f"start: call ({json.dumps(layout.between)} call)*" if several else "start: call"
-    return "\n".join([start, f"call: {json.dumps(layout.opening)} body {json.dumps(layout.closing)}",
-                      f"body: %json {json.dumps(schema)}"])
+    functions = [tool["function"] for tool in tools if tool["function"]["name"] in names]
+    lines = [f"start: call ({json.dumps(layout.between)} call)*" if several else "start: call",
+             f"call: {json.dumps(layout.opening)} body {json.dumps(layout.closing)}",
+             "body: " + " | ".join(f"body_{i}" for i in range(len(functions)))]
+    for i, function in enumerate(functions):
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        schema = {"x-guidance": _COMPACT, **{k: v for k, v in parameters.items() if k != "x-guidance"}}
+        schema.setdefault("type", "object")
+        head = '{"name": ' + json.dumps(function["name"]) + ', "arguments": '
+        lines += [f"body_{i}: {json.dumps(head)} args_{i} {json.dumps('}')}", f"args_{i}: %json {json.dumps(schema)}"]
+    return "\n".join(lines)
 
 
 def forced_call_processor(grammars: Grammars, template: dict, tools: list[dict], names: list[str],
@@ -178,8 +175,7 @@ def forced_call_processor(grammars: Grammars, template: dict, tools: list[dict],
         >>> processor = forced_call_processor(engine.grammars, engine.response_template, tools, ["f"], False)  # doctest: +SKIP
     """
     tags = call_tags(template)
-    schema = call_schema(tools, names)
-    if len(json.dumps(schema)) > grammars.max_chars:
+    grammar = forced_call_grammar(layout(tags) if layout else CallLayout(*tags), tools, names, several)
+    if len(grammar) > grammars.max_chars:
         raise GrammarError(f"the tools' parameters have more than {grammars.max_chars} characters of JSON")
-    return grammars.compile(forced_call_grammar(layout(tags) if layout else CallLayout(*tags), schema, several),
-                            lark=True)
+    return grammars.compile(grammar, lark=True)

@@ -50,6 +50,21 @@ class ToolCallIn(OpenAIRequest):
     function: FunctionCall
 
 
+def check_parameters(parameters: dict | None) -> dict | None:
+    """A function's ``parameters``: a JSON schema of an object (OpenAI's rule: the arguments are a JSON object),
+    so a schema of another ``type`` is refused rather than forced into calls no client can take.
+
+    Example:
+        >>> check_parameters({"type": "string"})
+        Traceback (most recent call last):
+        ValueError: a function's `parameters` must be a JSON schema of type "object" (its arguments are a JSON object), got type "string"
+    """
+    if parameters is not None and parameters.get("type", "object") != "object":
+        raise ValueError('a function\'s `parameters` must be a JSON schema of type "object" (its arguments are a '
+                         f'JSON object), got type {json.dumps(parameters.get("type"))}')
+    return parameters
+
+
 class FunctionDef(OpenAIRequest):
     """A function a tool offers: its name (OpenAI's rule), description and JSON-schema parameters.
 
@@ -68,6 +83,11 @@ class FunctionDef(OpenAIRequest):
         if not TOOL_NAME.fullmatch(name):
             raise ValueError("a function name must be 1 to 64 letters, digits, underscores or dashes")
         return name
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, parameters: dict | None) -> dict | None:
+        return check_parameters(parameters)
 
 
 class ToolDef(OpenAIRequest):

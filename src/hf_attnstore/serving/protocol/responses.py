@@ -10,7 +10,7 @@ from typing import Literal, Union
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .chat import ChatCompletionRequest, ChatMessage, ToolDef
+from .chat import ChatCompletionRequest, ChatMessage, ToolDef, check_parameters
 from .common import OTHER_TOOL_CHOICE, OpenAIRequest, check_tool_choice, json_object_text
 
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
@@ -91,6 +91,11 @@ class FunctionTool(OpenAIRequest):
     name: str
     description: str | None = None
     parameters: dict | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, parameters: dict | None) -> dict | None:
+        return check_parameters(parameters)
 
     def as_chat_tool(self) -> ToolDef:
         return ToolDef(type="function", function={"name": self.name, "description": self.description,
