@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions`` (chat_api.py), ``POST /v1/completions`` (completions_api.py), ``POST
 /v1/responses`` with ``GET`` and ``DELETE /v1/responses/{id}`` (responses_api.py), each a handler over the shared
 base (base.py: model check, unsupported fields, admission, submission, waiting, one SSE loop); ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text), here. Errors are OpenAI-style error objects (errors.py),
+``GET /health``, ``GET /metrics`` (Prometheus text), and SGLang's ``GET /server_info`` and ``/model_info`` (what
+sglang-router reads a worker's model from), here. Errors are OpenAI-style error objects (errors.py),
 the field at fault in ``param``: 400 for a malformed request or one the server cannot serve (with what to change; every size a client gives is
 bounded by `RequestLimits`), 404 for an unknown model or route, 413 for a body over the limit, 429 when the
 engine is full (with ``Retry-After``), 500 for a failure of the server itself, 503 only once it is shutting
@@ -82,6 +83,18 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
     @app.get("/v1/models")
     async def models():
         return ModelList(data=[ModelCard(id=model_name)])
+
+    # SGLang's info endpoints: sglang-router discovers each worker's model from them (without them it lists the
+    # model as "unknown", and a client that takes the model id from the router's /v1/models gets a 404 here).
+    info = {"served_model_name": model_name, "is_generation": True}
+
+    @app.get("/server_info")
+    async def server_info():
+        return info
+
+    @app.get("/model_info")
+    async def model_info():
+        return info
 
     @app.get("/metrics")
     async def prometheus():

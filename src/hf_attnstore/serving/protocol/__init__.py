@@ -37,6 +37,6 @@ __all__ = [
     "PromptTokensDetails", "RequestLimits", "ResponseMessage", "ResponsesRequest", "StreamOptions", "TOOL_NAME",
     "TextPart", "ToolCallDelta", "ToolCallIn", "ToolCallOut", "ToolDef", "Usage", "call_item", "chat_request",
     "check_tool_choice", "completion_logprobs", "completion_object", "echo_problem", "error_body", "error_field",
-    "error_tag", "json_object_text", "message_item", "output_items", "response_format_schema", "response_object",
+    "error_tag", "json_object_text", "SGLangFields", "message_item", "output_items", "response_format_schema", "response_object",
     "stop_strings", "surrogate_at",
 ]
