@@ -26,12 +26,13 @@ from .errors import BodyLimit, add_error_handlers
 from .metrics import ServerMetrics
 from .protocol import ModelCard, ModelList, RequestLimits
 from .response_store import ResponseStore
+from .response_store_redis import RedisResponseStore
 from .responses_api import ResponsesServing
 
 
 def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int = 256,
                request_timeout_s: float = 600.0, limits: RequestLimits | None = None,
-               responses: ResponseStore | None = None) -> FastAPI:
+               responses: ResponseStore | RedisResponseStore | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under the model id `model_name`.
 
     Args:
@@ -42,8 +43,9 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
         request_timeout_s: Longest a request waits for its turn to finish.
         limits: The most a request may ask for; default `RequestLimits.for_pipeline(engine.pipeline)` (from
             the context window).
-        responses: Where ``/v1/responses`` keeps stored responses; default: in memory, and in
-            ``<disk_dir>/responses`` when the store has a disk tier (chains then survive a restart).
+        responses: Where ``/v1/responses`` keeps stored responses; default: the replicas' shared Redis when the
+            engine has a shared state (`RedisResponseStore`), else in memory, and in ``<disk_dir>/responses`` when
+            the store has a disk tier (chains then survive a restart).
 
     Raises:
         ValueError: A `default_max_tokens` that is not a positive integer or does not fit the context window.
@@ -63,7 +65,9 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
     app.add_middleware(BodyLimit, limit=limits.body_bytes)
     metrics = ServerMetrics(engine.pipeline.store, engine.pending, engine.pipeline.batch_memory)
     app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
-    if responses is None:
+    if responses is None and engine.shared is not None:  # replicas: a chain continues on any of them
+        responses = RedisResponseStore(engine.shared)
+    elif responses is None:
         store = engine.pipeline.store
         disk = store.config.disk_dir if store is not None else None
         responses = ResponseStore(Path(disk) / "responses" if disk is not None else None)
@@ -75,9 +79,14 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
     async def health():
         body = {"status": "ok", "pending": engine.pending(), "max_pending": engine.max_pending}
         store = engine.pipeline.store
-        if store is not None and store.config.remote is not None:
-            # A cache, not a dependency: the server is healthy with it down (its lookups are misses meanwhile).
-            body["remote"] = "down" if store.stats().remote_down else "up"
+        if store is not None:
+            stats = store.stats()
+            # Sessions whose last turn is not yet written to the tier below host memory (disk, else the remote
+            # tier): behind a load balancer, another replica resumes a session in full once this is 0.
+            body["saves_pending"] = stats.saves_pending
+            if store.config.remote is not None:
+                # A cache, not a dependency: the server is healthy with it down (its lookups are misses meanwhile).
+                body["remote"] = "down" if stats.remote_down else "up"
         return body
 
     @app.get("/v1/models")
