@@ -20,8 +20,8 @@ at once; nothing needs two keys in one slot, as no write is a multi-key transact
 
 Chunks are never deleted by a store (another replica's manifest may pin them): they expire with
 ``remote_ttl_s`` or are evicted by Redis (``maxmemory-policy allkeys-lru``); every lookup and save of a session
-TOUCHes the chunks its manifest names, so a shared prefix stays as warm as its most recent sharer. A manifest whose chunks
-vanished is served up to its last chunk still present (the verified prefix).
+TOUCHes the chunks its manifest names, so a shared prefix stays as warm as its most recent sharer. A manifest whose
+chunks vanished is served up to its last chunk still present (the verified prefix).
 """
 
 from __future__ import annotations
