@@ -135,7 +135,8 @@ class Cluster:
                                               self._log(f"replica{i}"))["served_model_name"]
             self.router = subprocess.Popen(
                 [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port",
-                 str(self.router_port), "--policy", self.config.policy, "--log-level", "warn",
+                 str(self.router_port), "--prometheus-port", str(free_port()), "--policy", self.config.policy,
+                 "--log-level", "warn",
                  "--worker-urls", *self.replica_urls],
                 stdout=open(self._log("router"), "wb"), stderr=subprocess.STDOUT, start_new_session=True)
             deadline = time.monotonic() + self.config.startup_timeout_s
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                                args.redis_maxmemory)
     except ValueError as exc:
         parser.error(str(exc))
+    # SIGTERM (and SIGINT, which a shell's background job ignores) stop everything through `close`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with Cluster(config) as cluster:
         print(f"router on {cluster.url}/v1 ({config.policy}) over {', '.join(cluster.replica_urls)}; Redis "
               f"{cluster.redis.url}; logs in {folder}. Ctrl-C stops everything.", flush=True)
