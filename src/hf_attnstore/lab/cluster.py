@@ -100,6 +100,7 @@ class Cluster:
         self.replicas: list[subprocess.Popen | None] = [None] * config.replicas
         self.router: subprocess.Popen | None = None
         self.served_name: str | None = None
+        self._logs: list = []  # the processes' log files, closed with them
 
     @property
     def url(self) -> str:
@@ -138,7 +139,7 @@ class Cluster:
                  str(self.router_port), "--prometheus-port", str(free_port()), "--policy", self.config.policy,
                  "--log-level", "warn",
                  "--worker-urls", *self.replica_urls],
-                stdout=open(self._log("router"), "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+                stdout=self._open_log("router"), stderr=subprocess.STDOUT, start_new_session=True)
             deadline = time.monotonic() + self.config.startup_timeout_s
             while True:  # the router discovers each worker's model (GET /server_info) before it lists it
                 listed = self._wait(self.router, self.url + "/v1/models", self._log("router"))
@@ -160,8 +161,8 @@ class Cluster:
             args += ["--model", config.model]
         if config.disk:
             args += ["--disk-dir", str(config.folder / f"disk{i}")]
-        self.replicas[i] = subprocess.Popen(args, stdout=open(self._log(f"replica{i}"), "ab"),
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+        self.replicas[i] = subprocess.Popen(args, stdout=self._open_log(f"replica{i}"), stderr=subprocess.STDOUT,
+                                            start_new_session=True)
 
     def wait_replica(self, i: int) -> None:
         self._wait(self.replicas[i], self.replica_urls[i] + "/health", self._log(f"replica{i}"))
@@ -175,6 +176,11 @@ class Cluster:
 
     def _log(self, name: str) -> Path:
         return self.config.folder / f"{name}.log"
+
+    def _open_log(self, name: str):
+        f = open(self._log(name), "ab")
+        self._logs.append(f)
+        return f
 
     def _wait(self, process: subprocess.Popen, url: str, log: Path):
         deadline = time.monotonic() + self.config.startup_timeout_s
@@ -202,6 +208,9 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=30)
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
         self.redis.stop()
 
 
