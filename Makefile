@@ -4,6 +4,8 @@
 #   make test-latest   the same suite with the newest transformers on the registry (its own venv)
 #   make test-oldest   the same suite with the oldest transformers setup.cfg allows (its own venv)
 #   make lock          re-resolve setup.cfg's ranges to their newest versions and write the lock
+#   make replicas      redis-server, N=2 `attnstore serve` replicas and sglang-router (POLICY=round_robin) in front;
+#                      MODEL=path (default: the bundled SmolLM2); Ctrl-C stops them
 PY ?= python3
 VENV := .venv
 LOCK := requirements/lock.txt
@@ -19,7 +21,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test test-fast test-latest test-oldest lock clean
+.PHONY: venv demo replicas test test-fast test-latest test-oldest lock clean
 
 # $(call build_venv,DIR,EXTRA): a venv in DIR from the lock, then EXTRA pip arguments (a transformers to try).
 define build_venv
@@ -41,6 +43,11 @@ $(VENV)/.installed: pyproject.toml setup.cfg $(LOCK)
 
 demo: venv
 	$(VENV)/bin/python -m hf_attnstore demo
+
+N ?= 2
+POLICY ?= round_robin
+replicas: venv
+	$(VENV)/bin/python -m hf_attnstore.lab.cluster --replicas $(N) --policy $(POLICY) $(if $(MODEL),--model $(MODEL))
 
 test: venv
 	$(VENV)/bin/python -m pytest -q tests

@@ -15,6 +15,8 @@ Sections:
              LRU without prefetch and look-ahead + prefetch, 128G/2T (issue 33)
   shared     shared system prompts (`--system-prompts 500,1000,2000`, every conversation opens with one):
              prefix sharing on vs off, vs disk capacity (issue 31)
+  replicas   R replicas sharing a remote tier of bandwidth B, round robin vs session affinity, LLaMA-13B and -70B:
+             where the shared tier becomes the bottleneck (issue 47; `hf_attnstore.lab.replica_sim`)
 
 See `hf_attnstore.lab.simulation` for the serving model and the cost model's assumptions.
 """
@@ -27,6 +29,7 @@ import statistics
 import time
 
 from hf_attnstore.lab.models import load_default_model
+from hf_attnstore.lab.replica_sim import ReplicaSimConfig, simulate_replicas
 from hf_attnstore.lab.simulation import PROFILES, SimConfig, codec_ratio, sharegpt_trace, simulate, with_system_prompts
 
 POLICIES = (("lookahead", True), ("lru", False), ("fifo", False))
@@ -207,7 +210,31 @@ def main(argv=None):
                     chosen = f"{r.recompute_chosen_tokens / 1e6:.2f} M" if by_cost else chosen
                 print(f"| {ssd / 1e9:g} GB/s | {policy}{' + prefetch' if prefetch else ''} | " + " | ".join(cells)
                       + f" | {chosen} |", flush=True)
+    if "replicas" in sections:
+        counts = (2, 8, 16, 32, 64)
+        print("\n## Replicas sharing one remote tier: round robin vs session affinity, 0.3 new conversations/s per "
+              "replica, 30 s think time, 25 GB/s host -> GPU (cells: resumed turns' mean TTFT without GPU queueing, "
+              "round robin / affinity, and the link's busy share round robin / affinity; recomputing the history "
+              "instead costs the RE column)\n")
+        print("| model | remote tier | RE | " + " | ".join(f"{r} replicas" for r in counts) + " |\n| --- | --- | --- |"
+              + " --- |" * len(counts))
+        for name in ("llama-13b", "llama-70b"):
+            for gbps in (5.0, 12.5, 25.0):
+                cells, re = [], ""
+                for replicas in counts:
+                    got = {routing: simulate_replicas(trace, PROFILES[name], ReplicaSimConfig(
+                        replicas=replicas, remote_gbps=gbps, routing=routing, rate_per_replica=0.3))
+                        for routing in ("round_robin", "affinity")}
+                    rr, aff = got["round_robin"], got["affinity"]
+                    re = f"{1000 * statistics.mean(rr.recompute_ttft_s):.0f} ms"
+                    cells.append(f"{_ms(rr.mean_ttft())} / {_ms(aff.mean_ttft())}, {100 * rr.link_utilization:.0f}% / "
+                                 f"{100 * aff.link_utilization:.0f}%")
+                print(f"| {PROFILES[name].name} | {gbps:g} GB/s | {re} | " + " | ".join(cells) + " |", flush=True)
     print(f"\nsimulated in {time.perf_counter() - started:.0f} s")
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{1000 * seconds:.0f} ms"
 
 
 if __name__ == "__main__":

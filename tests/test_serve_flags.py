@@ -133,6 +133,28 @@ def test_remote_shares_sessions_between_servers_with_their_own_disks(model_dir, 
     assert stats.remote_bytes_read > 0 and stats.hits_disk == 0 and stats.remote_errors == 0
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared state", "--no-shared-state"])
+def test_remote_shares_the_serving_state_unless_no_shared_state(model_dir, tmp_path, shared):
+    """With --remote, a resent conversation (no session named) and a Responses chain continue on another server;
+    --no-shared-state keeps the index, the memo and the stored responses per process."""
+    from hf_attnstore.store.redis_server import RedisServer
+
+    flags = () if shared else ("--no-shared-state",)
+    with RedisServer(tmp_path / "redis") as redis:
+        with serving(model_dir, "--remote", redis.url, *flags) as (client, server):
+            assert (server.engine.shared is not None) == shared
+            first = chat(client, conversation())
+            response = client.post("/v1/responses", json={"model": client.model_name, "input": "hello",
+                                                          "max_output_tokens": 4, "temperature": 0}).json()
+        with serving(model_dir, "--remote", redis.url, *flags) as (client, server):
+            again = chat(client, follow_up(conversation(), first))
+            chained = client.post("/v1/responses", json={"model": client.model_name, "input": "and then?",
+                                                         "previous_response_id": response["id"],
+                                                         "max_output_tokens": 4, "temperature": 0})
+    assert (again["attnstore"]["session_id"] == first["attnstore"]["session_id"]) == shared
+    assert chained.status_code == (200 if shared else 400), chained.text
+
+
 def test_an_unreachable_remote_starts_down_unless_required(model_dir, tmp_path):
     url = "redis://127.0.0.1:1/0"  # nothing listens on port 1
     with serving(model_dir, "--remote", url, "--disk-dir", str(tmp_path)) as (client, server):

@@ -183,6 +183,8 @@ class Server:
     def close(self) -> None:
         self.pipeline.close(timeout=self.request_timeout)
         self.store.close()
+        if self.engine.shared is not None:
+            self.engine.shared.close()
 
 
 def build_server(args: argparse.Namespace) -> Server:
@@ -197,6 +199,7 @@ def build_server(args: argparse.Namespace) -> Server:
     from .lab.models import load_default_model
     from .serving.pipeline import ChatPipeline
     from .serving import ChatEngine, create_app
+    from .serving.shared_state import SharedState, tokenizer_digest
     from .store import AttnStore
 
     model, tokenizer = load_default_model(args.model, dtype=args.dtype)
@@ -224,8 +227,14 @@ def build_server(args: argparse.Namespace) -> Server:
     except ValueError:  # a model that cannot be kept sparse, a budget out of range
         store.close()
         raise
+    shared = None
+    if args.remote is not None and not args.no_shared_state:
+        # Replicas behind one load balancer continue each other's conversations and Responses chains.
+        shared = SharedState(args.remote, namespace=tokenizer_digest(tokenizer), ttl_s=store.config.remote_ttl_s,
+                             timeout_s=store.config.remote_timeout_s,
+                             vocab_size=getattr(model.config.get_text_config(), "vocab_size", None))
     try:
-        engine = ChatEngine(pipe, max_pending=args.max_pending, response_template=response_template)
+        engine = ChatEngine(pipe, max_pending=args.max_pending, response_template=response_template, shared=shared)
     except ValueError:
         pipe.close(timeout=args.request_timeout)
         store.close()
@@ -366,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--remote", default=None, help="shared remote tier: redis://[:password@]host:port/db, "
                     "rediss://... or unix:///path.sock")
     _remote_required_option(sv)
+    sv.add_argument("--no-shared-state", action="store_true",
+                    help="with --remote: keep stored responses, the session index and the memo of generated replies "
+                    "in this process (default: in the remote Redis too, so that replicas behind a load balancer "
+                    "continue each other's conversations and Responses chains)")
     sv.add_argument("--policy", default="lookahead", choices=("lookahead", "lru", "fifo"))
     sv.add_argument("--ttl", type=float, default=None,
                     help="seconds after which an idle session is deleted from every tier (default: never); a request "

@@ -11,7 +11,7 @@ from hf_attnstore.store.load_handle import LoadError
 from hf_attnstore.store.redis_server import RedisServer, free_port
 from hf_attnstore.store.remote import RemoteTier, RemoteUnavailableError
 
-from .kvdata import FP, expect, layer_of, write_turn
+from .kvdata import FP, expect, kv, layer_of, write_turn
 
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=4, remote_timeout_s=2)
 
@@ -166,3 +166,56 @@ def test_a_store_that_never_saw_a_session_learns_its_ids_from_the_remote_tier(tm
     assert b.token_ids("t", FP) is None
     for store in (a, b):
         store.close()
+
+
+def test_a_shared_prefix_stays_as_warm_in_an_lru_redis_as_its_sharers(tmp_path):
+    """A shared prefix's chunks are stored once, under the session that wrote them: each sharer's lookup makes
+    them as recent as the sharer, so a Redis under `maxmemory` + `allkeys-lru` evicts the writer's own chunks and
+    older keys first and the sharer still resumes whole. (With EXISTS, which leaves a key's LRU clock alone, they
+    stayed as old as their writer and went first.) Redis's LRU clock counts whole seconds: the phases are 2 s
+    apart so that their keys' ages differ."""
+    import time
+
+    import redis
+
+    with RedisServer(tmp_path / "redis", maxmemory="512mb") as server:
+        store = make(tmp_path / "a", server, chunk_tokens=16)
+        prefix = list(range(100, 164))  # a 64-token block (what prefix sharing offers): four whole chunks
+        own = list(range(3, 19))
+        write_turn(store, "writer", prefix + [1, 2])
+        store.flush()
+        base = store.lookup("writer", FP)
+        with store.open_turn("sharer", FP, base, torch.arange(len(prefix))) as turn:  # over the writer's prefix
+            assert turn.append(torch.tensor(own), *kv(own))
+        store.flush()
+        client = redis.Redis.from_url(server.url)
+        tier = RemoteTier(server.url)
+        deadline = time.monotonic() + 30
+        while (tier.manifest((FP, "sharer")) is None or tier.manifest((FP, "writer")) is None):  # write-behind
+            assert time.monotonic() < deadline, "the manifests were not copied to Redis within 30 s"
+            time.sleep(0.05)
+        spans = tier.manifest((FP, "sharer")).spans
+        shared = [RemoteTier.key_of((FP, s.owner), "c:" + s.chunk) for s in spans if s.owner]
+        assert len(shared) == 4 and all(client.exists(k) for k in shared)
+        size = client.strlen(shared[0])
+        client.config_set("maxmemory-samples", 10)
+
+        time.sleep(2.1)  # the writer's and sharer's keys are now the oldest...
+        fillers = 24
+        for i in range(fillers):  # ...older than these (another tenant's data)...
+            client.set(f"filler:{i}", b"x" * size)
+        time.sleep(2.1)
+        assert store.lookup("sharer", FP) is not None  # ...and the sharer resumes (its lookup asks Redis)
+        # Room for all but about eight chunks: Redis evicts the oldest keys until it fits.
+        client.config_set("maxmemory", int(client.info("memory")["used_memory"]) - 8 * size)
+        deadline = time.monotonic() + 30
+        while client.info("stats")["evicted_keys"] < 8:  # Redis evicts a few keys per command (and in the background)
+            assert time.monotonic() < deadline, "Redis did not evict within 30 s"
+            client.set("trigger", b"1")
+            time.sleep(0.01)
+        assert all(client.exists(k) for k in shared), "a shared chunk was evicted before older keys"
+        fresh = AttnStore(host_bytes="64MiB", remote=server.url, **{**FAST, "chunk_tokens": 16})  # nothing local
+        expect(fresh.lookup("sharer", FP), prefix + own)
+        for s in (store, fresh):
+            s.close()
+        tier.close()

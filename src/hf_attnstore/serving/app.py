@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions`` (chat_api.py), ``POST /v1/completions`` (completions_api.py), ``POST
 /v1/responses`` with ``GET`` and ``DELETE /v1/responses/{id}`` (responses_api.py), each a handler over the shared
 base (base.py: model check, unsupported fields, admission, submission, waiting, one SSE loop); ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus text), here. Errors are OpenAI-style error objects (errors.py),
+``GET /health``, ``GET /metrics`` (Prometheus text), and SGLang's ``GET /server_info`` and ``/model_info`` (what
+sglang-router reads a worker's model from), here. Errors are OpenAI-style error objects (errors.py),
 the field at fault in ``param``: 400 for a malformed request or one the server cannot serve (with what to change; every size a client gives is
 bounded by `RequestLimits`), 404 for an unknown model or route, 413 for a body over the limit, 429 when the
 engine is full (with ``Retry-After``), 500 for a failure of the server itself, 503 only once it is shutting
@@ -25,12 +26,13 @@ from .errors import BodyLimit, add_error_handlers
 from .metrics import ServerMetrics
 from .protocol import ModelCard, ModelList, RequestLimits
 from .response_store import ResponseStore
+from .response_store_redis import RedisResponseStore
 from .responses_api import ResponsesServing
 
 
 def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int = 256,
                request_timeout_s: float = 600.0, limits: RequestLimits | None = None,
-               responses: ResponseStore | None = None) -> FastAPI:
+               responses: ResponseStore | RedisResponseStore | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under the model id `model_name`.
 
     Args:
@@ -41,8 +43,9 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
         request_timeout_s: Longest a request waits for its turn to finish.
         limits: The most a request may ask for; default `RequestLimits.for_pipeline(engine.pipeline)` (from
             the context window).
-        responses: Where ``/v1/responses`` keeps stored responses; default: in memory, and in
-            ``<disk_dir>/responses`` when the store has a disk tier (chains then survive a restart).
+        responses: Where ``/v1/responses`` keeps stored responses; default: the replicas' shared Redis when the
+            engine has a shared state (`RedisResponseStore`), else in memory, and in ``<disk_dir>/responses`` when
+            the store has a disk tier (chains then survive a restart).
 
     Raises:
         ValueError: A `default_max_tokens` that is not a positive integer or does not fit the context window.
@@ -62,7 +65,9 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
     app.add_middleware(BodyLimit, limit=limits.body_bytes)
     metrics = ServerMetrics(engine.pipeline.store, engine.pending, engine.pipeline.batch_memory)
     app.state.engine, app.state.metrics, app.state.limits = engine, metrics, limits
-    if responses is None:
+    if responses is None and engine.shared is not None:  # replicas: a chain continues on any of them
+        responses = RedisResponseStore(engine.shared)
+    elif responses is None:
         store = engine.pipeline.store
         disk = store.config.disk_dir if store is not None else None
         responses = ResponseStore(Path(disk) / "responses" if disk is not None else None)
@@ -74,14 +79,31 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
     async def health():
         body = {"status": "ok", "pending": engine.pending(), "max_pending": engine.max_pending}
         store = engine.pipeline.store
-        if store is not None and store.config.remote is not None:
-            # A cache, not a dependency: the server is healthy with it down (its lookups are misses meanwhile).
-            body["remote"] = "down" if store.stats().remote_down else "up"
+        if store is not None:
+            stats = store.stats()
+            # Sessions whose last turn is not yet written to the tier below host memory (disk, else the remote
+            # tier): behind a load balancer, another replica resumes a session in full once this is 0.
+            body["saves_pending"] = stats.saves_pending
+            if store.config.remote is not None:
+                # A cache, not a dependency: the server is healthy with it down (its lookups are misses meanwhile).
+                body["remote"] = "down" if stats.remote_down else "up"
         return body
 
     @app.get("/v1/models")
     async def models():
         return ModelList(data=[ModelCard(id=model_name)])
+
+    # SGLang's info endpoints: sglang-router discovers each worker's model from them (without them it lists the
+    # model as "unknown", and a client that takes the model id from the router's /v1/models gets a 404 here).
+    info = {"served_model_name": model_name, "is_generation": True}
+
+    @app.get("/server_info")
+    async def server_info():
+        return info
+
+    @app.get("/model_info")
+    async def model_info():
+        return info
 
     @app.get("/metrics")
     async def prometheus():

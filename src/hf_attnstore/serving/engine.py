@@ -29,6 +29,7 @@ from ..cache.fingerprint import salted_fingerprint
 from .pipeline import ChatPipeline, Reply
 from .conversation import MessageTokens, ReplyMemo, SessionIndex
 from .forced import CallLayout, call_layout
+from .shared_state import SharedState
 from .structured import Grammars
 from .tools import ReplyParser, call_key
 
@@ -105,6 +106,10 @@ class ChatEngine:
         response_template: How to parse tool calls out of replies (transformers' response-template format);
             default: the tokenizer's, else the one `transformers serve` uses for the model's family
             (`upstream.response_template`). Without one, requests with tools are refused.
+        shared: The state replicas behind one load balancer share (`shared_state.SharedState`, in the Redis of
+            the store's remote tier): where each session stands and the memo of generated replies, so that any
+            replica continues a conversation another one served (found by its messages, or named). Default: this
+            process's alone.
 
     Example:
         >>> engine = ChatEngine(ChatPipeline(model, tok, AttnStore("2GiB")), max_pending=64)  # doctest: +SKIP
@@ -112,11 +117,12 @@ class ChatEngine:
     """
 
     def __init__(self, pipeline: ChatPipeline, *, max_pending: int = 64, session_block: int = 16,
-                 max_sessions: int = 100_000, response_template: dict | None = None):
+                 max_sessions: int = 100_000, response_template: dict | None = None, shared: SharedState | None = None):
         if max_pending < 1:
             raise ValueError(f"`max_pending` must be at least 1, got {max_pending}")
         self.pipeline = pipeline
-        self.tokens = MessageTokens(pipeline.tokenizer, ReplyMemo(max_sessions))
+        self.shared = shared
+        self.tokens = MessageTokens(pipeline.tokenizer, ReplyMemo(max_sessions, shared))
         self.index = SessionIndex(session_block, max_sessions)
         self.max_pending = max_pending
         self._pending = 0
@@ -184,9 +190,15 @@ class ChatEngine:
         scope = turn.scope
         if session_id is None:
             found = self.index.find(client, scope)
+            if self.shared is not None:  # another replica may have served a longer part of it
+                elsewhere = self.shared.find_session(scope, client, self.index.digests(client, scope),
+                                                     self.index.block)
+                if elsewhere is not None and (found is None or len(elsewhere[1]) > found[1]):
+                    self.index.add(elsewhere[0], elsewhere[1], elsewhere[2], scope)
+                    found = elsewhere[0], len(elsewhere[1])
             session_id = found[0] if found is not None else f"chat-{uuid.uuid4().hex}"
         model = client
-        known = self.index.get(session_id, scope)
+        known = self._known(session_id, scope)
         if known is not None:
             ids, model_ids = known
             if tuple(client[: len(ids)]) == ids:
@@ -198,21 +210,37 @@ class ChatEngine:
         return self.pipeline.submit_prompt(turn.session_id, turn.model_ids, streamer, cancel=cancel,
                                            cache_salt=turn.cache_salt, **options)
 
+    def _known(self, session_id: str, scope: str):
+        """Where `session_id` stands: (client ids, model ids), from the shared state when there is one (another
+        replica may have moved it on since this one last saw it), else this index's; None if neither knows it."""
+        if self.shared is not None:
+            known = self.shared.get_session(scope, session_id)
+            if known is not None:
+                if self.index.get(session_id, scope) != known:
+                    self.index.add(session_id, known[0], known[1], scope)
+                return known
+        return self.index.get(session_id, scope)
+
+    def _index(self, session_id: str, ids, model_ids, scope: str) -> None:
+        self.index.add(session_id, ids, model_ids, scope)
+        if self.shared is not None:
+            self.shared.put_session(scope, session_id, ids, model_ids, self.index.digests(ids, scope)[-1])
+
     def session_ids(self, session_id: str, scope: str = "") -> tuple[list[int], list[int]] | None:
         """The ids the index holds for `session_id`: as the client sends them, and as the model saw them (they
         differ after truncation); None if it does not know the session."""
-        known = self.index.get(session_id, scope)
+        known = self._known(session_id, scope)
         return None if known is None else (list(known[0]), list(known[1]))
 
     def restore_session(self, session_id: str, client_ids: list[int], model_ids: list[int], scope: str = "") -> None:
         """Tells the index where a session stands (a stored response's session after a restart), so the next
         turn continues the model's ids exactly as `finish` had recorded them."""
-        self.index.add(session_id, client_ids, list(model_ids), scope)
+        self._index(session_id, client_ids, list(model_ids), scope)
 
     def session_point(self, session_id: str, scope: str = "") -> str | None:
         """A digest of where `session_id` stands (the ids the index holds for it), or None if the index does not
         know it: a stored response records it, and continues the session only while it still stands there."""
-        known = self.index.get(session_id, scope)
+        known = self._known(session_id, scope)
         if known is None:
             return None
         return hashlib.blake2b(b"".join(int(t).to_bytes(8, "little", signed=True) for t in known[0]),
@@ -260,7 +288,7 @@ class ChatEngine:
             content.pop()
         scope = turn.scope
         if reply.cancelled:  # the client never saw the whole reply and will not send it back
-            self.index.add(turn.session_id, turn.client_ids, list(reply.prompt_ids), scope)
+            self._index(turn.session_id, turn.client_ids, list(reply.prompt_ids), scope)
             return None
         if parser is not None and parser.calls:
             # As the template renders it: special tokens kept.
@@ -269,7 +297,7 @@ class ChatEngine:
         else:
             remembered = Remembered(reply.text, content, None)
         self.remember(remembered, scope)
-        self.index.add(turn.session_id, turn.client_ids + content, list(reply.prompt_ids) + content, scope)
+        self._index(turn.session_id, turn.client_ids + content, list(reply.prompt_ids) + content, scope)
         return remembered
 
     def remember(self, reply: Remembered, scope: str = "") -> None:

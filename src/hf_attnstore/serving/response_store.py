@@ -141,7 +141,29 @@ def _ids_array(text: str) -> array:
     return ids
 
 
-class ResponseStore:
+class Chains:
+    """What every backend of stored responses shares (this file's, and response_store_redis.py's): a chain followed
+    back through the backend's `get`.
+
+    Example:
+        >>> ResponseStore().chain(record, max_steps=100)  # doctest: +SKIP
+    """
+
+    def chain(self, record: StoredResponse, max_steps: int) -> list[StoredResponse] | None:
+        """`record` and the responses it continues, oldest first; None when one of them is gone or the chain is
+        longer than `max_steps` (or loops)."""
+        out = [record]
+        while out[-1].previous_id is not None:
+            if len(out) >= max_steps:
+                return None
+            previous = self.get(out[-1].previous_id)
+            if previous is None:
+                return None
+            out.append(previous)
+        return out[::-1]
+
+
+class ResponseStore(Chains):
     """Stored responses: the most recent `max_responses`, in memory (at most `max_memory_bytes` of them, counted
     as their JSON) and, with `folder`, on disk (one JSON file each, so they survive a restart; the oldest files go
     beyond `max_responses`). Without a folder, a response pushed out of memory is gone.
@@ -243,18 +265,3 @@ class ResponseStore:
                 del self._on_disk[response_id]
                 (self.folder / f"{response_id}.json").unlink(missing_ok=True)
             return True
-
-    def chain(self, record: StoredResponse, max_steps: int) -> list[StoredResponse] | None:
-        """`record` and the responses it continues, oldest first; None when one of them is gone or the chain is
-        longer than `max_steps` (or loops)."""
-        out = [record]
-        while out[-1].previous_id is not None:
-            if len(out) >= max_steps:
-                return None
-            previous = self.get(out[-1].previous_id)
-            if previous is None:
-                return None
-            out.append(previous)
-        return out[::-1]
-
-

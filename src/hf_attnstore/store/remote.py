@@ -19,8 +19,9 @@ at once; nothing needs two keys in one slot, as no write is a multi-key transact
   replica's manifest pins. Manifests are last-writer-wins; the chain makes any mix a miss.
 
 Chunks are never deleted by a store (another replica's manifest may pin them): they expire with
-``remote_ttl_s`` or are evicted by Redis (``maxmemory-policy allkeys-lru``). A manifest whose chunks
-vanished is served up to its last chunk still present (the verified prefix).
+``remote_ttl_s`` or are evicted by Redis (``maxmemory-policy allkeys-lru``); every lookup and save of a session
+TOUCHes the chunks its manifest names, so a shared prefix stays as warm as its most recent sharer. A manifest whose
+chunks vanished is served up to its last chunk still present (the verified prefix).
 """
 
 from __future__ import annotations
@@ -343,7 +344,7 @@ class RemoteTier(Tier):
                 ([self.key_of(key, "c:" + manifest.state.digest)] if manifest.state is not None else [])
             pipe = self.client.pipeline(transaction=False)
             for name in names:
-                pipe.exists(name)
+                pipe.touch(name)  # present, and as recent as this session (see `manifest`)
             missing = [n.rsplit(":", 1)[-1] for n, here in zip(names, self._call(pipe.execute)) if not here]
             if missing:
                 raise MissingChunks(missing)
@@ -394,11 +395,16 @@ class RemoteTier(Tier):
             return None
         if manifest.session_id != key[1]:
             return None
+        # TOUCH, not EXISTS: both answer whether a chunk is there, but EXISTS leaves its LRU clock alone (Redis looks
+        # it up with LOOKUP_NOTOUCH). A shared prefix's chunks are stored once, under the session that wrote them,
+        # so with EXISTS they stayed as old as that session however many sessions resumed from them, and a Redis
+        # with `maxmemory` + `allkeys-lru` evicted them first: every sharer missed. Each lookup and each save of a
+        # sharer now makes them as recent as the sharer.
         pipe = self.client.pipeline(transaction=False)
         for span in manifest.spans:
-            pipe.exists(self._chunk_key(key, span))
+            pipe.touch(self._chunk_key(key, span))
         if manifest.state is not None:
-            pipe.exists(self.key_of(key, "c:" + manifest.state.digest))
+            pipe.touch(self.key_of(key, "c:" + manifest.state.digest))
         present, end = self._call(pipe.execute), manifest.head
         if manifest.state is not None and not present.pop():
             manifest = dataclasses.replace(manifest, state=None)

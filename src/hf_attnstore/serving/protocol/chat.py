@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .common import (OTHER_TOOL_CHOICE, TOOL_NAME, AttnStoreInfo, CompletionBase, FunctionCall, OpenAIRequest,
-                     StreamOptions, Usage, check_tool_choice, response_format_schema, stop_strings)
+                     SGLangFields, StreamOptions, Usage, check_tool_choice, response_format_schema, stop_strings)
 
 
 class TextPart(OpenAIRequest):
@@ -174,7 +174,7 @@ class NamedToolChoice(OpenAIRequest):
     function: _FunctionName
 
 
-class ChatCompletionRequest(OpenAIRequest):
+class ChatCompletionRequest(SGLangFields):
     """``POST /v1/chat/completions``: the fields this server reads (see the module's docstring); those that would
     change the answer and are not implemented are refused by name (`unsupported`).
 
@@ -207,7 +207,6 @@ class ChatCompletionRequest(OpenAIRequest):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    top_k: int | None = Field(default=None, ge=1)  # vLLM's and llama.cpp's extension (sampling only)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)  # OpenAI's range; needs `logprobs`
     response_format: dict | None = None
     # OpenAI's fields that would change the answer and are not implemented: typed, and refused (`unsupported`).
@@ -232,6 +231,9 @@ class ChatCompletionRequest(OpenAIRequest):
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first requested feature this server does not implement, as (field, what), or None."""
+        sglang = self.sglang_unsupported()
+        if sglang is not None:
+            return sglang
         if self.n > 1 and self.stream:
             return "n", "`n` > 1 with `stream`"
         if isinstance(self.tool_choice, dict) and self.tool_choice.get("type") != "function":

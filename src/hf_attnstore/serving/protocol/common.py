@@ -60,6 +60,68 @@ class OpenAIRequest(BaseModel):
         return data
 
 
+class SGLangFields(OpenAIRequest):
+    """SGLang's extensions of OpenAI's requests, which `sglang-router` adds to every request it forwards, each at
+    its default (a chat request gains ``no_stop_trim``, ``ignore_eos``, ``continue_final_message``,
+    ``skip_special_tokens``, ``separate_reasoning``, ``stream_reasoning``, ``return_hidden_states``; a Responses
+    request ``top_k: -1``, ``min_p``, ``repetition_penalty``, ``priority``). At those defaults they ask for what this
+    server does anyway; a value that would change the answer is refused by name (`sglang_unsupported`), never
+    silently ignored. ``top_k`` is honoured (-1 is SGLang's and vLLM's "disabled": not given). Two fields are
+    accepted at any value: ``separate_reasoning`` and ``stream_reasoning`` act only where a server was started with a
+    reasoning parser (SGLang: ``if self.reasoning_parser and request.separate_reasoning``), and this one has none;
+    ``priority`` orders SGLang's queue, not the answer.
+
+    Example:
+        >>> class Ask(SGLangFields):
+        ...     pass
+        >>> Ask.model_validate({"top_k": -1, "ignore_eos": False}).sglang_unsupported() is None
+        True
+        >>> Ask.model_validate({"min_p": 0.1}).sglang_unsupported()
+        ('min_p', '`min_p` other than 0.0 (min-p sampling)')
+    """
+
+    top_k: int | None = None  # vLLM's, llama.cpp's and SGLang's extension (sampling only); -1: disabled
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    no_stop_trim: bool | None = None
+    continue_final_message: bool | None = None
+    skip_special_tokens: bool | None = None
+    return_hidden_states: bool | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    priority: int | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value):
+        if value == -1:
+            return None
+        if value is not None and value < 1:
+            raise ValueError("`top_k` must be at least 1, or -1 for no top-k filtering")
+        return value
+
+    def sglang_unsupported(self) -> tuple[str, str] | None:
+        """The first SGLang field whose value would change the answer, as (field, what), or None."""
+        for name, default, what in _SGLANG_DEFAULTS:
+            value = getattr(self, name)
+            if value is not None and value != default:
+                return name, f"`{name}` other than {default!r} ({what})"
+        return None
+
+
+# SGLang's fields that change the answer away from their default, with what they do (sglang's protocol.py defaults).
+_SGLANG_DEFAULTS = (
+    ("min_p", 0.0, "min-p sampling"),
+    ("repetition_penalty", 1.0, "a repetition penalty: send `frequency_penalty` or `presence_penalty`"),
+    ("ignore_eos", False, "generating past the end of the reply"),
+    ("no_stop_trim", False, "keeping the stop string in the reply"),
+    ("continue_final_message", False, "continuing the last assistant message"),
+    ("skip_special_tokens", True, "special tokens in the reply's text"),
+    ("return_hidden_states", False, "hidden states in the response"),
+)
+
+
 @functools.cache
 def _optional_fields(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(name for name, field in model.model_fields.items() if not field.is_required())

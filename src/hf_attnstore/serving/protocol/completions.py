@@ -8,12 +8,12 @@ import time
 
 from pydantic import Field
 
-from .common import OpenAIRequest, StreamOptions, stop_strings
+from .common import SGLangFields, StreamOptions, stop_strings
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 
-class CompletionRequest(OpenAIRequest):
+class CompletionRequest(SGLangFields):
     """``POST /v1/completions``: a prompt (text or token ids) to continue; one prompt and one completion a request.
 
     Example:
@@ -26,7 +26,6 @@ class CompletionRequest(OpenAIRequest):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -43,6 +42,9 @@ class CompletionRequest(OpenAIRequest):
     cache_salt: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
+        sglang = self.sglang_unsupported()
+        if sglang is not None:
+            return sglang
         if self.n != 1:
             return "n", "`n` other than 1"
         if self.best_of not in (None, 1):

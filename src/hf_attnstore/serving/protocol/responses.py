@@ -11,7 +11,7 @@ from typing import Literal, Union
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .chat import ChatCompletionRequest, ChatMessage, ToolDef, check_parameters
-from .common import OTHER_TOOL_CHOICE, OpenAIRequest, check_tool_choice, json_object_text
+from .common import OTHER_TOOL_CHOICE, OpenAIRequest, SGLangFields, check_tool_choice, json_object_text
 
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 characters, values of 512
 
@@ -114,7 +114,7 @@ class FunctionToolChoice(OpenAIRequest):
     name: str
 
 
-class ResponsesRequest(OpenAIRequest):
+class ResponsesRequest(SGLangFields):
     """``POST /v1/responses``: the fields this server reads. Fields that would change the answer and are not
     implemented are refused by name (`unsupported`).
 
@@ -176,6 +176,9 @@ class ResponsesRequest(OpenAIRequest):
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first requested feature this server does not implement, as (field, what), or None."""
+        sglang = self.sglang_unsupported()
+        if sglang is not None:
+            return sglang
         if self.background:
             return "background", "`background` responses"
         if self.conversation is not None:
@@ -263,7 +266,8 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> ChatCompletionR
         messages.insert(0, ChatMessage(role="system", content=body.instructions))
     return ChatCompletionRequest(
         model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
-        temperature=body.temperature, top_p=body.top_p, tools=body.chat_tools(), tool_choice=chat_tool_choice(body.tool_choice),
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, tools=body.chat_tools(),
+        tool_choice=chat_tool_choice(body.tool_choice),
         parallel_tool_calls=body.parallel_tool_calls, user=body.user, cache_salt=body.cache_salt,
         prompt_cache_key=body.prompt_cache_key, prompt_cache_retention=body.prompt_cache_retention,
         stream=body.stream, response_format=(body.text or {}).get("format"))

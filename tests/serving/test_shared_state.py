@@ -1,0 +1,126 @@
+"""Two replicas (two pipelines, each over its own store and engine) sharing one real redis-server: the stored
+responses, where each session stands and the memo of generated replies are shared, so a Responses chain and a
+resent conversation continue whole on either replica; what Redis holds is validated on every read, and a dead
+Redis is a miss, never an error."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from transformers import LogitsProcessorList
+
+from hf_attnstore import AttnStore
+from hf_attnstore.serving import ChatEngine, create_app
+from hf_attnstore.serving.conversation import ReplyMemo
+from hf_attnstore.serving.pipeline import ChatPipeline
+from hf_attnstore.serving.response_store_redis import RedisResponseStore
+from hf_attnstore.serving.shared_state import SharedState, tokenizer_digest
+from hf_attnstore.store.redis_server import RedisServer
+
+from ..conftest import VOCAB, char_tokenizer, make_tiny
+from .helpers import ForceReply, bpe_tokenizer
+
+FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=16, remote_timeout_s=2)
+GREEDY = {"temperature": 0, "max_tokens": 6}
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    with RedisServer(tmp_path / "redis") as server:
+        yield server
+
+
+class Replica:
+    """A pipeline, its store (Redis below host memory) and an app, with the shared state."""
+
+    def __init__(self, model, tok, url: str, **generate):
+        self.store = AttnStore("16MiB", remote=url, **FAST)
+        self.pipe = ChatPipeline(model, tok, self.store, max_new_tokens=8, max_batch_size=1, **generate)
+        self.shared = SharedState(url, namespace=tokenizer_digest(tok), vocab_size=VOCAB)
+        self.client = TestClient(create_app(ChatEngine(self.pipe, shared=self.shared), "tiny", default_max_tokens=8))
+
+    def post(self, path: str, body: dict) -> dict:
+        r = self.client.post(path, json={"model": "tiny", **body})
+        assert r.status_code == 200, r.text
+        self.store.flush()  # the turn is in Redis before the next one (a user's think time)
+        return r.json()
+
+    def close(self):
+        self.pipe.close(timeout=60)
+        self.store.close()
+        self.shared.close()
+
+
+def replicas(url, tok, **generate):
+    model = make_tiny("llama")  # one model: the replicas serve the same weights
+    return [Replica(model, tok, url, **generate) for _ in range(2)]
+
+
+def test_a_reply_generated_on_one_replica_is_reused_whole_on_the_other(redis_server):
+    tok = bpe_tokenizer()
+    a = tok.convert_tokens_to_ids("a")
+    pair = replicas(redis_server.url, tok, logits_processor=LogitsProcessorList([ForceReply(tok, [a, a, a, a])]))
+    messages = [{"role": "user", "content": "say aaaa"}]
+    first = pair[0].post("/v1/chat/completions", {"messages": messages, **GREEDY})
+    assert first["choices"][0]["message"]["content"] == "aaaa"
+    assert len(tok("aaaa", add_special_tokens=False)["input_ids"]) == 2  # re-tokenized: two merged tokens
+    messages += [{"role": "assistant", "content": "aaaa"}, {"role": "user", "content": "again"}]
+    second = pair[1].post("/v1/chat/completions", {"messages": messages, **GREEDY})
+    # The other replica found the session by its messages and gave the reply its four generated ids back.
+    assert second["attnstore"]["session_id"] == first["attnstore"]["session_id"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"] + 4
+    for replica in pair:
+        replica.close()
+
+
+def test_a_responses_chain_continues_on_either_replica_and_is_deleted_on_both(redis_server):
+    pair = replicas(redis_server.url, char_tokenizer())
+    previous, before = None, None
+    for turn in range(4):  # replicas 0, 1, 0, 1: each turn continues what the other one wrote
+        body = {"input": f"question {turn}: why is the sky blue? " * 3, "max_output_tokens": 6, "temperature": 0}
+        if previous is not None:
+            body["previous_response_id"] = previous["id"]
+        got = pair[turn % 2].post("/v1/responses", body)
+        if previous is not None:
+            # Everything before this turn's input: the previous input and its reply (but the reply's last token,
+            # whose KV the turn that generated it never computed).
+            assert got["attnstore"]["session_id"] == previous["attnstore"]["session_id"]
+            assert got["usage"]["input_tokens_details"]["cached_tokens"] >= before - 1, (turn, got["usage"])
+        before = got["usage"]["input_tokens"] + got["usage"]["output_tokens"]
+        previous = got
+    assert pair[0].client.get(f"/v1/responses/{previous['id']}").json()["id"] == previous["id"]
+    assert pair[1].client.delete(f"/v1/responses/{previous['id']}").status_code == 200
+    assert pair[0].client.get(f"/v1/responses/{previous['id']}").status_code == 404
+    for replica in pair:
+        replica.close()
+
+
+def test_what_redis_holds_is_checked_on_every_read(redis_server):
+    shared = SharedState(redis_server.url, namespace="n", vocab_size=100)
+    memo = ReplyMemo(shared=shared)
+    shared.put_reply("", "too big", [5, 100])  # ids another model's tokenizer made
+    assert memo.get("too big") is None
+    for damaged in (b"{not json", b'{"a": 1}', b"[1, true]", b"[-1]", b"\xff"):
+        shared.client.set(shared.prefix + "m:" + "0" * 32, damaged)
+        shared.client.set(shared.prefix + "r:resp_" + "1" * 32, damaged)
+    responses = RedisResponseStore(shared)
+    assert responses.get("resp_" + "1" * 32) is None and responses.get("not an id") is None
+    # Another namespace (another tokenizer) never sees these.
+    ReplyMemo(shared=shared).add("hi", [1, 2])
+    assert ReplyMemo(shared=SharedState(redis_server.url, namespace="m")).get("hi") is None
+    assert ReplyMemo(shared=shared).get("hi") == [1, 2] and ReplyMemo(shared=shared).get("hi", scope="s") is None
+    shared.close()
+
+
+def test_a_dead_redis_is_a_miss_and_never_an_error(redis_server):
+    shared = SharedState(redis_server.url, namespace="n", timeout_s=1)
+    memo = ReplyMemo(shared=shared)
+    memo.add("kept here", [3, 4])
+    redis_server.stop()
+    memo.add("not shared", [5])  # the write is skipped...
+    assert memo.get("kept here") == [3, 4] and memo.get("not shared") == [5]  # ...this process still knows both
+    assert ReplyMemo(shared=shared).get("kept here") is None  # a miss
+    responses = RedisResponseStore(shared)
+    assert responses.get("resp_" + "2" * 32) is None and responses.delete("resp_" + "2" * 32) is False
+    assert shared.find_session("", [1, 2, 3], [b"x"], 16) is None and shared.get_session("", "s") is None
+    shared.close()
