@@ -16,7 +16,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_attnstore import AttnStore, AttnStoreCache, SparseConfig
 from hf_attnstore.cache import query_aware
-from hf_attnstore.cache.query_aware import PageSummaries, Selection, history_indices, page_bounds, selecting
+from hf_attnstore.cache.query_aware import (PageSummaries, Selection, history_indices, page_bounds, selecting,
+                                            sketch_indices)
 from hf_attnstore.cache.upstream import cache_kwargs
 from hf_attnstore.serving.batching import batchable
 
@@ -48,6 +49,14 @@ def _kept_by_quest(indices, q_heads, q, n):
     kept.scatter_(2, indices, True)
     kept[:, :, history:] = torch.ones(q, q, dtype=torch.bool).tril()
     return kept.repeat_interleave(q_heads // kv_heads, 0)
+
+
+def _choose(query, key, config, scaling=None):
+    """What the policy keeps of the history, per KV head and query (as the attention computes it)."""
+    if config.policy == "sparq":
+        return sketch_indices(query, key, config, scaling)
+    return history_indices(query, key, config, PageSummaries(min(config.sink_tokens, config.budget(key.shape[2] -
+                                                                 query.shape[2])), config.page_tokens), scaling)
 
 
 def test_a_page_bound_is_at_least_every_key_score_in_the_page():
@@ -94,24 +103,41 @@ def test_quest_keeps_sinks_recent_and_each_kv_heads_highest_page():
     assert indices[1, 0].tolist() == [0, 1, 26, 27, 28, 29] + recent
 
 
+def test_sparq_keeps_sinks_recent_and_each_kv_heads_best_tokens_by_the_components_it_reads():
+    config = SparseConfig(6, sink_tokens=1, recent_ratio=0.2, policy="sparq", sketch_dims=1)
+    key = torch.zeros(1, 2, 21, 2)  # 20 history keys
+    key[0, 0, [3, 8, 11, 12], 0] = torch.tensor([4.0, 3.0, 2.0, 1.0])  # head 0's query is large in component 0
+    key[0, 0, 5, 1] = 50.0  # ... and small in component 1, which its sketch skips
+    key[0, 1, [2, 6, 9, 14], 1] = torch.tensor([-0.5, -3.0, -2.0, -1.0])  # head 1's query is large (negative) in component 1
+    query = torch.tensor([[[[1.0, 0.1]], [[0.1, -1.0]]]])  # [1, 2 heads, 1 query, 2]
+    indices = sketch_indices(query, key, config)
+    # Budget 6: 1 sink, ceil(0.2 * 5) = 1 recent, the 4 others by the sketch's scores.
+    assert indices[0, 0].tolist() == [0, 3, 8, 11, 12, 19]  # key 5's large true score is not seen by the sketch
+    assert indices[1, 0].tolist() == [0, 2, 6, 9, 14, 19]
+
+
+@pytest.mark.parametrize("policy", ["quest", "sparq"])
 @pytest.mark.parametrize("history", [5, 17, 40, 63, 200])
 @pytest.mark.parametrize("budget", [0.1, 0.2, 0.5, 12])
-def test_every_head_and_query_keeps_the_same_count_within_the_budget(history, budget):
-    config = SparseConfig(budget, policy="quest", page_tokens=4)
+def test_every_head_and_query_keeps_the_same_count_within_the_budget(policy, history, budget):
+    config = SparseConfig(budget, policy=policy, page_tokens=4)
     query, key, _ = _qkv(3, history + 3, seed=history)
-    indices = history_indices(query, key, config, PageSummaries(config.sink_tokens, 4))
+    indices = _choose(query, key, config)
     keep = config.budget(history)
     assert indices.shape[:2] == (2, 3) and keep - 4 < indices.shape[2] <= keep
+    if policy == "sparq":
+        assert indices.shape[2] == keep
     assert (indices.diff(dim=2) > 0).all() and int(indices.max()) < history  # distinct history positions
     sinks = min(config.sink_tokens, keep)
     assert (indices[..., :sinks] == torch.arange(sinks)).all()
     assert (indices[..., -1] == history - 1).all()  # the most recent token
 
 
-def test_a_decoding_step_attends_to_exactly_the_kept_keys():
+@pytest.mark.parametrize("policy", ["quest", "sparq"])
+def test_a_decoding_step_attends_to_exactly_the_kept_keys(policy):
     query, key, value = _qkv(1, 90, seed=3)
-    config = SparseConfig(0.3, sink_tokens=3, policy="quest", page_tokens=4)
-    indices = history_indices(query, key, config, PageSummaries(3, 4))
+    config = SparseConfig(0.3, sink_tokens=3, policy=policy, page_tokens=4, sketch_dims=4)
+    indices = _choose(query, key, config, 0.25)
     with selecting(Selection(config)) as selection:
         out, _ = query_aware.attention(MODULE, query, key, value, None, scaling=0.25)
     expected = _reference(query, key, value, _kept_by_quest(indices, 4, 1, 90), 0.25)
@@ -121,10 +147,11 @@ def test_a_decoding_step_attends_to_exactly_the_kept_keys():
     assert selection.held == 89 * 2 and selection.attended == indices.numel()
 
 
-def test_a_turn_of_several_queries_selects_per_query_and_attends_causally_to_itself():
+@pytest.mark.parametrize("policy", ["quest", "sparq"])
+def test_a_turn_of_several_queries_selects_per_query_and_attends_causally_to_itself(policy):
     query, key, value = _qkv(6, 80, seed=4)
-    config = SparseConfig(0.25, sink_tokens=2, policy="quest", page_tokens=4)
-    indices = history_indices(query, key, config, PageSummaries(2, 4))
+    config = SparseConfig(0.25, sink_tokens=2, policy=policy, page_tokens=4, sketch_dims=4)
+    indices = _choose(query, key, config, 0.3)
     assert not all(torch.equal(indices[:, 0], indices[:, i]) for i in range(6)), "queries that choose alike"
     with selecting(Selection(config)):
         out, _ = query_aware.attention(MODULE, query, key, value, None, scaling=0.3)
@@ -172,19 +199,21 @@ def _one_layer_gqa(seed=0):
     return LlamaForCausalLM(LlamaConfig(**dict(_gqa(), num_hidden_layers=1))).eval()
 
 
+@pytest.mark.parametrize("policy", ["quest", "sparq"])
 @pytest.mark.parametrize("new", [1, 5])
-def test_a_one_layer_model_equals_dense_attention_with_the_selection_masked(new, monkeypatch):
+def test_a_one_layer_model_equals_dense_attention_with_the_selection_masked(new, policy, monkeypatch):
     """Through the cache: the stored history is loaded whole, the layer attends to what Quest chose per query (a
     gather when decoding, a mask for several tokens), at the original positions, its own tokens causally."""
     model = _one_layer_gqa()
     store = AttnStore(host_bytes="64MiB")
-    config = SparseConfig(0.25, sink_tokens=2, policy="quest", page_tokens=4)
+    config = SparseConfig(0.25, sink_tokens=2, policy=policy, page_tokens=4, sketch_dims=4)
     ids = random_ids(60, 1)
     with AttnStoreCache(model, store, "q", ids, kv_budget=config) as cache, torch.no_grad():
         model(cache.input_ids, **cache_kwargs(cache))
     chosen = []
-    original = query_aware.history_indices
-    monkeypatch.setattr(query_aware, "history_indices", lambda *a, **k: chosen.append(original(*a, **k)) or chosen[-1])
+    name = "sketch_indices" if policy == "sparq" else "history_indices"
+    original = getattr(query_aware, name)
+    monkeypatch.setattr(query_aware, name, lambda *a, **k: chosen.append(original(*a, **k)) or chosen[-1])
     longer = torch.cat([ids, random_ids(new, 2)], dim=1)
     cache = AttnStoreCache(model, store, "q", longer, kv_budget=config, save=False)
     assert cache.reused_tokens == 60
@@ -203,7 +232,7 @@ def test_a_one_layer_model_equals_dense_attention_with_the_selection_masked(new,
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("policy", ["quest", "oracle"])
+@pytest.mark.parametrize("policy", ["quest", "sparq", "oracle"])
 def test_a_whole_budget_is_the_dense_session_over_turns(policy):
     model = make_tiny("llama")
     store, dense = AttnStore(host_bytes="64MiB"), AttnStore(host_bytes="64MiB")
@@ -218,7 +247,7 @@ def test_a_whole_budget_is_the_dense_session_over_turns(policy):
         ids = torch.cat([a, random_ids(4, 10 + turn)], dim=1)
 
 
-@pytest.mark.parametrize("policy", ["quest", "oracle"])
+@pytest.mark.parametrize("policy", ["quest", "sparq", "oracle"])
 def test_decoding_keeps_every_token_and_labels_its_kv_inexact(policy):
     model = make_tiny("llama")
     store = AttnStore(host_bytes="64MiB")
@@ -248,3 +277,8 @@ def test_query_aware_policies_need_sdpa_and_run_solo_in_a_batch():
     assert not ok and "per query" in why
     with pytest.raises(ValueError, match="page_tokens"):
         SparseConfig(0.5, policy="quest", page_tokens=0)
+    with pytest.raises(ValueError, match="sketch_dims"):
+        SparseConfig(0.5, policy="sparq", sketch_dims=0)
+    # The recent window's default share: the query-aware policies choose the rest themselves.
+    assert SparseConfig(0.2, policy="sparq").split(200, 1000) == (4, 20)
+    assert SparseConfig(0.2).split(200, 1000) == (4, 98)
