@@ -289,9 +289,11 @@ def sketch_indices(query: torch.Tensor, key: torch.Tensor, config: SparseConfig,
     r = min(config.sketch_dims, dim)
     dims = queries.abs().sum(1).topk(r, dim=-1).indices  # [kv_heads, q, r]: one set per KV head and query
     partial = queries.gather(3, dims[:, None].expand(-1, group, -1, -1))  # [kv_heads, group, q, r]
-    columns = key[0, :, :history].float()[:, None].expand(-1, q, -1, -1)  # [kv_heads, q, history, d]
-    sketch = columns.gather(3, dims[:, :, None, :].expand(-1, -1, history, -1))  # [kv_heads, q, history, r]
-    approx = torch.einsum("kgmr,kmhr->kgmh", partial, sketch)
+    # q[dims]·k[dims] is q'·k for q' = q with its other components zeroed: one matrix product, not a gather of the
+    # keys per query (a device that holds the keys elsewhere reads only those r columns of them).
+    kept = torch.zeros_like(queries).scatter_(3, dims[:, None].expand(-1, group, -1, -1), partial)
+    approx = torch.matmul(kept.reshape(kv_heads, group * q, dim), key[0, :, :history].float().transpose(1, 2))
+    approx = approx.view(kv_heads, group, q, history)
     # SparQ's temperature: the chosen components carry a share of |q|; the softmax over fewer terms is sharpened
     # as if they carried it all.
     share = partial.abs().sum(-1) / queries.abs().sum(-1).clamp_min(1e-12)  # [kv_heads, group, q]
