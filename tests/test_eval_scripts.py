@@ -87,7 +87,7 @@ RUNS = {
     "bench_sliding": Script("bench_sliding.py", (*TINY_RESUME, "--decode", "2", "--window", "32"),
                             expect=("| RE | ", "| AS | ")),
     "bench_sparse": Script("bench_sparse.py", ("--histories", "64", "--new", "8", "--decode", "2", "--reps", "1"),
-                           expect=("| 64 | dense | ", "| 64 | alisa 80% | ")),
+                           expect=("| 64 | dense | ", "| 64 | alisa 80% | ", "| 64 | sparq 80% | ")),
     "bench_sparse_batch": Script("bench_sparse_batch.py", ("--sessions", "2", "--history", "32", "--new-tokens", "4",
                                                            "--batch-kv", "64MiB", "--message-chars", "120"),
                                  expect=("| dense, bounded by 64MiB | ", "| alisa 0.2, bounded by 64MiB | ")),

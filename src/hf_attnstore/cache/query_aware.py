@@ -89,6 +89,9 @@ class Selection:
         summaries: Model layer index -> that layer's :class:`PageSummaries` (quest).
         attended: History keys attended, summed over the selecting layers, KV heads and queries of the forwards.
         held: History keys those queries could have attended (the same sum, dense).
+        gathered: Of `attended`, the keys decoding steps gathered (quest, sparq; one query per forward): what a
+            step would read of a history kept in host memory, per layer and KV head, summed.
+        steps: Decoding steps that gathered, counted per layer.
 
     Example:
         >>> selection = Selection(SparseConfig(0.2, policy="quest"))
@@ -100,6 +103,8 @@ class Selection:
     summaries: dict[int, PageSummaries] = field(default_factory=dict)
     attended: int = 0
     held: int = 0
+    gathered: int = 0
+    steps: int = 0
 
 
 def selecting(selection: Selection | None):
@@ -168,6 +173,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         if q == 1:
             # Decoding: gather the kept keys (what a host-resident history would send to the device) and attend
             # to them and the new token, no mask needed.
+            selection.gathered += indices.numel()
+            selection.steps += 1
             index = indices[None, :, 0, :, None]
             keys = torch.cat([key[:, :, :history].gather(2, index.expand(-1, -1, -1, key.shape[-1])),
                               key[:, :, history:]], dim=2)
