@@ -144,7 +144,8 @@ def test_a_decoding_step_attends_to_exactly_the_kept_keys(policy):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     dense, _ = query_aware.attention(MODULE, query, key, value, None, scaling=0.25)  # no selection: SDPA
     assert not torch.allclose(out, dense, atol=1e-3)
-    assert selection.held == 89 * 2 and selection.attended == indices.numel()
+    assert selection.held == 89 * 2 and selection.attended == selection.gathered == indices.numel()
+    assert selection.steps == 1  # one layer's decoding step, what bench_sparse divides by
 
 
 @pytest.mark.parametrize("policy", ["quest", "sparq"])
