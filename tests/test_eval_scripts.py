@@ -124,8 +124,8 @@ RUNS = {
                                            "sharegpt"),
                          expect=("| streaming | 50% |", "| oracle | 50% |", "| sparq | 50% |")),
     "sparse_recall": Script("sparse_recall.py", ("--trials", "1", "--filler-turns", "1", "--filler-tokens", "16",
-                                                 "--sparsities", "0.5", "--policies", "streaming"),
-                            expect=("| dense | ", "| streaming 50% | ")),
+                                                 "--sparsities", "0.5", "--policies", "streaming,oracle,sparq"),
+                            expect=("| dense | ", "| streaming 50% | ", "| oracle 50% | ", "| sparq 50% | ")),
 }
 # Run elsewhere: the reliability scorecard in its quick form (faults.py runs the rows of the other modules).
 ELSEWHERE = {name: "tests/test_faults_scorecard.py"

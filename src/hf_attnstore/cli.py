@@ -387,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "keeps every token (on disk and Redis too, unless --sparse-copies). Default: dense")
     sv.add_argument("--sparse-policy", default="alisa", choices=SPARSE_POLICIES,
                     help="with --kv-budget: which tokens beside sinks and recent ones are kept: alisa (attention from "
-                    "the last queries), h2o (from all queries), streaming (none: sinks and recent only)")
+                    "the last queries), h2o (from all queries), streaming (none: sinks and recent only); quest, sparq: "
+                    "every token kept, each query attends to the pages or tokens it scores highest (turns run solo); "
+                    "oracle: each query's true top-k keys (an evaluation bound: it computes dense attention first)")
     sv.add_argument("--sparse-copies", action="store_true",
                     help="with --kv-budget (alisa or h2o) and --disk-dir or --remote: the disk and remote copies of a "
                     "session keep only the tokens its next turn keeps (lossy, like --kv-codec; combinable with it). "

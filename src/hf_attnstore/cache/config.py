@@ -63,8 +63,10 @@ QUERY_AWARE_POLICIES = ("quest", "sparq", "oracle")
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """Sparse window attention over a session (ALISA): the device keeps sinks, a recent window and the most
-    important of the other tokens, and new tokens attend to those alone. The store still keeps every token.
+    """Sparse attention over a session: with the window policies (ALISA, H2O, StreamingLLM) the device keeps sinks,
+    a recent window and the most important of the other tokens, and new tokens attend to those alone; with the
+    query-aware ones (Quest, SparQ, the oracle) the layers keep every token and each query attends to a budget of them
+    it chooses. The store still keeps every token.
 
     Args:
         kv_budget: Tokens kept of the history before each forward: a fraction in (0, 1] of the session's length
