@@ -129,8 +129,9 @@ def sparsity_report(model, tokenizer, *, corpora=("pydoc", "sharegpt"), texts: i
     results = {}
     for corpus in corpora:
         docs = load_texts(corpus, tokenizer, texts, length)
-        print_fn(f"\n{corpus}: {corpus_description(corpus)}; {len(docs)} texts of {length} tokens, chunks of "
-                 f"{chunk_tokens} ({protocol}), scored after token {score_from}")
+        feed = "decoded token by token" if protocol == "decode" else f"chunks of {chunk_tokens} ({protocol})"
+        print_fn(f"\n{corpus}: {corpus_description(corpus)}; {len(docs)} texts of {length} tokens, {feed}, "
+                 f"scored after token {score_from}")
         print_fn("| policy | sparsity | PPL | vs dense | x oracle's loss | time |\n| --- | --- | --- | --- | --- | --- |")
         rows = {}
         # Dense and the oracle first: every other row is read against them.
