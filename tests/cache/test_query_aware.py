@@ -222,6 +222,7 @@ def test_a_one_layer_model_equals_dense_attention_with_the_selection_masked(new,
         logits = model(cache.input_ids[:, 60:], **cache_kwargs(cache)).logits
     assert cache.layers[0].keys.shape[2] == 60 + new  # the layer holds every token
     assert cache.turn.sparse_from == 60  # what it computed attended to a selection
+    assert cache.turn.selection.steps == (new == 1)  # one token: the gathered path; several: the mask
     (indices,) = chosen
     heads = model.config.num_attention_heads
     mask = _kept_by_quest(indices, heads, new, 60 + new)[None]

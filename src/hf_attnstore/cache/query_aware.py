@@ -170,9 +170,9 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
                                                        PageSummaries(min(config.sink_tokens, keep), config.page_tokens))
             indices = history_indices(query, key, config, summaries, scaling)
         selection.attended += indices.numel()
-        if q == 1:
+        if q == 1 and attention_mask is None:
             # Decoding: gather the kept keys (what a host-resident history would send to the device) and attend
-            # to them and the new token, no mask needed.
+            # to them and the new token, no mask needed (a step given a mask of its own takes the mask path below).
             selection.gathered += indices.numel()
             selection.steps += 1
             index = indices[None, :, 0, :, None]
