@@ -96,7 +96,7 @@ def batchable(model, sparse=None) -> tuple[bool, str]:
     if layout.has_state:
         return False, ("a hybrid model's linear-attention states are per session, and the batch cache holds "
                        "attention KV only")
-    if sparse is not None and sparse.query_aware:
+    if getattr(sparse, "query_aware", False):
         return False, (f"policy {sparse.policy!r} selects per query inside a turn's own attention "
                        "(cache/query_aware.py); a batch row's decoding step would attend densely")
     if sparse is not None and not all(layout.full[i] for i in layout.kv_layers):
