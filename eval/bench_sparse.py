@@ -8,7 +8,15 @@ a turn of `--new` tokens is resumed and `--decode` tokens are generated greedily
   * dense:          AttnStoreCache reusing the whole history (attention over every token);
   * alisa/streaming 80%: the same with ``kv_budget=0.2`` (the device keeps 20% of the history);
   * scoring only:   ``kv_budget=1.0`` with ALISA's policy: dense attention plus the importance scores
-                    (what keeping scores costs, e.g. for ``truncation="importance"``).
+                    (what keeping scores costs, e.g. for ``truncation="importance"``);
+  * quest/sparq 80%: query-aware selection (cache/query_aware.py): the layers hold every token and each decoding
+                    step gathers 20% of the history per layer and KV head, chosen for its query.
+
+The last column, history read per step: the KV a decoding step's attention reads, all layers. Dense and the
+query-aware policies hold the whole history on the device here; a design that kept it in host memory would move
+the query-aware policies' share per step (measured: the keys each step gathered), plus what chooses them (Quest:
+its page summaries, 1/page_tokens of the KV, on the device; SparQ: `sketch_dims` of the keys' head_dim components
+per token). The window policies read only what they keep on the device.
 
 Reported (medians; variants in an order drawn afresh for every repetition, from `--seed`, printed): resume TTFT
 (cache + prefill of the new tokens + the first token), decode tokens/s (64 tokens: a `generate` of 65 minus the
@@ -36,6 +44,8 @@ VARIANTS = {
     "scoring only": SparseConfig(1.0),
     "streaming 80%": SparseConfig(0.2, policy="streaming"),
     "alisa 80%": SparseConfig(0.2),
+    "quest 80%": SparseConfig(0.2, policy="quest"),
+    "sparq 80%": SparseConfig(0.2, policy="sparq"),
 }
 
 
@@ -46,8 +56,9 @@ def held_bytes(cache: AttnStoreCache) -> int:
 
 
 @torch.no_grad()
-def run_turn(model, store, session, prompt, config, decode: int) -> tuple[float, float, int]:
-    """(TTFT s, decode s per token, bytes held) of one resumed turn that leaves the store as it was."""
+def run_turn(model, store, session, prompt, config, decode: int) -> tuple[float, float, int, int]:
+    """(TTFT s, decode s per token, bytes held, history bytes read per decoding step) of one resumed turn that
+    leaves the store as it was."""
     started = time.perf_counter()
     cache = AttnStoreCache(model, store, session, prompt, kv_budget=config, save=False)
     generate = dict(do_sample=False, pad_token_id=0)
@@ -60,7 +71,15 @@ def run_turn(model, store, session, prompt, config, decode: int) -> tuple[float,
                          min_new_tokens=decode + 1, **generate)
     total = time.perf_counter() - started
     assert out.shape[1] == prompt.shape[1] + decode + 1, "the turn did not decode all its tokens"
-    return ttft, max(total - ttft, 1e-9) / decode, held_bytes(cache)
+    layer = next(layer for layer in cache.layers if getattr(layer, "keys", None) is not None)
+    per_token = 2 * layer.keys.shape[-1] * layer.keys.element_size()  # one token's K and V, one layer and KV head
+    selection = cache.turn.selection
+    if selection is not None and selection.steps:
+        layers = sum(getattr(layer, "keys", None) is not None for layer in cache.layers)
+        read = selection.gathered * per_token * layers // selection.steps
+    else:  # each step attends to all the layers hold
+        read = held_bytes(cache)
+    return ttft, max(total - ttft, 1e-9) / decode, held_bytes(cache), read
 
 
 def main() -> int:
@@ -78,8 +97,9 @@ def main() -> int:
     text = load_texts("sharegpt", tokenizer, 1, max(histories) + args.new)[0]
     print(f"{type(model).__name__} float32 on {model.device}; ShareGPT ids; new {args.new} tokens, decode "
           f"{args.decode}; medians of {args.reps}")
-    print("| history | variant | resume TTFT | decode tok/s | KV held on device | sessions per GiB |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| history | variant | resume TTFT | decode tok/s | KV held on device | sessions per GiB | "
+          "history read per step |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for H in histories:
         store = AttnStore(host_bytes="16GiB")
         session = f"h{H}"
@@ -99,9 +119,9 @@ def main() -> int:
         for name, runs in rows.items():
             ttft = statistics.median(r[0] for r in runs)
             per_token = statistics.median(r[1] for r in runs)
-            held = runs[0][2]
+            held, read = runs[0][2], runs[0][3]
             print(f"| {H} | {name} | {1000 * ttft:.0f} ms | {1 / per_token:.1f} | {held / 2**20:.1f} MiB | "
-                  f"{2**30 / held:.0f} |", flush=True)
+                  f"{2**30 / held:.0f} | {read / 2**20:.2f} MiB |", flush=True)
         store.close()
         print(f"  history {H}, order of the variants per repetition (seed {args.seed}): "
               + " | ".join(", ".join(o) for o in orders))

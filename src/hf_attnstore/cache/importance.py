@@ -33,7 +33,7 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
-from . import upstream
+from . import query_aware, upstream
 
 ATTENTION_NAME, EAGER_NAME = "attnstore_sdpa", "attnstore_eager"
 # Queries scored per matrix product: bounds the temporary [heads, block, n] weights of H2O's full prefill.
@@ -56,7 +56,8 @@ def scored_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         >>> torch.allclose(model(ids).logits, before, atol=1e-5)  # the same attention while no turn scores
         True
     """
-    output = upstream.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+    # SDPA, unless a query-aware turn selects per query (query_aware.py): the one attention function serves both.
+    output = query_aware.attention(module, query, key, value, attention_mask, **kwargs)
     scorer = _active.get()
     if scorer is not None:
         scorer.observe(module, query, key, kwargs.get("scaling"))

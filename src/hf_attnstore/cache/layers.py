@@ -270,6 +270,8 @@ class AttnStoreSparseLayer(AttnStoreLayer):
     def _target(self) -> int:
         """How many of the held tokens the next forward keeps (the same in every sparse layer of the cache)."""
         held = self._held()
+        if self.config.query_aware:
+            return held  # every token stays; each query selects inside the attention (query_aware.py)
         if not self._owner.can_select(self.total):
             return held  # no scores yet (a session resumed without them: its first forward is dense), or mid-prompt
         return min(held, self.config.budget(self.total))
@@ -298,7 +300,10 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         else:
             old_keys, old_values, columns = self.keys, self.values, self.columns
         old_keys, old_values, columns = self._selected(old_keys, old_values, columns, keep)
-        if columns.shape[1] < self.total:  # the new tokens attend to a selection: their KV is not the dense one
+        held = columns.shape[1]
+        if held < self.total or (self.config.query_aware and self.config.budget(held) < held):
+            # The new tokens attend to a selection (query-aware: the one their attention will make, of the same
+            # budget of `held`): their KV is not the dense one.
             self._owner.attended_sparse(self.total)
         new = torch.arange(self.total, self.total + n, device=key_states.device).expand(columns.shape[0], -1)
         self.columns = torch.cat([columns, new], dim=1)

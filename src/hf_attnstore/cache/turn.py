@@ -25,7 +25,7 @@ from torch import nn
 from ..store import AttnStore, Found
 from ..store.logs import OnceLogger
 from ..store.state import selection_name
-from . import importance
+from . import importance, query_aware, upstream
 from .config import SparseConfig, TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint, salted_fingerprint
 from .head import recompute_head
@@ -100,8 +100,12 @@ def check_scored(model: nn.Module, layout: LayerLayout, model_type: str, sparse:
         raise ValueError(f"`kv_budget` is not supported for {model_type}: its chunked-attention "
                          f"layers ({len(chunked)} of them) share the full-attention mask; use "
                          "`truncation=\"importance\"` or a dense cache")
-    if scored:
-        importance.enable(model)  # raises unless the model runs SDPA
+    if scored or (sparse is not None and sparse.query_aware):
+        importance.enable(model)  # raises unless the model runs SDPA or eager attention
+    if sparse is not None and sparse.query_aware and upstream.attention_implementation(model) != importance.ATTENTION_NAME:
+        raise ValueError(f"`kv_budget` with policy {sparse.policy!r} selects inside SDPA, but {model_type} runs "
+                         f"{upstream.attention_implementation(model)!r} attention: load it with "
+                         "`attn_implementation=\"sdpa\"`, or use policy \"alisa\"")
 
 
 class CacheTurn:
@@ -217,6 +221,9 @@ class CacheTurn:
         writer = self._store.open_turn(self.session_id, self.fingerprint, snapshot, plan.reuse.keep) \
             if self._save else None
         self.scorer = self._new_scorer(self._initial_scores(plan))
+        # A query-aware turn's page summaries start with its layers (a restarted turn summarizes its keys anew).
+        self.selection = query_aware.Selection(self.sparse) if self.sparse is not None and self.sparse.query_aware \
+            else None
         self.layers = build_layers(self, self._layout, plan.reused, plan.state, self._device, self.sparse)
         # The reused tokens with KV per KV slot, ``[kv_heads, P]`` (a session loaded from sparse cold copies; empty:
         # all of them), set by `_start_from_present`: what the session's next turn selects from, with this turn's.
@@ -300,7 +307,10 @@ class CacheTurn:
         return getattr(self.layers[self._layout.kv_layers[slot]], "columns", None)
 
     def scoring(self):
-        """The context of a forward: the model's attention feeds this turn's scorer (importance.py)."""
+        """The context of a forward: the model's attention feeds this turn's scorer (importance.py), or selects per
+        query for a query-aware turn (query_aware.py)."""
+        if self.selection is not None:
+            return query_aware.selecting(self.selection)
         return importance.scoring(self.scorer)
 
     def can_select(self, start: int) -> bool:

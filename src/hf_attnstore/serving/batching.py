@@ -82,7 +82,8 @@ def batchable(model, sparse=None) -> tuple[bool, str]:
     window changes most turns' tokens). Chunked attention (llama4) is not: its chunks start at multiples of
     the chunk size, counted in columns, and left padding moves a row's positions off those boundaries; nor is
     length-dependent RoPE, whose frequencies follow the batch's longest row. With `sparse` (a pipeline's
-    SparseConfig) every KV layer must be full attention (all kept sparse, so of one length).
+    SparseConfig) every KV layer must be full attention (all kept sparse, so of one length), and the policy one
+    that selects before the step (not query-aware).
 
     Example:
         >>> batchable(model)  # doctest: +SKIP
@@ -95,6 +96,9 @@ def batchable(model, sparse=None) -> tuple[bool, str]:
     if layout.has_state:
         return False, ("a hybrid model's linear-attention states are per session, and the batch cache holds "
                        "attention KV only")
+    if getattr(sparse, "query_aware", False):
+        return False, (f"policy {sparse.policy!r} selects per query inside a turn's own attention "
+                       "(cache/query_aware.py); a batch row's decoding step would attend densely")
     if sparse is not None and not all(layout.full[i] for i in layout.kv_layers):
         return False, ("with `kv_budget` its full-attention layers keep a selection of the history and its "
                        "sliding-window layers a window: rows of different lengths per layer, where a batch row has "

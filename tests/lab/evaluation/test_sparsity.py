@@ -19,13 +19,14 @@ def model():
     return make_tiny("llama")
 
 
-@pytest.mark.parametrize("protocol", ["turns", "turn"])
+@pytest.mark.parametrize("protocol", ["turns", "turn", "decode"])
 def test_dense_and_a_whole_budget_equal_one_forward(model, protocol):
     ids = random_ids(100, 1)[0]
     with torch.no_grad():
         logits = model(ids[None]).logits[0]
     nll = float(F.cross_entropy(logits[29:-1], ids[30:], reduction="sum"))
-    for config in (None, SparseConfig(1.0), SparseConfig(1.0, policy="h2o")):
+    for config in (None, SparseConfig(1.0), SparseConfig(1.0, policy="h2o"), SparseConfig(1.0, policy="sparq"),
+                   SparseConfig(1.0, policy="oracle")):
         result = sparse_perplexity(model, ids, config, chunk_tokens=9, score_from=30, protocol=protocol)
         assert result.tokens == 70
         assert math.isclose(result.nll, nll, rel_tol=1e-5), config
@@ -44,10 +45,24 @@ def test_streaming_is_the_same_in_both_protocols(model):
 def test_sparsity_changes_the_result_and_the_policies_differ(model):
     ids = random_ids(120, 3)[0]
     dense = sparse_perplexity(model, ids, None, chunk_tokens=10, score_from=20)
-    sparse = {policy: sparse_perplexity(model, ids, SparseConfig(0.2, policy=policy), chunk_tokens=10, score_from=20)
-              for policy in ("streaming", "alisa", "h2o")}
+    policies = ("streaming", "alisa", "h2o", "quest", "sparq", "oracle")
+    sparse = {policy: sparse_perplexity(model, ids, SparseConfig(0.2, policy=policy, page_tokens=4), chunk_tokens=10,
+                                        score_from=20) for policy in policies}
     assert all(r.tokens == dense.tokens == 100 and math.isfinite(r.ppl) for r in sparse.values())
-    assert len({round(r.nll, 4) for r in [dense, *sparse.values()]}) == 4
+    assert len({round(r.nll, 4) for r in [dense, *sparse.values()]}) == 1 + len(policies)
+
+
+def test_decoding_token_by_token_scores_each_token_after_the_prefill(model, monkeypatch):
+    """The decode protocol: one forward of the first tokens, then one forward per token, each scored by the logit
+    before it; a sparse policy changes the result (it selects at every step)."""
+    ids = random_ids(60, 4)[0]
+    forwards = []
+    original = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: forwards.append(1) or original(*a, **k))
+    dense = sparse_perplexity(model, ids, None, score_from=40, protocol="decode")
+    assert dense.tokens == 20 and len(forwards) == 1 + 20
+    oracle = sparse_perplexity(model, ids, SparseConfig(0.2, policy="oracle"), score_from=40, protocol="decode")
+    assert oracle.tokens == 20 and not math.isclose(oracle.nll, dense.nll, rel_tol=1e-4)
 
 
 def test_report_rows(model, monkeypatch):
@@ -61,6 +76,30 @@ def test_report_rows(model, monkeypatch):
     assert set(rows["pydoc"]) == {("dense", 0.0), ("streaming", 0.5), ("streaming", 0.8)}
     assert rows["pydoc"][("dense", 0.0)].tokens == 120
     assert sum(line.startswith("| streaming |") for line in lines) == 2
+
+
+def test_the_report_runs_the_oracle_first_and_reads_every_loss_against_it(model, monkeypatch):
+    import hf_attnstore.lab.evaluation.corpora as corpora
+    import hf_attnstore.lab.evaluation.sparsity as sparsity
+    from hf_attnstore.lab.evaluation.ppl import PerplexityResult
+
+    monkeypatch.setattr(corpora, "load_texts", lambda corpus, tokenizer, n, length: [random_ids(90, 7)[0]])
+    ran = []
+    ppl = {None: 10.0, "oracle": 11.0, "streaming": 13.0}  # losses: oracle 1, streaming 3
+
+    def fake(model, ids, config, **kwargs):
+        ran.append(None if config is None else config.policy)
+        return PerplexityResult(nll=100 * math.log(ppl[ran[-1]]), tokens=100)
+
+    monkeypatch.setattr(sparsity, "sparse_perplexity", fake)
+    lines = []
+    sparsity_report(model, None, corpora=("pydoc",), texts=1, length=90, sparsities=(0.8,),
+                    policies=("streaming", "oracle", "dense"), print_fn=lines.append)
+    assert ran == [None, "oracle", "streaming"]
+    table = [line for line in lines if line.startswith("| ") and not line.startswith("| policy")]
+    assert [line.split(" | ")[:5] for line in table] == [["| dense", "0%", "10.000", "", ""],
+                                                         ["| oracle", "80%", "11.000", "+10.00%", ""],
+                                                         ["| streaming", "80%", "13.000", "+30.00%", "3.0x"]]
 
 
 class TestBadInput:

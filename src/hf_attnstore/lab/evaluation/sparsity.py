@@ -1,4 +1,6 @@
-"""Perplexity against KV sparsity: dense attention, StreamingLLM, ALISA's sparse window attention and H2O.
+"""Perplexity against KV sparsity: dense attention, StreamingLLM, ALISA's sparse window attention, H2O, the
+query-aware selections (Quest, SparQ) and the oracle (each query head's true top-k keys), the bound every policy is
+measured against: the report gives each policy's loss as a multiple of the oracle's at the same sparsity.
 
 A long text is fed in chunks. Before each chunk the history is trimmed to the budget (a fraction of the text
 so far: 20% kept is 80% sparsity), and the chunk attends to the kept tokens and causally to itself: every
@@ -13,6 +15,9 @@ Two protocols:
   scored on a session kept sparse since turn k; the store keeps every token, so a token a turn dropped may
   come back in a later one (when its stored score ranks it again).
 - ``turn`` (one long turn): one cache is fed chunk after chunk; a token dropped stays dropped (H2O's rule).
+- ``decode`` (a held-out segment decoded token by token): the first `score_from` tokens are one forward (dense: no
+  history before it), then every later token is its own forward of one token in the same turn, as ``generate``
+  decodes (teacher forced); a policy selects before (or, query-aware, inside) every step.
 
 Each token is scored by the forward that feeds it; the first of a chunk by the previous chunk's last logit.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 
 from ...cache.cache import AttnStoreCache
 from ...cache.config import SparseConfig
@@ -29,9 +35,9 @@ from ...cache.upstream import cache_kwargs
 from ...store import AttnStore
 from .ppl import PerplexityResult, score_turns
 
-#: The policies compared: dense, then :class:`SparseConfig` policies.
-POLICIES = ("dense", "streaming", "alisa", "h2o")
-PROTOCOLS = ("turns", "turn")
+#: The policies compared: dense, the oracle, then the other :class:`SparseConfig` policies.
+POLICIES = ("dense", "oracle", "streaming", "alisa", "h2o", "quest", "sparq")
+PROTOCOLS = ("turns", "turn", "decode")
 
 
 @torch.no_grad()
@@ -63,6 +69,8 @@ def sparse_perplexity(model, ids, config: SparseConfig | None, *, chunk_tokens: 
         raise ValueError(f"the text has {ids.numel()} tokens: nothing after token {score_from} is scored")
     store = AttnStore(host_bytes=2**62)  # one session; the store keeps it between turns
     try:
+        if protocol == "decode":
+            return _decode(model, store, config, ids, score_from)
         return score_turns(_turns(model, store, config) if protocol == "turns" else _one_turn(model, store, config),
                       ids, chunk_tokens, score_from)
     finally:
@@ -80,6 +88,19 @@ def _turns(model, store: AttnStore, config: SparseConfig | None):
         return logits, 0
 
     return turn
+
+
+def _decode(model, store: AttnStore, config: SparseConfig | None, ids: torch.Tensor, score_from: int):
+    """The ``decode`` protocol: one forward of the first `score_from` tokens, then one forward per token."""
+    cache = AttnStoreCache(model, store, "sparse", ids[:score_from], kv_budget=config, save=False)
+    last = model(cache.input_ids, **cache_kwargs(cache)).logits[0, -1].float()
+    result = PerplexityResult()
+    for t in range(score_from, ids.numel()):
+        target = ids[t : t + 1].to(model.device)
+        result.nll += float(F.cross_entropy(last[None], target))
+        result.tokens += 1
+        last = model(target.view(1, 1), **cache_kwargs(cache)).logits[0, -1].float()
+    return result
 
 
 def _one_turn(model, store: AttnStore, config: SparseConfig | None):
@@ -108,11 +129,13 @@ def sparsity_report(model, tokenizer, *, corpora=("pydoc", "sharegpt"), texts: i
     results = {}
     for corpus in corpora:
         docs = load_texts(corpus, tokenizer, texts, length)
-        print_fn(f"\n{corpus}: {corpus_description(corpus)}; {len(docs)} texts of {length} tokens, chunks of "
-                 f"{chunk_tokens} ({protocol}), scored after token {score_from}")
-        print_fn("| policy | sparsity | PPL | vs dense | time |\n| --- | --- | --- | --- | --- |")
+        feed = "decoded token by token" if protocol == "decode" else f"chunks of {chunk_tokens} ({protocol})"
+        print_fn(f"\n{corpus}: {corpus_description(corpus)}; {len(docs)} texts of {length} tokens, {feed}, "
+                 f"scored after token {score_from}")
+        print_fn("| policy | sparsity | PPL | vs dense | x oracle's loss | time |\n| --- | --- | --- | --- | --- | --- |")
         rows = {}
-        for policy in policies:
+        # Dense and the oracle first: every other row is read against them.
+        for policy in sorted(policies, key=lambda p: {"dense": 0, "oracle": 1}.get(p, 2)):
             for sparsity in ((0.0,) if policy == "dense" else sparsities):
                 config = None if policy == "dense" else SparseConfig(round(1.0 - sparsity, 6), policy=policy)
                 started = time.perf_counter()
@@ -121,9 +144,13 @@ def sparsity_report(model, tokenizer, *, corpora=("pydoc", "sharegpt"), texts: i
                     total = total + sparse_perplexity(model, ids, config, chunk_tokens=chunk_tokens,
                                                       score_from=score_from, protocol=protocol)
                 rows[(policy, sparsity)] = total
-                dense = rows.get(("dense", 0.0))
+                dense, oracle = rows.get(("dense", 0.0)), rows.get(("oracle", sparsity))
                 rel = f"{100 * (total.ppl / dense.ppl - 1):+.2f}%" if dense is not None and policy != "dense" else ""
-                print_fn(f"| {policy} | {sparsity:.0%} | {total.ppl:.3f} | {rel} | "
+                times = ""
+                if dense is not None and oracle is not None and policy not in ("dense", "oracle") \
+                        and oracle.ppl > dense.ppl:
+                    times = f"{(total.ppl - dense.ppl) / (oracle.ppl - dense.ppl):.1f}x"
+                print_fn(f"| {policy} | {sparsity:.0%} | {total.ppl:.3f} | {rel} | {times} | "
                          f"{time.perf_counter() - started:.0f} s |")
         results[corpus] = rows
     return results
