@@ -344,7 +344,7 @@ class RemoteTier(Tier):
                 ([self.key_of(key, "c:" + manifest.state.digest)] if manifest.state is not None else [])
             pipe = self.client.pipeline(transaction=False)
             for name in names:
-                pipe.touch(name)  # present, and as recent as this session (see `manifest`)
+                pipe.execute_command("TOUCH", name)  # present, and as recent as this session (see `manifest`)
             missing = [n.rsplit(":", 1)[-1] for n, here in zip(names, self._call(pipe.execute)) if not here]
             if missing:
                 raise MissingChunks(missing)
@@ -399,12 +399,13 @@ class RemoteTier(Tier):
         # it up with LOOKUP_NOTOUCH). A shared prefix's chunks are stored once, under the session that wrote them,
         # so with EXISTS they stayed as old as that session however many sessions resumed from them, and a Redis
         # with `maxmemory` + `allkeys-lru` evicted them first: every sharer missed. Each lookup and each save of a
-        # sharer now makes them as recent as the sharer.
+        # sharer now makes them as recent as the sharer. `execute_command("TOUCH", ...)`, not `pipe.touch`: redis-py's
+        # cluster pipeline treats `touch` as a multi-key command and answers nothing for it (redis 8.1).
         pipe = self.client.pipeline(transaction=False)
         for span in manifest.spans:
-            pipe.touch(self._chunk_key(key, span))
+            pipe.execute_command("TOUCH", self._chunk_key(key, span))
         if manifest.state is not None:
-            pipe.touch(self.key_of(key, "c:" + manifest.state.digest))
+            pipe.execute_command("TOUCH", self.key_of(key, "c:" + manifest.state.digest))
         present, end = self._call(pipe.execute), manifest.head
         if manifest.state is not None and not present.pop():
             manifest = dataclasses.replace(manifest, state=None)
