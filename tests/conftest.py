@@ -244,6 +244,15 @@ def char_tokenizer():
     return fast
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny random llama and the character tokenizer saved in a folder (its path), as `--model` takes one."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny("llama").save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from hf_attnstore import load_default_model

@@ -12,15 +12,6 @@ import pytest
 
 from hf_attnstore.cli import main
 
-from .conftest import char_tokenizer, make_tiny
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny("llama").save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return str(folder)
 
 
 def rows(text: str) -> list[list[str]]:

@@ -15,18 +15,9 @@ from hf_attnstore import AttnStoreCache
 from hf_attnstore.cli import build_parser, build_server, main
 from hf_attnstore.store.remote import RemoteUnavailableError
 
-from .conftest import char_tokenizer, make_tiny
 from .store.kvdata import chunk_metadata
 
 SYSTEM = "You answer briefly and politely, in plain words, without lists or code. " * 5  # > one 256-token chunk
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny("llama").save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    return folder
 
 
 @contextlib.contextmanager
