@@ -134,6 +134,8 @@ def test_remote_shares_the_serving_state_unless_no_shared_state(model_dir, tmp_p
     with RedisServer(tmp_path / "redis") as redis:
         with serving(model_dir, "--remote", redis.url, *flags) as (client, server):
             assert (server.engine.shared is not None) == shared
+            # Ended turns are written for the other replicas at once (store/test_concurrency.py: behaviour).
+            assert server.store.config.save_while_computing == shared
             first = chat(client, conversation())
             response = client.post("/v1/responses", json={"model": client.model_name, "input": "hello",
                                                           "max_output_tokens": 4, "temperature": 0}).json()

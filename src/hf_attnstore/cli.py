@@ -216,7 +216,10 @@ def build_server(args: argparse.Namespace) -> Server:
     store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
                       remote=args.remote, remote_required=args.remote_required, policy=args.policy,
                       kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes,
-                      recompute_by_cost=args.recompute_by_cost, sparse_copies=args.sparse_copies, ttl_s=args.ttl)
+                      recompute_by_cost=args.recompute_by_cost, sparse_copies=args.sparse_copies, ttl_s=args.ttl,
+                      # Replicas sharing the state: an ended turn is written at once, for whichever replica
+                      # serves the next one (a busy replica is never quiet).
+                      save_while_computing=args.remote is not None and not args.no_shared_state)
     # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
     window = args.context_window or getattr(model.config, "max_position_embeddings", None)
     try:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
+import pytest
 import torch
 
 from hf_attnstore.store import AttnStore, LoadError
@@ -266,4 +268,26 @@ def test_a_slow_consumer_does_not_hold_back_other_loads(tmp_path, monkeypatch):
     slow.loader.release()
     slow.loader.wait_all()
     expect(slow, list(range(16)))
+    store.close()
+
+
+@pytest.mark.parametrize("save_while_computing", [False, True])
+def test_an_ended_turn_is_written_behind_while_forwards_run_only_when_asked(tmp_path, save_while_computing):
+    """A replica that always computes is never quiet: its ended turns wait (the default, so saving does not slow
+    compute), unless `save_while_computing` writes them at once, for the replica that serves the next turn."""
+    store = AttnStore(host_bytes="64MiB", disk_dir=str(tmp_path / "kv"),
+                      **{**FAST, "save_while_computing": save_while_computing})
+    store.forward_started()  # another session's forward runs, and keeps running
+    try:
+        write_turn(store, "s", list(range(16)))
+        deadline = time.monotonic() + WAIT
+        while store.stats().bytes_written == 0 and time.monotonic() < deadline and save_while_computing:
+            time.sleep(0.01)
+        if not save_while_computing:
+            time.sleep(20 * FAST["idle_flush_s"])  # ended long ago: still waiting for a quiet gap
+        assert (store.stats().bytes_written > 0) == save_while_computing
+    finally:
+        store.forward_finished()
+    store.flush()
+    assert store.stats().bytes_written > 0  # quiet: the default writes it too
     store.close()

@@ -43,6 +43,11 @@ class StoreConfig:
             on CPU, where the loader thread competes with the model's threads for the same cores and was
             measured slower (docs/benchmarks.md).
         idle_flush_s: A session whose last write is this old is persisted to disk (its turn has ended).
+        save_while_computing: Write a session whose turn has ended (no write for `idle_flush_s`) behind at once,
+            even while model forwards run. Default ``False``: such writes wait for a quiet gap, so saving does not
+            slow a turn computing on the same cores. Replicas sharing a remote tier want ``True`` (``attnstore
+            serve --remote`` sets it with the shared serving state): a conversation's next turn may come to another
+            replica, which finds only what was written, and a replica that is never quiet never writes.
         pin_memory: Page-lock host buffers (async GPU copies). ``None`` = when CUDA is available.
         fsync: Make disk writes durable. Only tests and benchmarks of the page cache turn it off.
         io_timeout_s: Longest wait for one layer of a load, and for `flush`.
@@ -130,6 +135,7 @@ class StoreConfig:
     read_buffer_layers: int | None = None
     preload: bool | None = None
     idle_flush_s: float = 0.5
+    save_while_computing: bool = False
     pin_memory: bool | None = None
     fsync: bool = True
     io_timeout_s: float = 60.0

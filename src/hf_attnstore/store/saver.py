@@ -104,6 +104,12 @@ class SavePlanner:
         needed to make room do not wait."""
         return self.state.forwards_active == 0 and now - self.state.last_forward >= self.config.idle_flush_s
 
+    def may_write(self, e: Entry, now: float) -> bool:
+        """Whether a save of `e` may run now: it is urgent, the model is quiet (`compute_quiet`), or, with
+        `save_while_computing`, `e`'s turn has ended (no write for `idle_flush_s`)."""
+        return e.urgent or self.compute_quiet(now) or (
+            self.config.save_while_computing and now - e.last_write >= self.config.idle_flush_s)
+
     def next_save(self) -> Entry | None:
         now = time.monotonic()
         best = None
@@ -121,7 +127,7 @@ class SavePlanner:
                 # buffer holds there. `AttnStore.fill_head` marks the session again once they are filled.
                 continue
             idle = now - e.last_write >= self.config.idle_flush_s
-            if not e.urgent and not self.compute_quiet(now):
+            if not self.may_write(e, now):
                 continue  # write behind: wait for the gap after the turn (see `compute_quiet`)
             if e.urgent or idle or e.length - e.persisted >= self.config.chunk_tokens:
                 if best is None or (e.urgent and not best.urgent):
@@ -331,6 +337,6 @@ class SavePlanner:
         with self.state.cond:
             self.state.cond.wait_for(
                 lambda: self.state.closed or (self.state.loads_active == 0 and (
-                    e.urgent or self.state.room_waiters > 0 or self.compute_quiet(time.monotonic()))),
+                    self.state.room_waiters > 0 or self.may_write(e, time.monotonic()))),
                 self.config.io_timeout_s,
             )
