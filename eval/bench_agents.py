@@ -94,7 +94,7 @@ def tasks(n: int, chars: int) -> list[str]:
     raise ValueError(f"not enough ShareGPT requests for {n} agents")
 
 
-def tool_results(agents: int, steps: int, seed: int) -> list[list[str]]:
+def tool_results(agents: int, steps: int, seed: int) -> tuple[list[list[str]], object]:
     """Per agent and step, a tool result: 200 to 2,000 tokens (log-uniform) of Python's documentation."""
     from hf_attnstore import load_default_model
     from hf_attnstore.lab.evaluation.corpora import load_texts
@@ -122,6 +122,7 @@ def agent(client, model: str, a: int, task: str, results: list[str], tokenizer, 
         for step, result in enumerate(results):
             record = stream_turn(client, model, messages, args.max_tokens)
             reply = record.pop("reply")
+            record.pop("calls")
             with lock:
                 records.append(dict(agent=a, step=step, **record))
             used = (record["prompt"] or used) + record["completion"] + 16
@@ -151,35 +152,6 @@ def valid_call(call: dict) -> bool:
     return False
 
 
-def stream_request(client, model: str, messages: list[dict], max_tokens: int, **extra) -> dict:
-    """One streamed, greedy request with tools: TTFT (to the first content or call delta), its content, its calls
-    (deltas joined by index), total time and usage."""
-    t0 = time.perf_counter()
-    first, content, calls, usage = None, "", {}, None
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}, tools=TOOLS,
-                                            **extra)
-    for chunk in stream:
-        delta = chunk.choices[0].delta if chunk.choices else None
-        if delta is not None and (delta.content or delta.tool_calls) and first is None:
-            first = time.perf_counter()
-        if delta is not None and delta.content:
-            content += delta.content
-        for piece in (delta.tool_calls or []) if delta is not None else []:
-            call = calls.setdefault(piece.index, {"id": None, "name": "", "arguments": ""})
-            call["id"] = piece.id or call["id"]
-            if piece.function is not None:
-                call["name"] += piece.function.name or ""
-                call["arguments"] += piece.function.arguments or ""
-        usage = chunk.usage or usage
-    end = time.perf_counter()
-    details = getattr(usage, "prompt_tokens_details", None) if usage else None
-    return dict(ttft=(first or end) - t0, total=end - t0, prompt=usage.prompt_tokens if usage else 0,
-                completion=usage.completion_tokens if usage else 0,
-                cached=getattr(details, "cached_tokens", None) if details else None, content=content,
-                calls=[calls[i] for i in sorted(calls)])
-
-
 def reused(request: dict, previous: dict | None) -> float | None:
     """The share of the agent's previous request (its prompt and reply) that this one's cached tokens cover: the
     conversation sent back with a call, its result or a follow-up is that request's prompt and reply and more."""
@@ -206,7 +178,7 @@ def tool_agent(client, model: str, a: int, task: str, results: list[str], tokeni
         for step, result in enumerate(results):
             choice = ({"tool_choice": {"type": "function", "function": {"name": "lookup_docs"}}} if step % 2 == 0
                       else {"tool_choice": "required", "parallel_tool_calls": False}) if forced else {}
-            call = stream_request(client, model, messages, args.call_tokens, **choice)
+            call = stream_turn(client, model, messages, args.call_tokens, tools=TOOLS, **choice)
             valid = bool(call["calls"]) and all(valid_call(c) for c in call["calls"])
             calls = call["calls"] if valid else [dict(fallback, id=f"call_{a}_{step}")]
             with lock:
@@ -218,18 +190,18 @@ def tool_agent(client, model: str, a: int, task: str, results: list[str], tokeni
             ids = tokenizer(result, add_special_tokens=False)["input_ids"]
             if room < len(ids):
                 result = tokenizer.decode(ids[:max(0, room)])
-            messages += [assistant_message(call["content"] if valid else "", calls),
+            messages += [assistant_message(call["reply"] if valid else "", calls),
                          {"role": "tool", "tool_call_id": calls[0]["id"], "content": result}]
             messages += [{"role": "tool", "tool_call_id": c["id"], "content": "Not run: one call per step."}
                          for c in calls[1:]]
-            reply = stream_request(client, model, messages, args.max_tokens,
-                                   **({"tool_choice": "none"} if forced else {}))
+            reply = stream_turn(client, model, messages, args.max_tokens, tools=TOOLS,
+                                **({"tool_choice": "none"} if forced else {}))
             with lock:
                 records.append(dict(agent=a, step=step, kind="reply", valid=None, reused=reused(reply, previous),
                                     **{k: reply[k] for k in ("ttft", "total", "prompt", "completion", "cached")}))
             previous = reply
             used = (reply["prompt"] or used) + reply["completion"] + 16
-            messages.append(assistant_message(reply["content"], reply["calls"]))
+            messages.append(assistant_message(reply["reply"], reply["calls"]))
             messages += [{"role": "tool", "tool_call_id": c["id"] or f"call_{i}", "content": "Not run."}
                          for i, c in enumerate(reply["calls"])]
             messages.append({"role": "user", "content": FOLLOW_UP})
@@ -329,6 +301,31 @@ def serve_agents(system: str, proc, port: int, agents: int, convs, results, toke
                 prompt_tokens_last=statistics.mean(r["prompt"] for r in records if r["step"] == args.steps - 1))
 
 
+def cell(share: float | None) -> str:
+    return f"{100 * share:.1f}%" if share is not None else "–"
+
+
+def chat_table(rows: list[dict]) -> None:
+    print("\n| system | steps/s | tokens/s | TTFT p50 | p99 | last 3 steps p50 | cached share | mean prompt | "
+          "last prompt | wall |")
+    print("| --- " * 10 + "|")
+    for r in rows:
+        print(f"| {r['system']} | {r['steps_per_s']:.3f} | {r['tokens_per_s']:.2f} | {r['ttft_p50_ms']:.0f} ms | "
+              f"{r['ttft_p99_ms']:.0f} ms | {r['late_ttft_p50_ms']:.0f} ms | {cell(r['cached_share'])} | "
+              f"{r['prompt_tokens_mean']:.0f} | {r['prompt_tokens_last']:.0f} | {r['wall_s']:.0f} s |")
+
+
+def tools_table(rows: list[dict]) -> None:
+    print("\n| system | tool_choice | steps/s | call TTFT p50 | reply TTFT p50 | TTFT p99 | valid calls | "
+          "cached share | previous request reused | mean prompt | last prompt | wall |")
+    print("| --- " * 12 + "|")
+    for r in rows:
+        print(f"| {r['system']} | {r['tool_choice']} | {r['steps_per_s']:.3f} | {r['call_ttft_p50_ms']:.0f} ms | "
+              f"{r['reply_ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | {100 * r['valid_calls']:.0f}% | "
+              f"{cell(r['cached_share'])} | {cell(r['reused'])} | {r['prompt_tokens_mean']:.0f} | "
+              f"{r['prompt_tokens_last']:.0f} | {r['wall_s']:.0f} s |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agents", type=int, default=8)
@@ -364,25 +361,7 @@ def main(argv=None) -> int:
             return 1
         rows.append(row)
         print(f"{system}: {row['steps_per_s']:.3f} steps/s, TTFT p50 {row['ttft_p50_ms']:.0f} ms", flush=True)
-    if args.tools:
-        print("\n| system | tool_choice | steps/s | call TTFT p50 | reply TTFT p50 | TTFT p99 | valid calls | "
-              "cached share | previous request reused | mean prompt | last prompt | wall |")
-        print("| --- " * 12 + "|")
-        for r in rows:
-            cached = f"{100 * r['cached_share']:.1f}%" if r["cached_share"] is not None else "–"
-            again = f"{100 * r['reused']:.1f}%" if r["reused"] is not None else "–"
-            print(f"| {r['system']} | {r['tool_choice']} | {r['steps_per_s']:.3f} | {r['call_ttft_p50_ms']:.0f} ms | "
-                  f"{r['reply_ttft_p50_ms']:.0f} ms | {r['ttft_p99_ms']:.0f} ms | {100 * r['valid_calls']:.0f}% | "
-                  f"{cached} | {again} | {r['prompt_tokens_mean']:.0f} | {r['prompt_tokens_last']:.0f} | {r['wall_s']:.0f} s |")
-    else:
-        print("\n| system | steps/s | tokens/s | TTFT p50 | p99 | last 3 steps p50 | cached share | mean prompt | "
-              "last prompt | wall |")
-        print("| --- " * 10 + "|")
-    for r in rows if not args.tools else ():
-        cached = f"{100 * r['cached_share']:.1f}%" if r["cached_share"] is not None else "–"
-        print(f"| {r['system']} | {r['steps_per_s']:.3f} | {r['tokens_per_s']:.2f} | {r['ttft_p50_ms']:.0f} ms | "
-              f"{r['ttft_p99_ms']:.0f} ms | {r['late_ttft_p50_ms']:.0f} ms | {cached} | "
-              f"{r['prompt_tokens_mean']:.0f} | {r['prompt_tokens_last']:.0f} | {r['wall_s']:.0f} s |")
+    (tools_table if args.tools else chat_table)(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

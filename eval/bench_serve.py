@@ -157,23 +157,32 @@ def system_prompt(tokens: int) -> str | None:
     return tokenizer.decode(ids)
 
 
-def stream_turn(client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed, greedy turn: its reply, TTFT (to the first content), total time and usage."""
+def stream_turn(client, model: str, messages: list[dict], max_tokens: int, **extra) -> dict:
+    """One streamed, greedy turn (`extra`: more request fields, e.g. `tools`): its reply, its tool calls (deltas
+    joined by index), TTFT (to the first content or call delta), total time and usage."""
     t0 = time.perf_counter()
-    first, reply, usage = None, "", None
+    first, reply, calls, usage = None, "", {}, None
     stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                            temperature=0, stream=True, stream_options={"include_usage": True})
+                                            temperature=0, stream=True, stream_options={"include_usage": True},
+                                            **extra)
     for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            if first is None:
-                first = time.perf_counter()
-            reply += chunk.choices[0].delta.content
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is not None and (delta.content or delta.tool_calls) and first is None:
+            first = time.perf_counter()
+        reply += (delta.content or "") if delta is not None else ""
+        for piece in (delta.tool_calls or []) if delta is not None else []:
+            call = calls.setdefault(piece.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = piece.id or call["id"]
+            if piece.function is not None:
+                call["name"] += piece.function.name or ""
+                call["arguments"] += piece.function.arguments or ""
         usage = chunk.usage or usage
     end = time.perf_counter()
     details = getattr(usage, "prompt_tokens_details", None) if usage else None
     return dict(ttft=(first or end) - t0, total=end - t0, prompt=usage.prompt_tokens if usage else 0,
                 completion=usage.completion_tokens if usage else 0,
-                cached=getattr(details, "cached_tokens", None) if details else None, reply=reply)
+                cached=getattr(details, "cached_tokens", None) if details else None, reply=reply,
+                calls=[calls[i] for i in sorted(calls)])
 
 
 def user(client, model: str, u: int, messages_in: list[str], args, records: list, errors: list,
@@ -183,6 +192,7 @@ def user(client, model: str, u: int, messages_in: list[str], args, records: list
         for turn, text in enumerate(messages_in):
             messages.append({"role": "user", "content": text})
             record = stream_turn(client, model, messages, args.max_tokens)
+            record.pop("calls")
             with lock:
                 records.append(dict(user=u, turn=turn, **record))
             messages.append({"role": "assistant", "content": record["reply"]})
