@@ -281,7 +281,8 @@ def _simulate(args: argparse.Namespace) -> int:
         table = run_table(requests, args.host_tokens, [p for p in args.policies.split(",") if p],
                           disk_tokens=args.disk_tokens, window=args.window,
                           models=[m for m in args.models.split(",") if m],
-                          bw=Bandwidths(host=args.host_gbps * 1e9, disk=args.ssd_gbps * 1e9))
+                          bw=Bandwidths(host=args.host_gbps * 1e9, disk=args.ssd_gbps * 1e9),
+                          instances=args.instances)
     except (OSError, ValueError) as exc:
         print(f"attnstore simulate: {exc}", file=sys.stderr)
         return 2
@@ -467,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated block policies (retention:N: a credit of N ticks; slru:F: protected share F)")
     sm.add_argument("--window", type=int, default=0, help="look-ahead: the next K requests' blocks are shown to "
                     "the policies (the waiting queue)")
+    sm.add_argument("--instances", type=int, default=0, help="a load-driven queue: serve the trace on G prefill "
+                    "instances of the one model in --models; the policies look ahead into the requests waiting, at "
+                    "most --window of them if set, and TTFT includes the wait (0: no queueing)")
     sm.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     sm.add_argument("--models", default="llama-13b,llama-70b", help="cost profiles (comma-separated; '' for none)")
     sm.add_argument("--host-gbps", type=float, default=25.0, help="host-memory read bandwidth, GB/s")

@@ -75,3 +75,16 @@ def test_gaps_prints_where_each_policy_hits_by_reuse_distance(trace_file, capsys
     assert "| gap (requests) | reused tokens | lru | slru | Belady |" in out
     gap_rows = [line for line in out.splitlines() if line.startswith("| 1-1 |") or line.startswith("| 2-3 |")]
     assert gap_rows, out
+
+
+def test_instances_serve_the_trace_on_a_prefill_cluster(trace_file, capsys):
+    assert main(["simulate", "--trace", str(trace_file), "--host-tokens", "20K", "--policies", "lru-leaf",
+                 "--models", "llama-70b", "--instances", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    costs = out["results"][0]["costs"]["llama-70b"]
+    assert out["instances"] == 2 and out["utilization"] > 0
+    assert costs["ttft_mean_s"] >= costs["wait_mean_s"] >= 0 and costs["queued_mean"] >= 0
+    assert main(["simulate", "--trace", str(trace_file), "--instances", "2"]) == 2  # two default models
+    assert "name exactly one model" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(trace_file), "--instances", "-1", "--models", "llama-70b"]) == 2
+    assert "`instances`=-1" in capsys.readouterr().err

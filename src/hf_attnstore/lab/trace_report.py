@@ -1,10 +1,12 @@
 """The table of `attnstore simulate --trace`: policies × capacities beside the bounds, and what hits save.
 
-Cost model (per request, no queueing; the profiles of :mod:`hf_attnstore.lab.simulation`): the missed tokens
-are prefilled at the profile's rate; hit tokens are read from host memory over PCIe and from disk at the SSD's
-bandwidth, layer by layer while the missed tokens are computed (AttentionStore's layer-wise pre-loading), so a
-request's TTFT is ``max(prefill of the misses, reading of the hits)``. Prefill time is linear in tokens, as in
-the paper's model: attention's quadratic part is left out, which understates what long hits save.
+Cost model (the profiles of :mod:`hf_attnstore.lab.simulation`): the missed tokens are prefilled at the
+profile's rate; hit tokens are read from host memory over PCIe and from disk at the SSD's bandwidth, layer by
+layer while the missed tokens are computed (AttentionStore's layer-wise pre-loading), so a request's prefill takes
+``max(prefill of the misses, reading of the hits)``. Prefill time is linear in tokens, as in the paper's model:
+attention's quadratic part is left out, which understates what long hits save. Without `instances` a request's
+TTFT is its prefill alone (no queueing); with them it waits for one of that many prefill instances
+(:mod:`hf_attnstore.lab.trace_queue`), and the policies look ahead into the queue the load makes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from .simulation import PROFILES, ModelProfile
+from .trace_queue import PrefillCluster, no_cache_ttft_s, utilization
 from .trace_sim import (TraceResult, TraceSimConfig, belady_hit_rate, belady_hits, infinite_hit_rate,
                         reuse_gap_histogram, simulate_trace)
 from .traces import TraceRequest
@@ -41,13 +44,34 @@ class Bandwidths:
             raise ValueError(f"bandwidths must be positive, got host={self.host!r}, disk={self.disk!r}")
 
 
-def request_costs(result: TraceResult, profile: ModelProfile, bw: Bandwidths = Bandwidths()) -> dict[str, float]:
+def prefill_seconds(profile: ModelProfile, bw: Bandwidths = Bandwidths()):
+    """The service time of one request's prefill under `profile`: ``f(request, host_hits, disk_hits)`` seconds.
+
+    Example:
+        >>> from hf_attnstore.lab.traces import TraceRequest
+        >>> seconds = prefill_seconds(PROFILES["llama-13b"])
+        >>> round(seconds(TraceRequest(0, 1000, 1, (1, 2)), 512, 0), 4)  # 488 missed tokens at 1.7e-4 s
+        0.083
+    """
+    def seconds(request: TraceRequest, host: int, disk: int) -> float:
+        compute = (request.input_length - host - disk) * profile.prefill_s_per_token
+        return max(compute, profile.kv_bytes_per_token * (host / bw.host + disk / bw.disk))
+    return seconds
+
+
+def request_costs(result: TraceResult, profile: ModelProfile, bw: Bandwidths = Bandwidths(),
+                  cluster: PrefillCluster | None = None, no_cache: list[float] | None = None) -> dict[str, float]:
     """Prefill GPU time saved and TTFT statistics of one replay under one model.
+
+    Args:
+        cluster: The prefill cluster the replay ran on (its waits count in TTFT); None for no queueing.
+        no_cache: With a cluster, every request's TTFT on it with no cache (:func:`no_cache_ttft_s`).
 
     Returns:
         ``gpu_hours_saved`` (GPU-hours of prefill the hits avoid, all the model's GPUs), ``prefill_saved``
-        (the share of recomputation's prefill time), ``ttft_mean_s``, ``ttft_p99_s`` and ``ttft_p99_none_s``
-        (p99 TTFT with no cache, for comparison).
+        (the share of recomputation's prefill time), ``ttft_mean_s``, ``ttft_p99_s``, ``ttft_mean_none_s`` and
+        ``ttft_p99_none_s`` (with no cache, for comparison); with a cluster also ``wait_mean_s`` and
+        ``queued_mean`` (requests queued behind a request when it started: its look-ahead).
 
     Example:
         >>> from hf_attnstore.lab.traces import TraceRequest
@@ -63,8 +87,14 @@ def request_costs(result: TraceResult, profile: ModelProfile, bw: Bandwidths = B
         ttft.append(max(compute, read))
         none.append(n * profile.prefill_s_per_token)
         saved_s += (h + d) * profile.prefill_s_per_token
-    return {"gpu_hours_saved": saved_s * profile.gpus / 3600, "prefill_saved": saved_s / max(sum(none), 1e-12),
-            "ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": _p99(ttft), "ttft_p99_none_s": _p99(none)}
+    out = {"gpu_hours_saved": saved_s * profile.gpus / 3600, "prefill_saved": saved_s / max(sum(none), 1e-12)}
+    if cluster is not None:
+        if no_cache is None or len(no_cache) != len(ttft) or len(cluster.waits_s) != len(ttft):
+            raise ValueError("a cluster's costs need the cluster the replay ran on and its no-cache TTFTs")
+        ttft, none = cluster.ttft_s(), no_cache
+        out.update(wait_mean_s=sum(cluster.waits_s) / len(ttft), queued_mean=sum(cluster.queued) / len(ttft))
+    return out | {"ttft_mean_s": sum(ttft) / len(ttft), "ttft_p99_s": _p99(ttft),
+                  "ttft_mean_none_s": sum(none) / len(none), "ttft_p99_none_s": _p99(none)}
 
 
 def _p99(xs: list[float]) -> float:
@@ -74,8 +104,11 @@ def _p99(xs: list[float]) -> float:
 
 def run_table(requests: list[TraceRequest], host_tokens: list[int], policies: list[str] = list(DEFAULT_POLICIES),
               disk_tokens: int = 0, window: int = 0, models: list[str] = list(DEFAULT_MODELS),
-              bw: Bandwidths = Bandwidths()) -> dict:
+              bw: Bandwidths = Bandwidths(), instances: int = 0) -> dict:
     """Every policy at every capacity, with the bounds and the costs: the JSON object `simulate --json` prints.
+
+    With `instances`, every replay runs on a prefill cluster of that many instances of the one model in `models`
+    (the queue, and so the look-ahead, is the load's; ``window`` then caps it), and TTFT includes the waits.
 
     Example:
         >>> from hf_attnstore.lab.traces import TraceRequest
@@ -88,6 +121,15 @@ def run_table(requests: list[TraceRequest], host_tokens: list[int], policies: li
         raise ValueError(f"`models` {unknown} unknown; choose from {', '.join(sorted(PROFILES))}")
     if not host_tokens:
         raise ValueError("`host_tokens` must name at least one capacity")
+    cluster_of, load, no_cache = None, None, None
+    if instances:
+        if len(models) != 1:
+            raise ValueError(f"`instances`={instances} simulates one model's prefill cluster: name exactly one model "
+                             f"(got {len(models)})")
+        service = prefill_seconds(PROFILES[models[0]], bw)
+        load = utilization(requests, instances, service)
+        no_cache = no_cache_ttft_s(requests, instances, service)
+        cluster_of = lambda: PrefillCluster(requests, instances, service)  # noqa: E731
     configs = [TraceSimConfig(h, p, disk_tokens=disk_tokens, window=window) for h in host_tokens for p in policies]
     infinite = infinite_hit_rate(requests)
     bounds = []
@@ -101,14 +143,16 @@ def run_table(requests: list[TraceRequest], host_tokens: list[int], policies: li
     belady = {b["host_tokens"]: b.get("belady_host_and_disk", b["belady"]) for b in bounds}
     results = []
     for cfg in configs:
-        r = simulate_trace(requests, cfg)
+        cluster = cluster_of() if cluster_of else None
+        r = simulate_trace(requests, cfg, cluster)
         row = {"host_tokens": cfg.host_tokens, "policy": cfg.policy, "token_hit_rate": r.token_hit_rate,
                "host_hit_rate": r.host_hit_rate, "of_belady": r.token_hit_rate / belady[cfg.host_tokens]
                if belady[cfg.host_tokens] else None,
-               "costs": {m: request_costs(r, PROFILES[m], bw) for m in models}}
+               "costs": {m: request_costs(r, PROFILES[m], bw, cluster, no_cache) for m in models}}
         results.append(row)
     return {"requests": len(requests), "input_tokens": sum(r.input_length for r in requests),
-            "disk_tokens": disk_tokens, "window": window, "results": results, "bounds": bounds}
+            "disk_tokens": disk_tokens, "window": window, "instances": instances, "utilization": load,
+            "results": results, "bounds": bounds}
 
 
 def _tokens(n: int) -> str:
@@ -130,8 +174,16 @@ def format_tables(table: dict) -> str:
     policies = list(dict.fromkeys(r["policy"] for r in table["results"]))
     by = {(r["host_tokens"], r["policy"]): r for r in table["results"]}
     disk = table["disk_tokens"]
-    lines = [f"{table['requests']} requests, {table['input_tokens']:,} input tokens; look-ahead window "
-             f"{table['window']} requests" + (f"; disk tier {_tokens(disk)} tokens" if disk else "") + ".", "",
+    instances = table.get("instances") or 0
+    if instances:
+        model = PROFILES[next(iter(table["results"][0]["costs"]))].name if table["results"] else "?"
+        ahead = (f"look-ahead: the queue of a prefill cluster of {instances} {model} instances (offered load "
+                 f"{100 * table['utilization']:.0f}% with no cache)"
+                 + (f", at most {table['window']} requests" if table["window"] else ""))
+    else:
+        ahead = f"look-ahead window {table['window']} requests"
+    lines = [f"{table['requests']} requests, {table['input_tokens']:,} input tokens; " + ahead
+             + (f"; disk tier {_tokens(disk)} tokens" if disk else "") + ".", "",
              "| host tokens | " + " | ".join(policies) + " | Belady | Belady (leaf ties) | infinite |"
              + (" Belady (host + disk) |" if disk else ""),
              "| --- " * (len(policies) + 4) + ("| --- " if disk else "") + "|"]
@@ -144,7 +196,16 @@ def format_tables(table: dict) -> str:
     of = " at host + disk capacity)." if disk else ")."
     lines += ["", "Cells: token hit rate (its fraction of Belady's" + of, ""]
     models = list(table["results"][0]["costs"]) if table["results"] else []
-    if models:
+    if models and instances:
+        lines += ["| model | host tokens | policy | prefill saved | queue seen (mean) | mean wait | mean TTFT "
+                  "| p99 TTFT | mean / p99 TTFT, no cache |", "| --- " * 9 + "|"]
+        for r in table["results"]:
+            for m, c in r["costs"].items():
+                lines.append(f"| {PROFILES[m].name} | {_tokens(r['host_tokens'])} | {r['policy']} | "
+                             f"{pct(c['prefill_saved'])} | {c['queued_mean']:.1f} | {c['wait_mean_s']:.2f} s | "
+                             f"{c['ttft_mean_s']:.2f} s | {c['ttft_p99_s']:.2f} s | "
+                             f"{c['ttft_mean_none_s']:.2f} / {c['ttft_p99_none_s']:.2f} s |")
+    elif models:
         lines += ["| model | host tokens | policy | prefill saved | GPU-hours saved | mean TTFT | p99 TTFT "
                   "| p99 TTFT, no cache |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for m in models:

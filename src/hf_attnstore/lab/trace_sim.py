@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..store.policy import make_block_policy
 from ..store.policy.blocks import BlockKey
+from .trace_queue import PrefillCluster
 from .traces import BLOCK_TOKENS, TraceRequest, block_tokens
 
 MAX_CAPACITY_TOKENS = 10**13  # beyond any deployment: a typo, not a cache size
@@ -127,8 +128,13 @@ class _Tier:
         return out
 
 
-def simulate_trace(requests: list[TraceRequest], config: TraceSimConfig) -> TraceResult:
+def simulate_trace(requests: list[TraceRequest], config: TraceSimConfig,
+                   cluster: PrefillCluster | None = None) -> TraceResult:
     """Replays `requests` through one prefix cache and returns the hit tokens of each.
+
+    With a `cluster` (:class:`~hf_attnstore.lab.trace_queue.PrefillCluster`) the look-ahead is the load's: each
+    request's policies see the requests that arrived while it waited (at most ``config.window`` of them when that
+    is set), and the cluster learns each request's hits, which set its service time and so the next queues.
 
     Example:
         >>> reqs = [TraceRequest(0, 1024, 1, (1, 2)), TraceRequest(1, 1000, 1, (1, 3))]
@@ -139,8 +145,12 @@ def simulate_trace(requests: list[TraceRequest], config: TraceSimConfig) -> Trac
     disk = _Tier(config.disk_tokens // config.block, config.policy) if config.disk_tokens >= config.block else None
     result = TraceResult(config)
     for i, r in enumerate(requests):
-        if config.window:
-            queue = [q.hash_ids for q in requests[i + 1:i + 1 + config.window]]
+        window = config.window
+        if cluster is not None:
+            queued = cluster.start(i)
+            window = min(queued, window) if window else queued
+        if window or cluster is not None:
+            queue = [q.hash_ids for q in requests[i + 1:i + 1 + window]]
             host.policy.set_queue(queue)
             if disk:
                 disk.policy.set_queue(queue)
@@ -166,6 +176,8 @@ def simulate_trace(requests: list[TraceRequest], config: TraceSimConfig) -> Trac
                 disk.add(key)
         if disk:
             disk.overflow()
+        if cluster is not None:
+            cluster.finish(i, n_host, n_disk)
         result.input_tokens.append(r.input_length)
         result.host_hits.append(n_host)
         result.disk_hits.append(n_disk)
