@@ -5,7 +5,10 @@ Redis is a miss, never an error."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import redis
 from fastapi.testclient import TestClient
 from transformers import LogitsProcessorList
 
@@ -14,8 +17,9 @@ from hf_attnstore.serving import ChatEngine, create_app
 from hf_attnstore.serving.conversation import ReplyMemo
 from hf_attnstore.serving.pipeline import ChatPipeline
 from hf_attnstore.serving.response_store_redis import RedisResponseStore
+from hf_attnstore.serving import shared_state
 from hf_attnstore.serving.shared_state import SharedState, tokenizer_digest
-from hf_attnstore.store.redis_server import RedisServer
+from hf_attnstore.store.redis_server import RedisClusterServers, RedisServer
 
 from ..conftest import VOCAB, char_tokenizer, make_tiny
 from .helpers import ForceReply, bpe_tokenizer
@@ -100,11 +104,18 @@ def test_what_redis_holds_is_checked_on_every_read(redis_server):
     memo = ReplyMemo(shared=shared)
     shared.put_reply("", "too big", [5, 100])  # ids another model's tokenizer made
     assert memo.get("too big") is None
-    for damaged in (b"{not json", b'{"a": 1}', b"[1, true]", b"[-1]", b"\xff"):
-        shared.client.set(shared.prefix + "m:" + "0" * 32, damaged)
-        shared.client.set(shared.prefix + "r:resp_" + "1" * 32, damaged)
     responses = RedisResponseStore(shared)
-    assert responses.get("resp_" + "1" * 32) is None and responses.get("not an id") is None
+    raw = redis.Redis.from_url(redis_server.url)
+    memo_key = "m:" + shared_state._digest("", "damaged")
+    for damaged in (b"{not json", b'{"a": 1}', b"[1, true]", b"[-1]", b"\xff"):
+        raw.set(shared.prefix + memo_key, damaged)
+        raw.set(shared.prefix + "r:resp_" + "1" * 32, damaged)
+        assert memo.get("damaged") is None, damaged
+        if damaged != b"\xff":  # valid UTF-8: the response store checks the JSON itself
+            continue
+        assert responses.get("resp_" + "1" * 32) is None
+    assert responses.get("not an id") is None
+    raw.close()
     # Another namespace (another tokenizer) never sees these.
     ReplyMemo(shared=shared).add("hi", [1, 2])
     assert ReplyMemo(shared=SharedState(redis_server.url, namespace="m")).get("hi") is None
@@ -123,4 +134,38 @@ def test_a_dead_redis_is_a_miss_and_never_an_error(redis_server):
     responses = RedisResponseStore(shared)
     assert responses.get("resp_" + "2" * 32) is None and responses.delete("resp_" + "2" * 32) is False
     assert shared.find_session("", [1, 2, 3], [b"x"], 16) is None and shared.get_session("", "s") is None
+    shared.close()
+
+
+def test_on_a_redis_cluster_keys_spread_over_the_nodes_and_every_lookup_finds_them(tmp_path):
+    # The shared state's keys carry no hash tag, so a session's digests lie in several slots: a plain MGET of them
+    # is refused by a cluster (CROSSSLOT), and a plain client is MOVED away from other nodes' keys.
+    with RedisClusterServers(tmp_path / "cluster", nodes=3) as servers:
+        shared = SharedState(servers.url, namespace="c", vocab_size=VOCAB)
+        ids = list(range(40))
+        digests = [bytes([k]) * 16 for k in range(5)]  # five blocks of 8
+        shared.put_session("", "alice", ids, ids, digests[-1])
+        shared.put_reply("", "hello", [3, 4])
+        assert shared.cluster
+        assert shared.get_session("", "alice") == (tuple(ids), ids)
+        assert ReplyMemo(shared=shared).get("hello") == [3, 4]
+        assert shared.find_session("", ids + [41], digests, 8) == ("alice", tuple(ids), ids)
+        assert shared.put_response("resp_" + "3" * 32, '{"id": 1}')
+        assert shared.get_response("resp_" + "3" * 32) == '{"id": 1}'
+        raw = redis.Redis.from_url(servers.url)
+        slots = {raw.cluster("keyslot", shared.prefix + "d:" + d.hex()) for d in digests}
+        raw.close()
+        assert len(slots) > 1  # the lookup above read keys of several slots in one call
+        shared.close()
+
+
+def test_a_redis_down_at_start_is_connected_once_it_is_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(shared_state, "BACKOFF_S", 0.2)
+    server = RedisServer(tmp_path / "late")
+    shared = SharedState(server.url, namespace="late", timeout_s=1)
+    assert shared.get_reply("", "x") is None  # nothing listens yet: a miss, not an error
+    with server:
+        time.sleep(0.3)  # past the backoff
+        shared.put_reply("", "x", [1])
+        assert shared.get_reply("", "x") == [1]
     shared.close()

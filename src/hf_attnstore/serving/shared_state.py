@@ -16,6 +16,9 @@ has are a tokenizer's; replicas of another model sharing the Redis never read th
 Values are JSON, checked on every read (never unpickled): a malformed value is a miss. Redis is a cache here as it is
 for the KV: a failed call is a miss (a lookup) or a skipped copy (a write), logged once, and after a failure Redis
 is skipped for `BACKOFF_S` so that requests do not wait on a dead server; each call is bounded by `timeout_s`.
+The connection is made at the first call, and again after a failure, as the remote tier makes it
+(`store.remote.connect_redis`): a Redis Cluster node's URL gives the cluster client, which sends each key to the
+node that owns it (the keys carry no hash tag, so they spread over the nodes).
 Entries expire with `ttl_s`, else when Redis evicts them (``maxmemory-policy allkeys-lru``, docs/remote.md).
 """
 
@@ -27,7 +30,7 @@ import logging
 import threading
 import time
 
-from ..store.remote import redacted
+from ..store.remote import RemoteUnavailableError, connect_redis, redacted
 
 logger = logging.getLogger(__name__)
 PREFIX = "attnstore:serving:1:"
@@ -91,30 +94,53 @@ class SharedState:
         self.prefix = f"{PREFIX}{namespace}:"
         self.ttl = None if ttl_s is None else max(1, int(ttl_s))
         self.vocab_size = vocab_size
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self._errors = (redis.RedisError, OSError)
+        self._secret_url = url  # to connect: never logged (`self.url` is)
+        self._options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.client = None  # connected at the first call, and again after a failure
+        self.cluster = False
+        from redis.exceptions import RedisClusterException
+
+        self._errors = (redis.RedisError, RedisClusterException, OSError, RemoteUnavailableError)
         self._down_until = 0.0
         self._warned = False
         self._lock = threading.Lock()
 
     # -- calls: a failure is a miss -------------------------------------------------------------------------
-    def _call(self, fn, *args, default=None, **kwargs):
+    def _call(self, name: str, *args, default=None, **kwargs):
+        """``client.<name>(*args, **kwargs)``, or `default` when Redis is down or the call fails."""
         with self._lock:
             if time.monotonic() < self._down_until:
                 return default
+            client, cluster = self.client, self.cluster
         try:
-            return fn(*args, **kwargs)
+            if client is None:
+                client, cluster = connect_redis(self._secret_url, self._options, what=f"shared state at {self.url}")
+                with self._lock:
+                    if self.client is None:
+                        self.client, self.cluster = client, cluster
+                    else:  # another thread connected first
+                        _close_quietly(client)
+                        client, cluster = self.client, self.cluster
+            if name == "mget" and cluster:
+                # MGET of keys in several slots is refused by a cluster: the cluster client's non-atomic MGET
+                # groups them by node (one round trip each), which is all a lookup needs.
+                name = "mget_nonatomic"
+            return getattr(client, name)(*args, **kwargs)
         except self._errors as exc:
             with self._lock:
                 self._down_until = time.monotonic() + BACKOFF_S
                 warn, self._warned = not self._warned, True
+                stale, self.client = self.client, None  # connect afresh (the slot map or the server may have moved)
+            if stale is not None:
+                _close_quietly(stale)
             if warn:
                 logger.warning("shared serving state at %s failed (%s): lookups are misses, writes skipped, for "
-                               "%.0f s at a time while it fails", self.url, type(exc).__name__, BACKOFF_S)
+                               "%.0f s at a time while it fails", self.url, exc if isinstance(
+                                   exc, RemoteUnavailableError) else type(exc).__name__, BACKOFF_S)
             return default
 
     def _get_json(self, key: str):
-        data = self._call(self.client.get, self.prefix + key)
+        data = self._call("get", self.prefix + key)
         if data is None:
             return None
         try:
@@ -124,7 +150,7 @@ class SharedState:
 
     def _set(self, key: str, value) -> bool:
         text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
-        return bool(self._call(self.client.set, self.prefix + key, text, ex=self.ttl, default=False))
+        return bool(self._call("set", self.prefix + key, text, ex=self.ttl, default=False))
 
     # -- stored responses (response_store_redis.py) --------------------------------------------------------
     def put_response(self, response_id: str, text: str) -> bool:
@@ -132,7 +158,7 @@ class SharedState:
         return self._set("r:" + response_id, text)
 
     def get_response(self, response_id: str) -> str | None:
-        data = self._call(self.client.get, self.prefix + "r:" + response_id)
+        data = self._call("get", self.prefix + "r:" + response_id)
         if data is None:
             return None
         try:
@@ -141,7 +167,7 @@ class SharedState:
             return None
 
     def delete_response(self, response_id: str) -> bool:
-        return bool(self._call(self.client.delete, self.prefix + "r:" + response_id, default=0))
+        return bool(self._call("delete", self.prefix + "r:" + response_id, default=0))
 
     # -- the memo of generated replies ---------------------------------------------------------------------
     def put_reply(self, scope: str, text: str, ids: list[int]) -> None:
@@ -179,7 +205,7 @@ class SharedState:
         """The session last indexed at the longest of `digests` whose ids are a prefix of `ids`: (its id, ids,
         model ids), or None. One round trip for the digests, one per candidate (longest first)."""
         names = [self.prefix + "d:" + d.hex() for d in digests]
-        values = self._call(self.client.mget, names, default=None) if names else None
+        values = self._call("mget", names, default=None) if names else None
         if not values:
             return None
         ids = tuple(int(t) for t in ids)
@@ -202,4 +228,14 @@ class SharedState:
         return None
 
     def close(self) -> None:
-        self.client.close()
+        with self._lock:
+            client, self.client = self.client, None
+        if client is not None:
+            _close_quietly(client)
+
+
+def _close_quietly(client) -> None:
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - closing a client of a dead server must not raise
+        pass

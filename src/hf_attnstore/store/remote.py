@@ -117,6 +117,50 @@ def _cluster_enabled(client) -> bool:
         return False
 
 
+def connect_redis(url: str, options: dict, what: str) -> tuple:
+    """A connected client of the server at `url` (the cluster client when it is a Redis Cluster node), and whether
+    it is a cluster. `what` names the server in errors (never with the password: pass a redacted URL in it).
+
+    Raises:
+        RemoteUnavailableError: `transient` when the server cannot be reached; not when it refuses us.
+
+    Example:
+        >>> connect_redis("redis://127.0.0.1:1", {"socket_connect_timeout": 0.5}, what="the test server")
+        Traceback (most recent call last):
+        ...
+        hf_attnstore.store.remote.RemoteUnavailableError: the test server cannot be reached (...)
+    """
+    import redis  # the `redis` client is only needed with a remote tier
+
+    from redis.cluster import RedisCluster
+    from redis.exceptions import AuthorizationError, ClusterError, RedisClusterException, TryAgainError
+
+    client = None
+    try:
+        client = redis.Redis.from_url(url, **options)
+        client.ping()
+        if _cluster_enabled(client):
+            # A Redis Cluster node: the cluster client learns the slot map from it and sends each key (and each
+            # part of a pipeline) to the node that owns it. One retry: a dead node is a miss soon, not after the
+            # client's default ten attempts.
+            client.close()
+            client = RedisCluster.from_url(url, cluster_error_retry_attempts=1, **options)
+            client.ping()
+            return client, True
+        return client, False
+    except (redis.AuthenticationError, AuthorizationError) as exc:
+        _close_quietly(client)
+        raise RemoteUnavailableError(f"{what} refused the credentials ({exc}): check the user and password in the "
+                                     "URL") from None
+    except (redis.ConnectionError, redis.TimeoutError, OSError, ClusterError, TryAgainError,
+            RedisClusterException) as exc:
+        _close_quietly(client)
+        raise RemoteUnavailableError(f"{what} cannot be reached ({exc})", transient=True) from None
+    except (redis.RedisError, ValueError) as exc:
+        _close_quietly(client)
+        raise RemoteUnavailableError(f"{what} cannot be used ({exc})") from None
+
+
 def redacted(url: str) -> str:
     """The URL without its password (in the user part or a ``password=`` query): never logged or raised.
 
@@ -226,41 +270,8 @@ class RemoteTier(Tier):
         self._writer = SerialWriter("attnstore-remote-write")
 
     def _connect(self):
-        """A client of the server (the cluster client for a Redis Cluster node), and whether it is a cluster.
-
-        Raises:
-            RemoteUnavailableError: `transient` when the server cannot be reached; not when it refuses us.
-        """
-        import redis  # the `redis` client is only needed with a remote tier
-
-        from redis.cluster import RedisCluster
-        from redis.exceptions import AuthorizationError, ClusterError, RedisClusterException, TryAgainError
-
-        client = None
-        try:
-            client = redis.Redis.from_url(self._secret_url, **self._options)
-            client.ping()
-            if _cluster_enabled(client):
-                # A Redis Cluster node: the cluster client learns the slot map from it and sends each key
-                # (and each part of a pipeline) to the node that owns it. One retry: a dead node is a miss
-                # soon, not after the client's default ten attempts.
-                client.close()
-                client = RedisCluster.from_url(self._secret_url, cluster_error_retry_attempts=1, **self._options)
-                client.ping()
-                return client, True
-            return client, False
-        except (redis.AuthenticationError, AuthorizationError) as exc:
-            _close_quietly(client)
-            raise RemoteUnavailableError(f"the remote tier {self.url} refused the credentials ({exc}): check the "
-                                         "user and password in the URL") from None
-        except (redis.ConnectionError, redis.TimeoutError, OSError, ClusterError, TryAgainError,
-                RedisClusterException) as exc:
-            _close_quietly(client)
-            raise RemoteUnavailableError(f"the remote tier {self.url} cannot be reached ({exc})",
-                                         transient=True) from None
-        except (redis.RedisError, ValueError) as exc:
-            _close_quietly(client)
-            raise RemoteUnavailableError(f"the remote tier {self.url} cannot be used ({exc})") from None
+        """A client of the server (the cluster client for a Redis Cluster node), and whether it is a cluster."""
+        return connect_redis(self._secret_url, self._options, what=f"the remote tier {self.url}")
 
     def _reconnect(self) -> None:
         """The background thread of a tier that was down when the store started: tries every `BACKOFF_S`
