@@ -232,8 +232,13 @@ def build_server(args: argparse.Namespace) -> Server:
         raise
     shared = None
     if args.remote is not None and not args.no_shared_state:
-        # Replicas behind one load balancer continue each other's conversations and Responses chains.
-        shared = SharedState(args.remote, namespace=tokenizer_digest(tokenizer), ttl_s=store.config.remote_ttl_s,
+        # Replicas behind one load balancer continue each other's conversations and Responses chains. Their
+        # namespace is the tokenizer's and the model's (weights) and the context window's: a replica of another
+        # model, or one that truncates differently, shares the Redis but never these sessions, memos and responses.
+        from .cache.fingerprint import model_fingerprint
+
+        namespace = tokenizer_digest(tokenizer) + model_fingerprint(model)[:16] + f"w{window}"
+        shared = SharedState(args.remote, namespace=namespace, ttl_s=store.config.remote_ttl_s,
                              timeout_s=store.config.remote_timeout_s,
                              vocab_size=getattr(model.config.get_text_config(), "vocab_size", None))
     try:

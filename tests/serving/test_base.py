@@ -3,6 +3,8 @@ check and admission, once per request, with the same OpenAI-style error objects 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -94,3 +96,33 @@ def test_a_full_engine_is_the_same_429_on_every_route(server, calls):
     assert answers[0].json()["error"]["code"] == "overloaded"
     assert answers[0].json()["error"]["type"] == "rate_limit_error"
     assert calls == {"check_request": 3, "admit": 3}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", ROUTES)
+def test_recording_a_finished_turn_does_not_hold_up_other_requests(server, monkeypatch, path, stream):
+    # With replicas, recording a turn writes to the shared Redis; a slow one must not stall the event loop (every
+    # other stream, and the /health the router polls). The recording here waits until /health has answered: on
+    # the event loop it would wait in vain (/health could not run) and give up after 10 s.
+    client, engine = server
+    entered, answered = threading.Event(), threading.Event()
+    waited_in_vain = []
+    original = engine.finish
+
+    def slow_finish(*args, **kwargs):
+        entered.set()
+        waited_in_vain.append(not answered.wait(10))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "finish", slow_finish)
+    results = []
+    with TestClient(client.app) as one_loop:  # one event loop for both requests, as a server has
+        worker = threading.Thread(target=lambda: results.append(
+            one_loop.post(path, json={"model": "tiny", "stream": stream, **ROUTES[path][0]})))
+        worker.start()
+        assert entered.wait(30)
+        assert one_loop.get("/health").status_code == 200
+        answered.set()
+        worker.join(30)
+    assert waited_in_vain == [False]
+    assert results[0].status_code == 200, results[0].text

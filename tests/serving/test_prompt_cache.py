@@ -1,5 +1,6 @@
-"""OpenAI's prompt-cache fields with the real `openai` client: ``prompt_cache_key`` names the session (as
-``X-Session-ID``), within the request's ``cache_salt``, on chat completions and the Responses API;
+"""OpenAI's prompt-cache fields with the real `openai` client: ``prompt_cache_key`` names the session of the first
+conversation under it (a key several conversations may share), within the request's ``cache_salt``, on chat
+completions and the Responses API;
 ``prompt_cache_retention`` is checked, and both are counted in ``/metrics``."""
 
 from __future__ import annotations
@@ -39,6 +40,26 @@ def test_the_key_names_the_session_and_the_next_turn_continues_it(server):
     assert session == "from-header"
     session, _ = chat(server, ASK, prompt_cache_key="agent-8", user="someone")
     assert session == "agent-8"
+
+
+def test_conversations_sharing_a_key_each_continue_their_own_session(server):
+    # OpenAI's key is as often one per app or per user as one per conversation. Two conversations under one key,
+    # turn by turn: each continues its own KV (the first names the key's session, the other is found by its ids),
+    # instead of each overwriting the session the other left.
+    conversations = [[{"role": "user", "content": f"Conversation {i}: tell me about caches, {i}."}] for i in (1, 2)]
+    sessions = [[], []]
+    for turn in range(3):
+        for i, messages in enumerate(conversations):
+            session, reply = chat(server, messages, prompt_cache_key="one-app", user="someone")
+            sessions[i].append(session)
+            if turn:  # the whole previous prompt and reply are reused, but the end-of-turn token
+                assert reply.usage.prompt_tokens_details.cached_tokens >= last[i] - 1, (turn, i)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                         {"role": "user", "content": f"More, {turn}?"}]
+            last = last if turn else [0, 0]
+            last[i] = reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert sessions[0] == ["one-app"] * 3  # the first conversation under the key has its session
+    assert len(set(sessions[1])) == 1 and sessions[1][0] != "one-app"
 
 
 def test_the_key_is_scoped_by_the_salt(server):

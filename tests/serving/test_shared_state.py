@@ -5,6 +5,8 @@ Redis is a miss, never an error."""
 
 from __future__ import annotations
 
+import json
+import signal
 import time
 
 import pytest
@@ -14,7 +16,7 @@ from transformers import LogitsProcessorList
 
 from hf_attnstore import AttnStore
 from hf_attnstore.serving import ChatEngine, create_app
-from hf_attnstore.serving.conversation import ReplyMemo
+from hf_attnstore.serving.conversation import ReplyMemo, SessionIndex
 from hf_attnstore.serving.pipeline import ChatPipeline
 from hf_attnstore.serving.response_store_redis import RedisResponseStore
 from hf_attnstore.serving import shared_state
@@ -169,3 +171,56 @@ def test_a_redis_down_at_start_is_connected_once_it_is_up(tmp_path, monkeypatch)
         shared.put_reply("", "x", [1])
         assert shared.get_reply("", "x") == [1]
     shared.close()
+
+
+def test_a_digest_outlived_by_its_sessions_rewrite_finds_nothing(redis_server):
+    # Session X held A, then its client edited an early message: X now holds B, of A's length and A's last block.
+    # The digest under which A was indexed still names X, but X no longer begins with A.
+    shared = SharedState(redis_server.url, namespace="n", vocab_size=100)
+    index = SessionIndex(block=16)
+    a = list(range(10, 42))
+    b = [50] * 16 + list(range(26, 42))
+    for ids in (a, b):
+        shared.put_session("", "X", ids, ids, index.digests(ids, "")[-1])
+    request = a + [60, 61]
+    assert shared.find_session("", request, index.digests(request, ""), 16) is None
+    resent = b + [60, 61]  # the edited conversation, continued: found
+    assert shared.find_session("", resent, index.digests(resent, ""), 16) == ("X", tuple(b), b)
+    shared.close()
+
+
+def test_a_responses_chain_through_another_salts_response_is_not_followed(redis_server):
+    tok = char_tokenizer()
+    replica = Replica(make_tiny("llama"), tok, redis_server.url)
+    try:
+        alice = replica.post("/v1/responses", {"input": "hello", "max_output_tokens": 3, "cache_salt": "alice"})
+        bob = replica.post("/v1/responses", {"input": "bob's secret", "max_output_tokens": 3, "cache_salt": "bob"})
+        raw = redis.Redis.from_url(redis_server.url)
+        record = json.loads(raw.get(replica.shared.prefix + "r:" + alice["id"]))
+        planted = "resp_" + "3" * 32  # alice's scope, continuing bob's response: what a writer to the Redis could plant
+        raw.set(replica.shared.prefix + "r:" + planted, json.dumps({**record, "id": planted, "previous_id": bob["id"]}))
+        raw.close()
+        r = replica.client.post("/v1/responses", json={"model": "tiny", "input": "x", "max_output_tokens": 2,
+                                                       "previous_response_id": planted, "cache_salt": "alice"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found", r.text
+    finally:
+        replica.close()
+
+
+def test_a_hung_cluster_node_costs_a_lookup_its_timeout_not_more(tmp_path):
+    with RedisClusterServers(tmp_path / "cluster", nodes=3) as servers:
+        shared = SharedState(servers.url, namespace="h", vocab_size=VOCAB, timeout_s=1)
+        index = SessionIndex(block=4)
+        ids = list(range(40))
+        shared.put_session("", "S", ids, ids, index.digests(ids, "")[-1])
+        request = ids + [1]
+        assert shared.find_session("", request, index.digests(request, ""), 4) is not None
+        servers.nodes[2].process.send_signal(signal.SIGSTOP)  # a hung host: its digests' MGET never answers
+        try:
+            start = time.monotonic()
+            assert shared.find_session("", request, index.digests(request, ""), 4) is None  # a miss
+            took = time.monotonic() - start
+        finally:
+            servers.nodes[2].process.send_signal(signal.SIGCONT)
+        assert took < 1.9, f"a lookup took {took:.1f} s at a 1 s timeout"  # 3-14 s before the bound
+        shared.close()

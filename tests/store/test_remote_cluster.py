@@ -3,6 +3,9 @@ from one node's URL, a session's chunks spread over the nodes, and a dead node i
 
 from __future__ import annotations
 
+import signal
+import time
+
 import pytest
 from redis.cluster import RedisCluster
 
@@ -56,5 +59,27 @@ def test_a_dead_cluster_node_is_a_miss_never_an_error(tmp_path, cluster):
     write_turn(a, "t", [1, 2, 3])
     a.flush()  # durable on disk; a failed copy to the cluster is only counted
     expect(a.lookup("t", FP), [1, 2, 3])
+    a.close()
+    b.close()
+
+
+def test_a_hung_cluster_node_costs_a_lookup_its_timeout_not_more(tmp_path, cluster):
+    # A frozen node (SIGSTOP: a hung host, whose kernel still accepts connections) answers nothing. redis-py's
+    # cluster pipeline resends what failed on new connections, each waiting out its own socket timeout: a lookup
+    # took 5-22 s at a 2 s timeout. Each call is now bounded as a whole (store/deadline.py).
+    a = AttnStore("64MiB", None, remote=cluster.url, **FAST)  # remote_timeout_s=1
+    b = AttnStore("64MiB", None, remote=cluster.url, **FAST)
+    for s in range(3):
+        write_turn(a, f"s{s}", list(range(40)))  # 10 chunks each, on every node
+    a.flush()
+    cluster.nodes[2].process.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert b.lookup("s0", FP) is None  # a miss
+        took = time.monotonic() - start
+    finally:
+        cluster.nodes[2].process.send_signal(signal.SIGCONT)
+    assert took < 1.9, f"a lookup took {took:.1f} s at a 1 s timeout"
+    assert b.stats().remote_errors >= 1
     a.close()
     b.close()

@@ -217,10 +217,11 @@ class OpenAIServing:
         self.metrics.cancelled.inc()
         return Response(status_code=499)
 
-    def record(self, turn: RequestTurn, reply, parser: ReplyParser | None = None):
+    async def record(self, turn: RequestTurn, reply, parser: ReplyParser | None = None):
         """A finished turn: the engine learns where its session stands (`ChatEngine.finish`, whose answer it
-        returns) and the metrics count its reply."""
-        remembered = self.engine.finish(turn, reply, parser)
+        returns) and the metrics count its reply. Off the event loop: with replicas, `finish` writes to the shared
+        Redis, and a slow one would stall every stream and `/health` meanwhile."""
+        remembered = await asyncio.to_thread(self.engine.finish, turn, reply, parser)
         self.metrics.observe(reply)
         return remembered
 
@@ -263,7 +264,7 @@ class OpenAIServing:
                                                  "invalid_request_error" if client else "server_error"))
             else:
                 if timed_out:
-                    self.record(started.turn, reply, parser)  # the index learns where the session stands
+                    await self.record(started.turn, reply, parser)  # the index learns where the session stands
                     self.metrics.errors.labels("504").inc()
                     lines = events.failed(error_body(f"the turn did not finish within {self.timeout_s} s",
                                                      "server_error", code="timeout"))

@@ -59,7 +59,7 @@ class ChatServing(OpenAIServing):
                 self.parse_whole(sample.parser, reply)
                 message = ResponseMessage(content=sample.parser.message_content,
                                           tool_calls=sample.parser.calls or None)
-            self.record(sample.turn, reply, sample.parser)
+            await self.record(sample.turn, reply, sample.parser)
             choices.append(Choice(index=i, message=message,
                                   finish_reason=self.engine.finish_reason(reply, sample.max_new, sample.parser),
                                   logprobs=chat_logprobs(self.engine.pipeline.tokenizer, reply)))
@@ -90,20 +90,24 @@ class ChatServing(OpenAIServing):
             problem = self.limits.session_id_problem(header, "X-Session-ID")
             if problem is not None:
                 raise APIError(400, problem, param="X-Session-ID")
-        # The session the client names: its header, else OpenAI's prompt-cache key (the one that survives gateways
-        # that drop custom headers and `user`), else `user`; an empty one names no session.
-        session = header or body.prompt_cache_key or body.user or session or None
+        # The session the client names: its header, else the one a Responses chain continues. Else OpenAI's
+        # prompt-cache key (the one that survives gateways that drop custom headers and `user`), else `user`: keys
+        # that several conversations may share, followed only by the conversation that began the session
+        # (`ChatEngine._place`). An empty one names nothing.
+        session = header or session or None
+        hint = None if session else (body.prompt_cache_key or body.user or None)
         self.metrics.prompt_cache(body.prompt_cache_key, body.prompt_cache_retention)
         max_new = body.max_new_tokens(self.default_max_tokens)
-        return await self.start(lambda: self._setup(body, session, max_new), max_new, stream=body.stream)
+        return await self.start(lambda: self._setup(body, session, max_new, hint=hint), max_new, stream=body.stream)
 
-    def _setup(self, body: ChatCompletionRequest, session: str | None, max_new: int, turn: RequestTurn | None = None):
+    def _setup(self, body: ChatCompletionRequest, session: str | None, max_new: int, turn: RequestTurn | None = None,
+               hint: str | None = None):
         """A request's turn (rendered, unless given), reply parser and options; APIErrors for the client's faults."""
         try:
             tools = body.template_tools()
             if turn is None:
                 turn = self.engine.prepare([m.as_template_message() for m in body.messages], session,
-                                           body.cache_salt, tools)
+                                           body.cache_salt, tools, hint=hint)
             if body.prompt_cache_retention == "24h":  # OpenAI's longest: idleness does not expire it before
                 self.engine.pipeline.retain(turn.session_id, RETAIN_24H_S, turn.cache_salt)
             parser = self.engine.reply_parser(turn, tools, body.parallel_tool_calls is not False) \
@@ -193,7 +197,7 @@ class ChatEvents:
 
     async def finished(self, reply) -> list[str]:
         serving, turn, parser = self.serving, self.started.turn, self.started.parser
-        serving.record(turn, reply, parser)
+        await serving.record(turn, reply, parser)
         # Log-probabilities come with the last chunk, all of them: the text streamer's pieces are not tokens.
         out = [self._chunk(Delta(), serving.engine.finish_reason(reply, self.started.max_new, parser),
                            chat_logprobs(serving.engine.pipeline.tokenizer, reply), attnstore=store_info(turn, reply))]

@@ -46,16 +46,17 @@ class CompletionsServing(OpenAIServing):
             raise APIError(400, f"the prompt has {len(ids)} tokens and `max_tokens` is {max_new}: together at most "
                            f"{window} fit the context window; shorten the prompt or lower `max_tokens`",
                            param="prompt")
-        session = request.headers.get("x-session-id") or body.user or None
-        if session:
-            why = self.limits.session_id_problem(session, "X-Session-ID" if request.headers.get("x-session-id")
-                                                 else "user")
+        header = request.headers.get("x-session-id") or None
+        named = header or body.user or None
+        if named:
+            why = self.limits.session_id_problem(named, "X-Session-ID" if header else "user")
             if why is not None:
-                raise APIError(400, why, param="user")
+                raise APIError(400, why, param="X-Session-ID" if header else "user")
+        session, hint = header, None if header else (body.user or None)  # `user` is shared: see ChatEngine._place
 
         def setup():
             try:
-                turn = self.engine.prepare_ids(ids, session, body.cache_salt)
+                turn = self.engine.prepare_ids(ids, session, body.cache_salt, hint=hint)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="cache_salt" if body.cache_salt is not None else "prompt")
             return turn, None, generate_options(body, max_new)
@@ -70,7 +71,7 @@ class CompletionsServing(OpenAIServing):
         if reply is None:
             return self.gone()
         turn = started.turn
-        self.record(turn, reply)
+        await self.record(turn, reply)
         result = completion_object(completion_id, self.model_name, echo + reply.text,
                                    self.engine.finish_reason(reply, max_new),
                                    completion_logprobs(tokenizer, reply, len(echo)))
@@ -129,7 +130,7 @@ class CompletionEvents:
 
     async def finished(self, reply) -> list[str]:
         serving, turn = self.serving, self.started.turn
-        serving.record(turn, reply)
+        await serving.record(turn, reply)
         # Log-probabilities come with the last chunk, all of them: the text streamer's pieces are not tokens.
         last = self._object("", serving.engine.finish_reason(reply, self.started.max_new),
                             completion_logprobs(serving.engine.pipeline.tokenizer, reply, len(self.echo)))

@@ -4,8 +4,10 @@ Handlers never run the model: they turn a request into a :class:`RequestTurn` (t
 continues), submit it, and await the result; queueing, serialization of a session's turns, cancellation and
 back-pressure live here and in the pipeline (one place, as in vLLM's AsyncLLM).
 
-Sessions. An explicit id (``X-Session-ID`` header, else the request's ``user``) names the session; without
-one, the :class:`SessionIndex` finds the session whose conversation the request continues (its whole stored
+Sessions. An explicit id (the ``X-Session-ID`` header, or the session a Responses chain continues) names the
+session. A key that several conversations may share (OpenAI's ``prompt_cache_key``, else ``user``) names the
+session of the first conversation under it and is followed by that conversation only (`ChatEngine._place`).
+Without either, the :class:`SessionIndex` finds the session whose conversation the request continues (its whole stored
 conversation is a prefix of the request's), and a request that continues none starts a new session. A new
 session still reuses the longest prefix any stored session shares with it (the store's prefix sharing): a
 shared system prompt, a regenerated reply (the same messages again), an edited last message. It never
@@ -157,9 +159,10 @@ class ChatEngine:
 
     # -- turns ------------------------------------------------------------------------------------------
     def prepare(self, messages: list[dict], session_id: str | None = None, cache_salt: str | None = None,
-                tools: list[dict] | None = None) -> RequestTurn:
+                tools: list[dict] | None = None, hint: str | None = None) -> RequestTurn:
         """The turn a request asks for: its prompt ids and its session (within `cache_salt`'s scope), rendered
-        with `tools` (template form) when given.
+        with `tools` (template form) when given. `hint` (with no `session_id`) is a key several conversations may
+        share (OpenAI's `prompt_cache_key`, `user`): see :meth:`_place`.
 
         Raises:
             ToolsUnsupported: `tools` are given and the chat template ignores them.
@@ -174,20 +177,37 @@ class ChatEngine:
         client = self.tokens.prompt_ids(messages, scope, tools)
         if not client:
             raise ValueError("the messages render to an empty prompt")
-        return self._place(turn, client, session_id)
+        return self._place(turn, client, session_id, hint)
 
-    def prepare_ids(self, ids: list[int], session_id: str | None = None, cache_salt: str | None = None) -> RequestTurn:
+    def prepare_ids(self, ids: list[int], session_id: str | None = None, cache_salt: str | None = None,
+                    hint: str | None = None) -> RequestTurn:
         """The turn of a prompt given as token ids (completions): it continues the session that `session_id`
         names, else the stored session whose ids are the longest prefix of `ids`, else a new one."""
         if not ids:
             raise ValueError("the prompt is empty")
         turn = RequestTurn("", [], [], session_id is not None, cache_salt)
         turn.scope  # a bad salt fails here
-        return self._place(turn, list(ids), session_id)
+        return self._place(turn, list(ids), session_id, hint)
 
-    def _place(self, turn: RequestTurn, client: list[int], session_id: str | None) -> RequestTurn:
-        """`turn` with its session and the ids the model is fed for the client's `client` ids."""
+    def _place(self, turn: RequestTurn, client: list[int], session_id: str | None,
+               hint: str | None = None) -> RequestTurn:
+        """`turn` with its session and the ids the model is fed for the client's `client` ids.
+
+        A `hint` names a key that several conversations may share (OpenAI's `prompt_cache_key` is one per app or
+        per user as often as one per conversation). It names the session of the first conversation under it, and
+        that conversation keeps it: a request that continues the session's ids, or repeats a part of them (a
+        retried or regenerated turn). Another conversation under the same key is placed as a request naming no
+        session (the stored session it continues, else a new one), so the two never overwrite each other's KV
+        turn after turn."""
         scope = turn.scope
+        if session_id is None and hint:
+            known = self._known(hint, scope)
+            if known is None:
+                session_id = hint
+            else:
+                ids, n = known[0], min(len(client), len(known[0]))
+                if tuple(client[:n]) == tuple(ids[:n]):
+                    session_id = hint
         if session_id is None:
             found = self.index.find(client, scope)
             if self.shared is not None:  # another replica may have served a longer part of it

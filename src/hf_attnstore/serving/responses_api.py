@@ -100,7 +100,7 @@ class ResponsesServing(OpenAIServing):
         """The finished response: recorded (memo, index, metrics), stored when asked (off the event loop: a file
         is written), as the response object (its output `streamed`, when it was: the items the client saw)."""
         turn, parser = started.turn, started.parser
-        remembered = self.record(turn, reply, parser)
+        remembered = await self.record(turn, reply, parser)
         items, message = output_items(parser.message_content if parser is not None else reply.text,
                                       parser.calls if parser is not None else [])
         items = streamed or items
@@ -113,12 +113,17 @@ class ResponsesServing(OpenAIServing):
                                  usage, "max_output_tokens" if length else None, store_info(turn, reply).model_dump())
         if body.store and remembered is not None:
             new = [m.model_dump(exclude_none=True) for m in body.input_messages()]
-            point = self.engine.session_point(turn.session_id, scope) or ""
-            client, model = self.engine.session_ids(turn.session_id, scope) or ([], [])
-            record = StoredResponse(response_id, scope, turn.session_id, point, ids_array(client), ids_array(model),
-                                    body.previous_response_id, new, message, remembered.text, list(remembered.ids),
-                                    remembered.calls_key is not None, result)
-            await asyncio.to_thread(self.responses.put, record)
+
+            def store():  # off the event loop: the session's ids may come from the shared Redis, the record goes to
+                # a file or to Redis
+                point = self.engine.session_point(turn.session_id, scope) or ""
+                client, model = self.engine.session_ids(turn.session_id, scope) or ([], [])
+                self.responses.put(StoredResponse(
+                    response_id, scope, turn.session_id, point, ids_array(client), ids_array(model),
+                    body.previous_response_id, new, message, remembered.text, list(remembered.ids),
+                    remembered.calls_key is not None, result))
+
+            await asyncio.to_thread(store)
         return result
 
 
@@ -245,6 +250,8 @@ def _history(engine: ChatEngine, responses: ResponseStore, previous_id: str, sco
                        "false), was deleted, or is older than the server keeps; send the whole conversation as "
                        "`input` instead", param="previous_response_id", code="previous_response_not_found")
     chain = responses.chain(record, limits.max_messages)
+    if chain is not None and any(step.scope != scope for step in chain):
+        chain = None  # a step of another salt (a damaged or planted record): never shown, as if it were gone
     vocab = limits.vocab_size
     if chain is not None and vocab is not None and any(
             max(ids, default=0) >= vocab for step in chain for ids in (step.content_ids, step.client_ids, step.model_ids)):

@@ -4,8 +4,10 @@ replies' exact ids (`conversation.ReplyMemo`), and where each session stands (`c
 as the client sends them and as the model saw them, and the chained digest of its last whole block, by which a
 request that names no session finds the one it continues). The sessions' KV is the store's (store/remote.py).
 
-Keys, under ``attnstore:serving:1:<t>:`` where ``t`` is a digest of the tokenizer and chat template (the ids a text
-has are a tokenizer's; replicas of another model sharing the Redis never read these):
+Keys, under ``attnstore:serving:1:<t>:`` where ``t`` is the namespace the replica is given: `attnstore serve` makes
+it of the tokenizer and chat template's digest (the ids a text has are a tokenizer's), the model's fingerprint and
+the context window (a session's model ids are a truncation's), so replicas of another model, or of the same model
+with another window, sharing the Redis never read these:
 
 - ``r:<response id>``: a stored response, as the JSON the file backend writes;
 - ``m:<h>``: a generated reply's ids (JSON list), ``h`` a digest of its scope and text; ``k:<h>``: the text of a
@@ -30,6 +32,7 @@ import logging
 import threading
 import time
 
+from ..store.deadline import Deadline
 from ..store.remote import RemoteUnavailableError, connect_redis, redacted
 
 logger = logging.getLogger(__name__)
@@ -98,6 +101,7 @@ class SharedState:
         self._options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self.client = None  # connected at the first call, and again after a failure
         self.cluster = False
+        self._deadline = Deadline(timeout_s, name="attnstore-shared-call")
         from redis.exceptions import RedisClusterException
 
         self._errors = (redis.RedisError, RedisClusterException, OSError, RemoteUnavailableError)
@@ -125,7 +129,16 @@ class SharedState:
                 # MGET of keys in several slots is refused by a cluster: the cluster client's non-atomic MGET
                 # groups them by node (one round trip each), which is all a lookup needs.
                 name = "mget_nonatomic"
-            return getattr(client, name)(*args, **kwargs)
+            if cluster:  # a cluster's call can outlast its socket timeouts many times over (store/deadline.py)
+                answer = self._deadline.call(getattr(client, name), *args, **kwargs)
+            else:
+                answer = getattr(client, name)(*args, **kwargs)
+            if self._warned:  # back after a failure: the next outage is logged again
+                with self._lock:
+                    back, self._warned = self._warned, False
+                if back:
+                    logger.warning("shared serving state at %s answers again", self.url)
+            return answer
         except self._errors as exc:
             with self._lock:
                 self._down_until = time.monotonic() + BACKOFF_S
@@ -222,8 +235,9 @@ class SharedState:
             if known is None:
                 continue
             stored, model = known
-            if len(stored) <= len(ids) and ids[k * block: len(stored)] == stored[k * block:] and \
-                    len(stored) >= k * block:
+            # The whole prefix is compared: a `d:` key outlives a rewrite of its session's record (an edited
+            # history, a racing replica), so it proves nothing about the ids the record holds now.
+            if k * block <= len(stored) <= len(ids) and ids[:len(stored)] == stored:
                 return session, stored, model
         return None
 
@@ -232,6 +246,7 @@ class SharedState:
             client, self.client = self.client, None
         if client is not None:
             _close_quietly(client)
+        self._deadline.close()
 
 
 def _close_quietly(client) -> None:

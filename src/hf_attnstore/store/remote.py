@@ -36,6 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
+from .deadline import Deadline
 from .format import (
     read_kept,
     FORMAT,
@@ -132,8 +133,10 @@ def connect_redis(url: str, options: dict, what: str) -> tuple:
     """
     import redis  # the `redis` client is only needed with a remote tier
 
+    from redis.backoff import NoBackoff
     from redis.cluster import RedisCluster
     from redis.exceptions import AuthorizationError, ClusterError, RedisClusterException, TryAgainError
+    from redis.retry import Retry
 
     client = None
     try:
@@ -141,10 +144,11 @@ def connect_redis(url: str, options: dict, what: str) -> tuple:
         client.ping()
         if _cluster_enabled(client):
             # A Redis Cluster node: the cluster client learns the slot map from it and sends each key (and each
-            # part of a pipeline) to the node that owns it. One retry: a dead node is a miss soon, not after the
-            # client's default ten attempts.
+            # part of a pipeline) to the node that owns it. No retries: each is another `socket_timeout` on a hung
+            # node, and a miss now costs less than a turn that waits. A pipeline still resends what failed on new
+            # connections, so the callers bound a cluster's whole calls (deadline.py).
             client.close()
-            client = RedisCluster.from_url(url, cluster_error_retry_attempts=1, **options)
+            client = RedisCluster.from_url(url, retry=Retry(NoBackoff(), 0), **options)
             client.ping()
             return client, True
         return client, False
@@ -249,6 +253,7 @@ class RemoteTier(Tier):
         self._options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=30)
         self.cluster, self.connected = False, False
         self.client = _Disconnected(self.url)
+        self._deadline = Deadline(timeout_s, name="attnstore-remote-call")  # used with a cluster only
         self._down_until = 0.0
         self._closed = False
         self._state = threading.Lock()  # connecting (the background thread) vs closing
@@ -320,9 +325,10 @@ class RemoteTier(Tier):
         return changed
 
     def _call(self, fn, *args):
-        """One Redis call; any failure of the server or the connection is a RemoteUnavailableError."""
+        """One Redis call, within `timeout_s` (a cluster's, through the deadline); any failure of the server or the
+        connection is a RemoteUnavailableError."""
         try:
-            return fn(*args)
+            return self._deadline.call(fn, *args) if self.cluster else fn(*args)
         except self._errors as exc:
             self._down_until = time.monotonic() + BACKOFF_S
             raise RemoteUnavailableError(f"the remote tier {self.url} failed: {exc}", transient=True) from exc
@@ -465,6 +471,7 @@ class RemoteTier(Tier):
                                self.timeout_s)
             if connected:
                 self.client.close()
+            self._deadline.close()
 
 
 def _close_quietly(client) -> None:
