@@ -4,6 +4,7 @@ sessions, and every failure of Redis or of its data is a miss."""
 from __future__ import annotations
 
 import pytest
+import redis
 import torch
 
 from hf_attnstore.store import AttnStore
@@ -219,3 +220,21 @@ def test_a_shared_prefix_stays_as_warm_in_an_lru_redis_as_its_sharers(tmp_path):
         for s in (store, fresh):
             s.close()
         tier.close()
+
+
+def test_with_a_ttl_a_session_in_use_keeps_all_its_chunks(tmp_path, redis_server):
+    # Each turn rewrites the manifest; the chunks of earlier turns must live as long as it does, or a session in
+    # use loses its head in Redis (a miss on another replica) one TTL after its first turn.
+    a = make(tmp_path / "a", redis_server, remote_ttl_s=100)
+    write_turn(a, "s", list(range(8)))
+    a.flush()
+    client = redis.Redis.from_url(redis_server.url)
+    names = client.keys("attnstore:*:c:*")
+    for name in names:
+        client.expire(name, 5)  # as if the first turn were 95 s old
+    snap = a.lookup("s", FP)
+    write_turn(a, "s", list(range(8, 12)), keep_from=snap)
+    a.flush()
+    assert names and all(client.ttl(name) > 50 for name in names), [client.ttl(n) for n in names]
+    client.close()
+    a.close()

@@ -355,10 +355,10 @@ class RemoteTier(Tier):
             data = Manifest(manifest.fingerprint, manifest.session_id, manifest.token_ids, spans, 0, dropped,
                             manifest.state, manifest.exact).encode()
             target = self.key_of(key, "m")
-            shared = [self._chunk_key(key, s) for s in spans if s.owner]
             # What the server holds now, not what it held: a manifest naming chunks it lost is never written.
             names = [self._chunk_key(key, s) for s in spans] + \
                 ([self.key_of(key, "c:" + manifest.state.digest)] if manifest.state is not None else [])
+            renew = names
             pipe = self.client.pipeline(transaction=False)
             for name in names:
                 pipe.execute_command("TOUCH", name)  # present, and as recent as this session (see `manifest`)
@@ -366,15 +366,16 @@ class RemoteTier(Tier):
             if missing:
                 raise MissingChunks(missing)
         else:
-            target, shared = self.key_of(key, "c:" + chunk_digest(data)), []
+            target, renew = self.key_of(key, "c:" + chunk_digest(data)), []
         if len(data) > MAX_VALUE_BYTES:
             raise ValueError(f"a value of {len(data)} bytes is over Redis's 512 MB limit: lower `chunk_tokens`")
         ttl = None if self.ttl_s is None else max(1, int(self.ttl_s))
-        if ttl is not None and shared:
-            # Another session's chunks this manifest names live as long as it does (a shared prefix's TTL is
-            # renewed by each session that writes a manifest naming it).
+        if ttl is not None and renew:
+            # Every chunk a manifest names lives as long as it does: the session's own earlier chunks (written
+            # turns ago, they would expire while the session is in use) and another session's it shares (a shared
+            # prefix's TTL is renewed by each session that writes a manifest naming it).
             pipe = self.client.pipeline(transaction=False)
-            for name in shared:
+            for name in renew:
                 pipe.expire(name, ttl)
             self._call(pipe.execute)
         self._call(self.client.set, target, data, ttl)
