@@ -75,3 +75,19 @@ def test_gaps_prints_where_each_policy_hits_by_reuse_distance(trace_file, capsys
     assert "| gap (requests) | reused tokens | lru | slru | Belady |" in out
     gap_rows = [line for line in out.splitlines() if line.startswith("| 1-1 |") or line.startswith("| 2-3 |")]
     assert gap_rows, out
+
+
+def test_replay_prints_the_store_beside_the_simulator(trace_file, capsys):
+    assert main(["simulate", "--trace", str(trace_file), "--replay", "40", "--replay-block", "8",
+                 "--host-tokens", "10K", "--policies", "lru,slru"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 40 |")]
+    assert len(rows) == 2 and all("| yes |" in row for row in rows)
+    assert rows[0].startswith("| 40 | 8 | 19 | lru |") and "The first 40 requests" in out
+
+
+def test_replay_refuses_what_it_does_not_replay(trace_file, capsys):
+    assert main(["simulate", "--trace", str(trace_file), "--replay", "5", "--window", "4"]) == 2
+    assert "--window" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(trace_file), "--replay", "5", "--host-tokens", "100"]) == 2
+    assert "capacity in blocks" in capsys.readouterr().err
