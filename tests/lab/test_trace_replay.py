@@ -61,6 +61,7 @@ def test_a_dense_chat_trace_replays_exactly_and_one_block_changes_it(chats, capa
                                               check_exact=False))
     assert result.store_hits == result.sim_hits
     assert sum(h > 0 for h in result.store_hits) > 50 and result.evictions > 100
+    assert result.reused == [min(h, n - 1) for h, n in zip(result.store_hits, result.input_tokens)]
     scaled = scale_requests(chats, BLOCK)
     for c, p in [(capacity - 1, policy), (capacity + 1, policy)] + [(capacity, q) for q in ("lru", "lru-leaf", "slru")
                                                                      if q != policy]:
