@@ -311,7 +311,8 @@ def _replay_trace(args: argparse.Namespace) -> int:
             raise ValueError(f"`--replay`={args.replay} must be a number of requests, at least 1")
         requests = load_trace(args.trace, limit=args.replay)
         # The simulator's capacities in blocks (`host_tokens // 512`), each block scaled to `--replay-block` tokens.
-        configs = [ReplayConfig(capacity_blocks=tokens // BLOCK_TOKENS, policy=policy, block_tokens=args.replay_block)
+        configs = [ReplayConfig(capacity_blocks=tokens // BLOCK_TOKENS, policy=policy, block_tokens=args.replay_block,
+                                through=args.replay_through)
                    for tokens in args.host_tokens for policy in args.policies.split(",") if policy]
     except (OSError, ValueError) as exc:
         print(f"attnstore simulate: {exc}", file=sys.stderr)
@@ -321,9 +322,11 @@ def _replay_trace(args: argparse.Namespace) -> int:
         model(torch.zeros(1, 8, dtype=torch.long))  # warm-up: the first forward's one-time costs are nobody's
     results = [replay_trace(requests, config, model) for config in configs]
     scaled = sum(r.input_length for r in scale_requests(requests, args.replay_block))
+    through = "AttnStoreCache turns" if args.replay_through == "cache" else "a ChatPipeline (submit_prompt)"
     print(f"The first {len(requests)} requests of {args.trace} ({scaled:,} tokens once blocks of {BLOCK_TOKENS} are "
-          f"scaled to {args.replay_block}) through an AttnStore with a block pool and a tiny random Llama (2 layers, "
-          "fp32, CPU), against the simulator on the same scaled requests; capacity in blocks (--host-tokens / 512).\n")
+          f"scaled to {args.replay_block}) as {through} on an AttnStore with a block pool and a tiny random Llama "
+          "(2 layers, fp32, CPU), against the simulator on the same scaled requests; capacity in blocks "
+          "(--host-tokens / 512).\n")
     print(format_replay(results))
     return 0 if all(r.equal and r.greedy_equal for r in results) else 1
 
@@ -514,6 +517,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "request's hit with the simulator's (exit status 1 if any differs)")
     sm.add_argument("--replay-block", type=int, default=16, help="with --replay: tokens each 512-token block is "
                     "scaled to")
+    sm.add_argument("--replay-through", choices=("cache", "pipeline"), default="cache", help="with --replay: each "
+                    "request as one AttnStoreCache turn and forward, or submitted to a ChatPipeline (one token "
+                    "generated), as attnstore serve runs turns")
     sm.set_defaults(func=_simulate)
 
     ev = sub.add_parser("eval", help="accuracy evaluations of the truncation modes")

@@ -86,6 +86,15 @@ def test_replay_prints_the_store_beside_the_simulator(trace_file, capsys):
     assert rows[0].startswith("| 40 | 8 | 19 | lru |") and "The first 40 requests" in out
 
 
+
+def test_replay_through_the_pipeline(trace_file, capsys):
+    assert main(["simulate", "--trace", str(trace_file), "--replay", "40", "--replay-block", "8",
+                 "--host-tokens", "10K", "--policies", "slru", "--replay-through", "pipeline"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if line.startswith("| 40 |")]
+    assert "| yes |" in row and "same argmax" in row and "ChatPipeline" in out
+
+
 def test_replay_refuses_what_it_does_not_replay(trace_file, capsys):
     assert main(["simulate", "--trace", str(trace_file), "--replay", "5", "--window", "4"]) == 2
     assert "--window" in capsys.readouterr().err

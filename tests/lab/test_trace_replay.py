@@ -7,6 +7,7 @@ discriminate (the simulator with another policy, or one block more, disagrees wi
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,17 @@ def test_a_dense_chat_trace_replays_exactly_and_one_block_changes_it(chats, capa
         assert simulate_trace(scaled, TraceSimConfig(c * BLOCK, p, block=BLOCK)).host_hits != result.store_hits, (c, p)
 
 
+@pytest.mark.parametrize("policy", ["lru", "slru"])
+def test_through_the_pipeline_the_store_hits_the_same(chats, policy):
+    # The serving path (ChatPipeline.submit_prompt: the worker's queue, generate, the Reply) finds what the cache
+    # path finds, and its generated token is the one recomputation picks.
+    config = ReplayConfig(capacity_blocks=20, policy=policy, block_tokens=BLOCK)
+    direct = replay_trace(chats, dataclasses.replace(config, check_exact=False))
+    served = replay_trace(chats, dataclasses.replace(config, through="pipeline"))
+    assert served.store_hits == served.sim_hits == direct.store_hits and served.reused == direct.reused
+    assert served.checked > 50 and served.greedy_equal
+
+
 def test_reused_blocks_give_the_logits_of_recomputation(trace, model):
     result = replay_trace(trace[:60], ReplayConfig(capacity_blocks=800, policy="lru-leaf", block_tokens=BLOCK), model)
     assert result.equal and sum(result.reused) > 0
@@ -116,6 +128,8 @@ def test_the_config_says_what_to_do():
         ReplayConfig(capacity_blocks=10, policy="mru")
     with pytest.raises(ValueError, match="capacity in blocks"):
         ReplayConfig(capacity_blocks=0)
+    with pytest.raises(ValueError, match="pipeline"):
+        ReplayConfig(capacity_blocks=10, through="serve")
 
 
 def test_the_table_has_one_row_per_replay(trace, model):

@@ -4,7 +4,8 @@
 :class:`~hf_attnstore.AttnStore` with a block pool (``StoreConfig.block_pool``: capacity in blocks, a block policy)
 and a real model: each block id becomes a deterministic run of token ids, each request a prompt of those runs,
 each prompt a turn of an :class:`~hf_attnstore.AttnStoreCache` that reuses what the store finds, computes the rest
-with the model, and stores it. The store's own counters give each request's hit (``StoreStats.block_hit_tokens``:
+with the model, and stores it (directly, or submitted to a :class:`~hf_attnstore.serving.pipeline.ChatPipeline` as
+`attnstore serve` does: ``through="pipeline"``). The store's own counters give each request's hit (``StoreStats.block_hit_tokens``:
 the prompt's tokens held by the pool's leading blocks present); the simulator runs on the same scaled requests with
 the same capacity and policy; they must agree request by request. Both evict through the same code: the policy
 objects of ``store.policy`` driven by ``placement.choose_victims``.
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import AttnStoreCache
+from ..serving.pipeline import ChatPipeline
 from ..cache.upstream import cache_kwargs
 from ..store import AttnStore, StoreConfig
 from ..store.block_pool import BlockPoolConfig
@@ -51,7 +53,10 @@ class ReplayConfig:
         policy: A block policy name (``"lru"``, ``"lru-leaf"``, ``"slru"``, ...).
         block_tokens: Tokens per block after scaling (the trace's are 512).
         seed: Seeds the token runs and the tiny model's weights.
-        check_exact: Also prefill every hit request without the store and compare the last position's logits.
+        check_exact: Also prefill every hit request without the store and compare the last position's logits (or,
+            through the pipeline, the greedy token).
+        through: ``"cache"``: each request is one `AttnStoreCache` turn and one forward; ``"pipeline"``: each is
+            submitted to a `ChatPipeline` (`submit_prompt`, one generated token), as `attnstore serve` runs turns.
 
     Example:
         >>> ReplayConfig(capacity_blocks=200, policy="slru", block_tokens=16).block_tokens
@@ -67,8 +72,11 @@ class ReplayConfig:
     block_tokens: int = 16
     seed: int = 0
     check_exact: bool = True
+    through: str = "cache"
 
     def __post_init__(self):
+        if self.through not in ("cache", "pipeline"):
+            raise ValueError(f"`through`={self.through!r} must be \"cache\" or \"pipeline\"")
         if not isinstance(self.block_tokens, int) or self.block_tokens < 4:
             raise ValueError(f"`block_tokens`={self.block_tokens!r} must be at least 4: shorter runs of ids could "
                              "repeat between blocks")
@@ -88,6 +96,7 @@ class ReplayResult:
         max_logit_diff: Largest |difference| of the last position's logits between a hit request's turn and a
             prefill without the store (None: not checked, or no hit).
         greedy_equal: Whether every checked hit request's greedy next token is the same as without the store.
+        checked: How many hit requests were checked so.
         wall_s: Seconds the replay through the store took (the simulator's is not counted).
 
     Example:
@@ -104,6 +113,7 @@ class ReplayResult:
     evictions: int = 0
     max_logit_diff: float | None = None
     greedy_equal: bool = True
+    checked: int = 0
     wall_s: float = 0.0
 
     @property
@@ -234,35 +244,71 @@ def replay_trace(requests: list[TraceRequest], config: ReplayConfig, model=None)
     # of its own, deleted after its turn.
     store = AttnStore(config=StoreConfig(host_bytes="4GiB", share_prefixes=False, block_pool=BlockPoolConfig(
         config.capacity_blocks, b, config.policy)))
+    pipe = ChatPipeline(model, tiny_tokenizer(), store, max_new_tokens=1) if config.through == "pipeline" else None
     result = ReplayResult(config)
     started = time.perf_counter()
     try:
         for i, r in enumerate(scaled):
             ids = runs.prompt(r)
             before = store.stats().block_hit_tokens
-            cache = AttnStoreCache(model, store, f"request-{i}", input_ids=ids.view(1, -1))
-            with torch.no_grad():
-                logits = model(cache.input_ids[:, cache.get_seq_length():], **cache_kwargs(cache), use_cache=True,
-                               logits_to_keep=1).logits[0, -1]
-            hit = store.stats().block_hit_tokens - before
+            if pipe is None:
+                reused, logits = _through_cache(model, store, f"request-{i}", ids)
+                token = int(logits.argmax())
+            else:
+                # The serving path: the worker's queue, `generate` (one token), the turn's Reply.
+                reply = pipe.submit_prompt(f"request-{i}", ids).result(timeout=600)
+                reused, logits, token = reply.reused_tokens, None, reply.generated_ids[0]
             result.input_tokens.append(r.input_length)
-            result.store_hits.append(hit)
-            result.reused.append(cache.reused_tokens)
-            if config.check_exact and cache.reused_tokens:
+            result.store_hits.append(store.stats().block_hit_tokens - before)
+            result.reused.append(reused)
+            if config.check_exact and reused:
                 with torch.no_grad():
                     fresh = model(ids.view(1, -1), logits_to_keep=1).logits[0, -1]
-                diff = float((logits - fresh).abs().max())
-                result.max_logit_diff = max(diff, result.max_logit_diff or 0.0)
-                result.greedy_equal &= int(logits.argmax()) == int(fresh.argmax())
-            del cache
+                if logits is not None:
+                    diff = float((logits - fresh).abs().max())
+                    result.max_logit_diff = max(diff, result.max_logit_diff or 0.0)
+                result.greedy_equal &= token == int(fresh.argmax())
+                result.checked += 1
             store.delete(f"request-{i}")
         result.evictions = store.stats().blocks_evicted
     finally:
+        if pipe is not None:
+            pipe.close()
         store.close()
     result.wall_s = time.perf_counter() - started
     sim = simulate_trace(scaled, TraceSimConfig(host_tokens=config.capacity_blocks * b, policy=config.policy, block=b))
     result.sim_hits = sim.host_hits
     return result
+
+
+def _through_cache(model, store: AttnStore, session_id: str, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """One request as one turn of an `AttnStoreCache` and one forward: its reused tokens and last logits."""
+    cache = AttnStoreCache(model, store, session_id, input_ids=ids.view(1, -1))
+    with torch.no_grad():
+        logits = model(cache.input_ids[:, cache.get_seq_length():], **cache_kwargs(cache), use_cache=True,
+                       logits_to_keep=1).logits[0, -1]
+    return cache.reused_tokens, logits
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny model's ids, with a chat template (`ChatPipeline` needs one; the replay
+    submits ids, so only its pad and end tokens matter).
+
+    Example:
+        >>> tiny_tokenizer().pad_token_id
+        1
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[UNK]", "<pad>", "<eot>", "user:", "bot:"]
+    words = specials + [f"t{i}" for i in range(VOCAB - len(specials))]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer, core.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token="<pad>", eos_token="<eot>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ 'user: ' if m.role == 'user' else 'bot: ' }}"
+                               "{{ m.content }} <eot> {% endfor %}{% if add_generation_prompt %}bot: {% endif %}")
+    return tokenizer
 
 
 def format_replay(results: list[ReplayResult]) -> str:
@@ -278,7 +324,10 @@ def format_replay(results: list[ReplayResult]) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         c = r.config
-        diff = "-" if r.max_logit_diff is None else f"{r.max_logit_diff:.1e}" + ("" if r.greedy_equal else " (argmax differs)")
+        if r.max_logit_diff is not None:  # through the cache: the logits themselves
+            diff = f"{r.max_logit_diff:.1e}" + ("" if r.greedy_equal else " (argmax differs)")
+        else:  # through the pipeline: the token it generated (or nothing checked)
+            diff = "-" if not r.checked else f"same argmax ({r.checked})" if r.greedy_equal else "argmax differs"
         lines.append(f"| {len(r.input_tokens)} | {c.block_tokens} | {c.capacity_blocks} | {c.policy} | "
                      f"{r.store_hit_rate:.2%} | {r.sim_hit_rate:.2%} | {'yes' if r.equal else 'NO'} | {r.evictions} | "
                      f"{diff} | {r.wall_s:.1f} s |")
