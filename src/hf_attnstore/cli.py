@@ -278,6 +278,9 @@ def _serve(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     import json
 
+    if args.replay is not None:
+        return _replay_trace(args)
+
     from .lab.trace_report import Bandwidths, format_tables, gap_table, run_table
     from .lab.traces import load_trace
 
@@ -297,6 +300,41 @@ def _simulate(args: argparse.Namespace) -> int:
         print()
         print(gap_table(requests, args.host_tokens[0], [p for p in args.policies.split(",") if p], args.window))
     return 0
+
+
+def _replay_trace(args: argparse.Namespace) -> int:
+    """`attnstore simulate --trace --replay N`: the first N requests through a real store, against the simulator."""
+    import torch
+
+    from .lab.trace_replay import ReplayConfig, format_replay, replay_trace, scale_requests, tiny_model
+    from .lab.traces import BLOCK_TOKENS, load_trace
+
+    try:
+        if args.disk_tokens or args.window or args.instances:
+            raise ValueError("`--replay` replays host memory alone, without look-ahead: leave out `--disk-tokens`, "
+                             "`--window` and `--instances`")
+        if args.replay < 1:
+            raise ValueError(f"`--replay`={args.replay} must be a number of requests, at least 1")
+        requests = load_trace(args.trace, limit=args.replay)
+        # The simulator's capacities in blocks (`host_tokens // 512`), each block scaled to `--replay-block` tokens.
+        configs = [ReplayConfig(capacity_blocks=tokens // BLOCK_TOKENS, policy=policy, block_tokens=args.replay_block,
+                                through=args.replay_through)
+                   for tokens in args.host_tokens for policy in args.policies.split(",") if policy]
+    except (OSError, ValueError) as exc:
+        print(f"attnstore simulate: {exc}", file=sys.stderr)
+        return 2
+    model = tiny_model(max(r.input_length for r in scale_requests(requests, args.replay_block)) + 1)
+    with torch.no_grad():
+        model(torch.zeros(1, 8, dtype=torch.long))  # warm-up: the first forward's one-time costs are nobody's
+    results = [replay_trace(requests, config, model) for config in configs]
+    scaled = sum(r.input_length for r in scale_requests(requests, args.replay_block))
+    through = "AttnStoreCache turns" if args.replay_through == "cache" else "a ChatPipeline (submit_prompt)"
+    print(f"The first {len(requests)} requests of {args.trace} ({scaled:,} tokens once blocks of {BLOCK_TOKENS} are "
+          f"scaled to {args.replay_block}) as {through} on an AttnStore with a block pool and a tiny random Llama "
+          "(2 layers, fp32, CPU), against the simulator on the same scaled requests; capacity in blocks "
+          "(--host-tokens / 512).\n")
+    print(format_replay(results))
+    return 0 if all(r.equal and r.greedy_equal for r in results) else 1
 
 
 def _token_count(text: str) -> int:
@@ -483,6 +521,14 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     sm.add_argument("--gaps", action="store_true", help="also print, at the first capacity, the share of reuses "
                     "each policy and Belady hit by reuse distance (requests since the block's last use)")
+    sm.add_argument("--replay", type=int, default=None, metavar="N", help="instead, replay the first N requests "
+                    "through a real store (a block pool of the capacity, a tiny random model) and compare each "
+                    "request's hit with the simulator's (exit status 1 if any differs)")
+    sm.add_argument("--replay-block", type=int, default=16, help="with --replay: tokens each 512-token block is "
+                    "scaled to")
+    sm.add_argument("--replay-through", choices=("cache", "pipeline"), default="cache", help="with --replay: each "
+                    "request as one AttnStoreCache turn and forward, or submitted to a ChatPipeline (one token "
+                    "generated), as attnstore serve runs turns")
     sm.set_defaults(func=_simulate)
 
     ev = sub.add_parser("eval", help="accuracy evaluations of the truncation modes")

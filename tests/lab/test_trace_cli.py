@@ -88,3 +88,29 @@ def test_instances_serve_the_trace_on_a_prefill_cluster(trace_file, capsys):
     assert "name exactly one model" in capsys.readouterr().err
     assert main(["simulate", "--trace", str(trace_file), "--instances", "-1", "--models", "llama-70b"]) == 2
     assert "`instances`=-1" in capsys.readouterr().err
+
+
+def test_replay_prints_the_store_beside_the_simulator(trace_file, capsys):
+    assert main(["simulate", "--trace", str(trace_file), "--replay", "40", "--replay-block", "8",
+                 "--host-tokens", "10K", "--policies", "lru,slru"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 40 |")]
+    assert len(rows) == 2 and all("| yes |" in row for row in rows)
+    assert rows[0].startswith("| 40 | 8 | 19 | lru |") and "The first 40 requests" in out
+
+
+def test_replay_through_the_pipeline(trace_file, capsys):
+    assert main(["simulate", "--trace", str(trace_file), "--replay", "40", "--replay-block", "8",
+                 "--host-tokens", "10K", "--policies", "slru", "--replay-through", "pipeline"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if line.startswith("| 40 |")]
+    assert "| yes |" in row and "same argmax" in row and "ChatPipeline" in out
+
+
+def test_replay_refuses_what_it_does_not_replay(trace_file, capsys):
+    assert main(["simulate", "--trace", str(trace_file), "--replay", "5", "--window", "4"]) == 2
+    assert "--window" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(trace_file), "--replay", "5", "--instances", "2"]) == 2
+    assert "--instances" in capsys.readouterr().err
+    assert main(["simulate", "--trace", str(trace_file), "--replay", "5", "--host-tokens", "100"]) == 2
+    assert "capacity in blocks" in capsys.readouterr().err

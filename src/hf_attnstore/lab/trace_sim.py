@@ -24,6 +24,7 @@ import bisect
 import heapq
 from dataclasses import dataclass, field
 
+from ..store.placement import choose_victims
 from ..store.policy import make_block_policy
 from ..store.policy.blocks import BlockKey
 from .trace_queue import PrefillCluster
@@ -122,9 +123,10 @@ class _Tier:
         """Evicts down to capacity, one victim at a time (a leaf-first policy exposes the parent next)."""
         out = []
         while len(self.keys) > self.capacity:
-            victim = next(iter(self.policy.victims()), None)
-            assert victim is not None, "a full tier must have a victim"
-            out.append(self.drop(victim.block))
+            # The store's block pool evicts with the same call (store/block_pool.py): one code, two callers.
+            chosen = choose_victims(self.policy.victims(), size=lambda key: 1, movable=lambda key: True, overflow=1)
+            assert chosen, "a full tier must have a victim"
+            out += [self.drop(victim.block) for victim in chosen]
         return out
 
 

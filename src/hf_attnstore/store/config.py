@@ -10,6 +10,7 @@ import torch
 
 from .sizes import parse_bytes
 from .policy import make_policy
+from .block_pool import BlockPoolConfig
 from .codec import KVCodec
 
 
@@ -112,6 +113,12 @@ class StoreConfig:
             branch), as vLLM's automatic prefix caching does (default ``True``). Exact: the ids are compared
             before anything is reused, within one model fingerprint, `namespace` and ``cache_salt``. In host
             memory the sessions refer to the same segments, counted once against `host_bytes`.
+        block_pool: A pool of prefix blocks shared by every session (:class:`~.block_pool.BlockPoolConfig`:
+            capacity in blocks, block size, block policy): each turn's prompt, cut into blocks keyed by chained
+            hashes, is kept once whoever computed it, and a turn reuses its prompt's longest run of leading blocks
+            present when that is longer than what its own session or `share_prefixes` offer. Evicted block by
+            block through a block policy, as ``attnstore simulate --trace`` simulates (issue 48). Its blocks are
+            copies, counted in blocks, not against `host_bytes`. ``None`` (default): no pool.
         namespace: A salt mixed into every model fingerprint (see
             :func:`~hf_attnstore.cache.fingerprint.model_fingerprint`): entries stored under one namespace are
             never served under another. Use it for what weights cannot show (a tenant, a policy).
@@ -147,6 +154,7 @@ class StoreConfig:
     partial_eviction: bool = False
     recompute_by_cost: bool = False
     share_prefixes: bool = True
+    block_pool: BlockPoolConfig | None = None
     remote: str | None = None
     remote_ttl_s: float | None = None
     remote_timeout_s: float = 2.0
@@ -182,6 +190,9 @@ class StoreConfig:
             raise TypeError(f"`recompute_by_cost` must be True or False, got {self.recompute_by_cost!r}")
         if not isinstance(self.share_prefixes, bool):
             raise TypeError(f"`share_prefixes` must be True or False, got {self.share_prefixes!r}")
+        if self.block_pool is not None and not isinstance(self.block_pool, BlockPoolConfig):
+            raise TypeError("`block_pool` must be a BlockPoolConfig (capacity in blocks, block size, policy) or None, "
+                            f"got {type(self.block_pool).__name__}")
         self.codec  # validates `kv_codec` and `kv_codec_group`
         if not isinstance(self.kv_codec_host, bool):
             raise TypeError(f"`kv_codec_host` must be True or False, got {self.kv_codec_host!r}")

@@ -28,19 +28,27 @@ from .tier import Key
 BLOCK = 64  # tokens per hashed block
 
 
-def block_hashes(token_ids: torch.Tensor) -> list[bytes]:
-    """The chained hash of every whole block of `token_ids` (1-D, int64): entry k names ids[: (k + 1) * BLOCK].
+def block_hashes(token_ids: torch.Tensor, block: int = BLOCK, partial: bool = False) -> list[bytes]:
+    """The chained hash of every whole block of `token_ids` (1-D, int64): entry k names ids[: (k + 1) * block].
+
+    Args:
+        token_ids: The ids.
+        block: Tokens per block.
+        partial: Also hash the trailing partial block, if any (its hash names the whole of `token_ids`; it differs
+            from the hash of any whole block, whose bytes are longer).
 
     Example:
         >>> hashes = block_hashes(torch.arange(150))  # two whole blocks of 64; the 22 tokens after them are not hashed
         >>> len(hashes), hashes[0] == block_hashes(torch.arange(64))[0]
         (2, True)
+        >>> len(block_hashes(torch.arange(150), block=64, partial=True))  # the 22 tokens too
+        3
     """
     ids = token_ids.detach().to("cpu", torch.long).contiguous().view(-1)
     out, h = [], b""
     data = ids.numpy().tobytes()
-    width = BLOCK * 8
-    for k in range(ids.numel() // BLOCK):
+    width = block * 8
+    for k in range(-(-ids.numel() // block) if partial else ids.numel() // block):
         h = hashlib.blake2b(h + data[k * width : (k + 1) * width], digest_size=16).digest()
         out.append(h)
     return out

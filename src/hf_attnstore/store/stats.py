@@ -76,6 +76,14 @@ class StoreStats:
     resume_chosen_estimate_s: float = 0.0
     loads_in_flight: int = 0
     saves_pending: int = 0
+    # The block pool (`block_pool`): its lookups, the prompt tokens they found in leading blocks present (a trace
+    # simulator's hit: the turn reuses them but for a last token it must compute), blocks inserted and evicted,
+    # and blocks held (now).
+    block_lookups: int = 0
+    block_hit_tokens: int = 0
+    blocks_inserted: int = 0
+    blocks_evicted: int = 0
+    pool_blocks: int = 0
 
     @property
     def hits(self) -> int:

@@ -16,6 +16,7 @@ chunks (concurrent reads and writes slowed both by 18-20% in Pensieve).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -43,6 +44,8 @@ from .turn_sink import TurnSink
 from .writer import TurnWriter
 
 logger = logging.getLogger(__name__)
+
+POOL_SESSION = "<block pool>"  # what `Found.shared` names when the prefix comes from the block pool (`block_pool`)
 
 
 class StoreIOError(RuntimeError):
@@ -282,7 +285,9 @@ class AttnStore:
         (and ``share_prefixes``), another session that begins with a longer prefix of the prompt than the own
         KV shares with it, when one does. Each match comes with its snapshot (which holds what the turn will load),
         the ids whose KV may be reused, and what the store verified: a match whose shapes differ from `geometry`,
-        whose load failed while `wait_first` waited, or (for the shared one) that lacks its head is not returned. Pass the chosen
+        whose load failed while `wait_first` waited, or (for the shared one) that lacks its head is not returned. With a
+        ``block_pool``, the shared match may be the pool's leading blocks of the prompt instead, when they are longer
+        (named ``POOL_SESSION``); the pool is asked, and its hit counted, for every prompt. Pass the chosen
         match's snapshot to :meth:`open_turn`.
 
         Args:
@@ -318,21 +323,28 @@ class AttnStore:
         other = None
         with self._index.lock:
             own = self._fits(self._lookup_locked(key, remote, prefill_key), geometry)
+            # The block pool is asked for every prompt (its hit is counted even where the turn cannot use it).
+            pooled, pool_snap = self._index.match_blocks(fingerprint, ids)
             limit = ids.numel() - 1  # a turn computes at least one token: reuse ends before the last
-            if share and self.config.share_prefixes and limit > 0:
+            if share and limit > 0:
                 reusable = own.token_ids[: own.exact_prefix() if exact else None] if own is not None else ids[:0]
                 n = min(reusable.numel(), limit)
                 differ = (reusable[:n] != ids[:n]).nonzero()
                 longer_than = int(differ[0]) if differ.numel() else n
-                best = (self._prefix_locked(fingerprint, ids, key[1], longer_than, exact) if longer_than < limit
-                        else None)
+                best = (self._prefix_locked(fingerprint, ids, key[1], longer_than, exact)
+                        if self.config.share_prefixes and longer_than < limit else None)
                 if best is not None and min(best[1], limit) > longer_than:
                     snap = self._fits(self._lookup_locked((fingerprint, best[0]), None, None), geometry)
                     if snap is not None and not snap.head:
                         other = (snap, best[1])
+                if pool_snap is not None and min(pooled, limit) > max(longer_than, other[1] if other else 0) \
+                        and (geometry is None or pool_snap.source.geometry == geometry):
+                    other = (pool_snap, pooled)
         # Waiting for a load happens without the lock: the load thread reports under it.
         own = match_of(own, None, exact, wait_first) if own is not None else None
         shared = match_of(other[0], other[1], exact, wait_first and not exact) if other is not None else None
+        if shared is not None and other[0] is pool_snap:
+            shared = dataclasses.replace(shared, session_id=POOL_SESSION)
         return Found(own, shared)
 
     def _fits(self, snapshot: SessionKV | None, geometry: tuple | None) -> SessionKV | None:

@@ -31,7 +31,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import fields
 
-from .buffer import SessionBuffer
+from .block_pool import BlockPool
+from .buffer import SessionBuffer, SessionKV
 from .config import StoreConfig
 from .entry import Entry, Key, Write, blocks
 from .format import Manifest, prefix_digest
@@ -95,6 +96,8 @@ class StoreState:
         self.once = OnceLogger(logger)  # each kind of warning once per store
         self.closed = False
         self.prefixes = PrefixTable()  # which sessions begin with which prefix (prefix sharing, prefixes.py)
+        # Prompts' blocks, deduplicated across sessions (`block_pool`, block_pool.py); None: no pool.
+        self.blocks = BlockPool(config.block_pool, config.pin_memory) if config.block_pool is not None else None
         # Sessions a client asked to keep (OpenAI's `prompt_cache_retention`): key -> monotonic deadline before
         # which `ttl_s` does not expire them. Capacity may still evict them (counted in `retained_dropped`).
         self.retained: OrderedDict[Key, float] = OrderedDict()
@@ -413,6 +416,7 @@ class StoreState:
         s.disk_sessions = sum(e.manifest is not None for e in self.entries.values()) if local_disk else 0
         s.host_bytes_used, s.disk_bytes_used = self.host.used, self.disk_used
         s.loads_in_flight, s.saves_pending = self.loads_active, len(self.dirty)
+        s.pool_blocks = len(self.blocks) if self.blocks is not None else 0
         s.remote_down = remote_down
         now = time.monotonic()
         s.retained_sessions = sum(self.is_retained(key, now) for key in self.entries)
@@ -655,6 +659,32 @@ class StoreState:
         """The session's stored tokens are offered for sharing (prefixes.py), `blocks_offered` whole blocks of them."""
         self.prefixes.add(e.key, token_ids)
         e.prefix_blocks = blocks_offered
+
+    def match_blocks(self, fingerprint: str, ids) -> tuple[int, SessionKV | None]:
+        """The block pool's lookup of a prompt (`BlockPool.match`), counted: ``(tokens found, their KV)``; (0, None)
+        without a pool."""
+        if self.blocks is None:
+            return 0, None
+        found, snap = self.blocks.match(fingerprint, ids)
+        self.stats.block_lookups += 1
+        self.stats.block_hit_tokens += found
+        return found, snap
+
+    def pool_prompt(self, e: Entry) -> None:
+        """A turn's first forward is stored: the session now holds the turn's prompt, whose blocks enter the pool
+        (`BlockPool.store`): the tokens with exact, lossless KV only, and none of a session whose head has no KV."""
+        buf = e.host
+        if self.blocks is None or buf is None or buf.missing_head:
+            return
+        snap = buf.snapshot()
+        end = snap.exact_prefix()
+        if end < snap.length:  # cut short by inexact KV: whole blocks only (a prompt's end makes a partial block)
+            end -= end % self.blocks.config.block_tokens
+        if snap.lossy_before(end) is not None:
+            return  # KV dequantized from a lossy codec: not what the model computes, never shared as exact
+        inserted, evicted = self.blocks.store(e.key[0], snap, end)
+        self.stats.blocks_inserted += inserted
+        self.stats.blocks_evicted += evicted
 
     def appended(self, e: Entry, tokens: int) -> None:
         """A turn appended `tokens` to the session's host copy."""

@@ -59,7 +59,8 @@ class TurnSink:
                 writer.refuse()
                 return False
             e = self.state.entries.get(writer.key)
-            if not writer.started:
+            first = not writer.started  # the turn's first forward: its prompt
+            if first:
                 e = self.start_turn(writer, e)
             elif e is None or e.owner != writer.turn:
                 self.state.count(stale_writes=1)
@@ -119,6 +120,8 @@ class TurnSink:
                 # and the reader compares ids under the lock (`AttnStore.lookup_prefix`).
                 self.state.offered_prefix(e, buf.snapshot().token_ids, buf.length // BLOCK)
             self.state.appended(e, int(token_ids.numel()))
+            if first:
+                self.state.pool_prompt(e)  # the block pool keeps the prompt's blocks (block_pool.py)
             if self.lower is not None and e.dirty:
                 self.state.mark_dirty(e)
                 if e.length - e.persisted >= self.config.chunk_tokens:
