@@ -200,6 +200,9 @@ def test_tools_a_model_cannot_take_are_refused_naming_tools():
     ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
     ({"tools": [WEATHER] * 129}, "tools"),
+    # Over the request's size limit: the tools' definitions are what is large, so the error names them.
+    ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "description": "x" * 20_000}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x" * 20_000}]}, "messages"),
     ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages.0"),
     ({"messages": [{"role": "user", "content": "x"},
                    {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",

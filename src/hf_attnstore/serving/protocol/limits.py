@@ -110,7 +110,7 @@ class RequestLimits:
             return "n", f"`n` is {body.n}; at most {self.max_n} samples are accepted per request"
         if body.tools and len(body.tools) > self.max_tools:
             return "tools", f"the request has {len(body.tools)} tools; at most {self.max_tools} are accepted"
-        chars = len(json.dumps(body.template_tools())) if body.tools else 0
+        tool_chars = chars = len(json.dumps(body.template_tools())) if body.tools else 0
         for i, message in enumerate(body.messages):
             text = message.text()
             bad = surrogate_at(text)
@@ -119,6 +119,11 @@ class RequestLimits:
                                     "text")
             chars += message.size()
         if chars > self.max_request_chars:
+            if tool_chars:  # the tools' definitions are rendered into the prompt too: name what is larger
+                field = "tools" if tool_chars >= chars - tool_chars else "messages"
+                return field, (f"the messages and tools have {chars} characters together ({tool_chars} in the tools' "
+                               f"definitions); at most {self.max_request_chars} are accepted: shorten them or send "
+                               "fewer")
             return "messages", (f"the messages have {chars} characters together; at most {self.max_request_chars} "
                                 "are accepted: shorten them or send fewer")
         stops = body.stops()
