@@ -14,6 +14,11 @@ step attends to are those, in the order a device-resident history gives (same se
 of several tokens (a prompt) attends to the whole history, copied from the host for that forward alone
 (:meth:`HostHistory.whole`); the issue's measure is per decoding step.
 
+On CUDA a decoding step waits for the GPU once per layer: the chosen positions go to the CPU, which gathers (a kernel
+that gathers from pinned memory itself, as ShadowKV's do, is not built here); the copy of the gathered rows to the
+device is asynchronous, from pinned staging rows that the next layer's gather waits to reuse. A new token's rows go
+to the host as the layer appends them (strided per head in host memory, a copy PyTorch makes synchronously).
+
 Example:
     >>> history = HostHistory(sinks=2, keys_on_device=False, buffers=GatherBuffers())
     >>> kv = torch.arange(10.0).view(1, 1, 10, 1)  # 10 tokens, one KV head, head_dim 1
@@ -142,8 +147,8 @@ class HostRows:
         if self.rows is not None and self.total + n > self.rows.shape[1] and pin:
             torch.cuda.current_stream(x.device).synchronize()  # pending copies into the old buffer land first
         self.rows = _grown(self.rows, self.total + n, 1, make)
-        # From the GPU: asynchronous into pinned memory, ordered before every later copy back on this stream;
-        # reads on the CPU wait for it (HostHistory.host_ready).
+        # From the GPU into pinned memory, ordered before every later copy back on this stream; reads on the CPU wait
+        # for it (HostHistory.host_ready; the strided destination makes PyTorch copy synchronously anyway).
         self.rows[:, self.total : self.total + n].copy_(x[0], non_blocking=pin)
         self.total += n
 
