@@ -34,7 +34,7 @@ def _session(model, policy: str, host: bool, ids, new: int = 20):
     out = model.generate(first.input_ids, **cache_kwargs(first), max_new_tokens=new, **GREEDY)
     first.close()
     store.flush()
-    later = torch.cat([out, random_ids(5, 7)], dim=1)
+    later = torch.cat([out, random_ids(5, 7).to(out.device)], dim=1)
     second = AttnStoreCache(model, store, "s", later, kv_budget=config)
     again = model.generate(second.input_ids, **cache_kwargs(second), max_new_tokens=new, **GREEDY)
     return out, again, second
@@ -145,6 +145,7 @@ def test_history_on_host_is_validated():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("policy", ["quest", "sparq"])
 def test_on_cuda_the_history_is_pinned_on_the_host_and_decoding_equals_the_device_history(policy):
     model = make_tiny("llama").cuda()
