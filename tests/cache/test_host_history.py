@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from hf_attnstore import AttnStore, AttnStoreCache, SparseConfig
+from hf_attnstore.cache import query_aware
 from hf_attnstore.cache.host_history import GatherBuffers, HostHistory, HostRows, Window
-from hf_attnstore.cache.query_aware import _quest_layout, recent_start
+from hf_attnstore.cache.query_aware import Selection, _quest_layout, recent_start, selecting
 from hf_attnstore.cache.upstream import cache_kwargs
 
 from ..conftest import make_tiny, random_ids
@@ -122,6 +123,32 @@ def test_a_step_gathers_the_chosen_rows_between_the_sinks_and_the_recent_window(
     assert history.step_bytes == 2 * (2 * 3 * 4 * 4) and history.steps == 1  # 3 rows per head, keys and values
     with pytest.raises(AssertionError, match="recent rows"):
         history.step(2, chosen, 6, 29)  # a window from 23: the device no longer holds 23 and 24
+
+
+@pytest.mark.parametrize("policy", ["quest", "sparq"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_attention_over_a_host_history_equals_it_over_the_device_history(policy, masked):
+    """A step with no mask gathers from the host; one given a mask (padding) attends to the whole history copied
+    from the host, narrowed by the selection and the mask."""
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 4, 1, 8, generator=g)
+    keys, values = torch.randn(1, 2, 90, 8, generator=g), torch.randn(1, 2, 90, 8, generator=g)
+    given = torch.ones(1, 1, 1, 90, dtype=torch.bool)
+    given[..., 10:14] = False
+    mask = given if masked else None
+    config = _config(policy, True)
+    module = type("Attention", (), {"layer_idx": 0, "is_causal": True, "num_key_value_groups": 2, "training": False})()
+    with selecting(Selection(_config(policy, False))):
+        expected, _ = query_aware.attention(module, query, keys, values, mask, scaling=0.3)
+    history = HostHistory(config.sink_tokens, policy == "sparq", GatherBuffers())
+    history.keep_from(recent_start(config, 89))
+    history.append(keys, values)
+    selection = Selection(config)
+    selection.host[0] = history
+    with selecting(selection):
+        out, _ = query_aware.attention(module, query, *history.resident(), mask, scaling=0.3)
+    assert torch.equal(out, expected)
+    assert (history.steps, history.whole_bytes > 0) == ((0, True) if masked else (1, False))
 
 
 def test_a_window_drops_rows_before_its_start_and_gets_them_back_from_the_host():
