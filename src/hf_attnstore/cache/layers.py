@@ -361,6 +361,7 @@ class AttnStoreSparseLayer(AttnStoreLayer):
     def select_now(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Drops now the tokens the next forward would drop, and returns the kept KV ``[1, kv_heads, kept, d]``:
         what a batch takes as this session's row (batching.py), the selection the turn's next forward makes."""
+        assert self.host is None, "a batch row's history is on the device (batching refuses the query-aware policies)"
         self.keys, self.values, self.columns = self._selected(self.keys, self.values, self.columns, self._target())
         if self.columns.shape[1] < self.total:
             self._owner.attended_sparse(self.total)
