@@ -11,18 +11,25 @@ a turn of `--new` tokens is resumed and `--decode` tokens are generated greedily
                     (what keeping scores costs, e.g. for ``truncation="importance"``);
   * quest/sparq 80%: query-aware selection (cache/query_aware.py): the layers hold every token and each decoding
                     step gathers 20% of the history per layer and KV head, chosen for its query.
+  * quest/sparq 80% host: the same with ``history_on_host=True`` (cache/host_history.py): the history stays in
+                    host memory; the device keeps the sinks, the recent window on and what chooses (Quest: its page
+                    summaries; SparQ: every key), and each decoding step copies its chosen rows from the host.
 
-The last column, history read per step: the KV a decoding step's attention reads, all layers. Dense and the
-query-aware policies hold the whole history on the device here; a design that kept it in host memory would move
-the query-aware policies' share per step (measured: the keys each step gathered), plus what chooses them (Quest:
-its page summaries, 1/page_tokens of the KV, on the device; SparQ: `sketch_dims` of the keys' head_dim components
-per token). The window policies read only what they keep on the device.
+`--variants` picks some of them (comma-separated names, as printed).
+
+Columns: device bytes per session, after the turn: the KV rows the layers keep on the device, Quest's page
+summaries, and the buffer a step gathers into (one, shared by the layers); sessions per GiB and sessions in dense's
+memory (how many such sessions fit in the device bytes of one dense session, dense measured in the same run: the
+batch rows at equal memory) follow from it. History read per step: the KV a decoding step's attention reads, all layers (the query-aware policies: the
+keys each step gathered). Moved from host per step: the bytes a decoding step copied from host memory, all layers
+(the chosen rows: keys and values for Quest, values for SparQ, whose keys stay on the device; rows a window got
+back); 0 where the history is on the device. On a CPU "device" and "host" are the same memory: the copies are real
+copies, but what they would cost over PCIe is not measured here.
 
 Reported (medians; variants in an order drawn afresh for every repetition, from `--seed`, printed): resume TTFT
 (cache + prefill of the new tokens + the first token), decode tokens/s (64 tokens: a `generate` of 65 minus the
-TTFT; the cache is built outside that timing, a few ms), and the KV bytes the cache holds on the device per
-session after the turn, with the sessions per GiB that makes. The store keeps every token either way. A turn that
-did not reuse the stored history or did not decode its tokens fails the run.
+TTFT; the cache is built outside that timing, a few ms). The store keeps every token either way. A turn that did
+not reuse the stored history or did not decode its tokens fails the run.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ VARIANTS = {
     "alisa 80%": SparseConfig(0.2),
     "quest 80%": SparseConfig(0.2, policy="quest"),
     "sparq 80%": SparseConfig(0.2, policy="sparq"),
+    "quest 80% host": SparseConfig(0.2, policy="quest", history_on_host=True),
+    "sparq 80% host": SparseConfig(0.2, policy="sparq", history_on_host=True),
 }
 
 
@@ -55,10 +64,29 @@ def held_bytes(cache: AttnStoreCache) -> int:
                is not None)
 
 
+def device_bytes(cache: AttnStoreCache) -> int:
+    """Bytes a session keeps on the device: its layers' KV rows, Quest's page summaries and, with the history on the
+    host, the buffers a step gathers into (one set, shared by the layers)."""
+    selection = cache.turn.selection
+    summaries = 0 if selection is None else sum(s.nbytes for s in selection.summaries.values())
+    hosts = [] if selection is None else list(selection.host.values())
+    buffers = {id(h.buffers): h.buffers.device_nbytes for h in hosts}
+    return held_bytes(cache) + summaries + sum(buffers.values())
+
+
+def moved_per_step(cache: AttnStoreCache) -> int:
+    """Bytes a decoding step copied from host memory, all layers (0: the history is on the device)."""
+    selection = cache.turn.selection
+    hosts = [] if selection is None else list(selection.host.values())
+    if not hosts or not hosts[0].steps:
+        return 0
+    return sum(h.step_bytes + h.refill_bytes for h in hosts) // hosts[0].steps
+
+
 @torch.no_grad()
-def run_turn(model, store, session, prompt, config, decode: int) -> tuple[float, float, int, int]:
-    """(TTFT s, decode s per token, bytes held, history bytes read per decoding step) of one resumed turn that
-    leaves the store as it was."""
+def run_turn(model, store, session, prompt, config, decode: int) -> tuple[float, float, int, int, int]:
+    """(TTFT s, decode s per token, device bytes, history bytes read per decoding step, bytes moved from the host
+    per decoding step) of one resumed turn that leaves the store as it was."""
     started = time.perf_counter()
     cache = AttnStoreCache(model, store, session, prompt, kv_budget=config, save=False)
     generate = dict(do_sample=False, pad_token_id=0)
@@ -79,7 +107,7 @@ def run_turn(model, store, session, prompt, config, decode: int) -> tuple[float,
         read = selection.gathered * per_token * layers // selection.steps
     else:  # each step attends to all the layers hold
         read = held_bytes(cache)
-    return ttft, max(total - ttft, 1e-9) / decode, held_bytes(cache), read
+    return ttft, max(total - ttft, 1e-9) / decode, device_bytes(cache), read, moved_per_step(cache)
 
 
 def main() -> int:
@@ -89,7 +117,12 @@ def main() -> int:
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="seed of the variants' order in each repetition")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     args = parser.parse_args()
+    variants = [name.strip() for name in args.variants.split(",")]
+    unknown = [name for name in variants if name not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown --variants {unknown}; choose among: {', '.join(VARIANTS)}")
     rng = random.Random(args.seed)
     torch.set_grad_enabled(False)
     model, tokenizer = load_default_model(dtype="float32", device="cpu")
@@ -97,9 +130,9 @@ def main() -> int:
     text = load_texts("sharegpt", tokenizer, 1, max(histories) + args.new)[0]
     print(f"{type(model).__name__} float32 on {model.device}; ShareGPT ids; new {args.new} tokens, decode "
           f"{args.decode}; medians of {args.reps}")
-    print("| history | variant | resume TTFT | decode tok/s | KV held on device | sessions per GiB | "
-          "history read per step |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| history | variant | resume TTFT | decode tok/s | device bytes per session | sessions per GiB | "
+          "sessions in dense's memory | history read per step | moved from host per step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for H in histories:
         store = AttnStore(host_bytes="16GiB")
         session = f"h{H}"
@@ -108,20 +141,22 @@ def main() -> int:
         model(first.input_ids, **cache_kwargs(first))
         first.close()
         prompt = text[: H + args.new].view(1, -1)
-        rows = {name: [] for name in VARIANTS}
+        rows = {name: [] for name in variants}
         orders = []
         for _ in range(args.reps):
-            order = list(VARIANTS)
+            order = list(variants)
             rng.shuffle(order)
             orders.append(order)
             for name in order:
                 rows[name].append(run_turn(model, store, session, prompt, VARIANTS[name], args.decode))
+        dense = rows["dense"][0][2] if "dense" in rows else None
         for name, runs in rows.items():
             ttft = statistics.median(r[0] for r in runs)
             per_token = statistics.median(r[1] for r in runs)
-            held, read = runs[0][2], runs[0][3]
+            held, read, moved = runs[0][2], runs[0][3], runs[0][4]
+            fit = "—" if dense is None else f"{dense / held:.1f}"
             print(f"| {H} | {name} | {1000 * ttft:.0f} ms | {1 / per_token:.1f} | {held / 2**20:.1f} MiB | "
-                  f"{2**30 / held:.0f} | {read / 2**20:.2f} MiB |", flush=True)
+                  f"{2**30 / held:.0f} | {fit} | {read / 2**20:.2f} MiB | {moved / 2**20:.2f} MiB |", flush=True)
         store.close()
         print(f"  history {H}, order of the variants per repetition (seed {args.seed}): "
               + " | ".join(", ".join(o) for o in orders))

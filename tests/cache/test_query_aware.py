@@ -212,7 +212,7 @@ def test_a_one_layer_model_equals_dense_attention_with_the_selection_masked(new,
     with AttnStoreCache(model, store, "q", ids, kv_budget=config) as cache, torch.no_grad():
         model(cache.input_ids, **cache_kwargs(cache))
     chosen = []
-    name = "sketch_indices" if policy == "sparq" else "history_indices"
+    name = "sparq_pick" if policy == "sparq" else "quest_pick"
     original = getattr(query_aware, name)
     monkeypatch.setattr(query_aware, name, lambda *a, **k: chosen.append(original(*a, **k)) or chosen[-1])
     longer = torch.cat([ids, random_ids(new, 2)], dim=1)
@@ -223,7 +223,8 @@ def test_a_one_layer_model_equals_dense_attention_with_the_selection_masked(new,
     assert cache.layers[0].keys.shape[2] == 60 + new  # the layer holds every token
     assert cache.turn.sparse_from == 60  # what it computed attended to a selection
     assert cache.turn.selection.steps == (new == 1)  # one token: the gathered path; several: the mask
-    (indices,) = chosen
+    (pick,) = chosen
+    indices = pick.indices()
     heads = model.config.num_attention_heads
     mask = _kept_by_quest(indices, heads, new, 60 + new)[None]
     twin, past = _one_layer_gqa(), DynamicCache()

@@ -89,8 +89,9 @@ class AttnStoreCache(DynamicCache):
             attending to a selection are stored labelled inexact: a later sparse turn reuses them, a dense turn
             reuses the tokens before them and recomputes the rest (its reuse stays exact). Needs SDPA or eager
             attention (``"streaming"``: any; the query-aware ``"quest"``, ``"sparq"`` and ``"oracle"``: SDPA, and
-            their layers keep every token, each query choosing what it attends to, cache/query_aware.py),
-            full-attention layers, and neither chunked nor latent attention nor recurrent layers (cache/sparse.py).
+            their layers keep every token, each query choosing what it attends to, cache/query_aware.py; with
+            ``SparseConfig(history_on_host=True)`` Quest's and SparQ's keep it in host memory, and each decoding
+            step moves only what it chose to the device, cache/host_history.py), full-attention layers, and neither chunked nor latent attention nor recurrent layers (cache/sparse.py).
 
     With ``StoreConfig.share_prefixes`` (the default), a turn whose prompt begins with a longer stored prefix
     in another session than in its own (a shared system prompt, a regenerated or edited message, a branch)

@@ -59,6 +59,8 @@ class TruncationConfig:
 SPARSE_POLICIES = ("alisa", "h2o", "streaming", "quest", "sparq", "oracle")
 #: The policies that keep every token and choose per query, inside the attention (query_aware.py).
 QUERY_AWARE_POLICIES = ("quest", "sparq", "oracle")
+#: The policies whose history can stay in host memory (`SparseConfig.history_on_host`): a step reads a selection.
+HOST_HISTORY_POLICIES = ("quest", "sparq")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,11 @@ class SparseConfig:
         score_window: How many recent queries the ``"alisa"`` importance sums over.
         page_tokens: ``"quest"``: tokens per page, the unit a query selects (each page keeps a min and a max key).
         sketch_dims: ``"sparq"``: key components each query reads to score the tokens (of the head dimension).
+        history_on_host: ``"quest"`` and ``"sparq"`` only: keep the session's history in host memory (pinned when
+            the layers run on CUDA) and on the device only what the selection reads every step, moving each decoding
+            step's selected tokens from the host (cache/host_history.py). On the device stay the sinks, the recent
+            window and the current turn's tokens, and what chooses: Quest's page summaries; for SparQ all the keys
+            (its sketch reads any `sketch_dims` of their components), so only the values move.
 
     Example:
         >>> SparseConfig(kv_budget=0.2).budget(1000)  # 80% sparsity
@@ -102,6 +109,7 @@ class SparseConfig:
     score_window: int = 32
     page_tokens: int = 16
     sketch_dims: int = 16
+    history_on_host: bool = False
 
     def __post_init__(self):
         budget = self.kv_budget
@@ -126,6 +134,12 @@ class SparseConfig:
             raise ValueError(f"`sketch_dims` must be an integer >= 1, got {self.sketch_dims!r}")
         if not isinstance(self.page_tokens, int) or isinstance(self.page_tokens, bool) or self.page_tokens < 1:
             raise ValueError(f"`page_tokens` must be an integer >= 1, got {self.page_tokens!r}")
+        if not isinstance(self.history_on_host, bool):
+            raise ValueError(f"`history_on_host` must be True or False, got {self.history_on_host!r}")
+        if self.history_on_host and self.policy not in HOST_HISTORY_POLICIES:
+            raise ValueError(f"`history_on_host` needs a policy that reads a selection of the history per step: use "
+                             f"policy='quest' or 'sparq' (got {self.policy!r}: the window policies already keep only "
+                             "their selection on the device, the oracle reads every key)")
 
     @property
     def scored(self) -> bool:

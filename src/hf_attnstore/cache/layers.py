@@ -28,7 +28,9 @@ from typing import Protocol
 import torch
 
 from ..store.state import SessionState
+from . import query_aware
 from .config import SparseConfig
+from .host_history import GatherBuffers, HostHistory
 from .layout import BOTH, KV, STATE, LayerLayout
 from .sparse import select
 from .upstream import (
@@ -231,6 +233,8 @@ class AttnStoreSparseLayer(AttnStoreLayer):
     Attributes:
         total: The session's tokens so far (what `get_seq_length` reports).
         columns: ``[kv_heads, K]`` session positions of the K keys the layer holds (per head).
+        host: With ``history_on_host``: the layer's history in host memory (host_history.py). `keys`/`values` are
+            then what the device holds; a forward of several tokens gets the whole history, a decoding step those.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -246,9 +250,10 @@ class AttnStoreSparseLayer(AttnStoreLayer):
     # A selection cannot be put back as it was before a forward (`crop` refuses): transformers then never relies on it.
     is_croppable = False
 
-    def __init__(self, owner: LayerOwner, slot: int, reused: int, config: SparseConfig):
+    def __init__(self, owner: LayerOwner, slot: int, reused: int, config: SparseConfig,
+                 host: HostHistory | None = None):
         AttnStoreLayer.__init__(self, owner, slot, reused)
-        self.config = config
+        self.config, self.host = config, host
         self.total = reused
         self.columns: torch.Tensor | None = None
         # The reused tokens that have KV, per head (`present`): a session loaded from sparse cold copies. None: all.
@@ -264,7 +269,7 @@ class AttnStoreSparseLayer(AttnStoreLayer):
 
     def _held(self) -> int:
         if self.is_initialized:
-            return self.keys.shape[-2]
+            return self.host.total if self.host is not None else self.keys.shape[-2]
         return self._pending_reuse if self._present is None else self._present.shape[1]
 
     def _target(self) -> int:
@@ -297,6 +302,10 @@ class AttnStoreSparseLayer(AttnStoreLayer):
                 old_keys = old_keys.gather(2, index.expand(-1, -1, -1, old_keys.shape[-1]))
                 old_values = old_values.gather(2, index.expand(-1, -1, -1, old_values.shape[-1]))
             self.is_initialized = True
+            if self.host is not None:
+                return self._update_host(key_states, value_states, old_keys, old_values, columns)
+        elif self.host is not None:
+            return self._update_host(key_states, value_states, None, None, self.columns)
         else:
             old_keys, old_values, columns = self.keys, self.values, self.columns
         old_keys, old_values, columns = self._selected(old_keys, old_values, columns, keep)
@@ -313,6 +322,32 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         self._owner.record(self._layer_idx, key_states, value_states)
         return self.keys, self.values
 
+    def _update_host(self, key_states: torch.Tensor, value_states: torch.Tensor, old_keys: torch.Tensor | None,
+                     old_values: torch.Tensor | None, columns: torch.Tensor):
+        """`update` with the history on the host: the first forward hands the loaded history there, every forward
+        its new tokens; the device keeps the sinks and what the forward's recent window reads on."""
+        # The history rows this forward's queries select from (fewer than `total` for a session loaded from sparse
+        # cold copies: `present`).
+        n, history = key_states.shape[-2], self.host.total if old_keys is None else old_keys.shape[-2]
+        if history < self.total or self.config.budget(history) < history:
+            self._owner.attended_sparse(self.total)  # the new tokens attend to a selection: their KV is not dense
+        # The device drops (or gets back) rows before this forward's recent window, then takes its new tokens.
+        self.host.keep_from(query_aware.recent_start(self.config, history))
+        whole = None
+        if old_keys is not None:  # the turn's first forward: the loaded history and the new tokens, whole
+            whole = (torch.cat([old_keys, key_states], dim=-2), torch.cat([old_values, value_states], dim=-2))
+            self.host.append(*whole)
+        else:
+            self.host.append(key_states, value_states)
+        new = torch.arange(self.total, self.total + n, device=columns.device).expand(columns.shape[0], -1)
+        self.columns = torch.cat([columns, new], dim=1)
+        self.total += n
+        self.keys, self.values = self.host.resident()
+        self._owner.record(self._layer_idx, key_states, value_states)
+        if n == 1:
+            return self.keys, self.values  # a decoding step gathers the rest from the host (query_aware.attention)
+        return whole if whole is not None else self.host.whole(self.keys, self.values)
+
     def _selected(self, keys: torch.Tensor, values: torch.Tensor, columns: torch.Tensor, keep: int):
         """The `keep` of the held tokens the layer keeps (sparse.select), as (keys, values, columns)."""
         if keep >= keys.shape[-2]:
@@ -326,6 +361,7 @@ class AttnStoreSparseLayer(AttnStoreLayer):
     def select_now(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Drops now the tokens the next forward would drop, and returns the kept KV ``[1, kv_heads, kept, d]``:
         what a batch takes as this session's row (batching.py), the selection the turn's next forward makes."""
+        assert self.host is None, "a batch row's history is on the device (batching refuses the query-aware policies)"
         self.keys, self.values, self.columns = self._selected(self.keys, self.values, self.columns, self._target())
         if self.columns.shape[1] < self.total:
             self._owner.attended_sparse(self.total)
@@ -352,12 +388,16 @@ def build_layers(owner: LayerOwner, layout: LayerLayout, reused: int, state: Ses
         >>> [type(layer).__name__ for layer in layers]
         ['AttnStoreLayer', 'LinearAttentionLayer', 'DummyLayer']
     """
-    layers, slot = [], 0
+    layers, slot, buffers = [], 0, None
     for idx, (kind, n_states) in enumerate(zip(layout.kinds, layout.states)):
         if kind == KV and layout.windows and layout.windows[idx]:
             layers.append(AttnStoreSlidingLayer(owner, slot, reused, layout.latent, layout.windows[idx]))
         elif kind == KV and sparse is not None and layout.full[idx]:
-            layers.append(AttnStoreSparseLayer(owner, slot, reused, sparse))
+            host = None
+            if sparse.history_on_host:
+                buffers = buffers or GatherBuffers()  # one per turn: its layers run one after the other
+                host = HostHistory(sparse.sink_tokens, sparse.policy == "sparq", buffers)
+            layers.append(AttnStoreSparseLayer(owner, slot, reused, sparse, host))
         elif kind == KV:
             layers.append(AttnStoreLayer(owner, slot, reused, layout.latent))
         elif kind == BOTH:

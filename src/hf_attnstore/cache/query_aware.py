@@ -21,6 +21,10 @@ in full. The layer holds all the tokens (layers.AttnStoreSparseLayer reports the
 transformers builds the dense causal mask; this function narrows it to the selection. Tokens computed this way
 attended to a selection: their KV is labelled inexact like any sparse turn's (`CacheTurn.sparse_from`).
 
+With ``history_on_host`` (quest, sparq) a layer keeps its history in host memory and hands a decoding step only what
+the device holds (host_history.py); the step selects on the device as above and gathers the chosen tokens from the
+host, in the order the device-resident history gives, so its attention is the same.
+
 Example:
     >>> from hf_attnstore import SparseConfig
     >>> config = SparseConfig(8, sink_tokens=2, recent_ratio=0.0, policy="quest", page_tokens=2)
@@ -42,8 +46,33 @@ from torch import nn
 
 from . import upstream
 from .config import SparseConfig
+from .host_history import HostHistory
 
 _active: ContextVar["Selection | None"] = ContextVar("hf_attnstore_selection", default=None)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """What the queries of a forward keep of a history of `history` tokens, per KV head: the first `sinks`, the
+    `chosen` positions (``[kv_heads, q, m]``, ascending, between the sinks and the recent window) and the last
+    `recent`.
+
+    Example:
+        >>> Pick(2, torch.tensor([[[4, 5]]]), 1, 9).indices().tolist()
+        [[[0, 1, 4, 5, 8]]]
+    """
+
+    sinks: int
+    chosen: torch.Tensor
+    recent: int
+    history: int
+
+    def indices(self) -> torch.Tensor:
+        """Every kept position, ``[kv_heads, q, sinks + m + recent]`` ascending."""
+        kv_heads, q, device = self.chosen.shape[0], self.chosen.shape[1], self.chosen.device
+        first = torch.arange(self.sinks, device=device).expand(kv_heads, q, -1)
+        last = torch.arange(self.history - self.recent, self.history, device=device).expand(kv_heads, q, -1)
+        return torch.cat([first, self.chosen, last], dim=2)
 
 
 class PageSummaries:
@@ -69,12 +98,19 @@ class PageSummaries:
     def pages(self) -> int:
         return 0 if self.low is None else self.low.shape[1]
 
-    def of(self, keys: torch.Tensor, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The summaries of the first `pages` pages of `keys` (``[1, kv_heads, K, d]``): ``[kv_heads, pages, d]``."""
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the summaries."""
+        return 0 if self.low is None else self.low.nbytes + self.high.nbytes
+
+    def of(self, keys: torch.Tensor, pages: int, device: torch.device | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The summaries of the first `pages` pages of `keys` (``[1, kv_heads, K, d]``): ``[kv_heads, pages, d]``, on
+        `device` (default: the keys'; keys in host memory are summarized there, the summaries kept on the device)."""
         if pages > self.pages:
             start, end = self.sinks + self.pages * self.page, self.sinks + pages * self.page
             block = keys[0, :, start:end].float().unflatten(1, (pages - self.pages, self.page))
-            low, high = block.amin(2), block.amax(2)
+            low, high = block.amin(2).to(device or keys.device), block.amax(2).to(device or keys.device)
             self.low = low if self.low is None else torch.cat([self.low, low], dim=1)
             self.high = high if self.high is None else torch.cat([self.high, high], dim=1)
         return self.low[:, :pages], self.high[:, :pages]
@@ -92,6 +128,8 @@ class Selection:
         gathered: Of `attended`, the keys decoding steps gathered (quest, sparq; one query per forward): what a
             step would read of a history kept in host memory, per layer and KV head, summed.
         steps: Decoding steps that gathered, counted per layer.
+        host: Model layer index -> that layer's history in host memory (`SparseConfig.history_on_host`), set by the
+            turn; the layer hands a decoding step only what the device holds, and the step gathers the rest there.
 
     Example:
         >>> selection = Selection(SparseConfig(0.2, policy="quest"))
@@ -105,6 +143,7 @@ class Selection:
     held: int = 0
     gathered: int = 0
     steps: int = 0
+    host: dict[int, HostHistory] = field(default_factory=dict)
 
 
 def selecting(selection: Selection | None):
@@ -148,14 +187,18 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         True
     """
     selection = _active.get()
-    q, n_keys = query.shape[2], key.shape[2]
+    layer = getattr(module, "layer_idx", id(module))
+    host = None if selection is None else selection.host.get(layer)
+    # A layer whose history is on the host hands a decoding step only what the device holds (layers.py): the
+    # session's length is the host history's.
+    q, n_keys = query.shape[2], key.shape[2] if host is None else host.total
     history = n_keys - q
     if selection is None or query.shape[0] != 1 or history <= 0:
-        return upstream.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+        return upstream.sdpa_attention(module, query, *_whole(host, key, value), attention_mask, **kwargs)
     config = selection.config
     keep = config.budget(history)
     if keep >= history:
-        return upstream.sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+        return upstream.sdpa_attention(module, query, *_whole(host, key, value), attention_mask, **kwargs)
     scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
     kv_heads = key.shape[1]
     selection.held += history * q * kv_heads
@@ -164,23 +207,28 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         kept = _oracle_mask(query, key[:, :, :history], keep, scaling)  # [q_heads, q, history]
     else:
         if config.policy == "sparq":
-            indices = sketch_indices(query, key, config, scaling)  # [kv_heads, q, kept]
+            pick = sparq_pick(query, key, config, scaling)  # SparQ's keys are all on the device, host or not
         else:
-            summaries = selection.summaries.setdefault(getattr(module, "layer_idx", id(module)),
-                                                       PageSummaries(min(config.sink_tokens, keep), config.page_tokens))
-            indices = history_indices(query, key, config, summaries, scaling)
+            summaries = selection.summaries.setdefault(layer, PageSummaries(min(config.sink_tokens, keep),
+                                                                            config.page_tokens))
+            pick = quest_pick(query, history, config, summaries, key if host is None else host.host_keys(), scaling)
+        indices = pick.indices()  # [kv_heads, q, kept]
         selection.attended += indices.numel()
         if q == 1 and attention_mask is None:
-            # Decoding: gather the kept keys (what a host-resident history would send to the device) and attend
-            # to them and the new token, no mask needed (a step given a mask of its own takes the mask path below).
+            # Decoding: gather the kept keys and attend to them and the new token, no mask needed (a step given a
+            # mask of its own takes the mask path below). A history on the host sends the chosen ones to the device.
             selection.gathered += indices.numel()
             selection.steps += 1
+            if host is not None:
+                keys, values = host.step(pick.sinks, pick.chosen[:, 0], pick.recent, history)
+                return upstream.sdpa_attention(module, query, keys, values, None, **kwargs)
             index = indices[None, :, 0, :, None]
             keys = torch.cat([key[:, :, :history].gather(2, index.expand(-1, -1, -1, key.shape[-1])),
                               key[:, :, history:]], dim=2)
             values = torch.cat([value[:, :, :history].gather(2, index.expand(-1, -1, -1, value.shape[-1])),
                                 value[:, :, history:]], dim=2)
             return upstream.sdpa_attention(module, query, keys, values, None, **kwargs)
+        key, value = _whole(host, key, value)
         kept = torch.zeros(kv_heads, q, history, dtype=torch.bool, device=key.device)
         kept.scatter_(2, indices, True)
         kept = kept.repeat_interleave(query.shape[1] // kv_heads, dim=0)
@@ -191,6 +239,11 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         given = attention_mask[:, :, :, :n_keys]
         mask = mask & (given if given.dtype == torch.bool else given > torch.finfo(given.dtype).min / 2)
     return upstream.sdpa_attention(module, query, key, value, mask, **kwargs)
+
+
+def _whole(host: HostHistory | None, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token's keys and values: as given, or from the host for a history kept there."""
+    return (key, value) if host is None else host.whole(key, value)
 
 
 def _causal(q: int, n_keys: int, device) -> torch.Tensor:
@@ -237,8 +290,11 @@ def history_indices(query: torch.Tensor, key: torch.Tensor, config: SparseConfig
         >>> history_indices(torch.ones(1, 1, 1, 1), key, config, PageSummaries(1, 2)).tolist()  # 9 history keys
         [[[0, 3, 4, 7, 8]]]
     """
-    q_heads, q, dim = query.shape[1], query.shape[2], query.shape[3]
-    kv_heads, history = key.shape[1], key.shape[2] - query.shape[2]
+    return quest_pick(query, key.shape[2] - query.shape[2], config, summaries, key, scaling).indices()
+
+
+def _quest_layout(config: SparseConfig, history: int) -> tuple[int, int, int, int, int]:
+    """Quest's split of a history: (keep, sinks, recent, candidate pages, pages kept)."""
     keep = config.budget(history)
     sinks, recent = config.split(keep, history)
     page = config.page_tokens
@@ -248,22 +304,60 @@ def history_indices(query: torch.Tensor, key: torch.Tensor, config: SparseConfig
     pages = min(candidates, max(0, keep - sinks - recent) // page)
     if pages == 0 and recent + sinks > keep:  # no whole page fits: the budget goes to the recent tokens alone
         recent = keep - sinks
-    device = key.device
-    fixed = torch.cat([torch.arange(sinks, device=device), torch.arange(history - recent, history, device=device)])
+    return keep, sinks, recent, candidates, pages
+
+
+def recent_start(config: SparseConfig, history: int) -> int:
+    """The first position of the recent window a query after `history` tokens keeps (0: it keeps them all): what a
+    layer whose history is on the host keeps on the device, with the sinks (host_history.py).
+
+    Example:
+        >>> recent_start(SparseConfig(0.2, policy="sparq"), 1000)  # budget 200: 4 sinks, 20 recent
+        980
+        >>> recent_start(SparseConfig(0.2, policy="quest"), 1001)  # back to the last page's end: 21 recent, not 20
+        980
+    """
+    keep = config.budget(history)
+    if keep >= history:
+        return 0
+    if config.policy == "quest":
+        recent = _quest_layout(config, history)[2]
+    else:
+        recent = config.split(keep, history)[1]
+    return history - recent
+
+
+def quest_pick(query: torch.Tensor, history: int, config: SparseConfig, summaries: PageSummaries,
+               keys: torch.Tensor, scaling: float | None = None) -> Pick:
+    """Quest's choice (:func:`history_indices`) for `query` after `history` tokens, as a :class:`Pick`; the pages
+    are summarized from `keys` (``[1, kv_heads, >= history, d]``, rotated; in host memory for a history kept there:
+    the summaries go to the query's device).
+
+    Example:
+        >>> config = SparseConfig(6, sink_tokens=1, recent_ratio=0.0, policy="quest", page_tokens=2)
+        >>> keys = torch.zeros(1, 1, 9, 1)
+        >>> keys[0, 0, 3], keys[0, 0, 7] = 1.0, 0.5
+        >>> pick = quest_pick(torch.ones(1, 1, 1, 1), 9, config, PageSummaries(1, 2), keys)
+        >>> pick.sinks, pick.chosen.tolist(), pick.recent  # 1 sink, pages [3, 5) and [7, 9), no recent window
+        (1, [[[3, 4, 7, 8]]], 0)
+    """
+    q_heads, q, dim = query.shape[1], query.shape[2], query.shape[3]
+    kv_heads, device = keys.shape[1], query.device
+    keep, sinks, recent, candidates, pages = _quest_layout(config, history)
+    page = config.page_tokens
     if pages == 0:
-        return fixed.expand(kv_heads, q, -1)
-    low, high = summaries.of(key, candidates)  # [kv_heads, candidates, d]
+        return Pick(sinks, torch.empty(kv_heads, q, 0, dtype=torch.long, device=device), recent, history)
+    low, high = summaries.of(keys, candidates, device)  # [kv_heads, candidates, d]
     group = q_heads // kv_heads
     queries = query[0].float().reshape(kv_heads, group * q, dim)
     bound = page_bounds(queries, low, high)
     # A group's heads vote with their softmax over the pages' bounds (a head with sharp logits is not drowned out
     # by one whose logits are large but flat), summed: [kv_heads, q, candidates].
     weight = (bound * (scaling or dim ** -0.5)).softmax(-1).view(kv_heads, group, q, candidates).sum(1)
-    best = weight.topk(pages, dim=-1, sorted=False).indices  # [kv_heads, q, pages]
+    best = weight.topk(pages, dim=-1, sorted=False).indices.sort(dim=-1).values  # [kv_heads, q, pages]
     offsets = torch.arange(page, device=device)
-    chosen = (sinks + best[..., None] * page + offsets).flatten(2)  # [kv_heads, q, pages * page]
-    picked = torch.cat([fixed.expand(kv_heads, q, -1), chosen], dim=2)
-    return picked.sort(dim=2).values
+    chosen = (sinks + best[..., None] * page + offsets).flatten(2)  # [kv_heads, q, pages * page] ascending
+    return Pick(sinks, chosen, recent, history)
 
 
 def sketch_indices(query: torch.Tensor, key: torch.Tensor, config: SparseConfig, scaling: float | None = None):
@@ -282,15 +376,30 @@ def sketch_indices(query: torch.Tensor, key: torch.Tensor, config: SparseConfig,
         >>> sketch_indices(torch.tensor([[[[1.0, 0.1]]]]), key, config).tolist()  # 8 history keys
         [[[0, 2, 5, 6]]]
     """
+    return sparq_pick(query, key, config, scaling).indices()
+
+
+def sparq_pick(query: torch.Tensor, key: torch.Tensor, config: SparseConfig, scaling: float | None = None) -> Pick:
+    """SparQ's choice (:func:`sketch_indices`) as a :class:`Pick`: `key` holds the history's keys then the
+    forward's (on the query's device: the sketch reads components chosen per query).
+
+    Example:
+        >>> config = SparseConfig(4, sink_tokens=1, recent_ratio=0.0, policy="sparq", sketch_dims=1)
+        >>> key = torch.zeros(1, 1, 9, 2)
+        >>> key[0, 0, [2, 5, 6], 0] = torch.tensor([3.0, 1.0, 2.0])
+        >>> pick = sparq_pick(torch.tensor([[[[1.0, 0.1]]]]), key, config)
+        >>> pick.sinks, pick.chosen.tolist(), pick.recent
+        (1, [[[2, 5, 6]]], 0)
+    """
     q_heads, q, dim = query.shape[1], query.shape[2], query.shape[3]
     kv_heads, history = key.shape[1], key.shape[2] - query.shape[2]
     keep = config.budget(history)
     sinks, recent = config.split(keep, history)
     device = key.device
-    fixed = torch.cat([torch.arange(sinks, device=device), torch.arange(history - recent, history, device=device)])
     chosen = keep - sinks - recent
     if chosen <= 0:
-        return fixed.expand(kv_heads, q, -1)
+        return Pick(sinks, torch.empty(kv_heads, q, 0, dtype=torch.long, device=device), recent, history)
+    fixed = torch.cat([torch.arange(sinks, device=device), torch.arange(history - recent, history, device=device)])
     group = q_heads // kv_heads
     queries = query[0].float().reshape(kv_heads, group, q, dim)
     r = min(config.sketch_dims, dim)
@@ -307,6 +416,6 @@ def sketch_indices(query: torch.Tensor, key: torch.Tensor, config: SparseConfig,
     scale = (scaling or dim ** -0.5) / share.clamp_min(1e-6).sqrt()
     approx[..., fixed] = float("-inf")  # sinks and recent tokens are kept anyway
     weight = (approx * scale[..., None]).softmax(-1).sum(1)  # [kv_heads, q, history]
-    best = weight.topk(chosen, dim=-1, sorted=False).indices
-    picked = torch.cat([fixed.expand(kv_heads, q, -1), best], dim=2)
-    return picked.sort(dim=2).values
+    # Chosen between the sinks and the recent window (a weight that underflows to 0 never ties with a kept token).
+    best = weight[..., sinks : history - recent].topk(chosen, dim=-1, sorted=False).indices + sinks
+    return Pick(sinks, best.sort(dim=-1).values, recent, history)

@@ -225,6 +225,9 @@ class CacheTurn:
         self.selection = query_aware.Selection(self.sparse) if self.sparse is not None and self.sparse.query_aware \
             else None
         self.layers = build_layers(self, self._layout, plan.reused, plan.state, self._device, self.sparse)
+        if self.selection is not None:  # the attention finds each layer's history kept on the host by layer index
+            self.selection.host.update({idx: layer.host for idx, layer in enumerate(self.layers)
+                                        if getattr(layer, "host", None) is not None})
         # The reused tokens with KV per KV slot, ``[kv_heads, P]`` (a session loaded from sparse cold copies; empty:
         # all of them), set by `_start_from_present`: what the session's next turn selects from, with this turn's.
         self._present: dict[int, torch.Tensor] = {}
