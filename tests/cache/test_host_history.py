@@ -23,14 +23,15 @@ from ..conftest import make_tiny, random_ids
 from .test_sparse import GREEDY
 
 
-def _config(policy: str, host: bool) -> SparseConfig:
-    return SparseConfig(0.25, sink_tokens=3, policy=policy, page_tokens=4, sketch_dims=4, history_on_host=host)
+def _config(policy: str, host: bool, slope: float = 0.0) -> SparseConfig:
+    return SparseConfig(0.25, sink_tokens=3, policy=policy, page_tokens=4, sketch_dims=4, history_on_host=host,
+                        layer_slope=slope)
 
 
-def _session(model, policy: str, host: bool, ids, new: int = 20):
+def _session(model, policy: str, host: bool, ids, new: int = 20, slope: float = 0.0):
     """A first turn of `ids` and `new` generated tokens, then a resumed turn of 5 more ids and `new` tokens."""
     store = AttnStore(host_bytes="64MiB")
-    config = _config(policy, host)
+    config = _config(policy, host, slope)
     first = AttnStoreCache(model, store, "s", ids, kv_budget=config)
     out = model.generate(first.input_ids, **cache_kwargs(first), max_new_tokens=new, **GREEDY)
     first.close()
@@ -57,6 +58,27 @@ def test_greedy_decoding_with_the_history_on_the_host_equals_it_on_the_device(po
     assert all(h.steps == 19 and h.whole_bytes == 0 for h in selection.host.values())  # the load gave the prompt
     dense = AttnStoreCache(model, AttnStore(host_bytes="64MiB"), "d", ids)
     assert not torch.equal(out, model.generate(dense.input_ids, **cache_kwargs(dense), max_new_tokens=20, **GREEDY))
+
+
+@pytest.mark.parametrize("policy", ["quest", "sparq"])
+def test_with_a_budget_per_layer_the_host_history_still_equals_the_device_history(policy):
+    """A pyramid (`layer_slope`): each layer keeps its own recent window on the device (`recent_start` of its own
+    budget) and selects its own budget; the tokens are still those of the history on the device, and not the
+    uniform budget's."""
+    model = make_tiny("llama")
+    ids = random_ids(60, 3)
+    out, again, device_cache = _session(model, policy, False, ids, slope=0.6)
+    host_out, host_again, cache = _session(model, policy, True, ids, slope=0.6)
+    assert torch.equal(out, host_out) and torch.equal(again, host_again)
+    assert cache.turn.selection.steps == device_cache.turn.selection.steps > 0
+    uniform, _, _ = _session(model, policy, False, ids)
+    assert not torch.equal(out, uniform)
+    total = again.shape[1] - 1
+    starts = [recent_start(layer.config, total - 1) for layer in cache.layers]
+    # The first layer's larger budget has the longer recent window (Quest's reaches back to a page's end: at most).
+    assert starts[0] < starts[-1] if policy == "sparq" else starts[0] <= starts[-1]
+    for idx, start in enumerate(starts):  # each device holds its sinks and its own last window on (SparQ: all keys)
+        assert cache.turn.selection.host[idx].values.window.length == 3 + total - start
 
 
 @pytest.mark.parametrize("policy", ["quest", "sparq"])

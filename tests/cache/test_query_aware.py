@@ -18,6 +18,8 @@ from hf_attnstore import AttnStore, AttnStoreCache, SparseConfig
 from hf_attnstore.cache import query_aware
 from hf_attnstore.cache.query_aware import (PageSummaries, Selection, history_indices, page_bounds, selecting,
                                             sketch_indices)
+from hf_attnstore.cache.layers import build_layers
+from hf_attnstore.cache.layout import LayerLayout
 from hf_attnstore.cache.upstream import cache_kwargs
 from hf_attnstore.serving.batching import batchable
 
@@ -285,3 +287,76 @@ def test_query_aware_policies_need_sdpa_and_run_solo_in_a_batch():
     # The recent window's default share: the query-aware policies choose the rest themselves.
     assert SparseConfig(0.2, policy="sparq").split(200, 1000) == (4, 20)
     assert SparseConfig(0.2).split(200, 1000) == (4, 98)
+
+
+@pytest.mark.parametrize("count", [2, 3, 30])
+@pytest.mark.parametrize("slope", [0.5, -0.3, 0.7])
+def test_a_layer_slope_spreads_the_uniform_total_over_the_layers(slope, count):
+    """PyramidKV's schedule: weights ``1 + a·(1 - 2i/(n - 1))``, the shares rounded so that they add up to the
+    uniform total exactly (while no share is clamped to the sinks + 1 or the history)."""
+    config = SparseConfig(0.2, policy="sparq", layer_slope=slope)
+    for history in (100, 257, 1000, 2047):
+        uniform = config.budget(history)
+        shares = [config.at_layer(i, count).budget(history) for i in range(count)]
+        assert sum(shares) == count * uniform
+        weights = [1 + slope * (1 - 2 * i / (count - 1)) for i in range(count)]
+        assert all(abs(share - uniform * w) <= 1 for share, w in zip(shares, weights))
+        # Decreasing with depth for a > 0, increasing for a < 0 (the rounding may move a share by 1 either way).
+        assert (shares[0] > shares[-1]) == (slope > 0) and (shares[0] < shares[-1]) == (slope < 0)
+    assert [config.at_layer(0, 1).budget(1000)] == [SparseConfig(0.2).budget(1000)]  # one layer: uniform
+    assert SparseConfig(0.2, policy="oracle").at_layer(2, 3).budget(1000) == 200  # no slope: uniform
+    # Short histories: every layer keeps more than the sinks and at most the history (the total may then differ).
+    shares = [SparseConfig(0.2, policy="sparq", layer_slope=0.9).at_layer(i, 30).budget(10) for i in range(30)]
+    assert min(shares) == 5 and max(shares) <= 10
+
+
+@pytest.mark.parametrize("policy", ["sparq", "oracle", "quest"])
+def test_each_layer_attends_to_its_own_budget(policy, monkeypatch):
+    """Counted per layer and decoding step by what the attention adds to `Selection.attended`: the layer's own
+    share of a pyramid, which differs between the layers and adds up to the uniform total (Quest: at most it, less
+    the part of a page that does not fit)."""
+    model = make_tiny("llama")
+    layers = model.config.num_hidden_layers
+    config = SparseConfig(0.3, sink_tokens=2, policy=policy, page_tokens=2, sketch_dims=4, layer_slope=0.6)
+    seen = {}  # (layer, history) -> history keys attended per KV head and query
+    original = query_aware.attention
+
+    def counting(module, query, key, value, attention_mask, **kwargs):
+        selection = query_aware._active.get()
+        before = selection.attended
+        out = original(module, query, key, value, attention_mask, **kwargs)
+        if query.shape[2] == 1:
+            seen[(module.layer_idx, key.shape[2] - 1)] = (selection.attended - before) // key.shape[1]
+        return out
+
+    monkeypatch.setattr(query_aware, "attention", counting)
+    cache = AttnStoreCache(model, AttnStore(host_bytes="64MiB"), "p", random_ids(80, 8), kv_budget=config)
+    model.generate(cache.input_ids, **cache_kwargs(cache), max_new_tokens=6, **GREEDY)
+    histories = sorted({history for _, history in seen})
+    assert len(histories) == 5 and len(seen) == 5 * layers
+    for history in histories:
+        counts = [seen[(layer, history)] for layer in range(layers)]
+        shares = [config.at_layer(layer, layers).budget(history) for layer in range(layers)]
+        assert counts[0] > counts[-1]
+        if policy == "quest":
+            assert all(share - config.page_tokens < count <= share for count, share in zip(counts, shares))
+        else:
+            assert counts == shares and sum(counts) == layers * config.budget(history)
+
+
+def test_a_layer_slope_is_validated_and_schedules_the_sparse_layers_alone():
+    for slope in (1.0, -1.0, "0.5", True, float("nan")):
+        with pytest.raises(ValueError, match="`layer_slope` must be a number in"):
+            SparseConfig(0.2, policy="sparq", layer_slope=slope)
+    with pytest.raises(ValueError, match="needs a query-aware policy"):
+        SparseConfig(0.2, policy="alisa", layer_slope=0.5)
+    for layer in ((3, 3), (-1, 3), [0, 3], (0,), (True, 2)):
+        with pytest.raises(ValueError, match="the cache sets it"):
+            SparseConfig(0.2, policy="sparq", layer=layer)
+    # Layers 0 and 2 slide, 1 keeps nothing: the two full-attention layers 3 and 4 are the whole schedule.
+    layout = LayerLayout(kinds=("kv", "none", "kv", "kv", "kv"), states=(0,) * 5, windows=(8, None, 8, None, None),
+                         full=(False, False, False, True, True))
+    layers = build_layers(type("Turn", (), {})(), layout, reused=0, state=None, device=torch.device("cpu"),
+                          sparse=SparseConfig(0.2, policy="sparq", layer_slope=0.5))
+    assert [getattr(layer, "config", None) and layer.config.layer for layer in layers] == [None] * 3 + [(0, 2), (1, 2)]
+    assert [layers[i].config.budget(1000) for i in (3, 4)] == [300, 100]

@@ -3,6 +3,7 @@ how a session is kept sparse (sparse window attention)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -94,6 +95,12 @@ class SparseConfig:
             step's selected tokens from the host (cache/host_history.py). On the device stay the sinks, the recent
             window and the current turn's tokens, and what chooses: Quest's page summaries; for SparQ all the keys
             (its sketch reads any `sketch_dims` of their components), so only the values move.
+        layer_slope: The query-aware policies only: how the budget is spread over the sparse layers, in (-1, 1).
+            ``0`` (default): every layer keeps ``budget(history)``. ``a > 0``: PyramidKV's pyramid, layer i of n keeps
+            the budget times ``1 + a·(1 - 2i/(n - 1))``, from ``1 + a`` at the first layer down to ``1 - a`` at the
+            last (``a < 0``: the other way), the same total over the layers (see :meth:`budget`).
+        layer: Set by the cache, not by hand: this layer's (position among the sparse layers, their count), which
+            :meth:`budget` reads with `layer_slope` (:meth:`at_layer`). None: the budget of every layer alike.
 
     Example:
         >>> SparseConfig(kv_budget=0.2).budget(1000)  # 80% sparsity
@@ -110,6 +117,8 @@ class SparseConfig:
     page_tokens: int = 16
     sketch_dims: int = 16
     history_on_host: bool = False
+    layer_slope: float = 0.0
+    layer: tuple[int, int] | None = None
 
     def __post_init__(self):
         budget = self.kv_budget
@@ -140,6 +149,19 @@ class SparseConfig:
             raise ValueError(f"`history_on_host` needs a policy that reads a selection of the history per step: use "
                              f"policy='quest' or 'sparq' (got {self.policy!r}: the window policies already keep only "
                              "their selection on the device, the oracle reads every key)")
+        slope = self.layer_slope
+        if isinstance(slope, bool) or not isinstance(slope, (int, float)) or not -1.0 < slope < 1.0:
+            raise ValueError(f"`layer_slope` must be a number in (-1, 1) (0: the same budget in every layer), got "
+                             f"{slope!r}")
+        if slope != 0 and not self.query_aware:
+            raise ValueError(f"`layer_slope` needs a query-aware policy, 'quest', 'sparq' or 'oracle' (got "
+                             f"{self.policy!r}): a window policy's layers share one attention mask, so every layer "
+                             "keeps the same count; use layer_slope=0")
+        if self.layer is not None and not (isinstance(self.layer, tuple) and len(self.layer) == 2
+                                           and all(isinstance(v, int) and not isinstance(v, bool) for v in self.layer)
+                                           and 0 <= self.layer[0] < self.layer[1]):
+            raise ValueError(f"`layer` must be (index, count) with 0 <= index < count, or None, got {self.layer!r}; "
+                             "the cache sets it (`at_layer`), leave it None")
 
     @property
     def scored(self) -> bool:
@@ -157,19 +179,47 @@ class SparseConfig:
         return self.policy in QUERY_AWARE_POLICIES
 
     def budget(self, length: int) -> int:
-        """How many of a history of `length` tokens are kept.
+        """How many of a history of `length` tokens are kept (by this layer, for a config :meth:`at_layer`).
+
+        With a `layer_slope`, layer i of n keeps its share of the n layers' uniform total ``n·u`` (``u``: the budget
+        of every layer alike), rounded so that the shares add up exactly: layer i keeps ``round(u·W(i+1)) -
+        round(u·W(i))``, where ``W(i) = i + a·i·(n - i)/(n - 1)`` is the weight of the layers before it (``W(n) =
+        n``). Then each share is held within ``[sink_tokens + 1, length]``; only that clamp, on short histories,
+        makes the total differ from ``n·u``.
 
         Example:
             >>> SparseConfig(kv_budget=0.25).budget(100)
             25
             >>> SparseConfig(kv_budget=0.25, sink_tokens=4).budget(8)  # always more than the sinks
             5
+            >>> pyramid = SparseConfig(0.2, policy="sparq", layer_slope=0.5)
+            >>> [pyramid.at_layer(i, 4).budget(1000) for i in range(4)]  # 200 each, uniform: 800 in all
+            [300, 233, 167, 100]
         """
         if isinstance(self.kv_budget, float):
             keep = math.ceil(self.kv_budget * length)
         else:
             keep = self.kv_budget
-        return min(length, max(keep, self.sink_tokens + 1))
+        keep = min(length, max(keep, self.sink_tokens + 1))
+        if self.layer is None or self.layer_slope == 0:
+            return keep
+        index, count = self.layer
+        if count == 1:
+            return keep
+
+        def before(i: int) -> int:  # the budget of layers 0 .. i - 1, rounded half up
+            return math.floor(keep * (i + self.layer_slope * i * (count - i) / (count - 1)) + 0.5)
+
+        return min(length, max(before(index + 1) - before(index), self.sink_tokens + 1))
+
+    def at_layer(self, index: int, count: int) -> "SparseConfig":
+        """This config for sparse layer `index` of `count`: its :meth:`budget` is that layer's share.
+
+        Example:
+            >>> SparseConfig(0.2, policy="oracle", layer_slope=0.5).at_layer(0, 30).budget(1000)
+            300
+        """
+        return dataclasses.replace(self, layer=(index, count))
 
     def split(self, keep: int, length: int) -> tuple[int, int]:
         """Of `keep` kept tokens out of `length`: how many sinks and how many recent ones (the rest: important).

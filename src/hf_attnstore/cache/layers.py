@@ -389,15 +389,19 @@ def build_layers(owner: LayerOwner, layout: LayerLayout, reused: int, state: Ses
         ['AttnStoreLayer', 'LinearAttentionLayer', 'DummyLayer']
     """
     layers, slot, buffers = [], 0, None
+    # The layers kept sparse, in order: each gets its own budget of `sparse.layer_slope`'s schedule over them.
+    kept_sparse = [idx for idx, kind in enumerate(layout.kinds) if sparse is not None and kind == KV
+                   and not (layout.windows and layout.windows[idx]) and layout.full[idx]]
     for idx, (kind, n_states) in enumerate(zip(layout.kinds, layout.states)):
         if kind == KV and layout.windows and layout.windows[idx]:
             layers.append(AttnStoreSlidingLayer(owner, slot, reused, layout.latent, layout.windows[idx]))
-        elif kind == KV and sparse is not None and layout.full[idx]:
+        elif idx in kept_sparse:
             host = None
             if sparse.history_on_host:
                 buffers = buffers or GatherBuffers()  # one per turn: its layers run one after the other
                 host = HostHistory(sparse.sink_tokens, sparse.policy == "sparq", buffers)
-            layers.append(AttnStoreSparseLayer(owner, slot, reused, sparse, host))
+            config = sparse.at_layer(kept_sparse.index(idx), len(kept_sparse))
+            layers.append(AttnStoreSparseLayer(owner, slot, reused, config, host))
         elif kind == KV:
             layers.append(AttnStoreLayer(owner, slot, reused, layout.latent))
         elif kind == BOTH:

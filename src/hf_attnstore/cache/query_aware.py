@@ -130,6 +130,8 @@ class Selection:
         steps: Decoding steps that gathered, counted per layer.
         host: Model layer index -> that layer's history in host memory (`SparseConfig.history_on_host`), set by the
             turn; the layer hands a decoding step only what the device holds, and the step gathers the rest there.
+        configs: Model layer index -> that layer's config, set by the turn: the one its cache layer holds
+            (`SparseConfig.at_layer`), whose budget is the layer's own. A layer not in it selects by `config`.
 
     Example:
         >>> selection = Selection(SparseConfig(0.2, policy="quest"))
@@ -144,6 +146,7 @@ class Selection:
     gathered: int = 0
     steps: int = 0
     host: dict[int, HostHistory] = field(default_factory=dict)
+    configs: dict[int, SparseConfig] = field(default_factory=dict)
 
 
 def selecting(selection: Selection | None):
@@ -195,7 +198,7 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     history = n_keys - q
     if selection is None or query.shape[0] != 1 or history <= 0:
         return upstream.sdpa_attention(module, query, *_whole(host, key, value), attention_mask, **kwargs)
-    config = selection.config
+    config = selection.configs.get(layer, selection.config)  # the layer's own budget (`SparseConfig.layer_slope`)
     keep = config.budget(history)
     if keep >= history:
         return upstream.sdpa_attention(module, query, *_whole(host, key, value), attention_mask, **kwargs)

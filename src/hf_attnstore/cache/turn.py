@@ -228,6 +228,9 @@ class CacheTurn:
         if self.selection is not None:  # the attention finds each layer's history kept on the host by layer index
             self.selection.host.update({idx: layer.host for idx, layer in enumerate(self.layers)
                                         if getattr(layer, "host", None) is not None})
+            # ... and its config, whose budget is that layer's (`SparseConfig.layer_slope`): one source for both.
+            self.selection.configs.update({idx: layer.config for idx, layer in enumerate(self.layers)
+                                           if isinstance(layer, AttnStoreSparseLayer)})
         # The reused tokens with KV per KV slot, ``[kv_heads, P]`` (a session loaded from sparse cold copies; empty:
         # all of them), set by `_start_from_present`: what the session's next turn selects from, with this turn's.
         self._present: dict[int, torch.Tensor] = {}

@@ -102,6 +102,31 @@ def test_the_report_runs_the_oracle_first_and_reads_every_loss_against_it(model,
                                                          ["| streaming", "80%", "13.000", "+30.00%", "3.0x"]]
 
 
+def test_layer_slopes_add_a_pyramid_row_per_query_aware_policy_read_against_the_uniform_oracle(model, monkeypatch):
+    import hf_attnstore.lab.evaluation.corpora as corpora
+    import hf_attnstore.lab.evaluation.sparsity as sparsity
+    from hf_attnstore.lab.evaluation.ppl import PerplexityResult
+
+    monkeypatch.setattr(corpora, "load_texts", lambda corpus, tokenizer, n, length: [random_ids(90, 7)[0]])
+    ran = []
+    ppl = {(None, 0.0): 10.0, ("oracle", 0.0): 11.0, ("oracle", 0.5): 12.0, ("sparq", 0.0): 10.5,
+           ("sparq", 0.5): 12.0, ("alisa", 0.0): 13.0}
+
+    def fake(model, ids, config, **kwargs):
+        ran.append((None, 0.0) if config is None else (config.policy, config.layer_slope))
+        return PerplexityResult(nll=100 * math.log(ppl[ran[-1]]), tokens=100)
+
+    monkeypatch.setattr(sparsity, "sparse_perplexity", fake)
+    lines = []
+    rows = sparsity_report(model, None, corpora=("pydoc",), texts=1, length=90, sparsities=(0.8,),
+                           policies=("dense", "oracle", "alisa", "sparq"), layer_slopes=(0.5,), print_fn=lines.append)
+    assert ran == [(None, 0.0), ("oracle", 0.0), ("oracle", 0.5), ("alisa", 0.0), ("sparq", 0.0), ("sparq", 0.5)]
+    assert ("sparq pyramid 0.5", 0.8) in rows["pydoc"]
+    table = [line.split(" | ")[:5] for line in lines if line.startswith("| ") and not line.startswith("| policy")]
+    assert table[2] == ["| oracle pyramid 0.5", "80%", "12.000", "+20.00%", "2.0x"]  # against the uniform oracle
+    assert table[5] == ["| sparq pyramid 0.5", "80%", "12.000", "+20.00%", "2.0x"]
+
+
 class TestBadInput:
     def test_unknown_protocol(self, model):
         with pytest.raises(ValueError, match="unknown protocol"):

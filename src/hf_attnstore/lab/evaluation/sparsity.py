@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ...cache.cache import AttnStoreCache
-from ...cache.config import SparseConfig
+from ...cache.config import QUERY_AWARE_POLICIES, SparseConfig
 from ...cache.upstream import cache_kwargs
 from ...store import AttnStore
 from .ppl import PerplexityResult, score_turns
@@ -118,12 +118,19 @@ def _one_turn(model, store: AttnStore, config: SparseConfig | None):
 
 def sparsity_report(model, tokenizer, *, corpora=("pydoc", "sharegpt"), texts: int = 2, length: int = 2048,
                     sparsities=(0.5, 0.8, 0.9), policies=POLICIES, chunk_tokens: int = 32, score_from: int = 256,
-                    protocol: str = "turns", print_fn=print) -> dict:
+                    protocol: str = "turns", layer_slopes=(0.0,), print_fn=print) -> dict:
     """Runs :func:`sparse_perplexity` per corpus, policy and sparsity, and prints a Markdown table per corpus.
 
+    `layer_slopes`: the query-aware policies (``oracle``, ``quest``, ``sparq``) run once per slope
+    (`SparseConfig.layer_slope`: 0 the same budget in every layer, ``a > 0`` PyramidKV's pyramid), a row each,
+    named ``policy`` for 0 and ``policy pyramid a`` otherwise; every row's "x oracle's loss" is read against the
+    uniform oracle. The other policies run once (their layers share one mask: one budget).
+
     Returns:
-        ``{corpus: {(policy, sparsity): PerplexityResult}}`` (dense under sparsity 0).
+        ``{corpus: {(row name, sparsity): PerplexityResult}}`` (dense under sparsity 0).
     """
+    if any(slope != 0 for slope in layer_slopes) and 0.0 not in layer_slopes:
+        layer_slopes = (0.0, *layer_slopes)  # the uniform oracle: what every row is read against
     from .corpora import corpus_description, load_texts
 
     results = {}
@@ -135,22 +142,26 @@ def sparsity_report(model, tokenizer, *, corpora=("pydoc", "sharegpt"), texts: i
         print_fn("| policy | sparsity | PPL | vs dense | x oracle's loss | time |\n| --- | --- | --- | --- | --- | --- |")
         rows = {}
         # Dense and the oracle first: every other row is read against them.
-        for policy in sorted(policies, key=lambda p: {"dense": 0, "oracle": 1}.get(p, 2)):
+        runs = [(policy, slope) for policy in sorted(policies, key=lambda p: {"dense": 0, "oracle": 1}.get(p, 2))
+                for slope in (layer_slopes if policy in QUERY_AWARE_POLICIES else (0.0,))]
+        for policy, slope in runs:
+            name = policy if slope == 0 else f"{policy} pyramid {slope:g}"
             for sparsity in ((0.0,) if policy == "dense" else sparsities):
-                config = None if policy == "dense" else SparseConfig(round(1.0 - sparsity, 6), policy=policy)
+                config = None if policy == "dense" else SparseConfig(round(1.0 - sparsity, 6), policy=policy,
+                                                                     layer_slope=slope)
                 started = time.perf_counter()
                 total = PerplexityResult()
                 for ids in docs:
                     total = total + sparse_perplexity(model, ids, config, chunk_tokens=chunk_tokens,
                                                       score_from=score_from, protocol=protocol)
-                rows[(policy, sparsity)] = total
+                rows[(name, sparsity)] = total
                 dense, oracle = rows.get(("dense", 0.0)), rows.get(("oracle", sparsity))
                 rel = f"{100 * (total.ppl / dense.ppl - 1):+.2f}%" if dense is not None and policy != "dense" else ""
                 times = ""
-                if dense is not None and oracle is not None and policy not in ("dense", "oracle") \
+                if dense is not None and oracle is not None and name not in ("dense", "oracle") \
                         and oracle.ppl > dense.ppl:
                     times = f"{(total.ppl - dense.ppl) / (oracle.ppl - dense.ppl):.1f}x"
-                print_fn(f"| {policy} | {sparsity:.0%} | {total.ppl:.3f} | {rel} | {times} | "
+                print_fn(f"| {name} | {sparsity:.0%} | {total.ppl:.3f} | {rel} | {times} | "
                          f"{time.perf_counter() - started:.0f} s |")
         results[corpus] = rows
     return results
