@@ -8,7 +8,6 @@ discriminate (the simulator with another policy, or one block more, disagrees wi
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,8 @@ from hf_attnstore.lab.trace_replay import BlockRuns, ReplayConfig, format_replay
 from hf_attnstore.lab.trace_sim import TraceSimConfig, simulate_trace
 from hf_attnstore.lab.traces import TraceRequest, chat_trace, load_trace
 
-SHARED_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+from .test_trace_sim import SHARED_TRACE
+
 REQUESTS, BLOCK = 150, 8
 
 

@@ -53,10 +53,13 @@ def prefill_seconds(profile: ModelProfile, bw: Bandwidths = Bandwidths()):
         >>> round(seconds(TraceRequest(0, 1000, 1, (1, 2)), 512, 0), 4)  # 488 missed tokens at 1.7e-4 s
         0.083
     """
-    def seconds(request: TraceRequest, host: int, disk: int) -> float:
-        compute = (request.input_length - host - disk) * profile.prefill_s_per_token
-        return max(compute, profile.kv_bytes_per_token * (host / bw.host + disk / bw.disk))
-    return seconds
+    return lambda request, host, disk: _prefill_s(profile, bw, request.input_length, host, disk)
+
+
+def _prefill_s(profile: ModelProfile, bw: Bandwidths, tokens: int, host: int, disk: int) -> float:
+    """A prompt of `tokens` with these hits: the misses prefilled while the hits are read, layer by layer."""
+    compute = (tokens - host - disk) * profile.prefill_s_per_token
+    return max(compute, profile.kv_bytes_per_token * (host / bw.host + disk / bw.disk))
 
 
 def request_costs(result: TraceResult, profile: ModelProfile, bw: Bandwidths = Bandwidths(),
@@ -82,9 +85,7 @@ def request_costs(result: TraceResult, profile: ModelProfile, bw: Bandwidths = B
     ttft, none = [], []
     saved_s = 0.0
     for n, h, d in zip(result.input_tokens, result.host_hits, result.disk_hits):
-        compute = (n - h - d) * profile.prefill_s_per_token
-        read = profile.kv_bytes_per_token * (h / bw.host + d / bw.disk)
-        ttft.append(max(compute, read))
+        ttft.append(_prefill_s(profile, bw, n, h, d))
         none.append(n * profile.prefill_s_per_token)
         saved_s += (h + d) * profile.prefill_s_per_token
     out = {"gpu_hours_saved": saved_s * profile.gpus / 3600, "prefill_saved": saved_s / max(sum(none), 1e-12)}

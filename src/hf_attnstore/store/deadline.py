@@ -2,7 +2,8 @@
 
 redis-py's cluster client answers one command within its `socket_timeout`, but a pipeline (and an MGET across
 nodes, which is one) that fails on a hung node is resent command by command, each on a new connection with a
-handshake of its own: on a frozen node one lookup took 3 to 22 times the timeout. :class:`Deadline` runs each
+handshake of its own: on a frozen node one lookup took 5 to 6 times the timeout (tests/store/test_remote_cluster.py and
+tests/serving/test_shared_state.py, with the bound removed). :class:`Deadline` runs each
 call on a small pool of threads and waits for it at most `seconds`. A call that overruns is abandoned, not
 interrupted: its thread ends when the client's own timeouts end it, and the caller sees a ``TimeoutError`` (an
 ``OSError``, which the tiers already take as a failure of the server: a miss, and the circuit breaker).
