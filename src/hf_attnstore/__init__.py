@@ -16,7 +16,7 @@ from .cache.upstream import cache_kwargs, warn_if_untested
 from .lab.models import load_default_model
 from .serving.pipeline import ChatPipeline
 from .store import AttnStore, StoreStats
-from .store.sizes import parse_bytes
+from .store import parse_bytes
 
 warn_if_untested()  # once, at import: the installed transformers is outside the tested range
 
