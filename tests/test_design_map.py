@@ -13,7 +13,7 @@ def map_text() -> str:
 
 
 def test_the_map_names_every_module():
-    """Each module by its path from the package (`store/disk.py`); a nested package (`store/policy/`,
+    """Each module by its path from the package (`store/tiers/disk.py`); a nested package (`store/policy.py`,
     `serving/protocol/`, `lab/evaluation/`) may be named by its folder instead of its files."""
     text = map_text()
     missing = []

@@ -38,6 +38,15 @@ class Script:
     checks: tuple = field(default=())  # functions of the log that raise on a violated invariant
 
 
+def plain_path(log: str) -> None:
+    """trace_turn: a plain resumed turn runs at most 25 package modules, 12 of store/, and its new KV reaches the file
+    through at most 8 store modules (docs/design.md, "Following one turn")."""
+    limits = {"package modules run": 25, "store modules run": 12, "store modules from a layer's KV to the file": 8}
+    for label, limit in limits.items():
+        found = re.search(re.escape(label) + r":\s+(\d+)", log)
+        assert found and 0 < int(found.group(1)) <= limit, f"{label}: {found and found.group(1)} (at most {limit})"
+
+
 def same_counts(pattern: str):
     """A check: every match of `pattern` (two numbers) shows equal numbers, and there is at least one."""
     def check(log: str) -> None:
@@ -59,6 +68,7 @@ def forced_calls_reused(log: str) -> None:
 # Two repetitions where a later one could find an earlier one's stored prompt (a cache hit timed as a resume).
 TINY_RESUME = ("--history", "64", "--new", "8", "--reps", "2")
 RUNS = {
+    "trace_turn": Script("trace_turn.py", ("--list",), checks=(plain_path,)),
     "batch_fidelity": Script("batch_fidelity.py", ("--sessions", "2", "--turns", "2", "--batch", "2",
                                                    "--max-new-tokens", "4", "--max-user-tokens", "16",
                                                    "--dtypes", "float32"),

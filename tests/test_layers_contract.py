@@ -105,3 +105,33 @@ def test_io_threads_never_see_the_index():
                 {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)}
             assert not names & {"AttnStore", "StoreState", "index", "entries", "store", "lock"}, (name, cls.name)
     assert seen == {"SaveThread", "LoadThread", "TurnWriter"}, seen
+
+
+def _store_imports(path: Path) -> list[str]:
+    """The store modules a module of the package imports (absolute names under `hf_attnstore`)."""
+    rel = path.relative_to(SRC.parent).with_suffix("").parts  # ("hf_attnstore", "cache", "turn")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(rel[: len(rel) - node.level])
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names = [module + "." + a.name for a in node.names] if module == "hf_attnstore" else [module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [n for n in names if n == "hf_attnstore.store" or n.startswith("hf_attnstore.store.")]
+    return found
+
+
+def test_the_cache_and_serving_use_the_store_through_its_facade():
+    """cache/ and serving/ import `hf_attnstore.store` (the facade, store/__init__.py), never one of its modules: the
+    store's insides can change without them."""
+    bad = [f"{path.relative_to(SRC)}: {name}" for package in ("cache", "serving")
+           for path in sorted((SRC / package).rglob("*.py")) for name in _store_imports(path)
+           if name != "hf_attnstore.store"]
+    assert not bad, "\n".join(bad)
+    assert _store_imports(SRC / "cache" / "turn.py") == ["hf_attnstore.store"]  # the check sees relative imports

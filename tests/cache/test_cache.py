@@ -104,7 +104,7 @@ def loaded_kv(cache, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     last `window - 1` of them), in the model's roles (the store swaps those of multi-head latent attention, see
     layers.LayerLayout.latent)."""
     _, (kh, kd), (vh, vd) = shapes(cache.turn._geometry)
-    keys, values = cache.turn.load_layer(slot, n, torch.empty(1, kh, 0, kd), torch.empty(1, vh, 0, vd))
+    keys, values = cache.turn.loader.load_layer(slot, n, torch.empty(1, kh, 0, kd), torch.empty(1, vh, 0, vd))
     return (values, keys) if cache.turn._layout.latent else (keys, values)
 
 

@@ -228,7 +228,7 @@ def _resumed_logits(model, store, ids, reused, **kw):
                          ids=["llama", "gemma2", "deepseek_v3", "llama-truncated"])
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 def test_host_copies_kept_encoded_resume_exactly_as_their_disk_copy(tmp_path, codec, arch, window):
-    """The host copy of a session's written chunks is the codec's blobs (store/encoded.py), dequantized where
+    """The host copy of a session's written chunks is the codec's blobs (store/buffer.py), dequantized where
     the layer loads: a turn resumed from host memory computes what the same turn resumed from disk does."""
     model = make_tiny(arch)
     ids = random_ids(50, 5)

@@ -235,5 +235,5 @@ def test_decoupled_truncation_within_the_long_regime(arch):
         model(cache.input_ids, **cache_kwargs(ref))
     _, (kh, kd), (vh, vd) = shapes(cache.turn._geometry)
     new = cache.input_ids.shape[1] - 32
-    keys, _ = cache.turn.load_layer(0, 32, torch.zeros(1, kh, new, kd), torch.zeros(1, vh, new, vd))
+    keys, _ = cache.turn.loader.load_layer(0, 32, torch.zeros(1, kh, new, kd), torch.zeros(1, vh, new, vd))
     torch.testing.assert_close(keys[:, :, :32], ref.layers[0].keys[:, :, :32], atol=1e-5, rtol=0)

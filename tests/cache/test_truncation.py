@@ -99,7 +99,7 @@ def test_truncated_keys_sit_at_their_new_positions(mode):
     assert cache.reused_tokens == 36 - 14
     geometry = model.model.layers[0].self_attn
     empty = torch.empty(1, model.config.num_key_value_heads, 0, geometry.head_dim)
-    keys = cache.turn.load_layer(0, cache.reused_tokens, empty, empty)[0]
+    keys = cache.turn.loader.load_layer(0, cache.reused_tokens, empty, empty)[0]
     ref = DynamicCache()
     with torch.no_grad():
         model(cache.input_ids, **cache_kwargs(ref))

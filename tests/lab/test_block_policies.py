@@ -1,4 +1,4 @@
-"""The prefix-block eviction policies (store/policy/blocks.py, density.py): leaves first, exact orders, the
+"""The prefix-block eviction policies (lab/block_policy.py, density.py): leaves first, exact orders, the
 look-ahead queue, ghosts, and the store's placement code driving them through the EvictionPolicy interface."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Host copies kept encoded (store/encoded.py): the save thread's blobs replace a session's written chunks."""
+"""Host copies kept encoded (store/buffer.py): the save thread's blobs replace a session's written chunks."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from hf_attnstore.store.store import verified_state
 from hf_attnstore.store.states import SessionState
 
 from .kvdata import FP, kv
-from .test_state import FAST, states
+from .test_states import FAST, states
 
 SYSTEM = list(range(100, 200))  # a shared system prompt of 100 tokens (more than one prefix block)
 

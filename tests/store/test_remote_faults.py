@@ -22,7 +22,7 @@ from hf_attnstore.lab.redis_server import RedisServer, free_port
 from hf_attnstore.store.tiers.redis import RemoteChunk, RemoteTier, RemoteUnavailableError
 
 from .test_faults import disk_usage  # measured while the save thread deletes files: tolerates that
-from .test_remote import redis_server  # noqa: F401 (the fixture)
+from .tiers.test_redis import redis_server  # noqa: F401 (the fixture)
 from .kvdata import BYTES_PER_TOKEN, FP, LAYERS, expect, layer_of, write_turn
 
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=4, remote_timeout_s=2)

@@ -12,8 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from ..store import AttnStore
-from ..store.index import validate_session_id
+from ..store import AttnStore, validate_session_id
 from .config import SparseConfig, TruncationConfig
 from .fingerprint import model_fingerprint, salted_fingerprint
 from .hooks import install_generation_hook, install_hooks

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..store.buffer import LoadHandle
+from ..store import LoadHandle
 
 Parts = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -32,7 +32,7 @@ _HASH_BLOCK = 64 * 1024 * 1024  # bytes copied off a GPU at a time
 
 
 def kv_geometry(model: nn.Module) -> tuple:
-    """The geometry of the KV the store keeps for `model` (store/geometry.py): ``(layers with KV, num_kv_heads,
+    """The geometry of the KV the store keeps for `model` (store/format.py): ``(layers with KV, num_kv_heads,
     head_dim)`` for most models (a hybrid model's linear-attention layers keep no KV: see layers.LayerLayout);
     ``(layers, 1, qk_rope_head_dim, 1, kv_lora_rank)`` for multi-head latent attention, whose store keys are
     the key's rotary part and whose values are the compressed latent.
@@ -45,7 +45,7 @@ def kv_geometry(model: nn.Module) -> tuple:
         (2, 2, 4)
     """
     from .layout import LayerLayout  # imports transformers' cache classes: only when a model is measured
-    from ..store.format import make_geometry
+    from ..store import make_geometry
 
     cfg = model.config.get_text_config(decoder=True)
     layout = LayerLayout.of(model)

@@ -14,9 +14,7 @@ import logging
 import torch
 from torch import nn
 
-from ..store import AttnStore, SessionKV
-from ..store.buffer import Segment
-from ..store.stats import OnceLogger
+from ..store import AttnStore, OnceLogger, Segment, SessionKV
 from .layout import LayerLayout
 from .prefill_clock import PrefillClock
 from .record import inverse_rope, unrotate

@@ -11,7 +11,7 @@ Scores are kept per KV slot and per KV head, over the session's tokens (indexed 
 whichever of them the device still holds): ``scores[slot]`` is ``[kv_heads, n]`` float32 on the device. A query
 head's weights count for the KV head it reads (grouped-query attention sums its group). They are persisted with
 the session, fp32 (4 bytes per token, layer and KV head: under 1% of SmolLM2's KV, and H2O's sums over every
-query outgrow fp16's 65,504 within ~15k tokens), as tensors of its state (state.py) named by what they sum
+query outgrow fp16's 65,504 within ~15k tokens), as tensors of its state (states.py) named by what they sum
 (:func:`score_name`), so a resumed session knows its important tokens before its first forward, and a turn of
 another policy or window never takes them for its own.
 

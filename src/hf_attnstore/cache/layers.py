@@ -14,20 +14,19 @@ them the other way round, so that its keys are always the rotated tensor (un-rot
 load, quantized per channel by a codec): the layers swap them at the boundary (`LayerLayout.latent`).
 
 States are restored into transformers' own `LinearAttentionLayer` (the models call its
-`update_conv_state` / `update_recurrent_state`), and captured from it at the end of a turn (state.py).
+`update_conv_state` / `update_recurrent_state`), and captured from it at the end of a turn (states.py).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from ..store.states import SessionState
+from ..store import SessionState
 from . import query_aware
 from .config import SparseConfig
 from .host_history import GatherBuffers, HostHistory
@@ -43,18 +42,13 @@ from .upstream import (
 
 
 class LayerOwner(Protocol):
-    """What the layers ask of the turn that owns them (`turn.CacheTurn`), named here so that this module does not
-    import the turn's, which imports this one."""
-
-    def load_layer(self, idx: int, length: int, new_keys: torch.Tensor, new_values: torch.Tensor): ...
-
-    def record(self, idx: int, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+    """What a sparse layer asks of the turn that owns it (`turn.CacheTurn`), named here so that this module does not
+    import the turn's, which imports this one. Every layer loads from the turn's `ReuseLoader` and records to its
+    `Recorder` directly (`build_layers`)."""
 
     def can_select(self, start: int) -> bool: ...
 
     def scores_for(self, slot: int, columns: torch.Tensor) -> torch.Tensor: ...
-
-    def attended_sparse(self, position: int) -> None: ...
 
 
 logger = logging.getLogger(__name__)
@@ -89,6 +83,15 @@ class AttnStoreLayer(DynamicLayer):
         self._layer_idx = slot
         self._pending_reuse = reused
         self._swap = swap  # multi-head latent attention: the store's keys are the model's values (module doc)
+        # The turn's loader of reused KV (load.ReuseLoader, None when nothing is reused) and its recorder
+        # (record.Recorder), set by `build_layers`.
+        self._loader = self._recorder = None
+
+    def _with_reused(self, length: int, new_keys: torch.Tensor, new_values: torch.Tensor):
+        """The layer's `length` reused tokens, loaded and re-rotated (`ReuseLoader.load_layer`), then the new KV."""
+        if length == 0:
+            return new_keys, new_values
+        return self._loader.load_layer(self._layer_idx, length, new_keys, new_values)
 
     def get_seq_length(self) -> int:
         if not self.is_initialized:
@@ -107,12 +110,12 @@ class AttnStoreLayer(DynamicLayer):
             # First forward of the turn: this layer's reused KV (re-rotated) and the new KV, written into one
             # tensor each (DynamicLayer's own concatenation would copy as much).
             self.dtype, self.device = key_states.dtype, key_states.device
-            all_rotated, all_other = self._owner.load_layer(self._layer_idx, self._pending_reuse, rotated, other)
+            all_rotated, all_other = self._with_reused(self._pending_reuse, rotated, other)
             self.keys, self.values = (all_other, all_rotated) if self._swap else (all_rotated, all_other)
-            self._owner.record(self._layer_idx, rotated, other)
+            self._recorder.record(self._layer_idx, rotated, other)
             self.is_initialized = True
             return self.keys, self.values
-        self._owner.record(self._layer_idx, rotated, other)
+        self._recorder.record(self._layer_idx, rotated, other)
         return DynamicLayer.update(self, key_states, value_states)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -161,13 +164,13 @@ class AttnStoreSlidingLayer(AttnStoreLayer, DynamicSlidingWindowLayer):
             # The reused tokens the window still sees (the cache loads only those), then the new ones.
             self.dtype, self.device = key_states.dtype, key_states.device
             self._sliding_window_tensor = self._sliding_window_tensor.to(self.device)
-            all_rotated, all_other = self._owner.load_layer(self._layer_idx, self._pending_reuse, rotated, other)
+            all_rotated, all_other = self._with_reused(self._pending_reuse, rotated, other)
             full_keys, full_values = (all_other, all_rotated) if self._swap else (all_rotated, all_other)
             self.is_initialized = True
         else:
             full_keys = torch.cat([self.keys, key_states], dim=-2)
             full_values = torch.cat([self.values, value_states], dim=-2)
-        self._owner.record(self._layer_idx, rotated, other)
+        self._recorder.record(self._layer_idx, rotated, other)
         self.cumulative_length += key_states.shape[-2]
         if self.record_past:  # kept whole until `crop` (as DynamicSlidingWindowLayer)
             self.keys, self.values = full_keys, full_values
@@ -293,7 +296,7 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         if not self.is_initialized:
             self.dtype, self.device = key_states.dtype, key_states.device
             held = self._pending_reuse
-            keys, values = self._owner.load_layer(self._layer_idx, held, key_states, value_states)
+            keys, values = self._with_reused(held, key_states, value_states)
             old_keys, old_values = keys[:, :, :held], values[:, :, :held]
             columns = torch.arange(held, device=key_states.device).expand(key_states.shape[1], -1)
             if self._present is not None:  # only the tokens with KV (the load holds zeros for the others)
@@ -313,13 +316,13 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         if held < self.total or (self.config.query_aware and self.config.budget(held) < held):
             # The new tokens attend to a selection (query-aware: the one their attention will make, of the same
             # budget of `held`): their KV is not the dense one.
-            self._owner.attended_sparse(self.total)
+            self._recorder.attended_sparse(self.total)
         new = torch.arange(self.total, self.total + n, device=key_states.device).expand(columns.shape[0], -1)
         self.columns = torch.cat([columns, new], dim=1)
         self.keys = torch.cat([old_keys, key_states], dim=-2)
         self.values = torch.cat([old_values, value_states], dim=-2)
         self.total += n
-        self._owner.record(self._layer_idx, key_states, value_states)
+        self._recorder.record(self._layer_idx, key_states, value_states)
         return self.keys, self.values
 
     def _update_host(self, key_states: torch.Tensor, value_states: torch.Tensor, old_keys: torch.Tensor | None,
@@ -330,7 +333,7 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         # cold copies: `present`).
         n, history = key_states.shape[-2], self.host.total if old_keys is None else old_keys.shape[-2]
         if history < self.total or self.config.budget(history) < history:
-            self._owner.attended_sparse(self.total)  # the new tokens attend to a selection: their KV is not dense
+            self._recorder.attended_sparse(self.total)  # the new tokens attend to a selection: their KV is not dense
         # The device drops (or gets back) rows before this forward's recent window, then takes its new tokens.
         self.host.keep_from(query_aware.recent_start(self.config, history))
         whole = None
@@ -343,7 +346,7 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         self.columns = torch.cat([columns, new], dim=1)
         self.total += n
         self.keys, self.values = self.host.resident()
-        self._owner.record(self._layer_idx, key_states, value_states)
+        self._recorder.record(self._layer_idx, key_states, value_states)
         if n == 1:
             return self.keys, self.values  # a decoding step gathers the rest from the host (query_aware.attention)
         return whole if whole is not None else self.host.whole(self.keys, self.values)
@@ -364,7 +367,7 @@ class AttnStoreSparseLayer(AttnStoreLayer):
         assert self.host is None, "a batch row's history is on the device (batching refuses the query-aware policies)"
         self.keys, self.values, self.columns = self._selected(self.keys, self.values, self.columns, self._target())
         if self.columns.shape[1] < self.total:
-            self._owner.attended_sparse(self.total)
+            self._recorder.attended_sparse(self.total)
         return self.keys, self.values
 
     @property
@@ -377,9 +380,10 @@ class AttnStoreSparseLayer(AttnStoreLayer):
 
 
 def build_layers(owner: LayerOwner, layout: LayerLayout, reused: int, state: SessionState | None,
-                 device: torch.device, sparse=None) -> list:
+                 device: torch.device, sparse=None, loader=None, recorder=None) -> list:
     """The cache's layers for a turn that reuses `reused` tokens (and, for a hybrid model, `state`: the states
-    after exactly those tokens); with `sparse` (a SparseConfig), its full-attention layers are kept sparse.
+    after exactly those tokens); with `sparse` (a SparseConfig), its full-attention layers are kept sparse. Each
+    layer loads its reused KV from `loader` (None when nothing is reused) and records its new KV to `recorder`.
 
     Example:
         >>> layout = LayerLayout(kinds=("kv", "state", "none"), states=(0, 1, 0))
@@ -410,6 +414,9 @@ def build_layers(owner: LayerOwner, layout: LayerLayout, reused: int, state: Ses
             layers.append(LinearAttentionLayer(number_of_states=n_states))
         else:
             layers.append(DummyLayer())
+        if isinstance(layers[-1], AttnStoreLayer):  # weak, as the owner: the recorder's turn end holds the layers
+            layers[-1]._loader = weakref.proxy(loader) if loader is not None else None
+            layers[-1]._recorder = weakref.proxy(recorder) if recorder is not None else None
         slot += kind in (KV, BOTH)
         if state is not None and kind in (STATE, BOTH):
             _restore(layers[-1], idx, state, device)
@@ -454,57 +461,3 @@ def state_tensors(layers: list) -> dict[str, torch.Tensor] | None:
             if layer.is_recurrent_states_initialized[i]:
                 out[f"L{idx:04d}.r{i}"] = layer.recurrent_states[i]
     return out
-
-
-class TurnEnd:
-    """Hands a hybrid model's states to the store: at the end of the turn (`AttnStoreCache.close`, or when
-    the cache is garbage-collected: this object holds the writer and the layers, never the cache), and
-    whenever the store asks for the states of a turn still open (a next turn's lookup while the previous
-    cache is still referenced, a flush: :meth:`publish`).
-
-    `tokens` and `complete` are set by the cache around each forward, under `lock`: states are copied only
-    between forwards (a forward in progress, or one that failed, leaves layers that disagree).
-    """
-
-    def __init__(self, has_state: bool):
-        # `has_state`: the turn keeps states, or tensors valid after exactly their tokens (importance scores).
-        self.has_state = has_state
-        self.writer, self.layers, self.extra = None, [], None
-        self.tokens, self.complete, self.done = 0, False, False
-        # Re-entrant: the cache's finalizer may run (garbage collection) inside a publish on the same thread.
-        self.lock = threading.RLock()
-
-    def start(self, writer, layers: list, extra=None) -> None:
-        """The turn starts (or starts over, after stored KV proved unreadable) with `writer` and `layers`.
-        `extra(tokens)`: more tensors valid after exactly those tokens (importance scores, the selection of a sparse
-        session), or {}."""
-        with self.lock:
-            self.writer, self.layers, self.extra = writer, layers, extra
-            if writer is not None and self.has_state:
-                writer.state_source = weakref.ref(self)  # the store asks this turn for its states (`publish`)
-
-    def publish(self, end: bool = False) -> None:
-        """Copies the states after the last completed forward to the store (and closes the writer if `end`)."""
-        with self.lock:
-            if self.done:
-                return
-            self.done = end
-            state = None
-            if self.has_state and self.complete and self.tokens:
-                tensors = state_tensors(self.layers)
-                if tensors is not None and self.extra is not None:
-                    tensors.update(self.extra(self.tokens))
-                try:
-                    state = SessionState.capture(self.tokens, tensors) if tensors else None
-                except (TypeError, RuntimeError) as exc:  # e.g. out of memory: the next turn recomputes
-                    logger.warning("the states of a hybrid model's turn could not be kept (%s): its next turn "
-                                   "recomputes", exc)
-            if self.writer is None:
-                return
-            if end:
-                self.writer.close(state)
-            elif state is not None:
-                self.writer.offer_state(state)
-
-    def __call__(self) -> None:
-        self.publish(end=True)

@@ -11,10 +11,8 @@ import weakref
 
 import torch
 
-from ..store import LoadError, SessionKV
-from ..store.config import StoreConfig
+from ..store import LoadError, SessionKV, StoreConfig, copy_into, dense
 from .cuda_prefetch import CudaLayerPrefetcher
-from ..store.buffer import copy_into, dense
 from .hooks import ReuseFailed
 from .rope import RopeAdapter
 from .truncation import ReusePlan
@@ -97,7 +95,7 @@ class ReuseLoader:
         pos = 0
         for k, v in parts:
             m = k.shape[2]
-            # A part kept encoded (store/encoded.py) is dequantized here, on the device, just before its keys
+            # A part kept encoded (store/buffer.py) is dequantized here, on the device, just before its keys
             # are re-rotated: no full-precision copy of it exists in host memory or crosses to the device.
             k = dense(k, device, dtype)
             if rotated:

@@ -1,5 +1,6 @@
 """Saving what a turn computes: each forward's new KV is kept per layer (`Recorder.record`), and after the forward
-its keys are un-rotated to pre-RoPE and handed to the store's writer (`Recorder.end_forward`).
+its keys are un-rotated to pre-RoPE and handed to the store's writer (`Recorder.end_forward`); at the end of the
+turn, a hybrid model's states (and a scored turn's scores) go with them (`TurnEnd`).
 
 Layout of every KV tensor here: ``[batch=1, kv_heads, seq, head_dim]``; stacked over layers, ``[layers, 1, kv_heads,
 seq, head_dim]``.
@@ -8,13 +9,14 @@ seq, head_dim]``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 
 import torch
 
-from ..store import AttnStore, TurnWriter
-from ..store.stats import OnceLogger
-from .layers import TurnEnd
+from ..store import AttnStore, OnceLogger, SessionState, TurnWriter
+from .layers import state_tensors
 from .rope import RopeAdapter
 
 logger = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class Recorder:
         save: Whether the turn saves (its writer, `AttnStore.open_turn`, is handed over by `restart`).
         rope: The model's rotary embedding; `regime`: the turn's frequency regime (see rope.RopeAdapter.regime).
         num_layers: KV layers per forward.
-        turn_end: Keeps a hybrid model's states (and a scored turn's scores) with the session (layers.TurnEnd).
+        turn_end: Keeps a hybrid model's states (and a scored turn's scores) with the session (TurnEnd, below).
         superseded: What the first complete forward deletes: the session's KV under the model's other keys.
         every_key: Every key of the model's KV (all of them go when the turn leaves its regime).
 
@@ -202,3 +204,57 @@ class Recorder:
                 # The states are stored labelled with the tokens they summarize: after the crop (which rolled the
                 # layers' convolution states back), the kept ones.
                 self.turn_end.tokens = min(self.turn_end.tokens, total)
+
+
+class TurnEnd:
+    """Hands a hybrid model's states to the store: at the end of the turn (`AttnStoreCache.close`, or when
+    the cache is garbage-collected: this object holds the writer and the layers, never the cache), and
+    whenever the store asks for the states of a turn still open (a next turn's lookup while the previous
+    cache is still referenced, a flush: :meth:`publish`).
+
+    `tokens` and `complete` are set by the cache around each forward, under `lock`: states are copied only
+    between forwards (a forward in progress, or one that failed, leaves layers that disagree).
+    """
+
+    def __init__(self, has_state: bool):
+        # `has_state`: the turn keeps states, or tensors valid after exactly their tokens (importance scores).
+        self.has_state = has_state
+        self.writer, self.layers, self.extra = None, [], None
+        self.tokens, self.complete, self.done = 0, False, False
+        # Re-entrant: the cache's finalizer may run (garbage collection) inside a publish on the same thread.
+        self.lock = threading.RLock()
+
+    def start(self, writer, layers: list, extra=None) -> None:
+        """The turn starts (or starts over, after stored KV proved unreadable) with `writer` and `layers`.
+        `extra(tokens)`: more tensors valid after exactly those tokens (importance scores, the selection of a sparse
+        session), or {}."""
+        with self.lock:
+            self.writer, self.layers, self.extra = writer, layers, extra
+            if writer is not None and self.has_state:
+                writer.state_source = weakref.ref(self)  # the store asks this turn for its states (`publish`)
+
+    def publish(self, end: bool = False) -> None:
+        """Copies the states after the last completed forward to the store (and closes the writer if `end`)."""
+        with self.lock:
+            if self.done:
+                return
+            self.done = end
+            state = None
+            if self.has_state and self.complete and self.tokens:
+                tensors = state_tensors(self.layers)
+                if tensors is not None and self.extra is not None:
+                    tensors.update(self.extra(self.tokens))
+                try:
+                    state = SessionState.capture(self.tokens, tensors) if tensors else None
+                except (TypeError, RuntimeError) as exc:  # e.g. out of memory: the next turn recomputes
+                    logger.warning("the states of a hybrid model's turn could not be kept (%s): its next turn "
+                                   "recomputes", exc)
+            if self.writer is None:
+                return
+            if end:
+                self.writer.close(state)
+            elif state is not None:
+                self.writer.offer_state(state)
+
+    def __call__(self) -> None:
+        self.publish(end=True)

@@ -52,7 +52,7 @@ SUPPORTED_ROPE_MODEL_TYPES = frozenset({
 })
 # Hybrids: attention layers (llama's `rotate_half` RoPE, or none at all: NoPE) mixed with linear-attention or
 # state-space layers whose recurrent and convolution states the store keeps at the end of each turn (layers.py,
-# store/state.py). Their states are not position-decoupled, so a turn reuses a session only when its prompt
+# store/states.py). Their states are not position-decoupled, so a turn reuses a session only when its prompt
 # extends exactly the ids the states were computed for: any divergence or truncation recomputes.
 HYBRID_MODEL_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "lfm2", "falcon_h1", "bamba", "granitemoehybrid",
                                 "jamba", "nemotron_h", "zamba2",

@@ -23,19 +23,17 @@ import weakref
 import torch
 from torch import nn
 
-from ..store import AttnStore, Found
-from ..store.stats import OnceLogger
-from ..store.states import selection_name
+from ..store import AttnStore, Found, OnceLogger, selection_name
 from . import importance, query_aware, upstream
 from .config import SparseConfig, TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint, salted_fingerprint
 from .head import recompute_head
-from .layers import AttnStoreSparseLayer, TurnEnd, build_layers
+from .layers import AttnStoreSparseLayer, build_layers
 from .layout import LayerLayout
 from .load import ReuseLoader
 from .plan import ModelFacts, TurnPlan, miss_plan, plan_turn, score_names, shares, stored_scores
 from .prefill_clock import PrefillClock
-from .record import Recorder
+from .record import Recorder, TurnEnd
 from .rope import RopeAdapter
 from .sparse import select
 
@@ -226,7 +224,8 @@ class CacheTurn:
         # A query-aware turn's page summaries start with its layers (a restarted turn summarizes its keys anew).
         self.selection = query_aware.Selection(self.sparse) if self.sparse is not None and self.sparse.query_aware \
             else None
-        self.layers = build_layers(self, self._layout, plan.reused, plan.state, self._device, self.sparse)
+        self.layers = build_layers(self, self._layout, plan.reused, plan.state, self._device, self.sparse,
+                                   loader=self.loader, recorder=self._recorder)
         if self.selection is not None:  # the attention finds each layer's history kept on the host by layer index
             self.selection.host.update({idx: layer.host for idx, layer in enumerate(self.layers)
                                         if getattr(layer, "host", None) is not None})
@@ -270,7 +269,7 @@ class CacheTurn:
 
     # -- scoring (importance.py) ---------------------------------------------------------------------------
     def _extra(self):
-        """What the turn keeps with the session beside a hybrid model's states (layers.TurnEnd): its tokens'
+        """What the turn keeps with the session beside a hybrid model's states (record.TurnEnd): its tokens'
         importance scores, and for a sparse session the selection its next turn keeps (`_kept_tensors`)."""
         if self.scorer is None:
             return None
@@ -362,20 +361,6 @@ class CacheTurn:
         """The forward ended (see :meth:`forward_started`)."""
         self._store.forward_finished()
 
-    def load_layer(self, idx: int, length: int, new_keys: torch.Tensor, new_values: torch.Tensor):
-        """Layer `idx`'s reused KV followed by this forward's new KV (see `ReuseLoader.load_layer`)."""
-        if length == 0:
-            return new_keys, new_values
-        return self.loader.load_layer(idx, length, new_keys, new_values)
-
-    def record(self, idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Keeps a layer's new KV (keys still rotated) until the forward completes (`Recorder.record`)."""
-        self._recorder.record(idx, keys, values)
-
-    def attended_sparse(self, position: int) -> None:
-        """A sparse layer's forward from session position `position` attends to a selection of the history."""
-        self._recorder.attended_sparse(position)
-
     def begin_forward(self, input_ids, inputs_embeds, position_ids) -> None:
         """Called by the base model's pre-hook before each forward through this cache."""
         if self._broken or self._recorder.in_forward:
@@ -456,7 +441,7 @@ class CacheTurn:
                 (a sparse row, serving/sparse_rows.py), or None: they and what follows are labelled inexact.
         """
         if sparse_from is not None:
-            self.attended_sparse(sparse_from)
+            self._recorder.attended_sparse(sparse_from)
         if len(keys) != self._geometry[0] or len(values) != self._geometry[0]:
             raise ValueError(f"expected KV of {self._geometry[0]} layers, got {len(keys)}")
         if self._layout.latent:  # the store's keys are the rotated tensor (layers.LayerLayout.latent)

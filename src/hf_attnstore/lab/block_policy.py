@@ -13,10 +13,10 @@ Priorities are static between changes, so no re-sorting happens at eviction time
 from __future__ import annotations
 
 import heapq
+import random
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from typing import NamedTuple
-import random
 
 from ..store.policy import EvictionPolicy, LRUPolicy
 
@@ -54,7 +54,7 @@ class LeafFirstPolicy(EvictionPolicy):
         super().__init__()
         self.clock = 0
         self.last: dict[Hashable, int] = {}  # block -> tick of its last insert/touch
-        # Read by subclasses (density.py), written only here.
+        # Read by subclasses (lab/block_policy.py), written only here.
         self.present: dict[Hashable, BlockKey] = {}  # block -> its key, for blocks present
         self.children: dict[Hashable, int] = {}  # block -> cached children (only counts > 0)
         self._version: dict[Hashable, int] = {}
@@ -482,7 +482,7 @@ class HitDensityPolicy(LeafFirstPolicy):
         return out
 
 
-# Policies of prefix blocks (keys are `BlockKey`s; see blocks.py). "lru" is the store's own LRUPolicy applied to
+# Policies of prefix blocks (keys are `BlockKey`s; see lab/block_policy.py). "lru" is the store's own LRUPolicy applied to
 # blocks (plain block LRU: it may evict a parent whose children stay); the others evict leaves only.
 BLOCK_POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "lru-leaf": LeafLRUPolicy,
                                                    "retention": RetentionPolicy, "slru": SegmentedPolicy,

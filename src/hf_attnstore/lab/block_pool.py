@@ -3,7 +3,7 @@
 The session store keeps each session's KV whole: two prompts over one document hold the document twice, and a
 session leaves host memory as a whole. A block pool is the other shape of a prefix cache (vLLM's block pool,
 SGLang's radix tree, Mooncake's traces): a prompt is cut into blocks of `block_tokens`, each block keyed by a hash
-chained over every token before it (prefixes.py), so a key names a whole prefix and a block's KV is stored once
+chained over every token before it (index.py), so a key names a whole prefix and a block's KV is stored once
 whoever computed it. A prompt reuses its longest run of leading blocks present. The pool holds at most `blocks`
 blocks and evicts them one at a time through a block policy (`store.policy.BLOCK_POLICIES`, keyed by
 `BlockKey(block, parent)`) and `placement.choose_victims`: the code `lab/trace_sim.py` simulates with.
@@ -36,13 +36,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+
 import torch
 
-from .block_policy import BlockKey, make_block_policy
 from ..store.buffer import Segment, SessionBuffer, SessionKV
 from ..store.index import block_hashes
 from ..store.policy import choose_victims
-
+from .block_policy import BlockKey, make_block_policy
 
 MAX_BLOCKS = 10**9  # beyond any host memory: a typo, not a capacity
 

@@ -3,7 +3,7 @@ processes over it, and ``sglang-router`` (the Rust router of the `sglang-router`
 
     python -m hf_attnstore.lab.cluster --model DIR --replicas 2 --policy round_robin    # or: make replicas
 
-Each replica has its own host tier and disk folder and shares the Redis: sessions' KV (store/remote.py), stored
+Each replica has its own host tier and disk folder and shares the Redis: sessions' KV (store/tiers/redis.py), stored
 responses, the session index and the memo of generated replies (serving/shared_state.py), so a conversation or a
 Responses chain continues on whichever replica the router picks, also after one was killed. Everything waits with a
 timeout, and a process that dies while starting is reported with the end of its log.

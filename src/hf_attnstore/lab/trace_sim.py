@@ -123,7 +123,7 @@ class _Tier:
         """Evicts down to capacity, one victim at a time (a leaf-first policy exposes the parent next)."""
         out = []
         while len(self.keys) > self.capacity:
-            # The store's block pool evicts with the same call (store/block_pool.py): one code, two callers.
+            # The store's block pool evicts with the same call (lab/block_pool.py): one code, two callers.
             chosen = choose_victims(self.policy.victims(), size=lambda key: 1, movable=lambda key: True, overflow=1)
             assert chosen, "a full tier must have a victim"
             out += [self.drop(victim.block) for victim in chosen]

@@ -24,10 +24,7 @@ from ..cache.cache import AttnStoreCache
 from ..cache.chat import ChatTokens
 from ..cache.config import SparseConfig, TruncationConfig
 from ..cache.fingerprint import salted_fingerprint
-from ..store import AttnStore
-from ..store.policy import lookahead_windows
-from ..store.config import parse_bytes
-from ..store.index import validate_session_id
+from ..store import AttnStore, lookahead_windows, parse_bytes, validate_session_id
 from .jobs import Cancelled, Job, PipelineClosed, Prepared, Reply, Tee, token_logprobs  # noqa: F401 (Reply, PipelineClosed: re-exported)
 from .timing import FirstTokenTimer
 from ..cache.truncation import tokens_to_drop

@@ -2,7 +2,7 @@
 continues any conversation: the stored responses (`response_store_redis.py` keeps them here), the memo of generated
 replies' exact ids (`conversation.ReplyMemo`), and where each session stands (`conversation.SessionIndex`: its ids
 as the client sends them and as the model saw them, and the chained digest of its last whole block, by which a
-request that names no session finds the one it continues). The sessions' KV is the store's (store/remote.py).
+request that names no session finds the one it continues). The sessions' KV is the store's (store/tiers/redis.py).
 
 Keys, under ``attnstore:serving:1:<t>:`` where ``t`` is the namespace the replica is given: `attnstore serve` makes
 it of the tokenizer and chat template's digest (the ids a text has are a tokenizer's), the model's fingerprint and
@@ -32,8 +32,7 @@ import logging
 import threading
 import time
 
-from ..store.tiers.redis import Deadline
-from ..store.tiers.redis import RemoteUnavailableError, connect_redis, redacted
+from ..store import Deadline, RemoteUnavailableError, connect_redis, redacted
 
 logger = logging.getLogger(__name__)
 PREFIX = "attnstore:serving:1:"
@@ -129,7 +128,7 @@ class SharedState:
                 # MGET of keys in several slots is refused by a cluster: the cluster client's non-atomic MGET
                 # groups them by node (one round trip each), which is all a lookup needs.
                 name = "mget_nonatomic"
-            if cluster:  # a cluster's call can outlast its socket timeouts many times over (store/deadline.py)
+            if cluster:  # a cluster's call can outlast its socket timeouts many times over (store/tiers/redis.py)
                 answer = self._deadline.call(getattr(client, name), *args, **kwargs)
             else:
                 answer = getattr(client, name)(*args, **kwargs)

@@ -19,17 +19,19 @@ from .buffer import LoadError, LoadHandle, Segment, SessionBuffer, SessionKV, co
 from .config import StoreConfig, parse_bytes
 from .format import FormatError, bytes_per_token, make_geometry
 from .index import MAX_SESSION_ID_BYTES, validate_session_id
+from .loader import MIN_PREFILL_TOKENS, ResumeCosts
 from .policy import lookahead_windows
 from .states import SessionState, selection_name
 from .stats import OnceLogger, StoreStats
 from .store import AttnStore, Found, Match, StoreIOError
 from .tiers.disk import DiskLockedError
+from .tiers.redis import Deadline, RemoteUnavailableError, connect_redis, redacted
 from .writer import TurnWriter
 
-__all__ = ["AttnStore", "DiskLockedError", "FormatError", "Found", "LoadError", "LoadHandle", "Match",
-           "MAX_SESSION_ID_BYTES", "OnceLogger", "Segment", "SessionBuffer", "SessionKV", "SessionState",
+__all__ = ["AttnStore", "Deadline", "DiskLockedError", "FormatError", "Found", "LoadError", "LoadHandle", "Match",
+           "MAX_SESSION_ID_BYTES", "MIN_PREFILL_TOKENS", "OnceLogger", "RemoteUnavailableError", "ResumeCosts", "Segment", "SessionBuffer", "SessionKV", "SessionState",
            "StoreConfig", "StoreIOError", "StoreStats", "TurnWriter", "bytes_per_token", "copy_into", "dense",
-           "lookahead_windows", "make_geometry", "parse_bytes", "selection_name", "validate_session_id"]
+           "connect_redis", "lookahead_windows", "make_geometry", "parse_bytes", "redacted", "selection_name", "validate_session_id"]
 
 # The modules of the release before, by their path under `hf_attnstore.store`, and where their code is now.
 MOVED = {
@@ -84,10 +86,12 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(fullname, self, origin=new)
 
     def create_module(self, spec):
-        return importlib.import_module(spec.origin)
+        module = importlib.import_module(spec.origin)
+        spec.loader_state = module.__spec__  # the import system sets the alias's spec on it: put its own back
+        return module
 
     def exec_module(self, module):
-        pass  # the module is the new one, already executed
+        module.__spec__ = module.__spec__.loader_state  # the module is the new one, already executed
 
 
 if not any(isinstance(f, _MovedModules) for f in sys.meta_path):

@@ -1,15 +1,29 @@
-"""Progress of a session being loaded from disk into host memory, layer by layer.
+"""Host memory: a session's KV in per-layer segments that are appended to, the immutable snapshots a lookup returns,
+parts kept encoded by a lossy codec, and a load's per-layer readiness.
 
-The load thread marks each layer ready as soon as its bytes are verified; the consumer (a cache's layer
-about to compute) waits only for its own layer. The read buffer bounds how far the loader may run ahead
-of the consumer (the paper's S_buf, in layers).
+Layout: a segment holds, for every layer, pre-RoPE keys and values ``[1, kv_heads, capacity, head_dim]`` (each of
+its own shape where they differ, see format.py's geometry) and the token ids ``[capacity]``. A session is an
+ordered list of parts ``(segment, start, end)``. Data of a segment below its fill mark never changes, so
+snapshots, and other sessions (a truncated copy shares its segments), can keep pointing at it: appending writes in
+place only right after the fill mark, and otherwise starts a new segment. Nothing is ever copied to grow or to
+cut a session.
+
+Encoded parts (`kv_codec_host`): with ``kv_codec`` set, the save thread encodes each whole chunk it writes, and
+the store keeps those same blobs as the session's host copy of the chunk (an `EncodedSegment`, read as
+`EncodedSlice` pairs and dequantized where the computation runs). The trailing partial chunk and the running
+turn's KV stay at full precision.
+
+A `LoadHandle` is a load's progress: the load thread marks each layer ready as soon as its bytes are verified; the
+consumer (a cache's layer about to compute) waits only for its own layer; the read buffer bounds how far the
+loader may run ahead of it (the paper's S_buf, in layers).
 """
 
 from __future__ import annotations
 
-import threading
 import dataclasses
+import threading
 from dataclasses import dataclass
+
 import torch
 
 from .codec import KVCodec, least_accurate
@@ -279,7 +293,7 @@ class EncodedSegment:
 
     Args:
         codec: The codec the blobs are in.
-        geometry: The session's KV geometry (geometry.py).
+        geometry: The session's KV geometry (format.py).
         token_ids: The chunk's ids ``[n]``.
         keys: Per layer, the blob of the keys ``[1, key_heads, n, key_dim]``.
         values: Per layer, the blob of the values.
@@ -493,7 +507,7 @@ class SessionKV:
             partial_eviction`): their ids are known, their memory holds nothing yet. The turn that reuses the
             snapshot recomputes them (`AttnStore.fill_head`); no reader may read them before.
         state: A hybrid model's recurrent and convolution states after the first ``state.tokens`` tokens
-            (state.py), or None. Set once the session is loaded (a snapshot of a session still loading has
+            (states.py), or None. Set once the session is loaded (a snapshot of a session still loading has
             none: read the buffer's, ``source.state``, after waiting for the load).
 
     Example:
@@ -747,7 +761,7 @@ class SessionBuffer:
         # one turn fills them in (`head_claimed`) and sets it to 0. Nothing reads them before.
         self.missing_head = 0
         self.head_claimed = False
-        # A hybrid model's states after the first `state.tokens` tokens (state.py); they stay valid while
+        # A hybrid model's states after the first `state.tokens` tokens (states.py); they stay valid while
         # those tokens are kept, and count in the buffer's bytes.
         self.state: SessionState | None = None
         # Encoded copies of some of its tokens, waiting for the session's turn to end (see `stash`).

@@ -1,17 +1,18 @@
-"""Byte sizes given as numbers or strings ("4GiB"): one parser for every size the store and the CLI take.
+"""Typed settings of an AttnStore (`StoreConfig`, validated on construction), and byte sizes given as numbers or
+strings ("4GiB"): one parser for every size the store and the CLI take.
 """
 
 from __future__ import annotations
 
 import math
-import re
 import os
+import re
 from dataclasses import dataclass
+
 import torch
 
 from .codec import KVCodec
 from .policy import make_policy
-
 
 _UNITS = {
     "": 1,

@@ -1,10 +1,24 @@
-"""The shape of a session's KV: how many layers (KV slots), and the heads and head dim of keys and of values.
+"""The file format of the lower tiers: safetensors chunk files and a checksummed JSON manifest per session, and the
+KV geometry they record.
 
-Most models cache keys and values of one shape, ``[1, kv_heads, n, head_dim]``: their geometry is the triple
-``(layers, kv_heads, head_dim)``, as chunk files have always recorded it. Multi-head latent attention
-(deepseek_v2/v3 and their kin) caches two tensors of different widths, a compressed latent and the rotary part
-of the key: its geometry is ``(layers, key_heads, key_dim, value_heads, value_dim)``. The short form is kept
-wherever the shapes agree, so files and fingerprints of the other models do not change.
+Geometry: most models cache keys and values of one shape, ``[1, kv_heads, n, head_dim]``: their geometry is the
+triple ``(layers, kv_heads, head_dim)``. Multi-head latent attention (deepseek_v2/v3 and their kin) caches two
+tensors of different widths: its geometry is ``(layers, key_heads, key_dim, value_heads, value_dim)``. The short
+form is kept wherever the shapes agree, so files and fingerprints of the other models do not change.
+
+A chunk file is a plain safetensors file holding ``ids`` ``[n]`` (int64) and, per layer ``l``, pre-RoPE keys
+``L{l:04d}.k`` and values ``L{l:04d}.v``; safetensors sorts tensors by alignment then name, so the file is laid
+out ids first, then layer by layer (a layer is one contiguous range: layer-wise loading reads it with a single
+`pread`). Its string metadata carries the format version, model fingerprint, full session id, geometry, an xxh64
+checksum of every tensor, the codec of a lossy chunk (codec.py), and the chunk's place in its history: `prefix`,
+a digest of every token id before it (seeded with the fingerprint), and `previous`, the digest of the chunk before
+it. A chunk's own *digest* hashes all of that metadata, so it pins the file's content; the manifest records the
+digest of every chunk it uses. A chunk is therefore only ever read in the history it was computed for (vLLM and
+LMCache key their blocks the same way): a chunk replaced by another is a mismatch, hence a miss.
+
+We parse the header ourselves instead of calling `safetensors.torch.load`: loading must read one layer range at a
+time into buffers we own, and every field is validated (offsets inside the file, contiguous, shapes and dtypes as
+expected). No pickle anywhere: JSON and raw little-endian tensor bytes only.
 """
 
 from __future__ import annotations
@@ -16,13 +30,13 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+
 import numpy as np
 import torch
 import xxhash
 from safetensors.torch import save as safetensors_save
 
 from .codec import CodecRangeError, KVCodec
-
 
 Geometry = tuple  # (layers, heads, dim) or (layers, key_heads, key_dim, value_heads, value_dim)
 
@@ -234,7 +248,7 @@ class ChunkMeta:
     fingerprint: str
     session_id: str
     n_tokens: int
-    geometry: tuple  # (layers, kv_heads, head_dim), or with the values' own (heads, dim): geometry.py
+    geometry: tuple  # (layers, kv_heads, head_dim), or with the values' own (heads, dim): format.py
     dtype: torch.dtype
     offsets: dict[str, tuple[int, int]]  # tensor name -> absolute [begin, end) in the file
     checksums: dict[str, str]
@@ -578,12 +592,12 @@ def bytes_to_tensor(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.
 
 
 # -- manifest -------------------------------------------------------------------------------------------
-STATE_PREFIX = "s-"  # state files (state.py) are named "s-<digest>"; chunk files never start so
+STATE_PREFIX = "s-"  # state files (states.py) are named "s-<digest>"; chunk files never start so
 
 
 @dataclass(frozen=True)
 class StateRef:
-    """A manifest's hybrid-model state (state.py): file `name` (without its suffix), which summarizes the
+    """A manifest's hybrid-model state (states.py): file `name` (without its suffix), which summarizes the
     session's first `tokens` tokens and whose metadata digest must be `digest`.
 
     Example:
@@ -662,7 +676,7 @@ class Manifest:
     spans: tuple[Span, ...]
     next_chunk: int  # chunk names are never reused, even after a restart
     dropped: tuple[Span, ...] = ()
-    state: StateRef | None = None  # a hybrid model's states after the first `state.tokens` tokens (state.py)
+    state: StateRef | None = None  # a hybrid model's states after the first `state.tokens` tokens (states.py)
     # Leading tokens whose KV is exact; the rest was computed under sparse attention (`kv_budget`), or after such
     # KV, and its chunks say so (`ChunkMeta.inexact_from`). None: every token (what manifests always said).
     exact: int | None = None

@@ -1,18 +1,18 @@
-"""The store's state and its one owner: every session's entry (the index of sessions by key, with the prefix table
-beside it), the byte counters, pins, dirty marks and the queues between the store and its I/O threads, under one
-lock.
+"""The index: what the store knows about every session, under one lock, and the decisions that change it.
 
-A `StoreState` holds all of it; the deciders around it (placement in eviction.py, loads in load_planner.py, saves
-in saver.py, a turn's appends in turn_sink.py, the public API in store.py) read it only while holding
-`StoreState.lock`, and change it only through the methods here: entries' fields, pins, dirty marks, disk
-reservations, queues and stats are written in this module alone (tests/store/test_ownership.py). The I/O threads
-never see it: the save thread talks to `SavePlanner`, the load thread reports through a callback, a turn's writer
-through its `TurnSink`.
+`StoreState` holds every session's `Entry` (keyed by ``(fingerprint, session_id)``), the byte counters, pins, dirty
+marks, disk reservations, the statistics and the queues to the I/O threads; beside it, the prefix table
+(`PrefixTable`: which sessions begin with which prefix, chained block hashes as vLLM's automatic prefix caching
+keys its blocks), host memory's bookkeeping (`HostTier`: bytes and the policy's order) and making room
+(`Eviction`: host demotion, the disk limit, partial eviction). The store, the turn writer's sink and the planners
+read it while holding `StoreState.lock`; **only `StoreState`'s methods change it** (tests/store/test_ownership.py).
+The I/O threads never see it: the save thread talks to `SavePlanner`, the load thread reports through a callback,
+a turn's writer through its `TurnSink`.
 
-Sessions are named paths over chunks: an entry is keyed by ``(fingerprint, session_id)`` and its durable copy is a
-manifest, a list of spans over chunk files, each chunk identified by a digest chained over every token id
-before it (format.py). Which sessions begin with which prefix is the prefix table's (`PrefixTable`,
-prefixes.py), held here (docs/design.md, "The store's state and its owner").
+Sessions are named paths over chunks: an entry's durable copy is a manifest, a list of spans over chunk files,
+each chunk identified by a digest chained over every token id before it (format.py), so sessions whose histories
+start alike share chunks, and eviction frees a chunk only when its last user lets go (docs/design.md, "The
+store's state and its owner").
 
 Example:
     >>> from hf_attnstore.store.config import StoreConfig
@@ -25,14 +25,14 @@ Example:
 
 from __future__ import annotations
 
+import enum
+import hashlib
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import fields
-import enum
-from dataclasses import dataclass, field
-import hashlib
+from dataclasses import dataclass, field, fields
+
 import torch
 
 from .buffer import LoadHandle, SessionBuffer, SessionKV
@@ -43,7 +43,6 @@ from .states import SessionState
 from .stats import OnceLogger, StoreStats
 from .tiers.base import CHUNK_SUFFIX, Key, MANIFEST, Tier
 from .tiers.disk import DiskTier
-
 
 logger = logging.getLogger("hf_attnstore.store.store")
 
@@ -79,14 +78,14 @@ class StoreState:
         # file system keeps the bytes as long, so deleting one session never takes a chunk another manifest names.
         self.linked: dict[tuple, list] = {}
         self.dirty: set[Key] = set()
-        self.remirror: set[Key] = set()  # sessions to copy again to a mirror tier that lost its data (refill.py)
+        self.remirror: set[Key] = set()  # sessions to copy again to a mirror tier that lost its data (saver.py)
         self.next_chunk: dict[Key, int] = {}  # per session, only ever grows
         # Deletions for the save thread, in order: (key, bytes freed, None) deletes a session's folder;
         # (key, bytes freed, (manifest, chunk)) writes the manifest of a partially evicted session, then
         # deletes `chunk` (if not None). Their bytes stay counted in `disk_used` until done (`deleting`).
         self.deletes: list[tuple[Key, int, tuple | None]] = []
         self.deleting = 0
-        self.manifest_room = 0  # counted in `disk_used` for the new manifest a queued head drop writes (eviction.py)
+        self.manifest_room = 0  # counted in `disk_used` for the new manifest a queued head drop writes (index.py)
         self.deletions = 0  # queued or running (some free no counted bytes): what a flush() waits for
         # Closed writers and hybrid models' states: (key, turn, state or None, whether the turn ended), appended
         # without the lock (a writer's finalizer may run anywhere) and applied under it.
@@ -97,7 +96,7 @@ class StoreState:
         self.last_forward = 0.0
         self.once = OnceLogger(logger)  # each kind of warning once per store
         self.closed = False
-        self.prefixes = PrefixTable()  # which sessions begin with which prefix (prefix sharing, prefixes.py)
+        self.prefixes = PrefixTable()  # which sessions begin with which prefix (prefix sharing, index.py)
         # Prompts' blocks, deduplicated across sessions (`block_pool`: the lab's trace replay plugs one in,
         # lab/block_pool.py); None: no pool.
         self.blocks = config.block_pool.build(config.pin_memory) if config.block_pool is not None else None
@@ -345,7 +344,7 @@ class StoreState:
                 live = e.live() if e.live is not None else None
                 if live is None or live.turn == turn:
                     e.live = None
-                self.keep_encoded(e)  # encoded copies that waited for the turn to end (encoded.py)
+                self.keep_encoded(e)  # encoded copies that waited for the turn to end (buffer.py)
                 if e.host is not None and e.host.length and not e.host.missing_head and not e.writers:
                     self.prefixes.add(key, e.host.snapshot().token_ids)  # what other sessions may now share
 
@@ -383,7 +382,7 @@ class StoreState:
 
     def keep_encoded(self, e: Entry, encoded: list = ()) -> None:
         """Makes encoded copies of a session's chunks (written by the save thread, or read by a load) its host
-        copy of them (encoded.py, `SessionBuffer.compact`).
+        copy of them (buffer.py, `SessionBuffer.compact`).
 
         Only between turns: while a turn runs on the session, or a load or another write is in flight, its
         buffers must not change under them, so the copies wait with the buffer (`stash`) and are applied
@@ -461,7 +460,7 @@ class StoreState:
         self.disk_used -= nbytes
 
     def reserve_manifest_room(self, nbytes: int) -> None:
-        """Room for the largest new manifest a queued head drop writes beside the old one (eviction.py)."""
+        """Room for the largest new manifest a queued head drop writes beside the old one (index.py)."""
         if nbytes > self.manifest_room:
             self.disk_used += nbytes - self.manifest_room
             self.manifest_room = nbytes
@@ -491,7 +490,7 @@ class StoreState:
         self.delete_folder(e)
 
     def start_load(self, e: Entry, buf: SessionBuffer, job) -> None:
-        """A load of the session into `buf` is submitted (`job`, load_thread.py): pinned until `end_load`."""
+        """A load of the session into `buf` is submitted (`job`, loader.py): pinned until `end_load`."""
         e.loading, e.load_job = job.handle, job
         e.pins += 1
         self.set_host(e, buf)
@@ -659,7 +658,7 @@ class StoreState:
         self.room_waiters += delta
 
     def offered_prefix(self, e: Entry, token_ids, blocks_offered: int) -> None:
-        """The session's stored tokens are offered for sharing (prefixes.py), `blocks_offered` whole blocks of them."""
+        """The session's stored tokens are offered for sharing (index.py), `blocks_offered` whole blocks of them."""
         self.prefixes.add(e.key, token_ids)
         e.prefix_blocks = blocks_offered
 
@@ -852,7 +851,7 @@ class Entry:
 
     @property
     def state_dirty(self) -> bool:
-        """Whether the host copy has a hybrid-model state that the durable copy lacks (state.py)."""
+        """Whether the host copy has a hybrid-model state that the durable copy lacks (states.py)."""
         state = self.host.state if self.host is not None else None
         durable = self.manifest.state if self.manifest is not None else None
         return state is not None and (durable is None or durable.digest != state.digest)

@@ -1,26 +1,33 @@
-"""Load decisions: which sessions to load from a lower tier, into which buffers, and which leading chunks a turn
-recomputes rather than loads (`recompute_by_cost`). Under the state's lock; the reading itself is the load
-thread's (load_thread.py), which reports each end through a callback.
+"""The loader: which sessions to load from a lower tier and into which buffers, the thread that reads them layer by
+layer, and the measured costs of resuming.
+
+`LoadPlanner` decides, under the index's lock, when a turn finds a session only below host memory or a prefetch
+asks for one, and, with `recompute_by_cost`, which leading chunks the turn recomputes rather than loads
+(`ResumeDecision`, by the rates `ResumeCosts` measures: each lower tier's load rate, each model's prefill rate;
+ALISA's third phase, Pensieve's partial hits). The `LoadThread` reads: one thread over a priority queue, loads a
+turn waits for (*demand* loads) before prefetches, a queued prefetch promoted when a turn asks for it, and a load
+whose consumer is slow (the read buffer, `read_buffer_layers`) parked so that one slow turn never holds back
+every other session's load. It only moves bytes and reports each end through the `done` callback (which takes
+the lock).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 import itertools
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
 import torch
 
 from .buffer import EncodedSegment, LoadHandle, SessionBuffer
 from .codec import KVCodec, serves
 from .config import StoreConfig
-from .index import Eviction
 from .format import FormatError, Manifest, bytes_per_token, check_chain, layer_names, prefix_digest
-from .index import Entry, StoreState
+from .index import Entry, Eviction, StoreState
 from .policy import choose_recompute, recompute_cost
 from .sparse_copies import first_missing
 from .states import SessionState
@@ -158,7 +165,7 @@ class LoadPlanner:
         return manifest, ResumeDecision(chunks, tokens, load / 1e9, prefill, load_s, chosen_s)
 
     def finish(self, job: LoadJob, error: BaseException | None) -> None:
-        """The load thread finished a job (load_thread.py)."""
+        """The load thread finished a job (loader.py)."""
         if error is None:
             geometry, dtype = job.buf.geometry, job.buf.dtype
             tokens = job.manifest.length - job.manifest.head
@@ -209,7 +216,7 @@ class LoadJob:
     priority: int
     tier: Tier | None = None  # where the session is read from
     codec: KVCodec | None = None  # the store's codec: chunks it does not serve are refused (codec.serves)
-    keep_encoded: bool = False  # hand lossy chunks' blobs back as the host copy of them (encoded.py)
+    keep_encoded: bool = False  # hand lossy chunks' blobs back as the host copy of them (buffer.py)
     sparse_copies: bool = False  # the store serves sparse cold copies (StoreConfig.sparse_copies); else refused
     kept: dict[str, torch.Tensor] = field(default_factory=dict)  # sparse chunk -> its kept positions, verified
     blobs: dict[str, dict] = field(default_factory=dict)  # lossy chunk -> tensor name -> blob, as read

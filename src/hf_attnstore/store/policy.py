@@ -1,7 +1,13 @@
-"""Placement decisions shared by the store and the simulator (`eval/simulate.py`).
+"""Eviction policies (which session leaves a tier first) and the placement decisions shared with the simulator.
 
-The store calls these under its index lock with its real sessions; the simulator calls them with
-simulated sessions, so the hit rates it reports come from the code that runs in production.
+The policies: `LRUPolicy` (every access moves a session to the back), `FIFOPolicy` (accesses change nothing) and
+`LookaheadPolicy` (scheduler-aware, AttentionStore §3.4: the job queue tells which sessions are needed soon),
+behind `EvictionPolicy`, made by name (`make_policy`).
+
+The decisions (`choose_victims`, `head_drop_candidates`, `choose_head_drops`, `lookahead_windows`,
+`choose_recompute`): the store calls them under its index lock with its real sessions; the simulator
+(`eval/simulate.py`) calls them with simulated sessions, so the hit rates it reports come from the code that runs
+in production.
 """
 
 from __future__ import annotations
@@ -9,7 +15,6 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
-
 
 
 def choose_victims(victims: Iterable[Hashable], size: Callable[[Hashable], int], movable: Callable[[Hashable], bool],

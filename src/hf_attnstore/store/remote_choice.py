@@ -6,8 +6,6 @@ itself; a local durable copy is never deleted for a remote copy that has not loa
 
 from __future__ import annotations
 
-
-
 from .codec import serves
 from .config import StoreConfig
 from .format import FormatError, Manifest, check_chain

@@ -1,25 +1,32 @@
-"""Save decisions: what the store writes to a lower tier and when, and what its state learns when a write ends.
+"""The save worker: what the store writes to a lower tier and when, the thread that writes it, and refills.
 
-:class:`SavePlanner` decides *what* to save and *when* (write-behind in the quiet gap after a turn, at once for a
-flush or a demotion), under the state's lock, and hands the save thread (save_thread.py) a :class:`SaveJob` with
-the session pinned; the thread reports back through `SavePlanner.finish_save`, which takes the lock.
+`SavePlanner` decides *what* to save and *when* (write-behind in the quiet gap after a turn, at once for a flush
+or a demotion), under the index's lock, and hands the save thread a `SaveJob` with the session pinned. The
+`SaveThread` only encodes and writes: each chunk is encoded (serialized, hashed, chained to the history before
+it) while the tier writes the previous one (`Tier.put` returns a Future), and the manifest is put only after
+every chunk it names is durable. It reports back through `SavePlanner.finish_save`, which takes the lock.
+
+A remote tier that lost what it held (a Redis restarted empty, flushed, or that evicted chunks a manifest names)
+is refilled (`Refill`): with a disk tier, each session on disk is copied to it again (a `MirrorJob` on the save
+thread); with Redis as the only tier below host memory, a session still in host memory is written whole again,
+one that is not is gone (a clean miss). A store without a remote tier never runs it.
 """
 
 from __future__ import annotations
 
-import time
-import torch
 import logging
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+
+import torch
 
 from .buffer import EncodedSegment, SessionKV
 from .config import StoreConfig
-from .index import Eviction, NoDiskRoom
-from .format import Manifest, Span, StateRef, chunk_payload_bytes, encode_chunk, encode_kv, manifest_bytes_bound, prefix_hasher, tensor_bytes
-from .index import Entry, Key, StoreState, Write, blocks
+from .format import (Manifest, Span, StateRef, chunk_payload_bytes, encode_chunk, encode_kv, manifest_bytes_bound,
+    prefix_hasher, tensor_bytes)
+from .index import Entry, Eviction, Key, NoDiskRoom, StoreState, Write, blocks
 from .loader import LoadPlanner
 from .sparse_copies import first_missing, gather, kept_positions
 from .states import by_slot
@@ -37,7 +44,7 @@ def _names(manifest: Manifest | None) -> set[str]:
 class SavePlanner:
     """The store's save decisions, over the store's state (under `StoreState.lock`): what to write and when, and
     what the state learns when a write ends. The :class:`SaveThread` it starts sees only this object's public
-    methods (`save_thread.Planner`: `next_work`, `run_deletes`, `reserve`, `yield_for_save`, `files_to_keep`,
+    methods (`next_work`, `run_deletes`, `reserve`, `yield_for_save`, `files_to_keep`,
     `indexed`, `finish_save`, `thread_error`, `warn`), never the state.
 
     Example (through the store: a flush writes what the turn appended, through the save thread)::
@@ -66,7 +73,7 @@ class SavePlanner:
             return self.state.entries.get(e.key) is e or self.state.heir(e) is not None
 
     def check_lost(self) -> None:
-        """Whether a remote tier lost its data, asked now (a flush, on its caller's thread): see refill.py."""
+        """Whether a remote tier lost its data, asked now (a flush, on its caller's thread): see saver.py."""
         self.thread.check_lost()
 
     def run_deletes(self, deletes: list) -> None:
@@ -237,7 +244,7 @@ class SavePlanner:
             self.state.cond.notify_all()
 
     def finish_save(self, job: SaveJob, result: SaveResult) -> None:
-        """The save thread finished a job (save_thread.py): the reservation becomes the files that are really
+        """The save thread finished a job (saver.py): the reservation becomes the files that are really
         there now, and the index learns the new durable prefix (or the failure)."""
         e = job.entry
         with self.state.cond:
@@ -367,39 +374,6 @@ class MirrorResult:
     error: BaseException | None = None
 
 
-class Refilling(Protocol):
-    """What the thread tells of a remote tier that lost its data (`refill.Refill`)."""
-
-    def lost(self) -> None: ...
-
-    def finish(self, job: MirrorJob, result: MirrorResult) -> None: ...
-
-
-class Planner(Protocol):
-    """The save thread's planner (`saver.SavePlanner`): the only object of the store it talks to."""
-
-    config: StoreConfig
-    refill: Refilling
-
-    def next_work(self) -> tuple[list[tuple[Key, int, tuple | None]], "SaveJob | MirrorJob | None"] | None: ...
-
-    def run_deletes(self, deletes: list) -> None: ...
-
-    def reserve(self, e: Entry, nbytes: int, exact: bool = False) -> int: ...
-
-    def yield_for_save(self, e: Entry) -> None: ...
-
-    def files_to_keep(self, job: "SaveJob", manifest: Manifest | None) -> tuple[set[str], bool]: ...
-
-    def indexed(self, e: Entry) -> bool: ...
-
-    def finish_save(self, job: "SaveJob", result: "SaveResult") -> None: ...
-
-    def thread_error(self, exc: BaseException) -> None: ...
-
-    def warn(self, kind: str, message: str, *args) -> None: ...
-
-
 @dataclass(eq=False)
 class SaveJob:
     """Tokens ``[start, end)`` of a session, to be written after the durable prefix `base`."""
@@ -430,7 +404,7 @@ class SaveResult:
     mirrored: set[str] = field(default_factory=set)  # chunk digests now in the mirror tier
     mirror_bytes: int = 0
     mirror_error: BaseException | None = None
-    encoded: list = field(default_factory=list)  # (start, part) of the whole lossy chunks written (encoded.py)
+    encoded: list = field(default_factory=list)  # (start, part) of the whole lossy chunks written (buffer.py)
     # Chunks linked from another session (`SaveJob.links`): name -> (bytes, tokens, file identity, source, its name)
     linked: dict = field(default_factory=dict)
 
@@ -438,11 +412,11 @@ class SaveResult:
 class SaveThread:
     """Runs the store's save jobs on one thread (see the module docstring)."""
 
-    def __init__(self, planner: Planner, tier: Tier, chunk_tokens: int, timeout_s: float, mirror: Tier | None = None):
+    def __init__(self, planner: SavePlanner, tier: Tier, chunk_tokens: int, timeout_s: float, mirror: Tier | None = None):
         self.planner, self.tier, self.chunk_tokens, self.timeout_s = planner, tier, chunk_tokens, timeout_s
         self.mirror = mirror  # the shared remote tier: a copy of what `tier` holds, written behind it
         self.codec = planner.config.codec  # of every chunk it writes (None: lossless)
-        # Whole chunks it encodes are handed back as the session's host copy of them (encoded.py).
+        # Whole chunks it encodes are handed back as the session's host copy of them (buffer.py).
         self.keep_encoded = self.codec is not None and planner.config.kv_codec_host
         self.sparse_copies = planner.config.sparse_copies  # whole chunks keep the session's selection (sparse_copies.py)
         self.thread = threading.Thread(target=self._run, name="attnstore-save", daemon=True)
@@ -466,13 +440,13 @@ class SaveThread:
                 self.planner.thread_error(exc)
 
     def check_lost(self) -> None:
-        """Asks the remote tier (mirror or lower) whether it lost its data since it was last asked (refill.py)."""
+        """Asks the remote tier (mirror or lower) whether it lost its data since it was last asked (saver.py)."""
         for tier in (self.tier, self.mirror):
             if isinstance(tier, RemoteTier) and tier.lost():  # (only a Redis loses what it held: a restart, a flush)
                 self.planner.refill.lost()
 
     def _mirror_again(self, job: MirrorJob) -> MirrorResult:
-        """Copies a session's disk copy to the mirror tier that lost it (refill.py)."""
+        """Copies a session's disk copy to the mirror tier that lost it (saver.py)."""
         result = SaveResult(job.manifest, {}, 0, set(), 0, 0.0, None)
         if self.mirror.available():
             self._copy_to_mirror(job, job.manifest, job.manifest.encode(), [], result)
@@ -632,7 +606,7 @@ class SaveThread:
         return seg.pinned() if source.pin_memory else seg
 
     def _write_state(self, job: SaveJob, pending: list, copies: list | None, budget: "_Budget") -> StateRef | None:
-        """The state the new manifest names (a hybrid model's, state.py): the host copy's if the job's tokens
+        """The state the new manifest names (a hybrid model's, states.py): the host copy's if the job's tokens
         cover it (its file is put now, its bytes reserved, unless the durable copy has it already), else the
         durable copy's."""
         state, base = job.snap.state, job.base.state
@@ -696,10 +670,10 @@ class SaveThread:
 
 
 class _Budget:
-    """The disk bytes a save job reserved (`Planner.reserve`): its bound up front, then each file drawn from
+    """The disk bytes a save job reserved (`SavePlanner.reserve`): its bound up front, then each file drawn from
     it as it is written; a file past the bound (a chunk the codec refused, written lossless) reserves more."""
 
-    def __init__(self, planner: Planner, entry: Entry):
+    def __init__(self, planner: SavePlanner, entry: Entry):
         self.planner, self.entry, self.left, self.reserved = planner, entry, 0, 0
 
     def prepay(self, nbytes: int) -> None:

@@ -2,7 +2,7 @@
 
 A session kept sparse by its caches (``kv_budget``, a policy that ranks by importance) stores, with its scores, the
 selection its next turn's first forward makes: ``S{slot:04d}``, per KV slot and head the session positions kept
-(state.py). A whole chunk written to a lower tier keeps, per slot and head, the chunk's tokens in that selection.
+(states.py). A whole chunk written to a lower tier keeps, per slot and head, the chunk's tokens in that selection.
 Tensors stay rectangular: every slot and head keeps the same count ``m`` per chunk, the largest any of them needs,
 the others padded with their next most important tokens (a superset of the selection: no selected token is
 lost). A chunk whose selection covers every token is written whole.
@@ -30,7 +30,6 @@ Example:
 from __future__ import annotations
 
 import torch
-
 
 
 def kept_positions(selection: dict[int, torch.Tensor] | None, scores: dict[int, torch.Tensor] | None,

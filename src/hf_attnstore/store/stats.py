@@ -1,4 +1,5 @@
-"""Warnings that are logged once per kind: a store or a model may hit the same condition every turn.
+"""The store's counters (`StoreStats`, changed only by the index), and warnings logged once per kind (`OnceLogger`:
+a store or a model may hit the same condition every turn).
 """
 
 from __future__ import annotations
@@ -6,7 +7,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-
 
 
 class OnceLogger:
@@ -57,7 +57,7 @@ class StoreStats:
     head_drops: int = 0  # leading chunks dropped from disk copies (partial_eviction)
     head_dropped_tokens: int = 0
     rejected_too_large: int = 0
-    host_encoded_tokens: int = 0  # tokens whose host copy became the codec's (kv_codec_host, encoded.py)
+    host_encoded_tokens: int = 0  # tokens whose host copy became the codec's (kv_codec_host, buffer.py)
     states_kept: int = 0  # hybrid models' end-of-turn states kept with their sessions
     states_refused: int = 0  # ... and those not kept (the turn lost its session, or did not store all its KV)
     stale_writes: int = 0
@@ -76,7 +76,7 @@ class StoreStats:
     remote_read_seconds: float = 0.0
     remote_bytes_written: int = 0
     remote_errors: int = 0  # failed remote calls (lookups, loads, copies): each one a miss or a skipped copy
-    remote_restarts: int = 0  # times the remote tier was found to have lost its data (refill.py): sessions rewritten
+    remote_restarts: int = 0  # times the remote tier was found to have lost its data (saver.py): sessions rewritten
     remote_restores: int = 0  # local copies put back after the longer remote copy meant to replace them failed
     # 1 while the remote tier is down: not reachable since the store started (reconnected in the background), or
     # a call failed in the last few seconds (the circuit breaker); its lookups are misses meanwhile. 0 when it is

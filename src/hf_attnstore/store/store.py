@@ -1,17 +1,19 @@
 """AttnStore: the hierarchical KV store (host memory, then lower tiers) behind AttnStoreCache.
 
-This file is the public API. Around it, one module each: the store's state and its one owner (store_state.py:
-every entry, the byte counters, pins, dirty marks and the queues, under one lock, held here as `_index`); making
-room (eviction.py); loads (load_planner.py, and load_thread.py for the thread that reads); saves (saver.py, and
-save_thread.py for the thread that writes); a turn's writes (turn_sink.py, and writer.py for the `TurnWriter` a
-turn holds); the choice between a local and a remote copy (remote_choice.py).
-Below them: the tier interface (tier.py) and one file per tier (host.py with buffer.py, disk.py with format.py,
-remote.py), the policies (policy/) and the codec (codec.py).
+This file is the public API (`find`, `lookup`, `open_turn`, `prefetch`, `flush`, `stats`, ...) and what one `find`
+returns (`Found`, `Match`: vLLM's ``get_computed_blocks``, SGLang's ``match_prefix``). It composes the things the
+store is made of, one module each: the index (index.py: every entry, pins, dirty marks, byte counters, prefixes,
+host memory's order and making room, under one lock, held here as `_index`); the turn writer (writer.py: what a
+running turn appends); the save worker (saver.py: what to write next, the thread that writes it, refills); the
+loader (loader.py: what to load, the thread that reads it, the measured costs); host memory (buffer.py); the
+tiers below it (tiers/: the interface, the disk, Redis), the file format (format.py), the policies (policy.py)
+and the codecs (codec.py). With a remote tier, the choice between a local copy and a longer remote one hooks in
+(remote_choice.py); a local store never runs it.
 
 Threads. Two I/O threads only move bytes: the load thread reads chunks into host buffers it was handed, the
-save thread writes host buffers to a lower tier. Neither sees the store's state: they report through the planners'
-callbacks, which take the state's lock. Loads have priority: the save thread waits for running loads between
-chunks (concurrent reads and writes slowed both by 18-20% in Pensieve).
+save thread writes host buffers to a lower tier. Neither sees the index: they report through the planners'
+callbacks, which take its lock. Loads have priority: the save thread waits for running loads between chunks
+(concurrent reads and writes slowed both by 18-20% in Pensieve).
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-import torch
 from dataclasses import dataclass
+
+import torch
 
 from .buffer import LoadError, SessionKV
 from .codec import serves
 from .config import StoreConfig
-from .index import Eviction, NoDiskRoom
 from .format import prefix_digest
-from .index import Entry, Key, StoreState, Write, validate_session_id
+from .index import Entry, Eviction, Key, NoDiskRoom, StoreState, Write, validate_session_id
 from .loader import LoadPlanner, ResumeCosts
 from .remote_choice import RemoteChoice
 from .saver import SavePlanner
@@ -40,7 +42,6 @@ from .stats import StoreStats
 from .tiers.disk import DiskTier
 from .tiers.redis import RemoteTier
 from .writer import TurnSink, TurnWriter
-
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ class AttnStore:
         """The stored session (other than `exclude`) whose ids begin with the longest prefix of `token_ids`
         under this fingerprint, and that prefix's length; ``None`` when none shares more than `longer_than`
         tokens, or ``share_prefixes`` is off. Candidates come from the prefix table (whole blocks of 64 tokens,
-        prefixes.py); their real ids are compared here, so the length is exact and may end inside a block.
+        index.py); their real ids are compared here, so the length is exact and may end inside a block.
         Sessions whose leading chunks were evicted (partial eviction) are not offered. Pass the session to
         :meth:`lookup` to get its KV, and that snapshot to :meth:`open_turn` as the base of a new history.
         `exact`: only tokens whose KV is exact count (not those computed under sparse attention, `kv_budget`): what a

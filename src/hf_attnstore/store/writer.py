@@ -1,30 +1,25 @@
-"""TurnWriter: how one turn appends its KV to a session (the store decides where it goes).
+"""The turn writer: how one running turn appends its KV to a session, and the store's side of it.
+
+A turn holds a `TurnWriter` (from `AttnStore.open_turn`) and appends each forward's pre-RoPE KV through it; the
+writer's fields are its own to change. Where the KV goes is the store's decision, made by its `TurnSink` under the
+index's lock: the session's host buffer (room made first), how a new turn rebases a session on what it keeps
+(`TurnSink.start_turn`: a truncated or branched history), and what the end of a turn leaves (its states, the
+session marked for the save worker). The writer calls the sink and nothing else of the store.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-import torch
 import time
 import weakref
 
+import torch
+
 from .buffer import LoadError, SessionKV, ranges
 from .config import StoreConfig
-from .index import Eviction
 from .format import KV_DTYPES, make_geometry
-from .index import BLOCK, Entry, Key, StoreState, Write
+from .index import BLOCK, Entry, Eviction, Key, StoreState, Write
 from .states import SessionState
 from .tiers.base import Tier
-
-
-class Sink(Protocol):
-    """Where a writer's appends go: the store's side of the turn (`turn_sink.TurnSink`)."""
-
-    def append(self, writer: "TurnWriter", token_ids: torch.Tensor, keys, values, inexact_at: int | None) -> bool: ...
-
-    def end(self, writer: "TurnWriter", state: SessionState | None, ended: bool = True) -> None: ...
-
-    def truncate(self, writer: "TurnWriter", length: int) -> None: ...
 
 
 class TurnWriter:
@@ -41,14 +36,14 @@ class TurnWriter:
         False
     """
 
-    def __init__(self, sink: Sink, key: Key, turn: int, base: SessionKV | None, keep: torch.Tensor):
+    def __init__(self, sink: "TurnSink", key: Key, turn: int, base: SessionKV | None, keep: torch.Tensor):
         self.sink, self.key, self.turn = sink, key, turn
         self.base, self.keep = base, keep.to(torch.long).cpu()
         self.started = False
         self.dead = False
-        self.geometry: tuple | None = None  # geometry.py
+        self.geometry: tuple | None = None  # format.py
         self.dtype: torch.dtype | None = None
-        # A hybrid model's turn: a weak reference to what publishes its states (layers.TurnEnd), asked by the
+        # A hybrid model's turn: a weak reference to what publishes its states (record.TurnEnd), asked by the
         # store when it needs the states of a turn that is still open (`StoreState.publish_states`).
         self.state_source = None
 
@@ -139,7 +134,7 @@ class TurnWriter:
         """Ends the turn: the session may leave host memory again. Idempotent; later appends are dropped.
 
         Args:
-            state: A hybrid model's states at the end of the turn (state.py). The store keeps them with the
+            state: A hybrid model's states at the end of the turn (states.py). The store keeps them with the
                 session if the turn owns it still and its stored KV covers exactly ``state.tokens`` tokens.
 
         Also runs when the writer is garbage-collected. It never takes the store's lock (a collection may run
@@ -345,7 +340,7 @@ class TurnSink:
                 self.state.offered_prefix(e, buf.snapshot().token_ids, buf.length // BLOCK)
             self.state.appended(e, int(token_ids.numel()))
             if first:
-                self.state.pool_prompt(e)  # the block pool keeps the prompt's blocks (block_pool.py)
+                self.state.pool_prompt(e)  # the block pool keeps the prompt's blocks (lab/block_pool.py)
             if self.lower is not None and e.dirty:
                 self.state.mark_dirty(e)
                 if e.length - e.persisted >= self.config.chunk_tokens:
@@ -385,7 +380,7 @@ class TurnSink:
                     self.state.unindex(old)
                 else:
                     # No disk tier: the old entry's copy in the remote tier stays until the new manifest replaces
-                    # it (`RemoteTier.remove` deletes nothing of a session that is still indexed, save_thread.py).
+                    # it (`RemoteTier.remove` deletes nothing of a session that is still indexed, saver.py).
                     self.state.drop(old)
                     old = None
             if base is not None and n:

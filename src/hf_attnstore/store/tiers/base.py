@@ -1,9 +1,9 @@
-"""The interface of a tier below host memory: the disk tier (disk.py) and the shared remote tier (remote.py).
+"""The interface of a tier below host memory: the disk tier (tiers/disk.py) and the shared remote tier (tiers/redis.py).
 
 A lower tier keeps a session as immutable chunks plus one manifest, under ``(fingerprint, session id)``,
 in the format of format.py (every chunk names its model, session and history, and carries checksums).
 A tier only moves and checks bytes. *Which* session lives where, and the pins that keep a session in place
-while it is read or written, belong to the store's state (store_state.py, entry.py): `StoreState` is the one
+while it is read or written, belong to the store's state (index.py): `StoreState` is the one
 owner of that state, so a tier never needs to know about turns, policies or limits.
 
 The calls a store makes, and on which thread:
@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
+
 import torch
 
 from ..format import ChunkMeta, Manifest, StateRef
-
 
 Key = tuple[str, str]  # (model fingerprint, session id)
 T = TypeVar("T")
@@ -51,7 +51,7 @@ class ChunkReader(abc.ABC):
                         values_out: torch.Tensor, keep: dict | None = None) -> int:
         """Reads tokens ``[start, end)`` of one layer into ``[1, heads, end-start, dim]`` tensors, verifying the
         checksums. Returns the bytes read. A lossy chunk's verified blobs also go into `keep` (by tensor
-        name), when given: the host copy may keep them encoded (encoded.py).
+        name), when given: the host copy may keep them encoded (buffer.py).
 
         Raises:
             FormatError: The bytes are damaged or truncated.
@@ -77,7 +77,7 @@ class ChunkReader(abc.ABC):
 
 
 @dataclass(frozen=True)
-class Found:
+class ScannedSession:
     """A session found by :meth:`Tier.scan`.
 
     Example:
@@ -138,7 +138,7 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def read_state(self, key: Key, ref: StateRef) -> bytes:
-        """The bytes of a session's state file (a hybrid model's, state.py), unverified.
+        """The bytes of a session's state file (a hybrid model's, states.py), unverified.
 
         Raises:
             FormatError: Missing (a clean miss).
@@ -198,7 +198,7 @@ class Tier(abc.ABC):
     def remove(self, key: Key, keep: set[str] | None = None) -> None:
         """Deletes the session (``keep=None``) or only its chunks whose names are not in `keep`."""
 
-    def scan(self) -> Iterator[Found]:
+    def scan(self) -> Iterator[ScannedSession]:
         """The sessions the tier holds, oldest first; damaged ones are removed. None by default: a tier
         shared with other processes is asked per session (:meth:`manifest`), never indexed as a whole."""
         return iter(())
@@ -261,3 +261,15 @@ class SerialWriter:
                 self._queue.put(None)
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+
+def __getattr__(name: str):
+    """`Found` (a scanned session) was renamed `ScannedSession`: `AttnStore.find`'s result is the one `Found`. The
+    old name keeps working for one release, with a `FutureWarning`."""
+    if name == "Found":
+        import warnings
+
+        warnings.warn("`hf_attnstore.store.tiers.base.Found` is now `ScannedSession`; the old name is removed in the "
+                      "next release", FutureWarning, stacklevel=2)
+        return ScannedSession
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The disk tier: one folder per session with immutable chunk files and a manifest.
 
-It implements the lower-tier interface of tier.py. Every method here only moves bytes; which session lives
-where is decided by the store's state (store_state.py).
+It implements the lower-tier interface of tiers/base.py. Every method here only moves bytes; which session lives
+where is decided by the store's state (index.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
+
 import torch
 import xxhash
 
-from ..format import ChunkMeta, FormatError, Manifest, StateRef, bytes_to_tensor, check_chain, file_reader, layer_names, read_chunk_meta, read_kept, read_range, session_dirname
-from .base import CHUNK_SUFFIX, ChunkReader, Found, Key, MANIFEST, SerialWriter, Tier
-
+from ..format import (ChunkMeta, FormatError, Manifest, StateRef, bytes_to_tensor, check_chain, file_reader,
+    layer_names, read_chunk_meta, read_kept, read_range, session_dirname)
+from .base import CHUNK_SUFFIX, ChunkReader, Key, MANIFEST, ScannedSession, SerialWriter, Tier
 
 logger = logging.getLogger(__name__)
 TMP_PREFIX = ".tmp-"
@@ -173,7 +174,7 @@ class DiskTier(Tier):
         if fd is not None:
             os.close(fd)
 
-    # -- the tier interface (tier.py) -----------------------------------------------------------------
+    # -- the tier interface (tiers/base.py) -----------------------------------------------------------------
     def put(self, key: Key, name: str, data: bytes) -> Future[int]:
         return self._writer.submit(self.write_file, key[0], key[1], name, data)  # fails once closed
 
@@ -326,7 +327,7 @@ class DiskTier(Tier):
         return path.read_bytes()
 
     # -- reopening --------------------------------------------------------------------------------------
-    def scan(self) -> Iterator[Found]:
+    def scan(self) -> Iterator[ScannedSession]:
         """The valid sessions, oldest first.
 
         Temporary files, orphan chunks and sessions whose manifest or chunk headers fail validation
@@ -347,7 +348,7 @@ class DiskTier(Tier):
                 continue
             self.collect_garbage(manifest.fingerprint, manifest.session_id, set(sizes))
             stat = (folder / MANIFEST).stat()
-            found.append(Found(manifest, sizes, layout, stat.st_mtime, stat.st_size, codecs, inodes, sparse))
+            found.append(ScannedSession(manifest, sizes, layout, stat.st_mtime, stat.st_size, codecs, inodes, sparse))
         found.sort(key=lambda item: item.mtime)
         yield from found
 

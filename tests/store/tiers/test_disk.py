@@ -13,7 +13,7 @@ from hf_attnstore.store import AttnStore, LoadError, StoreIOError
 from hf_attnstore.store.tiers import disk as disk_module
 from hf_attnstore.store.format import FORMAT, session_dirname
 
-from .kvdata import BYTES_PER_TOKEN, FP, expect, layer_of, write_turn
+from ..kvdata import BYTES_PER_TOKEN, FP, expect, layer_of, write_turn
 
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10)
 

@@ -1,4 +1,4 @@
-"""The measured rates of load-or-recompute (store/costs.py) and the choice made from them (placement.py)."""
+"""The measured rates of load-or-recompute (store/loader.py) and the choice made from them (placement.py)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from hf_attnstore.store.buffer import LoadError
 from hf_attnstore.lab.redis_server import RedisServer, free_port
 from hf_attnstore.store.tiers.redis import RemoteTier, RemoteUnavailableError
 
-from .kvdata import FP, expect, kv, layer_of, write_turn
+from ..kvdata import FP, expect, kv, layer_of, write_turn
 
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=4, remote_timeout_s=2)
 

@@ -13,7 +13,7 @@ from hf_attnstore.store.tiers.disk import MANIFEST, DiskTier
 from hf_attnstore.store.format import FormatError, Manifest, Span, encode_chunk, prefix_digest
 from hf_attnstore.store.tiers.base import SerialWriter, Tier
 
-from .kvdata import FP, LAYERS, expect, kv, write_turn
+from ..kvdata import FP, LAYERS, expect, kv, write_turn
 
 KEY = (FP, "s")
 

@@ -12,7 +12,7 @@ from redis.cluster import RedisCluster
 from hf_attnstore.store import AttnStore
 from hf_attnstore.lab.redis_server import RedisClusterServers
 
-from .kvdata import FP, expect, write_turn
+from ..kvdata import FP, expect, write_turn
 
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=4, remote_timeout_s=1)
 
@@ -66,7 +66,7 @@ def test_a_dead_cluster_node_is_a_miss_never_an_error(tmp_path, cluster):
 def test_a_hung_cluster_node_costs_a_lookup_its_timeout_not_more(tmp_path, cluster):
     # A frozen node (SIGSTOP: a hung host, whose kernel still accepts connections) answers nothing. redis-py's
     # cluster pipeline resends what failed on new connections, each waiting out its own socket timeout: a lookup
-    # took 5 s at a 1 s timeout. Each call is now bounded as a whole (store/deadline.py).
+    # took 5 s at a 1 s timeout. Each call is now bounded as a whole (store/tiers/redis.py).
     a = AttnStore("64MiB", None, remote=cluster.url, **FAST)  # remote_timeout_s=1
     b = AttnStore("64MiB", None, remote=cluster.url, **FAST)
     for s in range(3):
