@@ -1,7 +1,7 @@
 """The hierarchical KV store behind :class:`~hf_attnstore.AttnStoreCache`."""
 
 from .buffer import SessionBuffer, SessionKV
-from .config import StoreConfig
+from .config import StoreConfig, StoreTuning
 from .found import Found, Match
 from .disk import DiskLockedError
 from .format import FormatError
@@ -11,4 +11,4 @@ from .store import AttnStore, StoreIOError
 from .writer import TurnWriter
 
 __all__ = ["AttnStore", "DiskLockedError", "FormatError", "Found", "LoadError", "Match", "SessionBuffer", "SessionKV",
-           "StoreConfig", "StoreIOError", "StoreStats", "TurnWriter"]
+           "StoreConfig", "StoreIOError", "StoreStats", "StoreTuning", "TurnWriter"]
