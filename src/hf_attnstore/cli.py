@@ -198,10 +198,10 @@ def build_server(args: argparse.Namespace) -> Server:
     from pathlib import Path
 
     from .lab.models import load_default_model
-    from .serving.pipeline import ChatPipeline
+    from .serving.pipeline import ChatPipeline, PipelineTuning
     from .serving import ChatEngine, create_app
     from .serving.shared_state import SharedState, tokenizer_digest
-    from .store import AttnStore
+    from .store import AttnStore, StoreTuning
 
     model, tokenizer = load_default_model(args.model, dtype=args.dtype)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
@@ -217,17 +217,19 @@ def build_server(args: argparse.Namespace) -> Server:
     store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
                       remote=args.remote, remote_required=args.remote_required, policy=args.policy,
                       kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes,
-                      recompute_by_cost=args.recompute_by_cost, sparse_copies=args.sparse_copies, ttl_s=args.ttl,
+                      recompute_by_cost=args.recompute_by_cost, ttl_s=args.ttl,
                       # Replicas sharing the state: an ended turn is written at once, for whichever replica
                       # serves the next one (a busy replica is never quiet).
-                      save_while_computing=args.remote is not None and not args.no_shared_state)
+                      tuning=StoreTuning(sparse_copies=args.sparse_copies,
+                                         save_while_computing=args.remote is not None and not args.no_shared_state))
     # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
     window = args.context_window or getattr(model.config, "max_position_embeddings", None)
     try:
         sparse = None if args.kv_budget is None else SparseConfig(args.kv_budget, policy=args.sparse_policy)
         pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
-                            max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                            max_batch_kv_bytes=args.max_batch_kv, kv_budget=sparse)
+                            max_batch_size=args.max_batch_size, kv_budget=sparse,
+                            tuning=PipelineTuning(max_batch_tokens=args.max_batch_tokens,
+                                                  max_batch_kv_bytes=args.max_batch_kv))
     except ValueError:  # a model that cannot be kept sparse, a budget out of range
         store.close()
         raise
