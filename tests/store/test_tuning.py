@@ -71,3 +71,17 @@ def test_unknown_and_contradicting_options_are_refused():
 def test_an_unwritable_disk_dir_names_disk_dir(folder):
     with pytest.raises(OSError, match=r"`disk_dir` '" + folder + "' cannot be created or written"):
         AttnStore(host_bytes="1MiB", disk_dir=folder)
+
+
+def test_every_stats_field_is_in_one_group_and_the_summary_reads_first():
+    from hf_attnstore import StoreStats
+
+    names = [n for group in StoreStats.GROUPS.values() for n in group]
+    assert sorted(names) == sorted(f.name for f in fields(StoreStats)), "a StoreStats field without its group"
+    assert list(StoreStats.GROUPS)[0] == "usage"
+    stats = StoreStats(sessions=2, host_sessions=1, disk_sessions=1, lookups=3, hits_host=1, hits_disk=1, misses=1,
+                       host_bytes_used=2**20, host_bytes_limit=2**21, disk_bytes_used=2**20, disk_bytes_limit=2**30,
+                       load_errors=1)
+    assert stats.summary() == ("2 sessions (1 in host memory, 1 on disk); 3 lookups: 2 hits (host 1, disk 1, remote 0), "
+                               "1 misses; host 1.0 of 2.0 MiB, disk 1.0 of 1.0 GiB; errors 1")
+    assert stats.grouped()["errors"]["load_errors"] == 1 and stats.hits_host == 1  # the old names still read
