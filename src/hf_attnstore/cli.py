@@ -16,7 +16,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .lab.demo import run_demo
 
     results = run_demo(conversations=args.conversations, turns=args.turns, max_new_tokens=args.max_new_tokens,
-                       max_user_tokens=args.max_user_tokens)
+                       max_user_tokens=args.max_user_tokens, plot_path=args.plot)
     return 0 if all(r.identical for r in results) else 1
 
 
@@ -514,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--turns", type=int, default=4, help="user turns per conversation (at most)")
     demo.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per turn")
     demo.add_argument("--max-user-tokens", type=int, default=128, help="user messages are clipped to this")
+    demo.add_argument("--plot", default=None, help="write TTFT per turn, RE vs AS, to this PNG (default: no plot; "
+                      "`make demo` writes demo_ttft.png)")
     demo.set_defaults(func=_demo)
 
     chat = sub.add_parser("chat", help="an interactive chat (stdin) with streaming replies")
