@@ -10,7 +10,7 @@ server) and `lab` (simulation, replay, evaluation, the bundled model and data). 
 
 Example:
     >>> import hf_attnstore
-    >>> "hf_attnstore.serving" in __import__("sys").modules or hf_attnstore.ChatPipeline.__name__
+    >>> hf_attnstore.ChatPipeline.__name__  # serving/ is imported here, on first use
     'ChatPipeline'
 """
 
