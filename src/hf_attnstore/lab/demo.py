@@ -41,7 +41,8 @@ LEGEND = """\
 prompt: the turn's prompt tokens (the history and the new message); reused: of them, KV from the store
 TTFT AS: time to first token resuming from the store (lookup and load included); TTFT RE: recomputing the
 whole history (a fresh DynamicCache); speedup: RE / AS; same: greedy tokens identical to RE's
-A first turn has nothing stored: both compute the whole prompt, and AS also saves it, so it is no faster."""
+A first turn has nothing stored: both compute the whole prompt and AS also saves it; a difference there is
+the saving's cost, or noise from other work on the machine."""
 
 
 def summary(results: list[TurnResult]) -> str:
