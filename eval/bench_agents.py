@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import (  # noqa: E402  (the chat benchmark's launcher, systems, turns and checks)
     IncompleteRun, check_complete, server_tiers, start, stream_turn)
 
-from hf_attnstore.store.redis_server import free_port  # noqa: E402
+from hf_attnstore.lab.redis_server import free_port  # noqa: E402
 
 FOLLOW_UP = "Go on: look up what you still need."
 TEMPLATES = Path(__file__).resolve().parent.parent / "examples" / "templates"

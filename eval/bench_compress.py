@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hf_attnstore import AttnStore, load_default_model
-from hf_attnstore.store.disk import CHUNK_SUFFIX
+from hf_attnstore.store.tiers.disk import CHUNK_SUFFIX
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import history_snapshot, scratch_folder  # noqa: E402

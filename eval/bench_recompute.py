@@ -38,7 +38,7 @@ from transformers import DynamicCache
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
 from hf_attnstore.cache.upstream import cache_kwargs
 from hf_attnstore.store.format import session_dirname
-from hf_attnstore.store.redis_server import redis_server_binary
+from hf_attnstore.lab.redis_server import redis_server_binary
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import drop_page_cache, history_snapshot, interleaved, med, orders_line  # noqa: E402

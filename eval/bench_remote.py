@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from hf_attnstore import AttnStore, AttnStoreCache, load_default_model
-from hf_attnstore.store.redis_server import RedisServer
+from hf_attnstore.lab.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_tiers import (  # noqa: E402

@@ -55,7 +55,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_attnstore.store.redis_server import free_port  # noqa: E402
+from hf_attnstore.lab.redis_server import free_port  # noqa: E402
 
 
 def attnstore(port: int, args, batch: int) -> list[str]:

@@ -29,7 +29,7 @@ import torch
 
 from hf_attnstore import AttnStore, ChatPipeline, SparseConfig, load_default_model
 from hf_attnstore.lab.data import load_sharegpt
-from hf_attnstore.store.sizes import parse_bytes
+from hf_attnstore.store.config import parse_bytes
 
 QUESTION = "Summarize what we discussed so far in three sentences."
 

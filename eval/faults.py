@@ -37,8 +37,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.store import StoreIOError, StoreStats
-from hf_attnstore.store import disk as disk_module
-from hf_attnstore.store.disk import DiskLockedError
+from hf_attnstore.store.tiers import disk as disk_module
+from hf_attnstore.store.tiers.disk import DiskLockedError
 from hf_attnstore.cache.upstream import cache_kwargs
 
 VOCAB = 128
@@ -299,7 +299,7 @@ def scenario_two_openers(runs: int) -> Row:
                     row.crashes += 1
                 except DiskLockedError:
                     refused[0] += 1
-                code = ("import sys; from hf_attnstore import AttnStore; from hf_attnstore.store.disk import "
+                code = ("import sys; from hf_attnstore import AttnStore; from hf_attnstore.store.tiers.disk import "
                         f"DiskLockedError\ntry:\n AttnStore(disk_dir={root!r})\nexcept DiskLockedError: sys.exit(3)")
                 if subprocess.run([sys.executable, "-c", code], capture_output=True).returncode != 3:
                     row.notes.append("a second opener in another process was not refused")

@@ -19,7 +19,7 @@ import torch
 from faults import Row
 from hf_attnstore import AttnStore
 from hf_attnstore.store import StoreIOError
-from hf_attnstore.store import disk as disk_module
+from hf_attnstore.store.tiers import disk as disk_module
 from hf_attnstore.store.saver import SavePlanner
 
 FP = "d" * 64
@@ -217,7 +217,7 @@ def scenario_redis_restart(runs: int, rng: random.Random) -> Row:
     flush: another store must resume the whole session (remote only, and a disk tier mirrored to Redis)."""
     import redis
 
-    from hf_attnstore.store.redis_server import RedisServer
+    from hf_attnstore.lab.redis_server import RedisServer
 
     row = Row("Redis restarted empty: flushed sessions written again (remote only; disk + mirror)")
     restarts = checked = 0

@@ -223,8 +223,8 @@ def _remote_variant(model, variant: str, run: int, root: Path) -> tuple[int, boo
     when the struck call never came)."""
     from unittest import mock
 
-    from hf_attnstore.store.redis_server import RedisServer
-    from hf_attnstore.store.remote import RemoteChunk, RemoteTier
+    from hf_attnstore.lab.redis_server import RedisServer
+    from hf_attnstore.store.tiers.redis import RemoteChunk, RemoteTier
 
     fast = {**FAST, "remote_timeout_s": 2}
     ids = sequence(run, 64)

@@ -29,7 +29,7 @@ import torch
 from hf_attnstore import load_default_model
 from hf_attnstore.lab.replay import ReplayConfig, build_trace, host_capacity, same_outputs
 from hf_attnstore.lab.replicas import run_replicas
-from hf_attnstore.store.redis_server import RedisServer
+from hf_attnstore.lab.redis_server import RedisServer
 
 
 def resumed_summary(run) -> dict:

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from hf_attnstore import AttnStore, ChatPipeline, PipelineTuning, load_default_model
-from hf_attnstore.store.redis_server import RedisServer
+from hf_attnstore.lab.redis_server import RedisServer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--remote", default=None, help="a Redis URL (default: start a private redis-server)")

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 import hf_attnstore.lab.models
 from hf_attnstore import AttnStore
 from hf_attnstore.cli import _HelpFormatter, build_parser, build_server, main
-from hf_attnstore.store.redis_server import free_port
+from hf_attnstore.lab.redis_server import free_port
 
 
 def options(parser: argparse.ArgumentParser, name: str = "attnstore"):

@@ -22,7 +22,7 @@ MODULES = sorted(
 def test_examples_exist_where_the_public_api_is():
     """The modules of the public entry points carry examples (docs/design.md, "The map")."""
     for name in ("hf_attnstore.store.store", "hf_attnstore.cache.cache", "hf_attnstore.serving.pipeline",
-                 "hf_attnstore.store.store_state", "hf_attnstore.store.config"):
+                 "hf_attnstore.store.index", "hf_attnstore.store.config"):
         assert name in MODULES
 
 

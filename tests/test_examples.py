@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_attnstore.store.redis_server import free_port
+from hf_attnstore.lab.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = {

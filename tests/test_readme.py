@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from hf_attnstore.lab.models import cache_root
-from hf_attnstore.store.redis_server import free_port
+from hf_attnstore.lab.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from hf_attnstore import AttnStoreCache
 from hf_attnstore.cli import build_parser, build_server, main
-from hf_attnstore.store.remote import RemoteUnavailableError
+from hf_attnstore.store.tiers.redis import RemoteUnavailableError
 
 from .store.kvdata import chunk_metadata
 
@@ -109,7 +109,7 @@ class Gate:
 def test_remote_shares_sessions_between_servers_with_their_own_disks(model_dir, tmp_path):
     """Two servers behind a load balancer (the session named by X-Session-ID), each with its own disk: the
     second resumes the first's session from Redis."""
-    from hf_attnstore.store.redis_server import RedisServer
+    from hf_attnstore.lab.redis_server import RedisServer
 
     session = {"X-Session-ID": "conv-1"}
     with RedisServer(tmp_path / "redis") as redis:
@@ -128,7 +128,7 @@ def test_remote_shares_sessions_between_servers_with_their_own_disks(model_dir, 
 def test_remote_shares_the_serving_state_unless_no_shared_state(model_dir, tmp_path, shared):
     """With --remote, a resent conversation (no session named) and a Responses chain continue on another server;
     --no-shared-state keeps the index, the memo and the stored responses per process."""
-    from hf_attnstore.store.redis_server import RedisServer
+    from hf_attnstore.lab.redis_server import RedisServer
 
     flags = () if shared else ("--no-shared-state",)
     with RedisServer(tmp_path / "redis") as redis:

@@ -21,8 +21,7 @@ from .cache.config import SparseConfig, TruncationConfig
 from .cache.fingerprint import model_fingerprint
 from .cache.upstream import cache_kwargs, warn_if_untested
 from .store import AttnStore, StoreStats
-from .store.config import StoreTuning
-from .store.sizes import parse_bytes
+from .store import StoreTuning, parse_bytes
 
 warn_if_untested()  # once, at import: the installed transformers is outside the tested range
 

@@ -23,7 +23,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     from .serving.pipeline import ChatPipeline
     from .store import AttnStore, DiskLockedError
-    from .store.remote import RemoteUnavailableError
+    from .store.tiers.redis import RemoteUnavailableError
 
     try:  # the store first, then the model: a mistake costs seconds, not a model load
         _check_model(args.model)
@@ -216,7 +216,7 @@ _FLAGS = {"host_bytes": "--host-bytes", "disk_dir": "--disk-dir", "disk_bytes": 
 def _startup_message(exc: BaseException) -> str:
     """One line that names the flag behind a start-up failure."""
     from .store import DiskLockedError
-    from .store.remote import RemoteUnavailableError
+    from .store.tiers.redis import RemoteUnavailableError
 
     text = " ".join(str(exc).split())
     for name, flag in _FLAGS.items():
@@ -330,7 +330,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .store import DiskLockedError, StoreIOError
-    from .store.remote import RemoteUnavailableError
+    from .store.tiers.redis import RemoteUnavailableError
 
     try:
         server = build_server(args)
@@ -444,7 +444,7 @@ def _kv_budget(text: str) -> float | int:
 def _byte_size(flag: str):
     """An argparse type for a byte size (``2GiB``, ``512MiB``, ``4096``): checked when the command line is read,
     before anything loads, and kept as written (the store parses it)."""
-    from .store.sizes import parse_bytes
+    from .store.config import parse_bytes
 
     def check(text: str) -> str:
         try:
@@ -467,8 +467,8 @@ class _HelpFormatter(argparse.HelpFormatter):
             return text
         if action.required:
             return f"{text} (required)"
-        if isinstance(action, (argparse._StoreTrueAction, argparse._HelpAction)):
-            return text if isinstance(action, argparse._HelpAction) else f"{text} (default: off)"
+        if action.nargs == 0 and action.const is True and action.default is False:  # a store_true flag
+            return f"{text} (default: off)"
         if action.default is None:
             return text
         return f"{text} (default: %(default)s)"

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.cache.rope import RopeAdapter
-from hf_attnstore.store.geometry import shapes
+from hf_attnstore.store.format import shapes
 
 from ..conftest import ABSOLUTE_MODELS, SCALED_ROPE_MODELS, TINY_MODELS, make_tiny, random_ids
 from hf_attnstore.cache.upstream import cache_kwargs

@@ -18,7 +18,7 @@ from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.serving.batching import batchable
 from hf_attnstore.cache.fingerprint import kv_geometry
 from hf_attnstore.cache.rope import SUPPORTED_ROPE_MODEL_TYPES
-from hf_attnstore.store.geometry import bytes_per_token
+from hf_attnstore.store.format import bytes_per_token
 
 from ..serving import test_batching
 from . import test_cache, test_cache_tiers

@@ -11,7 +11,7 @@ from hf_attnstore.cache.config import TruncationConfig
 from hf_attnstore.cache.plan import ModelFacts, miss_plan, plan_turn, rectangular_prefix, shares
 from hf_attnstore.cache.upstream import cache_kwargs
 from hf_attnstore.store import Found, Match
-from hf_attnstore.store.state import SessionState
+from hf_attnstore.store.states import SessionState
 
 from ..conftest import make_tiny, random_ids
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_attnstore.cache.prefill_clock import PrefillClock
-from hf_attnstore.store.costs import MIN_PREFILL_TOKENS
+from hf_attnstore.store.loader import MIN_PREFILL_TOKENS
 
 
 def test_prefills_are_reported_and_decoding_steps_and_cancelled_forwards_are_not():

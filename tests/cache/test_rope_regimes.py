@@ -220,7 +220,7 @@ def test_chat_pipeline_serves_a_conversation_across_the_limit(tmp_path):
 def test_decoupled_truncation_within_the_long_regime(arch):
     """An overflowing long-regime turn keeps 32 stored tokens, fewer than the limit, in a 58-token forward:
     layer 0's re-rotated keys equal what the model computes for the truncated ids (the long factors)."""
-    from hf_attnstore.store.geometry import shapes
+    from hf_attnstore.store.format import shapes
 
     from .test_cache import prefill
 

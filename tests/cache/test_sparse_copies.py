@@ -13,7 +13,7 @@ import torch
 
 from hf_attnstore import AttnStore, AttnStoreCache, SparseConfig
 from hf_attnstore.cache.upstream import cache_kwargs
-from hf_attnstore.store.redis_server import RedisServer
+from hf_attnstore.lab.redis_server import RedisServer
 
 from ..conftest import make_tiny, random_ids
 

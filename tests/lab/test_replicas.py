@@ -6,7 +6,7 @@ import pytest
 
 from hf_attnstore.lab.replay import ReplayConfig, build_trace, same_outputs
 from hf_attnstore.lab.replicas import choose_replica, run_replicas
-from hf_attnstore.store.redis_server import RedisServer
+from hf_attnstore.lab.redis_server import RedisServer
 
 from ..conftest import char_tokenizer, make_tiny
 from .test_replay import CONVS

@@ -86,7 +86,7 @@ def test_runs_the_stores_placement_code(monkeypatch):
 
     monkeypatch.setattr(simulation, "choose_victims", spy)
     r = simulate(TRACE, PROFILE, dataclasses.replace(BIG, host_bytes=100, disk_bytes=400))
-    assert real.__module__ == "hf_attnstore.store.placement"
+    assert real.__module__ == "hf_attnstore.store.policy"
     assert r.demotions > 0 and r.disk_drops > 0
     assert sum(len(v) for v in chosen) == r.demotions + r.disk_drops
 

@@ -237,7 +237,7 @@ def test_concurrent_conversations_on_a_batching_server_match_one_at_a_time():
 
 
 def test_metrics_count_the_remote_tier(tmp_path):
-    from hf_attnstore.store.redis_server import RedisServer
+    from hf_attnstore.lab.redis_server import RedisServer
 
     with RedisServer(tmp_path / "redis") as server:
         model, tok = make_tiny("llama"), char_tokenizer()
@@ -259,8 +259,8 @@ def test_a_server_starts_while_redis_is_down_serves_and_says_so(tmp_path, monkey
     /metrics say the remote tier is down until it is reconnected in the background."""
     import time
 
-    from hf_attnstore.store import remote as remote_module
-    from hf_attnstore.store.redis_server import RedisServer
+    from hf_attnstore.store.tiers import redis as remote_module
+    from hf_attnstore.lab.redis_server import RedisServer
 
     monkeypatch.setattr(remote_module, "BACKOFF_S", 0.1)
     server = RedisServer(tmp_path / "redis")  # not started

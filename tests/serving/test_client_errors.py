@@ -247,7 +247,7 @@ def test_over_real_http_a_nul_in_user_gets_a_400_not_a_closed_connection():
 
     import uvicorn
 
-    from hf_attnstore.store.redis_server import free_port
+    from hf_attnstore.lab.redis_server import free_port
 
     client, pipe, store = make(max_batch_size=8)
     port = free_port()

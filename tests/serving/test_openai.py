@@ -15,7 +15,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from hf_attnstore import AttnStore
 from hf_attnstore.serving.pipeline import ChatPipeline
 from hf_attnstore.serving import ChatEngine, create_app
-from hf_attnstore.store.redis_server import free_port
+from hf_attnstore.lab.redis_server import free_port
 
 from ..conftest import char_tokenizer, make_tiny
 

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache
 from hf_attnstore.serving.pipeline import ChatPipeline
-from hf_attnstore.store.redis_server import RedisServer
+from hf_attnstore.lab.redis_server import RedisServer
 
 from ..conftest import char_tokenizer, make_tiny, random_ids
 from hf_attnstore.cache.upstream import cache_kwargs

@@ -21,7 +21,7 @@ from hf_attnstore.serving.pipeline import ChatPipeline
 from hf_attnstore.serving.response_store_redis import RedisResponseStore
 from hf_attnstore.serving import shared_state
 from hf_attnstore.serving.shared_state import SharedState, tokenizer_digest
-from hf_attnstore.store.redis_server import RedisClusterServers, RedisServer
+from hf_attnstore.lab.redis_server import RedisClusterServers, RedisServer
 
 from ..conftest import VOCAB, char_tokenizer, make_tiny
 from .helpers import ForceReply, bpe_tokenizer

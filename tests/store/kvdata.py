@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hf_attnstore.store.encoded import dense
+from hf_attnstore.store.buffer import dense
 
 FP = "f" * 64
 LAYERS, HEADS, DIM = 3, 2, 4

@@ -179,7 +179,7 @@ def test_an_int8_store_refuses_int4_kv_but_an_int4_store_takes_int8(tmp_path):
 
 
 def test_the_remote_tier_serves_lossy_kv_only_to_stores_that_accept_it(tmp_path):
-    from hf_attnstore.store.redis_server import RedisServer
+    from hf_attnstore.lab.redis_server import RedisServer
 
     with RedisServer(tmp_path / "redis") as server:
         with make(tmp_path / "writer", kv_codec="int4", remote=server.url) as writer:

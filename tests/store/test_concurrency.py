@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_attnstore.store import AttnStore, LoadError
-from hf_attnstore.store.disk import DiskTier
+from hf_attnstore.store.tiers.disk import DiskTier
 
 from .kvdata import BYTES_PER_TOKEN, FP, expect, kv, write_turn
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hf_attnstore.store import AttnStore
-from hf_attnstore.store.costs import HALF_LIFE, MIN_PREFILL_TOKENS, ResumeCosts
-from hf_attnstore.store.placement import RECOMPUTE_MARGIN, choose_recompute, recompute_cost
+from hf_attnstore.store.loader import HALF_LIFE, MIN_PREFILL_TOKENS, ResumeCosts
+from hf_attnstore.store.policy import RECOMPUTE_MARGIN, choose_recompute, recompute_cost
 
 
 def test_rates_are_weighted_by_amount_and_forget_old_samples():

@@ -30,7 +30,7 @@ def test_readers_of_shared_segments_wait_for_pending_copies():
 
 def test_an_encoded_host_part_crosses_as_its_blob_and_is_dequantized_on_the_device():
     from hf_attnstore.store.codec import KVCodec
-    from hf_attnstore.store.encoded import EncodedSegment, dense
+    from hf_attnstore.store.buffer import EncodedSegment, dense
     from hf_attnstore.store.format import encode_kv
 
     codec, n = KVCodec("int4"), 256
@@ -48,7 +48,7 @@ def test_an_encoded_host_part_crosses_as_its_blob_and_is_dequantized_on_the_devi
 
 def test_compaction_copies_a_tail_whose_device_copy_may_still_be_in_flight():
     from hf_attnstore.store.codec import KVCodec
-    from hf_attnstore.store.encoded import EncodedSegment
+    from hf_attnstore.store.buffer import EncodedSegment
     from hf_attnstore.store.format import encode_kv
 
     layers, heads, dim, n, tail = 4, 8, 128, 4096, 40

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hf_attnstore.store import AttnStore, StoreIOError
-from hf_attnstore.store import disk as disk_module
-from hf_attnstore.store.redis_server import RedisServer
+from hf_attnstore.store.tiers import disk as disk_module
+from hf_attnstore.lab.redis_server import RedisServer
 
 from .kvdata import FP, expect, kv, layer_of, write_turn
 from .test_faults import disk_usage
@@ -338,9 +338,9 @@ def test_a_session_deleted_while_its_mirror_copy_is_written_is_not_resurrected(t
 
 
 def test_a_remote_copy_adopted_over_a_new_history_that_fails_to_load_keeps_the_older_copy(tmp_path, monkeypatch):
-    from hf_attnstore.store import remote as remote_module
+    from hf_attnstore.store.tiers import redis as remote_module
     from hf_attnstore.store.format import FormatError
-    from hf_attnstore.store.load_handle import LoadError
+    from hf_attnstore.store.buffer import LoadError
 
     with RedisServer(tmp_path / "redis") as server:
         old = list(range(1, 101))

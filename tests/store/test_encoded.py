@@ -10,7 +10,7 @@ import torch
 from hf_attnstore.store import AttnStore
 from hf_attnstore.store.buffer import SessionBuffer
 from hf_attnstore.store.codec import KVCodec
-from hf_attnstore.store.encoded import EncodedSegment, EncodedSlice, copy_into, dense
+from hf_attnstore.store.buffer import EncodedSegment, EncodedSlice, copy_into, dense
 from hf_attnstore.store.format import encode_kv
 
 from .kvdata import FP, HEADS, LAYERS, layer_of

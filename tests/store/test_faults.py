@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hf_attnstore.store import AttnStore, StoreIOError
-from hf_attnstore.store import disk as disk_module
-from hf_attnstore.store.disk import DiskTier
+from hf_attnstore.store.tiers import disk as disk_module
+from hf_attnstore.store.tiers.disk import DiskTier
 from hf_attnstore.store.format import session_dirname
 
 from .kvdata import BYTES_PER_TOKEN, FP, expect, kv, write_turn
@@ -274,7 +274,7 @@ def test_a_session_that_outgrows_the_host_tier_keeps_its_durable_prefix(tmp_path
 def test_a_disk_read_error_is_a_miss_that_keeps_the_disk_copy(tmp_path, monkeypatch, err):
     """An I/O error while loading (the device's, not the data's) never deletes the session: the turn misses,
     the next one loads it. Damaged data is still removed (tests/store/test_integrity.py)."""
-    from hf_attnstore.store.load_handle import LoadError
+    from hf_attnstore.store.buffer import LoadError
 
     from .kvdata import LAYERS, layer_of
 

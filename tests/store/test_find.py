@@ -9,8 +9,8 @@ import torch
 
 from hf_attnstore.store import AttnStore, Found
 from hf_attnstore.store.format import prefix_digest, session_dirname
-from hf_attnstore.store.found import verified_state
-from hf_attnstore.store.state import SessionState
+from hf_attnstore.store.store import verified_state
+from hf_attnstore.store.states import SessionState
 
 from .kvdata import FP, kv
 from .test_state import FAST, states

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from hf_attnstore.store.disk import DiskTier
+from hf_attnstore.store.tiers.disk import DiskTier
 from hf_attnstore.store.format import (FORMAT, FormatError, Manifest, Span, encode_chunk, file_reader,
                                        prefix_digest, read_range, session_dirname)
 

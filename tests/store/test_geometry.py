@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from hf_attnstore.store import AttnStore
-from hf_attnstore.store.disk import DiskTier
+from hf_attnstore.store.tiers.disk import DiskTier
 from hf_attnstore.store.format import FormatError, encode_chunk, prefix_digest
-from hf_attnstore.store.geometry import bytes_per_token, make_geometry, parse_geometry, shapes
+from hf_attnstore.store.format import bytes_per_token, make_geometry, parse_geometry, shapes
 
 from .kvdata import FP
 

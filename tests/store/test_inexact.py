@@ -14,7 +14,7 @@ import torch
 
 from hf_attnstore.store import AttnStore
 from hf_attnstore.store.format import FormatError, Manifest, Span
-from hf_attnstore.store.redis_server import RedisServer
+from hf_attnstore.lab.redis_server import RedisServer
 
 from .kvdata import FP, chunk_metadata, expect, kv
 

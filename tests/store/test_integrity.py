@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from hf_attnstore import AttnStore, AttnStoreCache
-from hf_attnstore.store.disk import DiskLockedError
+from hf_attnstore.store.tiers.disk import DiskLockedError
 from hf_attnstore.cache.upstream import cache_kwargs
 
 FAST = dict(fsync=False, idle_flush_s=0.05, io_timeout_s=10, chunk_tokens=4)

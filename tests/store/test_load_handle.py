@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hf_attnstore.store.load_handle import LoadError, LoadHandle
+from hf_attnstore.store.buffer import LoadError, LoadHandle
 
 
 def producer(handle: LoadHandle, layers: int, fail_at: int | None = None):

@@ -9,7 +9,7 @@ import pytest
 
 from hf_attnstore import AttnStore
 from hf_attnstore.serving.pipeline import ChatPipeline
-from hf_attnstore.store.redis_server import RedisServer
+from hf_attnstore.lab.redis_server import RedisServer
 
 from ..conftest import char_tokenizer, make_tiny
 from .kvdata import chunk_metadata, write_turn

@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 STORE = Path(__file__).resolve().parents[2] / "src" / "hf_attnstore" / "store"
-OWNER_MODULE = "store_state.py"
+OWNER_MODULE = "index.py"
 OWNER_CLASS = "StoreState"
 MUTATORS = {"add", "discard", "remove", "append", "appendleft", "pop", "popleft", "clear", "update", "setdefault",
             "extend", "insert"}
@@ -35,7 +35,7 @@ def _fields(path: Path, cls: str) -> set[str]:
 
 
 def watched() -> set[str]:
-    return _fields(STORE / "entry.py", "Entry") | _fields(STORE / OWNER_MODULE, OWNER_CLASS) | \
+    return _fields(STORE / "index.py", "Entry") | _fields(STORE / OWNER_MODULE, OWNER_CLASS) | \
         _fields(STORE / "stats.py", "StoreStats")
 
 

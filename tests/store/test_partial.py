@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hf_attnstore.store import AttnStore
-from hf_attnstore.store.entry import blocks
-from hf_attnstore.store.disk import MANIFEST as MANIFEST_NAME
+from hf_attnstore.store.index import blocks
+from hf_attnstore.store.tiers.disk import MANIFEST as MANIFEST_NAME
 from hf_attnstore.store.format import FormatError, Manifest, session_dirname
-from hf_attnstore.store.placement import choose_head_drops, recompute_cost
+from hf_attnstore.store.policy import choose_head_drops, recompute_cost
 
 from .kvdata import FP, kv, layer_of, write_turn
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hf_attnstore.store.policy import make_policy
-from hf_attnstore.store.placement import choose_victims, lookahead_windows
+from hf_attnstore.store.policy import choose_victims, lookahead_windows
 
 SIZES = {"a": 10, "b": 20, "c": 30, "d": 40}
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_attnstore import AttnStore
-from hf_attnstore.store.prefixes import BLOCK, PrefixTable
+from hf_attnstore.store.index import BLOCK, PrefixTable
 
 FP = "f" * 64
 

@@ -8,9 +8,9 @@ import redis
 import torch
 
 from hf_attnstore.store import AttnStore
-from hf_attnstore.store.load_handle import LoadError
-from hf_attnstore.store.redis_server import RedisServer, free_port
-from hf_attnstore.store.remote import RemoteTier, RemoteUnavailableError
+from hf_attnstore.store.buffer import LoadError
+from hf_attnstore.lab.redis_server import RedisServer, free_port
+from hf_attnstore.store.tiers.redis import RemoteTier, RemoteUnavailableError
 
 from .kvdata import FP, expect, kv, layer_of, write_turn
 

@@ -10,7 +10,7 @@ import pytest
 from redis.cluster import RedisCluster
 
 from hf_attnstore.store import AttnStore
-from hf_attnstore.store.redis_server import RedisClusterServers
+from hf_attnstore.lab.redis_server import RedisClusterServers
 
 from .kvdata import FP, expect, write_turn
 

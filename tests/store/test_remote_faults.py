@@ -16,10 +16,10 @@ import time
 import pytest
 
 from hf_attnstore.store import AttnStore
-from hf_attnstore.store import remote as remote_module
-from hf_attnstore.store.load_handle import LoadError
-from hf_attnstore.store.redis_server import RedisServer, free_port
-from hf_attnstore.store.remote import RemoteChunk, RemoteTier, RemoteUnavailableError
+from hf_attnstore.store.tiers import redis as remote_module
+from hf_attnstore.store.buffer import LoadError
+from hf_attnstore.lab.redis_server import RedisServer, free_port
+from hf_attnstore.store.tiers.redis import RemoteChunk, RemoteTier, RemoteUnavailableError
 
 from .test_faults import disk_usage  # measured while the save thread deletes files: tolerates that
 from .test_remote import redis_server  # noqa: F401 (the fixture)
@@ -244,7 +244,7 @@ def test_another_history_replacing_a_durable_session_leaves_its_copy_until_saved
     """Without any remote tier: a turn that starts the session over (another history) never deletes the
     durable copy before its own is durable; once it is, the old files are collected."""
     from hf_attnstore.store import StoreIOError
-    from hf_attnstore.store import disk as disk_module
+    from hf_attnstore.store.tiers import disk as disk_module
 
     with local(tmp_path / "kv") as store:
         write_turn(store, "s", LOCAL)
@@ -275,7 +275,7 @@ def test_another_history_replacing_a_durable_session_leaves_its_copy_until_saved
 
 
 def test_another_history_while_the_old_copy_is_still_loading_keeps_it_until_saved(tmp_path, monkeypatch):
-    from hf_attnstore.store.disk import DiskTier
+    from hf_attnstore.store.tiers.disk import DiskTier
 
     with local(tmp_path / "kv") as store:
         write_turn(store, "s", LOCAL)

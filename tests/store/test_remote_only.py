@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hf_attnstore.store import AttnStore, StoreIOError
-from hf_attnstore.store.redis_server import RedisServer
-from hf_attnstore.store.remote import RemoteUnavailableError
+from hf_attnstore.lab.redis_server import RedisServer
+from hf_attnstore.store.tiers.redis import RemoteUnavailableError
 
 from .kvdata import BYTES_PER_TOKEN, FP, expect, kv, write_turn
 

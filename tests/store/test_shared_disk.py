@@ -15,7 +15,7 @@ import torch
 
 from hf_attnstore import AttnStore
 from hf_attnstore.store import StoreIOError
-from hf_attnstore.store.entry import blocks
+from hf_attnstore.store.index import blocks
 from hf_attnstore.store.format import Manifest, session_dirname
 
 from .kvdata import FP, kv, layer_of
@@ -182,7 +182,7 @@ def test_share_prefixes_off_links_nothing(tmp_path):
 
 def test_a_shared_chunk_whose_owner_went_before_the_link_is_written_by_the_session(tmp_path, monkeypatch):
     """The link fails (the owner's file was deleted meanwhile): the session writes its own copy, whole."""
-    from hf_attnstore.store.disk import DiskTier
+    from hf_attnstore.store.tiers.disk import DiskTier
 
     def gone(self, source, name, key, new_name):
         raise FileNotFoundError("deleted meanwhile")
@@ -317,7 +317,7 @@ def test_sigkill_while_shared_chunks_pass_between_sessions(tmp_path, kill_after_
 def test_the_remote_mirror_holds_a_shared_prefix_once_and_another_server_resumes_from_it(tmp_path):
     """With a disk tier mirrored to Redis: the shared chunks are put once, under the session that wrote them;
     a second server resumes the sharing session from Redis, exactly."""
-    from hf_attnstore.store.redis_server import RedisServer
+    from hf_attnstore.lab.redis_server import RedisServer
 
     with RedisServer(tmp_path / "redis") as server:
         one = disk_store(tmp_path / "one", remote=server.url, remote_ttl_s=3600)
@@ -365,7 +365,7 @@ def test_one_session_naming_a_shared_file_twice_releases_it_cleanly(tmp_path):
     """b's new history links a's chunks again while its old copy (linking them too) is still there, and its save
     is cut meanwhile, so b names each shared file twice; deleting a, then b, keeps the count exact (found by
     review: a KeyError stopped the save thread's bookkeeping and left b pinned)."""
-    from hf_attnstore.store.disk import DiskTier
+    from hf_attnstore.store.tiers.disk import DiskTier
 
     store = disk_store(tmp_path)
     with store.open_turn("a", FP, None, torch.empty(0)) as turn:

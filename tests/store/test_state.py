@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from hf_attnstore.store import AttnStore
-from hf_attnstore.store.disk import CHUNK_SUFFIX
+from hf_attnstore.store.tiers.disk import CHUNK_SUFFIX
 from hf_attnstore.store.format import FormatError, Manifest, Span, StateRef, prefix_digest, session_dirname
-from hf_attnstore.store.redis_server import RedisServer
-from hf_attnstore.store.state import SessionState
+from hf_attnstore.lab.redis_server import RedisServer
+from hf_attnstore.store.states import SessionState
 
 from .kvdata import FP, expect, kv
 

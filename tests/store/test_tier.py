@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hf_attnstore.store import AttnStore
-from hf_attnstore.store.disk import MANIFEST, DiskTier
+from hf_attnstore.store.tiers.disk import MANIFEST, DiskTier
 from hf_attnstore.store.format import FormatError, Manifest, Span, encode_chunk, prefix_digest
-from hf_attnstore.store.tier import SerialWriter, Tier
+from hf_attnstore.store.tiers.base import SerialWriter, Tier
 
 from .kvdata import FP, LAYERS, expect, kv, write_turn
 

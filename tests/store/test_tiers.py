@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_attnstore.store import AttnStore, LoadError, StoreIOError
-from hf_attnstore.store import disk as disk_module
+from hf_attnstore.store.tiers import disk as disk_module
 from hf_attnstore.store.format import FORMAT, session_dirname
 
 from .kvdata import BYTES_PER_TOKEN, FP, expect, layer_of, write_turn

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..store import AttnStore
-from ..store.entry import validate_session_id
+from ..store.index import validate_session_id
 from .config import SparseConfig, TruncationConfig, truncation_of
 from .fingerprint import model_fingerprint, salted_fingerprint
 from .hooks import install_generation_hook, install_hooks

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..store.load_handle import LoadHandle
+from ..store.buffer import LoadHandle
 
 Parts = list[tuple[torch.Tensor, torch.Tensor]]
 

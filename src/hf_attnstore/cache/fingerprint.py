@@ -45,7 +45,7 @@ def kv_geometry(model: nn.Module) -> tuple:
         (2, 2, 4)
     """
     from .layout import LayerLayout  # imports transformers' cache classes: only when a model is measured
-    from ..store.geometry import make_geometry
+    from ..store.format import make_geometry
 
     cfg = model.config.get_text_config(decoder=True)
     layout = LayerLayout.of(model)

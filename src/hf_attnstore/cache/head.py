@@ -16,7 +16,7 @@ from torch import nn
 
 from ..store import AttnStore, SessionKV
 from ..store.buffer import Segment
-from ..store.logs import OnceLogger
+from ..store.stats import OnceLogger
 from .layout import LayerLayout
 from .prefill_clock import PrefillClock
 from .record import inverse_rope, unrotate
@@ -28,7 +28,7 @@ _once = OnceLogger(logger)
 
 
 def recompute_head(model: nn.Module, store: AttnStore, snapshot: SessionKV, need: int, rope: RopeAdapter,
-                   layout: LayerLayout, clock: PrefillClock, regime: str | None) -> SessionKV | None:
+                   layout: LayerLayout, clock: PrefillClock | None, regime: str | None) -> SessionKV | None:
     """The snapshot with the KV of its first `need` tokens recomputed (its head, up to the last reused token in it),
     or None when it cannot be (a forward that failed, or one that would fall into another RoPE regime): the turn
     then reuses nothing.
@@ -47,7 +47,8 @@ def recompute_head(model: nn.Module, store: AttnStore, snapshot: SessionKV, need
         return None  # a shorter forward would compute the head with other frequencies (longrope's short ones)
     ids = snapshot.token_ids[:need]
     store.forward_started()  # a forward like any other: the store's writer yields to it
-    clock.begin(model.device, 0, need)  # a prefill sample: it waits for no stored KV
+    if clock is not None:  # (`recompute_by_cost` only)
+        clock.begin(model.device, 0, need)  # a prefill sample: it waits for no stored KV
     try:
         with torch.no_grad():
             computed = DynamicCache()  # without the config: sliding layers would keep only their window
@@ -62,14 +63,16 @@ def recompute_head(model: nn.Module, store: AttnStore, snapshot: SessionKV, need
             keys = [k.to("cpu", dtype) for k in keys.unbind(0)]
             values = [v.to("cpu", dtype) for v in values]
     except Exception as exc:  # e.g. out of memory: the turn goes on without reuse (a miss, never an error)
-        clock.cancel()
+        if clock is not None:
+            clock.cancel()
         session = snapshot.key[1] if snapshot.key is not None else "?"
         _once.warning("head", f"recomputing the evicted head of session {session!r} failed ({exc}): the session is "
                       "recomputed")
         return None
     finally:
         store.forward_finished()
-    clock.end()
+    if clock is not None:
+        clock.end()
     if need == snapshot.head and store.fill_head(snapshot, keys, values):
         return dataclasses.replace(snapshot, head=0)  # the host copy holds the head now: read it there
     return snapshot.with_head(Segment.adopt(ids.clone(), keys, values))

@@ -128,7 +128,9 @@ def install_generation_hook(model: nn.Module) -> None:
         cache = _cache_of(kwargs)
         if cache is None:
             return own(input_ids, *args, **kwargs)
-        fed = None if args else speculative.feed_length(cache, input_ids, kwargs)
+        # Plain decoding says how many ids are new; assisted generation's first forward does not (speculative.py).
+        fed = None if args or kwargs.get("next_sequence_length") is not None else \
+            speculative.feed_length(cache, input_ids, kwargs)
         if fed is not None:
             kwargs["next_sequence_length"] = fed
         if not switching or not cache.turn.length_dependent:

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from ..store.state import SessionState
+from ..store.states import SessionState
 from . import query_aware
 from .config import SparseConfig
 from .host_history import GatherBuffers, HostHistory

@@ -14,7 +14,7 @@ import torch
 from ..store import LoadError, SessionKV
 from ..store.config import StoreConfig
 from .cuda_prefetch import CudaLayerPrefetcher
-from ..store.encoded import copy_into, dense
+from ..store.buffer import copy_into, dense
 from .hooks import ReuseFailed
 from .rope import RopeAdapter
 from .truncation import ReusePlan

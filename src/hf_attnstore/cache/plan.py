@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..store import Found, Match
-from ..store.state import SessionState
+from ..store.states import SessionState
 from .config import TruncationConfig
 from .importance import score_name, token_importance
 from .truncation import ReusePlan, plan_reuse, tokens_to_drop

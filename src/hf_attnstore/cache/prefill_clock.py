@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..store.costs import MIN_PREFILL_TOKENS
+from ..store.loader import MIN_PREFILL_TOKENS
 
 
 class PrefillClock:

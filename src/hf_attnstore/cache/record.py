@@ -13,7 +13,7 @@ import time
 import torch
 
 from ..store import AttnStore, TurnWriter
-from ..store.logs import OnceLogger
+from ..store.stats import OnceLogger
 from .layers import TurnEnd
 from .rope import RopeAdapter
 

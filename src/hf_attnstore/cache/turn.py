@@ -14,6 +14,7 @@ Layout of every KV tensor here: ``[batch=1, kv_heads, seq, head_dim]``; stored k
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -23,8 +24,8 @@ import torch
 from torch import nn
 
 from ..store import AttnStore, Found
-from ..store.logs import OnceLogger
-from ..store.state import selection_name
+from ..store.stats import OnceLogger
+from ..store.states import selection_name
 from . import importance, query_aware, upstream
 from .config import SparseConfig, TruncationConfig
 from .fingerprint import kv_geometry, model_fingerprint, regime_fingerprint, salted_fingerprint
@@ -167,9 +168,10 @@ class CacheTurn:
         self._slot_of = {idx: slot for slot, idx in enumerate(self._layout.kv_layers) if self._layout.full[idx]}
         if sparse is not None or self._scored:
             check_scored(model, self._layout, self._rope.model_type, sparse, self._scored)
-        # The model's prefills are reported to the store, which decides by them whether a resumed session's leading
-        # chunks are loaded or recomputed (`recompute_by_cost`).
-        self._clock = PrefillClock(functools.partial(store.costs.observe_prefill, model_key))
+        # With `recompute_by_cost`, the model's prefills are reported to the store, which decides by them whether a
+        # resumed session's leading chunks are loaded or recomputed; without it nothing reads them, and nothing times.
+        self._clock = PrefillClock(functools.partial(store.costs.observe_prefill, model_key)) \
+            if store.config.recompute_by_cost else None
         self._prefill_key = head_prefill_key(model_key, self._layout, self._rope)
         self._store, self._device, self._save = store, model.device, bool(save)
         self._stored_scores: dict[int, torch.Tensor] | None = None
@@ -317,7 +319,7 @@ class CacheTurn:
         query for a query-aware turn (query_aware.py)."""
         if self.selection is not None:
             return query_aware.selecting(self.selection)
-        return importance.scoring(self.scorer)
+        return importance.scoring(self.scorer) if self.scorer is not None else contextlib.nullcontext()
 
     def can_select(self, start: int) -> bool:
         """Whether sparse layers select tokens before a forward that starts at session position `start` (between
@@ -389,12 +391,13 @@ class CacheTurn:
             raise ValueError(f"AttnStoreCache supports batch size 1, got a forward with batch {batch}: one session "
                              "per cache, so no beam search (`num_beams=1`) and `num_return_sequences=1`")
         past = self._cache().get_seq_length()
-        self._clock.collect()
-        loading = self.loader is not None and self.loader.snapshot is not None
-        if not loading and self.scorer is None and self.sparse is None:
-            self._clock.begin(x.device, past, length)  # computes without waiting for stored KV: a prefill sample
-        else:
-            self._clock.cancel()
+        if self._clock is not None:
+            self._clock.collect()
+            loading = self.loader is not None and self.loader.snapshot is not None
+            if not loading and self.scorer is None and self.sparse is None:
+                self._clock.begin(x.device, past, length)  # computes without waiting for stored KV: a prefill sample
+            else:
+                self._clock.cancel()
         positions = torch.arange(past, past + length, device=x.device)
         if position_ids is not None and not torch.equal(position_ids.reshape(-1).to(x.device), positions):
             raise ValueError(
@@ -414,7 +417,8 @@ class CacheTurn:
 
     def end_forward(self) -> None:
         """Called after the base model's forward: the new KV goes to the store (`Recorder.end_forward`)."""
-        self._clock.end()
+        if self._clock is not None:
+            self._clock.end()
         self._recorder.end_forward()
 
     def recompute_forward(self, original, args: tuple, kwargs: dict):
@@ -464,7 +468,8 @@ class CacheTurn:
         """Ends the turn: the store may demote the session again; later forwards are not saved."""
         self.turn_end()  # closes the writer, with a hybrid model's states
         self._recorder.save = False
-        self._clock.collect()
+        if self._clock is not None:
+            self._clock.collect()
 
     def cropped(self, total: int) -> None:
         """The cache was cropped to `total` tokens (assisted generation rejected drafts): the session follows, so

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..store.redis_server import RedisServer, free_port
+from ..lab.redis_server import RedisServer, free_port
 
 POLICIES = ("round_robin", "cache_aware", "manual", "power_of_two", "random")
 

@@ -283,7 +283,7 @@ def kv_bytes_per_token(model) -> int:
         128
     """
     from ..cache.fingerprint import kv_geometry
-    from ..store.geometry import bytes_per_token
+    from ..store.format import bytes_per_token
 
     return bytes_per_token(kv_geometry(model), next(model.parameters()).element_size())
 

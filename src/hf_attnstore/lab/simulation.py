@@ -30,7 +30,7 @@ from itertools import islice
 
 from ..cache.config import TruncationConfig
 from ..store.policy import make_policy
-from ..store.placement import (choose_head_drops, choose_recompute, choose_victims, head_drop_candidates,
+from ..store.policy import (choose_head_drops, choose_recompute, choose_victims, head_drop_candidates,
                                lookahead_windows)
 from ..cache.truncation import tokens_to_drop
 

@@ -37,7 +37,7 @@ from ..cache import AttnStoreCache
 from ..serving.pipeline import ChatPipeline
 from ..cache.upstream import cache_kwargs
 from ..store import AttnStore, StoreConfig
-from ..store.block_pool import BlockPoolConfig
+from .block_pool import BlockPoolConfig
 from .trace_sim import TraceSimConfig, simulate_trace
 from .traces import BLOCK_TOKENS, TraceRequest, block_tokens
 

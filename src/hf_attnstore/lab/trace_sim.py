@@ -24,9 +24,9 @@ import bisect
 import heapq
 from dataclasses import dataclass, field
 
-from ..store.placement import choose_victims
-from ..store.policy import make_block_policy
-from ..store.policy.blocks import BlockKey
+from ..store.policy import choose_victims
+from ..lab.block_policy import make_block_policy
+from ..lab.block_policy import BlockKey
 from .trace_queue import PrefillCluster
 from .traces import BLOCK_TOKENS, TraceRequest, block_tokens
 

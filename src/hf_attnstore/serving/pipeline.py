@@ -27,9 +27,9 @@ from ..cache.chat import ChatTokens
 from ..cache.config import LEGACY_TRUNCATION, SparseConfig, TruncationConfig, truncation_of
 from ..cache.fingerprint import salted_fingerprint
 from ..store import AttnStore
-from ..store.placement import lookahead_windows
-from ..store.sizes import parse_bytes
-from ..store.entry import validate_session_id
+from ..store.policy import lookahead_windows
+from ..store.config import parse_bytes
+from ..store.index import validate_session_id
 from .jobs import Cancelled, Job, PipelineClosed, Prepared, Reply, Tee, token_logprobs  # noqa: F401 (Reply, PipelineClosed: re-exported)
 from .timing import FirstTokenTimer
 from ..cache.truncation import tokens_to_drop

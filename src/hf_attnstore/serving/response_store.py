@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ..store.entry import validate_session_id
+from ..store.index import validate_session_id
 from .protocol import ChatMessage
 
 logger = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ import logging
 import threading
 import time
 
-from ..store.deadline import Deadline
-from ..store.remote import RemoteUnavailableError, connect_redis, redacted
+from ..store.tiers.redis import Deadline
+from ..store.tiers.redis import RemoteUnavailableError, connect_redis, redacted
 
 logger = logging.getLogger(__name__)
 PREFIX = "attnstore:serving:1:"

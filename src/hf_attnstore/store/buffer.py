@@ -1,25 +1,339 @@
-"""A session's KV in host memory: per-layer segments that are appended to, and immutable snapshots.
+"""Progress of a session being loaded from disk into host memory, layer by layer.
 
-Layout: a segment holds, for every layer, pre-RoPE keys and values ``[1, kv_heads, capacity, head_dim]``
-(each of its own shape where they differ, see geometry.py) and the token ids ``[capacity]``. A session is an
-ordered list of parts ``(segment, start, end)``. Data of a segment below its fill mark never changes, so
-snapshots, and other sessions (a truncated copy shares its segments), can keep pointing at it: appending
-writes in place only right after the fill mark, and otherwise starts a new segment. Nothing is ever copied
-to grow or to cut a session.
+The load thread marks each layer ready as soon as its bytes are verified; the consumer (a cache's layer
+about to compute) waits only for its own layer. The read buffer bounds how far the loader may run ahead
+of the consumer (the paper's S_buf, in layers).
 """
 
 from __future__ import annotations
 
+import threading
 import dataclasses
 from dataclasses import dataclass
-
 import torch
 
 from .codec import KVCodec, least_accurate
-from .encoded import NOT_INEXACT, EncodedSegment, dense
-from .geometry import Geometry, bytes_per_token, make_geometry, shapes
-from .load_handle import LoadHandle
-from .state import SessionState
+from .format import Geometry, bytes_per_token, make_geometry, shapes
+from .states import SessionState
+
+
+class LoadError(RuntimeError):
+    """A stored session could not be loaded (damaged or vanished files, I/O error).
+
+    Example:
+        >>> handle = LoadHandle(num_layers=1, read_buffer_layers=None, timeout_s=1.0)
+        >>> handle.fail(OSError("EIO"))
+        >>> try:
+        ...     handle.wait_layer(0)
+        ... except LoadError as exc:
+        ...     print(exc)
+        loading the session failed: EIO
+    """
+
+
+class LoadHandle:
+    """Shared between the load thread (producer) and the cache layers (consumer).
+
+    Args:
+        num_layers: Layers to load.
+        read_buffer_layers: How many layers the loader may load beyond the next one the consumer needs;
+            ``None`` = no limit. Only applies while a consumer is attached.
+        timeout_s: Longest wait for one layer before giving up (the load is then treated as failed).
+
+    Example:
+        >>> handle = LoadHandle(num_layers=2, read_buffer_layers=1, timeout_s=1.0)
+        >>> handle.layer_ready(0)  # the load thread verified layer 0
+        >>> handle.wait_layer(0)  # the layer computing next needs only its own
+        >>> handle.ready_layers, handle.done
+        (1, False)
+    """
+
+    def __init__(self, num_layers: int, read_buffer_layers: int | None, timeout_s: float):
+        self.num_layers = num_layers
+        self.read_buffer_layers = read_buffer_layers
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._ready = 0  # layers [0, _ready) are loaded
+        self._needed = -1  # highest layer the consumer has asked for
+        self._attached = False
+        self._error: BaseException | None = None
+        self._gate_waiting = False
+
+    # -- consumer side ------------------------------------------------------------------------------
+    def attach(self) -> None:
+        """A cache will consume this load: from now on the read buffer limits run-ahead.
+
+        Example:
+            >>> handle = LoadHandle(num_layers=4, read_buffer_layers=1, timeout_s=1.0)
+            >>> handle.attach()
+            >>> handle.gate(2, timeout=0.01)  # the consumer needs no layer yet: at most layers 0 and 1 run ahead
+            False
+        """
+        with self._cond:
+            self._attached = True
+
+    def release(self) -> None:
+        """The consumer is gone (done or abandoned): the loader may finish at full speed.
+
+        Example:
+            >>> handle = LoadHandle(num_layers=4, read_buffer_layers=1, timeout_s=1.0)
+            >>> handle.attach(); handle.release()
+            >>> handle.gate(3)  # no consumer: no limit
+            True
+        """
+        with self._cond:
+            self._attached = False
+            self._cond.notify_all()
+
+    def wait_layer(self, layer: int) -> None:
+        """Blocks until `layer` is loaded. Raises LoadError if the load failed or timed out.
+
+        Example:
+            >>> handle = LoadHandle(num_layers=2, read_buffer_layers=None, timeout_s=0.05)
+            >>> handle.layer_ready(0)
+            >>> handle.wait_layer(0)  # returns at once
+            >>> handle.wait_layer(1)
+            Traceback (most recent call last):
+            ...
+            hf_attnstore.store.buffer.LoadError: layer 1 was not loaded within 0.05 s
+        """
+        with self._cond:
+            if layer > self._needed:
+                self._needed = layer
+                self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._ready > layer or self._error is not None, self.timeout_s):
+                raise LoadError(f"layer {layer} was not loaded within {self.timeout_s} s")
+            if self._error is not None and self._ready <= layer:
+                raise LoadError(f"loading the session failed: {self._error}") from self._error
+
+    def wait_all(self) -> None:
+        """Blocks until every layer is loaded. Raises LoadError if the load failed or timed out.
+
+        Example:
+            >>> handle = LoadHandle(num_layers=2, read_buffer_layers=None, timeout_s=1.0)
+            >>> handle.layer_ready(0); handle.layer_ready(1)
+            >>> handle.wait_all(); handle.done
+            True
+        """
+        self.wait_layer(self.num_layers - 1)
+
+    @property
+    def ready_layers(self) -> int:
+        """How many leading layers are loaded (never waits)."""
+        with self._cond:
+            return self._ready
+
+    @property
+    def done(self) -> bool:
+        with self._cond:
+            return self._ready == self.num_layers
+
+    # -- producer side ------------------------------------------------------------------------------
+    def gate(self, layer: int, timeout: float | None = None) -> bool:
+        """Called by the loader before reading `layer`: waits while it is too far ahead of the consumer.
+
+        Returns whether the layer may be read now; False after `timeout` seconds (default: the handle's
+        timeout, after which a load always proceeds rather than wait for a consumer that may be gone).
+
+        Example:
+            >>> handle = LoadHandle(num_layers=4, read_buffer_layers=1, timeout_s=1.0)
+            >>> handle.attach()
+            >>> handle.gate(1), handle.gate(2, timeout=0.01)  # the consumer is before layer 0: one layer of run-ahead
+            (True, False)
+        """
+        if self.read_buffer_layers is None:
+            return True
+        with self._cond:
+            self._gate_waiting = True  # observable by tests: the producer is held back here
+            try:
+                return self._cond.wait_for(
+                    lambda: not self._attached or layer <= self._needed + 1 + self.read_buffer_layers,
+                    self.timeout_s if timeout is None else timeout,
+                )
+            finally:
+                self._gate_waiting = False
+
+    def layer_ready(self, layer: int) -> None:
+        """The load thread verified `layer` (layers are loaded in order): its consumer may go on.
+
+        Example:
+            >>> handle = LoadHandle(num_layers=2, read_buffer_layers=None, timeout_s=1.0)
+            >>> handle.layer_ready(0)
+            >>> handle.ready_layers, handle.done
+            (1, False)
+        """
+        with self._cond:
+            assert layer == self._ready, "layers are loaded in order"
+            self._ready = layer + 1
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The load failed with `error`: waits for layers not loaded yet raise LoadError (loaded ones stay readable).
+
+        Example:
+            >>> handle = LoadHandle(num_layers=2, read_buffer_layers=None, timeout_s=1.0)
+            >>> handle.layer_ready(0)
+            >>> handle.fail(OSError("EIO"))
+            >>> handle.wait_layer(0)  # loaded before the failure: still readable
+            >>> handle.wait_layer(1)
+            Traceback (most recent call last):
+            ...
+            hf_attnstore.store.buffer.LoadError: loading the session failed: EIO
+        """
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+
+NOT_INEXACT = 1 << 62  # `inexact_from` of a segment whose tokens are all exact (buffer.Segment.inexact_from)
+
+
+@dataclass(frozen=True)
+class EncodedSlice:
+    """Tokens ``[start, start + length)`` of one layer's encoded keys or values, ``[1, heads, length, dim]``
+    once decoded. Duck-types the tensor operations the readers of host parts use (`shape`, `narrow`, `to`,
+    `record_stream`).
+
+    Example:
+        >>> codec, keys = KVCodec("int8", group=32), torch.randn(1, 2, 32, 8)
+        >>> blob = codec.encode(keys, keys=True)
+        >>> part = EncodedSlice(codec, blob, n=32, start=0, length=32, heads=2, dim=8, keys=True)
+        >>> tail = part.narrow(2, 16, 16)  # tokens 16..31, still encoded
+        >>> tail.shape, bool((tail.decode(torch.float32) - keys[:, :, 16:]).abs().max() < 0.05 * keys.abs().max())
+        ((1, 2, 16, 8), True)
+    """
+
+    codec: KVCodec
+    blob: torch.Tensor  # uint8: the codec's encoding of the whole chunk's tensor
+    n: int  # tokens the blob encodes
+    start: int
+    length: int
+    heads: int
+    dim: int
+    keys: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (1, self.heads, self.length, self.dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.blob.device
+
+    def narrow(self, dim: int, start: int, length: int) -> "EncodedSlice":
+        assert dim == 2 and 0 <= start and start + length <= self.length, "encoded slices narrow along tokens"
+        return dataclasses.replace(self, start=self.start + start, length=length)
+
+    def to(self, device, non_blocking: bool = False) -> "EncodedSlice":
+        """The same slice with its blob on `device` (the codec's bytes are what is copied)."""
+        if self.blob.device == torch.device(device):
+            return self  # the per-layer load path calls this for every part: no new object when nothing moves
+        return dataclasses.replace(self, blob=self.blob.to(device, non_blocking=non_blocking))
+
+    def record_stream(self, stream) -> None:
+        self.blob.record_stream(stream)
+
+    def decode_into(self, out: torch.Tensor) -> None:
+        """Dequantizes the slice into `out` ``[1, heads, length, dim]`` (on the blob's device)."""
+        self.codec.decode_into(self.blob, self.n, out, self.keys, self.start)
+
+    def decode(self, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=dtype, device=self.blob.device)
+        self.decode_into(out)
+        return out
+
+
+def dense(x, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host part's keys or values as a tensor on `device`: an encoded slice is moved there first, then
+    dequantized (so a GPU receives the codec's bytes, not the full-precision ones).
+
+    Example:
+        >>> dense(torch.ones(1, 2, 3, 4, dtype=torch.float16), torch.device("cpu"), torch.float32).dtype  # a plain part
+        torch.float32
+    """
+    if isinstance(x, EncodedSlice):
+        return x.to(device, non_blocking=True).decode(dtype)
+    return x.to(device=device, dtype=dtype)
+
+
+def copy_into(out: torch.Tensor, x) -> None:
+    """``out.copy_(x)`` for a host part's keys or values, dequantizing an encoded slice on `out`'s device.
+
+    Example:
+        >>> codec, keys = KVCodec("int8", group=32), torch.randn(1, 2, 32, 8)
+        >>> blob = codec.encode(keys, keys=True)
+        >>> part = EncodedSlice(codec, blob, n=32, start=0, length=32, heads=2, dim=8, keys=True)
+        >>> out = torch.empty(1, 2, 32, 8)
+        >>> copy_into(out, part)  # dequantized into `out`
+        >>> bool((out - keys).abs().max() < 0.05 * keys.abs().max())
+        True
+    """
+    if isinstance(x, EncodedSlice):
+        x.to(out.device, non_blocking=True).decode_into(out)
+    else:
+        out.copy_(x)
+
+
+class EncodedSegment:
+    """One durable chunk of a session in host memory, as the codec's blobs (see the module docstring).
+
+    Args:
+        codec: The codec the blobs are in.
+        geometry: The session's KV geometry (geometry.py).
+        token_ids: The chunk's ids ``[n]``.
+        keys: Per layer, the blob of the keys ``[1, key_heads, n, key_dim]``.
+        values: Per layer, the blob of the values.
+        dtype: The session's full precision (what readers that need dense tensors get).
+
+    Example:
+        >>> codec, kv = KVCodec("int8", group=32), torch.randn(1, 2, 32, 8)  # one layer of 32 tokens
+        >>> seg = EncodedSegment(codec, (1, 2, 8), torch.arange(32), [codec.encode(kv, keys=True)],
+        ...                      [codec.encode(kv, keys=False)], torch.float32)
+        >>> keys, values = seg.layer(0, 0, 4)
+        >>> keys.shape, seg.lossy_between(0, 4).name, seg.nbytes < 32 * (2 * 2 * 8 * 4 + 8)  # smaller than fp32
+        ((1, 2, 4, 8), 'int8', True)
+    """
+
+    def __init__(self, codec: KVCodec, geometry: Geometry, token_ids: torch.Tensor, keys: list[torch.Tensor],
+                 values: list[torch.Tensor], dtype: torch.dtype):
+        layers, (kh, kd), (vh, vd) = shapes(geometry)
+        n = int(token_ids.numel())
+        assert len(keys) == len(values) == layers, "one blob per layer"
+        assert all(b.numel() == codec.nbytes(kh, n, kd, True) for b in keys), "key blob size mismatch"
+        assert all(b.numel() == codec.nbytes(vh, n, vd, False) for b in values), "value blob size mismatch"
+        self.codec, self.dtype = codec, dtype
+        self.capacity = self.filled = n  # full: never appended to
+        self.inexact_from = NOT_INEXACT  # see buffer.Segment.inexact_from
+        self.absent = None  # every token has KV (sparse cold copies are never kept encoded)
+        self.event = None  # written on the host by the save thread: no device copy to wait for
+        self.token_ids, self.keys, self.values = token_ids, list(keys), list(values)
+        self._key_shape, self._value_shape = (kh, kd), (vh, vd)
+        self.nbytes = sum(int(b.numel()) for b in self.keys + self.values) + 8 * n
+
+    def layer(self, idx: int, a: int, b: int) -> tuple[EncodedSlice, EncodedSlice]:
+        """Layer `idx`'s tokens ``[a, b)``, encoded."""
+        n = self.filled
+        return (EncodedSlice(self.codec, self.keys[idx], n, a, b - a, *self._key_shape, True),
+                EncodedSlice(self.codec, self.values[idx], n, a, b - a, *self._value_shape, False))
+
+    def lossy_between(self, a: int, b: int) -> KVCodec:
+        """Every token of an encoded segment is lossy (see buffer.Segment.lossy_between)."""
+        return self.codec
+
+    def mark_inexact(self, start: int) -> None:
+        """Records that tokens ``[start, ...)`` were computed under sparse attention (buffer.Segment.inexact_from)."""
+        self.inexact_from = min(self.inexact_from, start)
+
+    def pinned(self) -> "EncodedSegment":
+        """This segment with its blobs in page-locked memory (for asynchronous copies to CUDA)."""
+        seg = EncodedSegment.__new__(EncodedSegment)
+        seg.__dict__.update(self.__dict__)
+        seg.keys = [b.pin_memory() for b in self.keys]
+        seg.values = [b.pin_memory() for b in self.values]
+        seg.token_ids = self.token_ids.pin_memory()
+        return seg
+
+
 
 _ROUND_TOKENS = 16
 
@@ -302,8 +616,9 @@ class SessionKV:
         worst, pos = None, 0
         for seg, a, b in self.parts:
             y = min(end, pos + b - a)
-            if pos < y:
-                worst = least_accurate(worst, seg.lossy_between(a, a + y - pos))
+            lossy = seg.lossy_between(a, a + y - pos) if pos < y else None
+            if lossy is not None:  # (a lossless store's segments never are: no codec runs)
+                worst = least_accurate(worst, lossy)
             pos += b - a
         return worst
 

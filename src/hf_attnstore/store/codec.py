@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-
 import torch
+
+
 
 CODECS = {"int8": 8, "int4": 4}
 MAX_GROUP = 4096

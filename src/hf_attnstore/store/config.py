@@ -1,19 +1,72 @@
-"""Typed settings of an AttnStore: the everyday options, the tuning knobs (`StoreTuning`), and the flat
-`StoreConfig` the store's modules read."""
+"""Typed settings of an AttnStore: the everyday options, the tuning knobs (`StoreTuning`), the flat
+`StoreConfig` the store's modules read, and byte sizes given as numbers or strings ("4GiB"): one parser
+for every size the store and the CLI take."""
 
 from __future__ import annotations
 
 import math
+import re
 import os
 import warnings
 from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .sizes import parse_bytes
-from .policy import make_policy
-from .block_pool import BlockPoolConfig
 from .codec import KVCodec
+from .policy import make_policy
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(value: int | float | str, name: str = "size") -> int:
+    """Parses a byte size such as ``4096``, ``"512MiB"`` or ``"2GB"``.
+
+    Args:
+        value: An integer number of bytes or a string with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB).
+        name: The argument name, used in error messages.
+
+    Returns:
+        The size in bytes.
+
+    Example:
+        >>> parse_bytes("2GiB")
+        2147483648
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a byte count or a string like '2GiB', got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite byte count, got {value!r}")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"`{name}`={value!r} is not a byte size: use a number of bytes or a string like '512MiB' or '2GB'"
+            )
+        size = int(float(match.group(1)) * _UNITS[unit])
+    else:
+        raise TypeError(f"`{name}` must be a byte count or a string like '2GiB', got {type(value).__name__}")
+    if size <= 0:
+        raise ValueError(f"`{name}` must be positive, got {value!r}")
+    return size
 
 
 @dataclass(frozen=True)
@@ -81,7 +134,7 @@ class StoreConfig:
         kv_codec_host: With a lossy `kv_codec`, whether host memory keeps a session's written chunks
             encoded too (default ``True``: the blobs the save thread wrote replace the full-precision tokens
             once the turn has ended, and are dequantized on the device that computes with them, see
-            :mod:`hf_attnstore.store.encoded`). ``False``: host copies stay at the model's precision, and a
+            :mod:`hf_attnstore.store.buffer`). ``False``: host copies stay at the model's precision, and a
             session resumed from host memory is exact; only a load from disk or the remote tier is lossy.
         sparse_copies: Sparse cold copies (ALISA): the disk and remote copies of a session kept sparse by its
             caches (``kv_budget``, a policy that ranks by importance) hold, of each whole chunk, only the tokens the
@@ -94,7 +147,7 @@ class StoreConfig:
             regenerated or edited turn may differ). ``False`` (default): every token.
         partial_eviction: When the disk tier is full, cold sessions lose their leading chunks first, the
             rest staying (Pensieve): chunks go in order of retention value, recompute cost ÷ time since the
-            session's last use (:func:`~hf_attnstore.store.placement.choose_head_drops`), so an idle
+            session's last use (:func:`~hf_attnstore.store.policy.choose_head_drops`), so an idle
             session's head goes before a busy session's, and a session is gone only when its last chunk is.
             A turn resuming such a session recomputes the dropped head, exactly, while the rest loads.
             Sessions the scheduler queued (``policy="lookahead"``) are not shrunk. ``False`` (default):
@@ -115,7 +168,7 @@ class StoreConfig:
             branch), as vLLM's automatic prefix caching does (default ``True``). Exact: the ids are compared
             before anything is reused, within one model fingerprint, `namespace` and ``cache_salt``. In host
             memory the sessions refer to the same segments, counted once against `host_bytes`.
-        block_pool: A pool of prefix blocks shared by every session (:class:`~.block_pool.BlockPoolConfig`:
+        block_pool: A pool of prefix blocks shared by every session (:class:`~hf_attnstore.lab.block_pool.BlockPoolConfig`:
             capacity in blocks, block size, block policy): each turn's prompt, cut into blocks keyed by chained
             hashes, is kept once whoever computed it, and a turn reuses its prompt's longest run of leading blocks
             present when that is longer than what its own session or `share_prefixes` offer. Evicted block by
@@ -156,7 +209,7 @@ class StoreConfig:
     partial_eviction: bool = False
     recompute_by_cost: bool = False
     share_prefixes: bool = True
-    block_pool: BlockPoolConfig | None = None
+    block_pool: object | None = None  # a lab.block_pool.BlockPoolConfig: anything with build(pin_memory)
     remote: str | None = None
     remote_ttl_s: float | None = None
     remote_timeout_s: float = 2.0
@@ -192,9 +245,9 @@ class StoreConfig:
             raise TypeError(f"`recompute_by_cost` must be True or False, got {self.recompute_by_cost!r}")
         if not isinstance(self.share_prefixes, bool):
             raise TypeError(f"`share_prefixes` must be True or False, got {self.share_prefixes!r}")
-        if self.block_pool is not None and not isinstance(self.block_pool, BlockPoolConfig):
-            raise TypeError("`block_pool` must be a BlockPoolConfig (capacity in blocks, block size, policy) or None, "
-                            f"got {type(self.block_pool).__name__}")
+        if self.block_pool is not None and not callable(getattr(self.block_pool, "build", None)):
+            raise TypeError("`block_pool` must be a hf_attnstore.lab.block_pool.BlockPoolConfig (capacity in blocks, "
+                            f"block size, policy) or None, got {type(self.block_pool).__name__}")
         self.codec  # validates `kv_codec` and `kv_codec_group`
         if not isinstance(self.kv_codec_host, bool):
             raise TypeError(f"`kv_codec_host` must be True or False, got {self.kv_codec_host!r}")
@@ -307,7 +360,7 @@ class StoreTuning:
     kv_codec_group: int = 32
     kv_codec_host: bool = True
     sparse_copies: bool = False
-    block_pool: BlockPoolConfig | None = None
+    block_pool: object | None = None  # a lab.block_pool.BlockPoolConfig
     remote_ttl_s: float | None = None
     remote_timeout_s: float = 2.0
 

@@ -6,13 +6,14 @@ itself; a local durable copy is never deleted for a remote copy that has not loa
 
 from __future__ import annotations
 
+
+
 from .codec import serves
 from .config import StoreConfig
-from .entry import Entry, Key, remote_signature
 from .format import FormatError, Manifest, check_chain
-from .load_thread import LoadJob
-from .remote import RemoteTier, RemoteUnavailableError
-from .store_state import StoreState
+from .index import Entry, Key, StoreState, remote_signature
+from .loader import LoadJob
+from .tiers.redis import RemoteTier, RemoteUnavailableError
 
 
 class RemoteChoice:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 
+
 def kept_positions(selection: dict[int, torch.Tensor] | None, scores: dict[int, torch.Tensor] | None,
                    absent: torch.Tensor | None, a: int, b: int, heads: int) -> torch.Tensor | None:
     """The chunk positions a sparse copy of session tokens ``[a, b)`` keeps, ``[slots, heads, m]`` ascending

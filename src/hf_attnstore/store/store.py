@@ -23,25 +23,24 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-
 import torch
+from dataclasses import dataclass
 
-from .buffer import SessionKV
+from .buffer import LoadError, SessionKV
 from .codec import serves
 from .config import StoreConfig, StoreTuning, build_config
-from .costs import ResumeCosts
-from .disk import DiskTier
-from .entry import Entry, Key, Write, validate_session_id
-from .eviction import Eviction, NoDiskRoom
-from .found import Found, match_of
-from .load_planner import LoadPlanner
-from .remote import RemoteTier
+from .index import Eviction, NoDiskRoom
+from .format import prefix_digest
+from .index import Entry, Key, StoreState, Write, validate_session_id
+from .loader import LoadPlanner, ResumeCosts
 from .remote_choice import RemoteChoice
 from .saver import SavePlanner
+from .states import SessionState
 from .stats import StoreStats
-from .store_state import StoreState
-from .turn_sink import TurnSink
-from .writer import TurnWriter
+from .tiers.disk import DiskTier
+from .tiers.redis import RemoteTier
+from .writer import TurnSink, TurnWriter
+
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +131,10 @@ class AttnStore:
         # The tier sessions are saved to and demoted to: the disk, else the remote tier itself. With both, the
         # remote tier holds a copy of what is durable on disk (the save thread's mirror).
         self._lower = self._disk if self._disk is not None else self._remote
+        # The choice between a local copy and a longer remote one hooks in only with a remote tier: a local store's
+        # lookups are the index's alone (`_find_remote`, `_adopt`).
         self._remote_choice = RemoteChoice(self._index, self._remote, config, local_disk=self._disk is not None,
-                                           durable=self._lower is self._remote)
+                                           durable=self._lower is self._remote) if self._remote is not None else None
         self._eviction = Eviction(self._index, config, self._disk, self._lower)
         self._turns = TurnSink(self._index, self._eviction, config, self._disk, self._lower)
         self._loads: LoadPlanner | None = None
@@ -144,6 +145,17 @@ class AttnStore:
             self._saves = SavePlanner(self._index, self._eviction, self._loads, config, self._lower, self._disk,
                                       mirror=self._remote if self._lower is self._disk else None)
             self._threads += [self._loads.loader.thread, self._saves.thread.thread]
+
+    def _find_remote(self, key: Key):
+        """The remote tier's copy of a session, if it may serve here (`RemoteChoice.find`; network I/O: call
+        without the lock); None without a remote tier."""
+        return self._remote_choice.find(key) if self._remote_choice is not None else None
+
+    def _adopt(self, key: Key, found) -> Entry | None:
+        """The entry a lookup uses (lock held): the index's, or the remote copy `found` (`RemoteChoice.adopt`)."""
+        if found is None:
+            return self._index.entries.get(key)
+        return self._remote_choice.adopt(key, found)
 
     def lookup(self, session_id: str, fingerprint: str, prefill_key: str | None = None) -> SessionKV | None:
         """A snapshot of the session's KV for this model, or ``None`` (a miss).
@@ -167,7 +179,7 @@ class AttnStore:
         """
         key = (fingerprint, validate_session_id(session_id))
         self._index.publish_states([key])  # the previous turn's cache may still be open (and hold the states)
-        found = self._remote_choice.find(key)  # network I/O: outside the lock
+        found = self._find_remote(key)  # network I/O: outside the lock
         with self._index.lock:
             return self._lookup_locked(key, found, prefill_key)
 
@@ -177,7 +189,7 @@ class AttnStore:
         self._index.apply_ended_turns()  # a turn that just ended may have left the state this lookup needs
         self._index.expire()
         self._index.count(lookups=1)
-        e = self._remote_choice.adopt(key, found)
+        e = self._adopt(key, found)
         if e is None or e.length == 0:
             self._index.count(misses=1)
             return None
@@ -212,7 +224,7 @@ class AttnStore:
         bookkeeping of every load (`LoadPlanner.finish`), which no longer finds the failed entry indexed."""
         e = job.entry
         with self._index.cond:
-            restored = self._remote_choice.loaded(job, error)
+            restored = self._remote_choice is not None and self._remote_choice.loaded(job, error)
             if error is not None and not restored and job.tier is self._disk and _io_error(error) \
                     and self._index.entries.get(e.key) is e and not e.writers:
                 # The disk failed to read the copy (EIO, EMFILE, ...), which is not damaged or missing data: a
@@ -323,7 +335,7 @@ class AttnStore:
         key = (fingerprint, validate_session_id(session_id))
         ids = torch.as_tensor(prompt_ids).detach().to("cpu", torch.long).view(-1)
         self._index.publish_states([key])  # the previous turn's cache may still be open (and hold the states)
-        remote = self._remote_choice.find(key)  # network I/O: outside the lock
+        remote = self._find_remote(key)  # network I/O: outside the lock
         other = None
         with self._index.lock:
             own = self._fits(self._lookup_locked(key, remote, prefill_key), geometry)
@@ -416,11 +428,11 @@ class AttnStore:
         if self._remote is not None:
             for key in keys:
                 if key[0] is not None:
-                    found[key] = self._remote_choice.find(key)  # network I/O: outside the lock
+                    found[key] = self._find_remote(key)  # network I/O: outside the lock
         with self._index.lock:
             self._index.check_open()
             for key, hit in found.items():
-                self._remote_choice.adopt(key, hit)
+                self._adopt(key, hit)
             # Remembered, in order: sessions that do not fit yet are fetched when a write-out frees room.
             if self._loads is None:
                 return 0  # host memory only: nothing to load from
@@ -588,9 +600,9 @@ class AttnStore:
             ([5, 6, 7], None)
         """
         key = (fingerprint, validate_session_id(session_id))
-        found = self._remote_choice.find(key)  # network I/O: outside the lock
+        found = self._find_remote(key)  # network I/O: outside the lock
         with self._index.lock:
-            e = self._remote_choice.adopt(key, found)
+            e = self._adopt(key, found)
             if e is None or e.length == 0:
                 return None
             if e.host is not None:
@@ -783,3 +795,113 @@ class AttnStore:
                 for e, name, size in holders:
                     self._index.mark_linked(e, name, inode, size)
         self._index.expire()
+
+
+@dataclass(frozen=True)
+class Match:
+    """One stored session a turn may reuse KV from.
+
+    Attributes:
+        session_id: The session the KV was stored by.
+        token_ids: The ids whose KV may be reused, ``[n]`` (int64, CPU): for an exact lookup, the session's tokens
+            before the first one computed under sparse attention; for a shared prefix, the prefix.
+        snapshot: The stored KV (the turn loads from it); None only where a planner is tested on plain tensors.
+        tier: Where the KV comes from: ``"host"``, ``"disk"`` or ``"remote"``.
+        head: Leading tokens without KV (a partially evicted session, or chunks cheaper to recompute): the
+            turn recomputes them.
+        absent: Where tokens lack KV, ``[kv_slots, kv_heads, len(token_ids)]`` (sparse cold copies), or None.
+        state: The states (and scores) stored with the session, verified to be this session's and to summarize
+            exactly its first ``state.tokens`` ids; None when there are none or they are in doubt.
+            `absent` and `state` are known once the first layer is read: for a match still loading, only when
+            `find` waited for it (`wait_first`), else None.
+
+    Example:
+        >>> m = Match("alice", torch.tensor([5, 6, 7]), None, "host")
+        >>> m.length
+        3
+    """
+
+    session_id: str
+    token_ids: torch.Tensor
+    snapshot: SessionKV | None
+    tier: str
+    head: int = 0
+    absent: torch.Tensor | None = None
+    state: SessionState | None = None
+
+    @property
+    def length(self) -> int:
+        """How many tokens the match offers."""
+        return int(self.token_ids.numel())
+
+
+@dataclass(frozen=True)
+class Found:
+    """The result of :meth:`AttnStore.find <hf_attnstore.store.AttnStore.find>`.
+
+    Attributes:
+        own: The session's own stored KV, or None (a miss).
+        shared: Another session whose stored ids begin with a longer prefix of the prompt than `own` shares with
+            it (a shared system prompt, a regenerated or edited turn, a branch), or None.
+
+    Example:
+        >>> Found(None, None).own is None
+        True
+    """
+
+    own: Match | None
+    shared: Match | None = None
+
+
+def verified_state(snapshot: SessionKV) -> SessionState | None:
+    """The states stored with `snapshot` if they are the snapshot's session's and summarize exactly its first
+    ``state.tokens`` ids (their digest matches), else None. A snapshot still loading must have its first layer
+    (the loader reads and verifies the state before it).
+
+    Example:
+        >>> from hf_attnstore.store import AttnStore
+        >>> from hf_attnstore.store.states import SessionState
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> kv = [torch.zeros(1, 2, 3, 4)]
+        >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as turn:
+        ...     _ = turn.append(torch.tensor([5, 6, 7]), kv, kv)
+        ...     turn.close(SessionState.capture(3, {"L0000.r0": torch.ones(2, 4)}))  # a hybrid model's states
+        >>> verified_state(store.lookup("chat-1", "model-a")).tokens
+        3
+    """
+    state = snapshot.state if snapshot.loader is None else snapshot.source.state
+    if state is None or snapshot.key is None or state.tokens > snapshot.length or state.key != snapshot.key \
+            or state.prefix != prefix_digest(snapshot.key[0], snapshot.token_ids[: state.tokens]):
+        return None
+    return state
+
+
+def match_of(snapshot: SessionKV, end: int | None, exact: bool, wait_first: bool) -> Match | None:
+    """The :class:`Match` of a snapshot's first `end` tokens (None: all); `exact`: only those before the first
+    inexact one. `wait_first`: a snapshot still loading is waited for until its first layer, whose check covers
+    the states and the absent tokens (call without the store's lock: the load thread reports under it); a load
+    that failed is a miss (None).
+
+    Example:
+        >>> from hf_attnstore.store import AttnStore
+        >>> store = AttnStore(host_bytes="1MiB")
+        >>> kv = [torch.zeros(1, 2, 3, 4)]
+        >>> with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as turn:
+        ...     _ = turn.append(torch.tensor([5, 6, 7]), kv, kv, inexact_at=2)  # token 7 under sparse attention
+        >>> match = match_of(store.lookup("chat-1", "model-a"), None, exact=True, wait_first=True)
+        >>> match.session_id, match.token_ids.tolist(), match.tier
+        ('chat-1', [5, 6], 'host')
+    """
+    if wait_first and snapshot.loader is not None:
+        try:
+            snapshot.loader.wait_layer(0)
+        except LoadError:
+            return None
+    end = snapshot.length if end is None else min(end, snapshot.length)
+    if exact:
+        end = snapshot.exact_prefix(end)
+    absent = snapshot.absent() if wait_first or snapshot.loader is None else None
+    state = verified_state(snapshot) if wait_first or snapshot.loader is None else None
+    return Match(session_id=snapshot.key[1] if snapshot.key is not None else "", token_ids=snapshot.token_ids[:end],
+                 snapshot=snapshot, tier=snapshot.tier, head=snapshot.head,
+                 absent=absent[:, :, :end] if absent is not None else None, state=state)

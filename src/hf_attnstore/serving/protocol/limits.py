@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...cache.fingerprint import salted_fingerprint
-from ...store.entry import MAX_SESSION_ID_BYTES
+from ...store.index import MAX_SESSION_ID_BYTES
 from .chat import ChatCompletionRequest
 from .common import surrogate_at
 from .completions import CompletionRequest

@@ -14,25 +14,12 @@ import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
-
 import torch
 import xxhash
 
-from .format import (
-    read_kept,
-    ChunkMeta,
-    FormatError,
-    Manifest,
-    StateRef,
-    bytes_to_tensor,
-    check_chain,
-    file_reader,
-    layer_names,
-    read_chunk_meta,
-    read_range,
-    session_dirname,
-)
-from .tier import CHUNK_SUFFIX, MANIFEST, ChunkReader, Found, Key, SerialWriter, Tier  # noqa: F401 (re-exported)
+from ..format import ChunkMeta, FormatError, Manifest, StateRef, bytes_to_tensor, check_chain, file_reader, layer_names, read_chunk_meta, read_kept, read_range, session_dirname
+from .base import CHUNK_SUFFIX, ChunkReader, Found, Key, MANIFEST, SerialWriter, Tier
+
 
 logger = logging.getLogger(__name__)
 TMP_PREFIX = ".tmp-"

@@ -1,31 +1,29 @@
-"""The shared remote tier on Redis: several servers resume each other's sessions.
+"""A bound on a whole call, for clients whose own timeouts bound each socket read but not the call.
 
-It implements the lower-tier interface (tier.py) over a Redis (or Valkey) server that many stores share.
-Values hold the same bytes as the disk tier's files, so a chunk read from Redis is checked exactly as one
-read from disk (format version, fingerprint, session id, chained prefix digest, checksums).
+redis-py's cluster client answers one command within its `socket_timeout`, but a pipeline (and an MGET across
+nodes, which is one) that fails on a hung node is resent command by command, each on a new connection with a
+handshake of its own: on a frozen node one lookup took 5 to 6 times the timeout (tests/store/test_remote_cluster.py and
+tests/serving/test_shared_state.py, with the bound removed). :class:`Deadline` runs each
+call on a small pool of threads and waits for it at most `seconds`. A call that overruns is abandoned, not
+interrupted: its thread ends when the client's own timeouts end it, and the caller sees a ``TimeoutError`` (an
+``OSError``, which the tiers already take as a failure of the server: a miss, and the circuit breaker).
 
-A Redis Cluster is detected from the node the URL names (``INFO cluster``) and used through redis-py's
-cluster client, which sends each key, and each part of a pipeline, to the node owning its slot.
-
-Keys (no hash tag: in Redis Cluster a session's chunks spread over the nodes, so a load reads from several
-at once; nothing needs two keys in one slot, as no write is a multi-key transaction):
-
-- ``attnstore:2:<h>:m``: the session's manifest, ``h`` = the session folder name (a hash of the model
-  fingerprint, already salted with ``namespace``, and the session id).
-- ``attnstore:2:<h>:c:<digest>``: a chunk, named by its digest, under the session that wrote it (a manifest
-  whose span names another session as its ``owner``, a shared prefix, reads it under that session's ``h``:
-  stored once). Content addressing is what makes several
-  writers safe: a name always holds the same bytes, so a replica never overwrites a chunk another
-  replica's manifest pins. Manifests are last-writer-wins; the chain makes any mix a miss.
-
-Chunks are never deleted by a store (another replica's manifest may pin them): they expire with
-``remote_ttl_s`` or are evicted by Redis (``maxmemory-policy allkeys-lru``); every lookup and save of a session
-TOUCHes the chunks its manifest names, so a shared prefix stays as warm as its most recent sharer. A manifest whose
-chunks vanished is served up to its last chunk still present (the verified prefix).
+Example:
+    >>> import time
+    >>> deadline = Deadline(0.05, name="example")
+    >>> deadline.call(sum, [1, 2, 3])
+    6
+    >>> deadline.call(time.sleep, 0.5)
+    Traceback (most recent call last):
+    ...
+    TimeoutError: no answer within 0.05 s
+    >>> deadline.close()
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+from concurrent.futures import ThreadPoolExecutor
 import dataclasses
 import logging
 import secrets
@@ -33,27 +31,40 @@ import threading
 import time
 from concurrent.futures import Future
 from urllib.parse import urlsplit, urlunsplit
-
 import torch
 
-from .deadline import Deadline
-from .format import (
-    read_kept,
-    FORMAT,
-    ChunkMeta,
-    FormatError,
-    Manifest,
-    Span,
-    StateRef,
-    bytes_to_tensor,
-    chunk_digest,
-    layer_names,
-    read_chunk_meta,
-    read_range,
-    session_dirname,
-    verified,
-)
-from .tier import CHUNK_SUFFIX, MANIFEST, ChunkReader, Key, SerialWriter, Tier
+from ..format import ChunkMeta, FORMAT, FormatError, Manifest, Span, StateRef, bytes_to_tensor, chunk_digest, layer_names, read_chunk_meta, read_kept, read_range, session_dirname, verified
+from .base import CHUNK_SUFFIX, ChunkReader, Key, MANIFEST, SerialWriter, Tier
+
+
+class Deadline:
+    """Runs calls on `workers` threads and waits for each at most `seconds` (see the module's docstring).
+
+    Args:
+        seconds: The bound on one call, queueing for a thread included.
+        workers: Calls that may run at once; abandoned calls hold theirs until they end.
+        name: The threads' name prefix.
+    """
+
+    def __init__(self, seconds: float, workers: int = 8, name: str = "attnstore-deadline"):
+        if not seconds > 0:
+            raise ValueError(f"`seconds` must be positive, got {seconds!r}")
+        self.seconds = seconds
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+
+    def call(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, or ``TimeoutError`` when it has not returned within the bound."""
+        future = self._pool.submit(fn, *args, **kwargs)
+        try:
+            return future.result(timeout=self.seconds)
+        except concurrent.futures.TimeoutError:
+            future.cancel()  # still queued: never runs; running: abandoned, it ends on the client's own timeouts
+            raise TimeoutError(f"no answer within {self.seconds:g} s") from None
+
+    def close(self) -> None:
+        """Stops taking calls; calls still running end on their own."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
 
 logger = logging.getLogger(__name__)
 PREFIX = "attnstore:" + FORMAT.rsplit("/", 1)[-1] + ":"
@@ -129,7 +140,7 @@ def connect_redis(url: str, options: dict, what: str) -> tuple:
         >>> connect_redis("redis://127.0.0.1:1", {"socket_connect_timeout": 0.5}, what="the test server")
         Traceback (most recent call last):
         ...
-        hf_attnstore.store.remote.RemoteUnavailableError: the test server cannot be reached (...)
+        hf_attnstore.store.tiers.redis.RemoteUnavailableError: the test server cannot be reached (...)
     """
     import redis  # the `redis` client is only needed with a remote tier
 

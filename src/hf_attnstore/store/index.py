@@ -30,18 +30,20 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import fields
+import enum
+from dataclasses import dataclass, field
+import hashlib
+import torch
 
-from .block_pool import BlockPool
-from .buffer import SessionBuffer, SessionKV
+from .buffer import LoadHandle, SessionBuffer, SessionKV
 from .config import StoreConfig
-from .entry import Entry, Key, Write, blocks
 from .format import Manifest, prefix_digest
-from .host import HostTier
-from .logs import OnceLogger
-from .policy import make_policy
-from .prefixes import PrefixTable
-from .state import SessionState
-from .stats import StoreStats
+from .policy import choose_head_drops, choose_victims, head_drop_candidates, make_policy
+from .states import SessionState
+from .stats import OnceLogger, StoreStats
+from .tiers.base import CHUNK_SUFFIX, Key, MANIFEST, Tier
+from .tiers.disk import DiskTier
+
 
 logger = logging.getLogger("hf_attnstore.store.store")
 
@@ -54,7 +56,7 @@ class StoreState:
 
     Example:
         >>> from hf_attnstore.store.config import StoreConfig
-        >>> from hf_attnstore.store.entry import Entry
+        >>> from hf_attnstore.store.index import Entry
         >>> state = StoreState(StoreConfig(host_bytes="1MiB"), has_disk=False, has_lower=False)
         >>> with state.lock:  # every method but publish_states and queue_ended_turn expects it held
         ...     state.entries[("model-a", "chat-1")] = Entry(key=("model-a", "chat-1"))
@@ -96,8 +98,9 @@ class StoreState:
         self.once = OnceLogger(logger)  # each kind of warning once per store
         self.closed = False
         self.prefixes = PrefixTable()  # which sessions begin with which prefix (prefix sharing, prefixes.py)
-        # Prompts' blocks, deduplicated across sessions (`block_pool`, block_pool.py); None: no pool.
-        self.blocks = BlockPool(config.block_pool, config.pin_memory) if config.block_pool is not None else None
+        # Prompts' blocks, deduplicated across sessions (`block_pool`: the lab's trace replay plugs one in,
+        # lab/block_pool.py); None: no pool.
+        self.blocks = config.block_pool.build(config.pin_memory) if config.block_pool is not None else None
         # Sessions a client asked to keep (OpenAI's `prompt_cache_retention`): key -> monotonic deadline before
         # which `ttl_s` does not expire them. Capacity may still evict them (counted in `retained_dropped`).
         self.retained: OrderedDict[Key, float] = OrderedDict()
@@ -708,3 +711,614 @@ class StoreState:
         e.prefix_blocks = 0  # the new turn's history is offered again as it grows
         if e.write is Write.NEVER:
             e.write = Write.BEHIND  # a new turn: the disk tier may have room again
+
+
+MAX_SESSION_ID_BYTES = 4096
+
+
+def validate_session_id(session_id: object) -> str:
+    """Session ids are non-empty strings of valid UTF-8 (NUL and any other character included) up to 4 KiB.
+
+    They never become paths (the disk tier hashes them) but they are written into every file of the
+    session, so they must encode: a lone surrogate such as ``"\\ud800"`` is refused here rather than
+    failing in the background writer.
+
+    Example:
+        >>> validate_session_id("chat/1 ../\\0")
+        'chat/1 ../\\x00'
+        >>> validate_session_id("")
+        Traceback (most recent call last):
+        ...
+        ValueError: `session_id` must be a non-empty string
+    """
+    if not isinstance(session_id, str):
+        raise TypeError(f"`session_id` must be a str, got {type(session_id).__name__}")
+    if not session_id:
+        raise ValueError("`session_id` must be a non-empty string")
+    try:
+        size = len(session_id.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"`session_id` must be valid Unicode text (it has a lone surrogate at {exc.start}): "
+                         "decode ids from bytes with errors='replace' or use a hash") from None
+    if size > MAX_SESSION_ID_BYTES:
+        raise ValueError(f"`session_id` is {size} bytes in UTF-8, more than {MAX_SESSION_ID_BYTES}: use a "
+                         "shorter id (e.g. a hash of it)")
+    return session_id
+
+
+def remote_signature(manifest: Manifest) -> tuple:
+    """What identifies a remote copy of a session: its length and last chunk's digest (digests chain over the
+    whole history, so a copy written or extended by anyone since has another signature).
+
+    Example:
+        >>> import torch
+        >>> from hf_attnstore.store.format import Manifest, Span
+        >>> spans = (Span("c0", 0, 4, "a" * 32), Span("c1", 0, 2, "b" * 32))
+        >>> manifest = Manifest("model-a", "chat-1", torch.arange(6), spans, next_chunk=2)
+        >>> remote_signature(manifest)  # its length and the digest that chains over the whole history
+        (6, 'bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb')
+    """
+    return manifest.length, manifest.spans[-1].digest if manifest.spans else None
+
+
+DISK_BLOCK = 4096  # bytes of a file-system block: what a file occupies on disk is counted in them
+
+
+def blocks(nbytes: int) -> int:
+    """Bytes a file occupies on disk: its size rounded up to whole 4 KiB blocks (what `du` counts).
+
+    Example:
+        >>> blocks(0), blocks(1), blocks(4096), blocks(4097)
+        (0, 4096, 4096, 8192)
+    """
+    return -(-nbytes // DISK_BLOCK) * DISK_BLOCK
+
+
+class Write(enum.Enum):
+    """What the save thread does with a session's tokens that are not on disk yet.
+
+    Example:
+        >>> e = Entry(key=("model-a", "chat-1"))
+        >>> e.write, Write("flush")  # a new session is written behind its turn; a flush() asks for FLUSH
+        (<Write.BEHIND: 'behind'>, <Write.FLUSH: 'flush'>)
+    """
+
+    BEHIND = "behind"  # written in the quiet gap after the turn (write-behind)
+    FLUSH = "flush"  # at once: a flush() waits for it
+    DEMOTE = "demote"  # at once, then the session leaves host memory (its room is needed)
+    FAILED = "failed"  # the last write failed: retried after `retry_at`, at once by flush() or a demotion
+    NEVER = "never"  # larger than the disk tier: kept in host memory only, until its next turn
+
+
+@dataclass(eq=False)
+class Entry:
+    """One session's record in the store's state: its host copy, durable copy, files, pins and write state.
+    Read under `StoreState.lock`; changed only by `StoreState`'s methods (tests/store/test_ownership.py).
+
+    Example:
+        >>> e = Entry(key=("model-a", "chat-1"))
+        >>> e.length, e.persisted, e.dirty, e.write
+        (0, 0, False, <Write.BEHIND: 'behind'>)
+    """
+
+    key: Key
+    host: SessionBuffer | None = None
+    host_accounted: int = 0  # the buffer's bytes at its last accounting (its segments may be shared)
+    host_segments: dict = field(default_factory=dict)  # id -> segment it counted (HostTier.account)
+    manifest: Manifest | None = None  # the durable prefix of the session (as it is, or will be, on disk)
+    chunks: dict[str, tuple[int, int]] = field(default_factory=dict)  # referenced chunk -> (bytes, tokens)
+    files: dict[str, int] = field(default_factory=dict)  # every chunk file on disk (referenced or not) -> bytes
+    # Those of `files` that other sessions' folders name too (a shared prefix's hard links, `Tier.link`) -> the
+    # file's identity: their bytes are counted once, by the index (`StoreState.linked`), not in `disk_bytes`.
+    linked: dict = field(default_factory=dict)
+    prefix_blocks: int = 0  # whole 64-token blocks offered in the prefix table during the running turn
+    manifest_size: int = 0
+    remote: Manifest | None = None  # found in the shared remote tier, to be loaded (not local yet)
+    # The local durable copy this remote copy is to replace, once loaded (its files, moved to this entry, stay
+    # on disk meanwhile): put back in the index if the remote copy fails to load (`RemoteChoice.restore_local`).
+    fallback: "Entry | None" = None
+    # Another history's durable copy this entry was handed (`StoreState.hand_over`) and keeps on disk until its own copy
+    # is durable: what the session is again if the new history's host copy goes first (`StoreState.release_host`).
+    predecessor: Manifest | None = None
+    successor: "Entry | None" = None  # the entry this one handed its files to (`StoreState.hand_over`)
+    refused: tuple | None = None  # a remote copy that failed to verify or load (`remote_signature`): not retried
+    mirrored: set = field(default_factory=set)  # digests of chunks this store put in the remote tier
+    layout: tuple | None = None  # ((layers, kv_heads, head_dim), dtype) for allocating loads
+    owner: int = 0
+    generation: int = 0
+    pins: int = 0  # loads and writes in flight: the entry's buffers must not change
+    writers: set = field(default_factory=set)  # turns running on the session: it stays in host memory
+    live: object = None  # weakref to the running turn's TurnWriter, for a hybrid model's states (or None)
+    loading: LoadHandle | None = None
+    load_job: object | None = None  # the loader's LoadJob for this entry, while one is queued or running
+    last_access: float = 0.0
+    last_write: float = 0.0
+    write: Write = Write.BEHIND
+    retry_at: float = 0.0
+    failures: int = 0
+    last_error: BaseException | None = None
+
+    @property
+    def length(self) -> int:
+        if self.host is not None:
+            return self.host.length
+        if self.manifest is not None:
+            return self.manifest.length
+        return self.remote.length if self.remote is not None else 0
+
+    @property
+    def persisted(self) -> int:
+        return self.manifest.length if self.manifest is not None else 0
+
+    @property
+    def state_dirty(self) -> bool:
+        """Whether the host copy has a hybrid-model state that the durable copy lacks (state.py)."""
+        state = self.host.state if self.host is not None else None
+        durable = self.manifest.state if self.manifest is not None else None
+        return state is not None and (durable is None or durable.digest != state.digest)
+
+    @property
+    def dirty(self) -> bool:
+        return self.host is not None and (self.persisted < self.host.length or self.state_dirty) \
+            and self.write is not Write.NEVER
+
+    @property
+    def urgent(self) -> bool:
+        return self.write in (Write.FLUSH, Write.DEMOTE)
+
+    @property
+    def disk_bytes(self) -> int:
+        """What the session's own files occupy: every chunk file not yet collected and not shared with another
+        session (`linked`), and the manifest."""
+        return sum(blocks(size) for name, size in self.files.items() if name not in self.linked) \
+            + blocks(self.manifest_size)
+
+
+BLOCK = 64  # tokens per hashed block
+
+
+def block_hashes(token_ids: torch.Tensor, block: int = BLOCK, partial: bool = False) -> list[bytes]:
+    """The chained hash of every whole block of `token_ids` (1-D, int64): entry k names ids[: (k + 1) * block].
+
+    Args:
+        token_ids: The ids.
+        block: Tokens per block.
+        partial: Also hash the trailing partial block, if any (its hash names the whole of `token_ids`; it differs
+            from the hash of any whole block, whose bytes are longer).
+
+    Example:
+        >>> hashes = block_hashes(torch.arange(150))  # two whole blocks of 64; the 22 tokens after them are not hashed
+        >>> len(hashes), hashes[0] == block_hashes(torch.arange(64))[0]
+        (2, True)
+        >>> len(block_hashes(torch.arange(150), block=64, partial=True))  # the 22 tokens too
+        3
+    """
+    ids = token_ids.detach().to("cpu", torch.long).contiguous().view(-1)
+    out, h = [], b""
+    data = ids.numpy().tobytes()
+    width = block * 8
+    for k in range(-(-ids.numel() // block) if partial else ids.numel() // block):
+        h = hashlib.blake2b(h + data[k * width : (k + 1) * width], digest_size=16).digest()
+        out.append(h)
+    return out
+
+
+class PrefixTable:
+    """Sessions by the prefixes they begin with (see the module docstring). Guarded by the store's lock
+    (`StoreState.lock`).
+
+    Example:
+        >>> table = PrefixTable()
+        >>> table.add(("model-a", "alice"), torch.arange(130))
+        >>> table.candidates("model-a", torch.cat([torch.arange(100), torch.tensor([7])]))  # one whole block shared
+        [(('model-a', 'alice'), 64)]
+    """
+
+    def __init__(self):
+        self._sessions: dict[tuple[str, bytes], dict[Key, None]] = {}  # (fingerprint, hash) -> keys, oldest first
+        self._hashes: dict[Key, list[bytes]] = {}  # what each session was added under
+
+    def add(self, key: Key, token_ids: torch.Tensor) -> None:
+        """Records (or re-records, after it grew or changed) that session `key` begins with these ids."""
+        self.remove(key)
+        hashes = block_hashes(token_ids)
+        for h in hashes:
+            users = self._sessions.setdefault((key[0], h), {})
+            users[key] = None  # newest last
+        if hashes:
+            self._hashes[key] = hashes
+
+    def remove(self, key: Key) -> None:
+        for h in self._hashes.pop(key, ()):
+            users = self._sessions.get((key[0], h))
+            if users is not None:
+                users.pop(key, None)
+                if not users:
+                    del self._sessions[(key[0], h)]
+
+    def candidates(self, fingerprint: str, token_ids: torch.Tensor, exclude: Key | None = None,
+                   limit: int = 4, every_depth: bool = False) -> list[tuple[Key, int]]:
+        """Up to `limit` sessions sharing the longest whole-block prefix with `token_ids`, newest first, each with
+        the tokens that prefix covers (a lower bound: the store extends it by comparing ids). `every_depth`: also
+        up to `limit` of those sharing each shorter prefix, deepest first (for a caller that may use less of a
+        session than it shares: a dense turn reuses a session's exact tokens only)."""
+        levels: list[list[tuple[Key, int]]] = []
+        for k, h in enumerate(block_hashes(token_ids)):
+            users = self._sessions.get((fingerprint, h))
+            found = [key for key in reversed(users or {}) if key != exclude]
+            if not found:
+                break
+            levels.append([(key, (k + 1) * BLOCK) for key in found[:limit]])
+        if not every_depth:
+            return levels[-1] if levels else []
+        out, seen = [], set()
+        for level in reversed(levels):
+            for key, tokens in level:
+                if key not in seen:
+                    seen.add(key)
+                    out.append((key, tokens))
+        return out
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+
+class HostTier:
+    """Host memory's share of the store's state (not thread-safe: the store's lock guards it).
+
+    Args:
+        limit: Bytes of KV the tier may hold (`host_bytes`).
+        policy: Name of the eviction policy (see :mod:`hf_attnstore.store.policy`).
+        pin_memory: Whether buffers are allocated in page-locked memory (for asynchronous copies to CUDA).
+
+    Example:
+        >>> host = HostTier(limit=1 << 20, policy="lru", pin_memory=False)
+        >>> buf = host.new_buffer((2, 4, 8), torch.float16)
+        >>> counted, nbytes = host.account(buf, {}, 0)  # an empty buffer holds no segment yet
+        >>> nbytes, host.used, host.fits(1 << 20)
+        (0, 0, True)
+    """
+
+    name = "host"
+
+    def __init__(self, limit: int, policy: str, pin_memory: bool):
+        self.limit, self.pin_memory = limit, pin_memory
+        self.policy = make_policy(policy)
+        self.used = 0
+        # Segments are shared between sessions (a prefix another session starts from, `SessionBuffer.selected`):
+        # each is counted once, while any session's buffer refers to it. id -> [segment, users].
+        self._segments: dict[int, list] = {}
+
+    @staticmethod
+    def contains(e: Entry) -> bool:
+        return e.host is not None
+
+    def account(self, buf: SessionBuffer | None, counted: dict, accounted: int) -> tuple[dict, int]:
+        """Brings the count up to date after a session's buffer grew, shrank or changed (`counted`, `accounted`:
+        its segments and bytes at its last accounting): a segment counts when its first user takes it and stops
+        counting when its last user lets it go; a state counts per session. Returns the new segments and bytes,
+        which the index keeps on the entry (`StoreState.account`)."""
+        now = buf.segments() if buf is not None else {}
+        state = buf.state.nbytes if buf is not None and buf.state is not None else 0
+        old_state = accounted - sum(seg.nbytes for seg in counted.values())
+        for sid in counted.keys() - now.keys():
+            held = self._segments[sid]
+            held[1] -= 1
+            if held[1] == 0:
+                self.used -= held[0].nbytes
+                del self._segments[sid]
+        for sid in now.keys() - counted.keys():
+            held = self._segments.setdefault(sid, [now[sid], 0])
+            held[1] += 1
+            if held[1] == 1:
+                self.used += held[0].nbytes
+        self.used += state - old_state
+        return now, sum(seg.nbytes for seg in now.values()) + state
+
+    def freed_by(self, e: Entry) -> int:
+        """Bytes that would be freed if the session left host memory: its segments no other session uses, and
+        its state."""
+        own = sum(seg.nbytes for sid, seg in e.host_segments.items() if self._segments[sid][1] == 1)
+        return own + e.host_accounted - sum(seg.nbytes for seg in e.host_segments.values())
+
+    def touch(self, e: Entry) -> None:
+        if e.host is not None:
+            self.policy.touch(e.key)
+
+    def fits(self, extra: int) -> bool:
+        return self.used + extra <= self.limit
+
+    def position(self, key) -> int | None:
+        """Where the session's next job is in a look-ahead policy's queue (None: not queued, or no queue)."""
+        return self.policy.position(key)
+
+    # -- allocation -----------------------------------------------------------------------------------
+    def new_buffer(self, geometry: tuple, dtype: torch.dtype) -> SessionBuffer:
+        return SessionBuffer(geometry, dtype, self.pin_memory)
+
+    def selected(self, base: SessionKV, keep: torch.Tensor) -> SessionBuffer:
+        """A buffer holding ``base[keep]``: shares `base`'s segments where the kept tokens are contiguous."""
+        return SessionBuffer.selected(base, keep, self.pin_memory)
+
+    def for_load(self, geometry: tuple, dtype: torch.dtype, length: int) -> SessionBuffer:
+        """An empty buffer of exactly `length` tokens for a load from a lower tier."""
+        return SessionBuffer.for_load(geometry, dtype, length, self.pin_memory)
+
+
+class NoDiskRoom(Exception):
+    """A write would take the disk tier over `disk_bytes` even after evicting every other session."""
+
+
+class DiskBusy(OSError):
+    """A write does not fit now because the sessions that would make room are being read or written: a failed
+    write, retried (with back-off, and at once by a flush), not a refusal."""
+
+
+class Eviction:
+    """Host demotion and the disk limit, over the store's state (see the module docstring).
+
+    Example:
+        >>> from hf_attnstore.store.config import StoreConfig
+        >>> config = StoreConfig(host_bytes="1MiB")
+        >>> state = StoreState(config, has_disk=False, has_lower=False)
+        >>> eviction = Eviction(state, config, disk=None, lower=None)
+        >>> with state.lock:
+        ...     eviction.make_host_room(1024, exclude=None)  # an empty host tier has room
+        True
+    """
+
+    def __init__(self, state: StoreState, config: StoreConfig, disk: DiskTier | None, lower: Tier | None):
+        self.state, self.config, self.disk, self.lower = state, config, disk, lower
+
+    def make_host_room(self, extra: int, exclude: Entry | None, keep_sooner_than: int | None = None) -> bool:
+        """Demotes (or drops) host sessions until `extra` more bytes fit. Pinned ones stay; dirty ones are
+        persisted first and demoted when that completes. With `keep_sooner_than` (a prefetch for the job at
+        that queue position), sessions whose next job comes sooner are never evicted for it."""
+        limit = self.state.host.limit
+        if self.state.host.fits(extra):
+            return True  # the common case, once per appended token: no scan of the index
+        self.state.apply_ended_turns()
+        host = self.state.host
+        freeing = sum(host.freed_by(e) for e in self.state.entries.values() if e.write is Write.DEMOTE)
+        entries = self.state.entries
+
+        def movable(key) -> bool:  # already being written out counts in `freeing`; pinned ones stay
+            e = entries[key]
+            return e is not exclude and e.write is not Write.DEMOTE and e.pins == 0 and not e.writers
+
+        for key in choose_victims(self.state.host.policy.victims(), lambda key: host.freed_by(entries[key]), movable,
+                                  self.state.host.used - freeing + extra - limit,
+                                  self.state.host.position, keep_sooner_than):
+            self.evict_from_host(entries[key])
+        return self.state.host.fits(extra)
+
+    def evict_from_host(self, e: Entry) -> None:
+        """Demotes a session to disk, or drops it when it cannot be kept there. Sessions being loaded or
+        written, or whose turn is running, are pinned and stay; unwritten ones are written first (then demoted
+        by _finish_persist)."""
+        self.state.apply_ended_turns()
+        if e.pins or e.writers:
+            return
+        # A host copy still missing a head its turn did not recompute, and not durable that far (a remote copy
+        # loaded without its head, `recompute_by_cost`), cannot be written: dropped (the remote copy stays).
+        unwritable = e.host is not None and e.host.missing_head > e.persisted
+        if self.lower is None or e.write is Write.NEVER or e.length == 0 or unwritable:
+            if e.manifest is None:  # its only copy
+                self.state.dropped(e)
+            self.state.release_host(e)  # its durable copy, if any, stays
+            self.state.count(host_drops=1)
+        elif e.dirty:
+            self.state.mark_dirty(e, Write.DEMOTE)
+            self.state.cond.notify_all()
+        else:
+            assert e.manifest is not None and e.persisted == e.length, "a clean session is entirely below host"
+            self.state.set_host(e, None)
+            self.state.count(demotions=1)
+
+    def enforce_disk(self, current: Entry | None) -> bool:
+        """Drops other sessions' disk copies (or, with `partial_eviction`, their leading chunks first) while
+        the disk tier is over its limit. Returns whether it fits once the queued deletions have run (the caller
+        runs them before writing)."""
+        limit = self.config.disk_bytes
+        entries = self.state.entries
+        if self.state.disk_used - self.state.deleting > limit:
+            self.drop_replaced_copies(current, self.state.disk_used - self.state.deleting - limit)
+        while self.config.partial_eviction and self.state.disk_used - self.state.deleting > limit:
+            # (Again while it frees something: the room a head drop's new manifest takes counts only once chosen.)
+            queued = len(self.state.deletes)
+            self.drop_disk_heads(current, self.state.disk_used - self.state.deleting - limit)
+            if len(self.state.deletes) == queued:
+                break
+        for key in choose_victims(self.state.disk_policy.victims(), lambda key: entries[key].disk_bytes,
+                                  lambda key: entries[key] is not current and entries[key].pins == 0,
+                                  self.state.disk_used - self.state.deleting - limit):
+            self.state.count(disk_drops=1)
+            self.state.dropped(entries[key])
+            self.drop_disk_copy(entries[key])
+        return self.state.disk_used - self.state.deleting <= limit
+
+    def replaced_copies(self, current: Entry | None, loading: bool = False):
+        """Other sessions' older copies that a new history keeps until its own copy is durable (`StoreState.hand_over`)
+        and that may go for room now (`loading`: or once their loads end). The session being written keeps its
+        own: a durable copy is never dropped for its own successor."""
+        for e in self.state.entries.values():
+            if e is not current and e.manifest is None and e.predecessor is not None and e.files \
+                    and (e.pins == 0 or loading and e.loading is not None):
+                yield e
+
+    def drop_replaced_copies(self, current: Entry | None, overflow: int) -> None:
+        """Room from other sessions' replaced histories first (a capacity eviction, counted in `disk_drops`): they
+        are the least likely to be resumed. The session's new history stays in host memory, to be written."""
+        for e in list(self.replaced_copies(current)):
+            if overflow <= 0:
+                return
+            overflow -= e.disk_bytes
+            self.state.count(disk_drops=1)
+            self.state.forget_replaced(e)
+
+    def drop_disk_heads(self, current: Entry | None, overflow: int) -> None:
+        """Partial eviction: drops leading chunks of idle sessions' disk copies, lowest retention value first
+        (`placement.choose_head_drops`). Sessions loading, being written, running a turn or queued by the
+        scheduler are left whole."""
+        now, policy = time.monotonic(), self.state.disk_policy
+
+        def describe(key):
+            e = self.state.entries[key]
+            # A hybrid model's session (with a state) stays whole: its head could not be recomputed without
+            # recomputing the states, i.e. the whole session.
+            if e is current or e.pins or e.writers or e.manifest is None or not e.manifest.spans \
+                    or e.manifest.state is not None or policy.position(key) is not None:
+                return None
+            return now - e.last_access, self.head_units(e), e.disk_bytes
+
+        candidates = head_drop_candidates(policy.victims(), overflow, describe)
+        for key in choose_head_drops(candidates, overflow):
+            e = self.state.entries.get(key)
+            if e is None or e.manifest is None:
+                continue
+            if len(e.manifest.spans) == 1:  # its last chunk: the session leaves the disk tier
+                self.state.count(disk_drops=1)
+                self.state.dropped(e)
+                self.drop_disk_copy(e)
+            else:
+                self.drop_disk_head(e)
+
+    def head_units(self, e: Entry) -> list[tuple[int, int, int]]:
+        """The session's stored chunks in order as (start, end, bytes freed when dropped); the last frees
+        everything left (the manifest, chunks not yet collected)."""
+        spans, units, pos = e.manifest.spans, [], e.manifest.head
+        for i, span in enumerate(spans):
+            if any(s.chunk == span.chunk for s in spans[i + 1 :]):
+                freed = 0  # a later span reads the chunk too
+            elif span.chunk in e.linked:  # a shared prefix's file: freed only with its last name
+                freed = self.state.shared_bytes(e.key, span.chunk, e.linked[span.chunk])
+            else:
+                freed = blocks(e.files.get(span.chunk, 0))
+            units.append((pos, pos + span.length, freed))
+            pos += span.length
+        a, b, _ = units[-1]
+        units[-1] = (a, b, e.disk_bytes - sum(u[2] for u in units[:-1]))
+        return units
+
+    def drop_disk_head(self, e: Entry) -> None:
+        """Drops the first stored chunk of a session's disk copy: the index at once, the files on the save
+        thread (the new manifest first, then the chunk, so a crash in between leaves an orphan chunk)."""
+        old = e.manifest
+        manifest = old.drop_head_span()
+        chunk = old.spans[0].chunk
+        gone = chunk if all(s.chunk != chunk for s in manifest.spans) else None
+        self.state.set_manifest(e, manifest, e.chunks)
+        files = dict(e.files)
+        size = files.pop(gone) if gone in files else None
+        # A shared file frees its bytes only with its last name (`StoreState.set_files` says how many).
+        nbytes = blocks(size) if size is not None and gone not in e.linked else 0
+        nbytes += self.state.set_files(e, files, e.manifest_size)
+        # The new manifest is written beside the old one (a temporary file, then a rename) before the chunk goes:
+        # room for the largest such temporary is counted until the queued deletions have run (`run_deletes`; they
+        # run one at a time), so `disk_bytes` holds while they do.
+        room = blocks(len(manifest.encode()))
+        self.state.reserve_manifest_room(room)
+        self.state.queue_delete(e.key, nbytes, (manifest, gone))
+        self.state.count(head_drops=1, head_dropped_tokens=old.spans[0].length)
+
+    def reserve_disk(self, e: Entry, nbytes: int, exact: bool = False) -> int:
+        """Makes room for `nbytes` before they are written (save thread), so the files on disk never exceed
+        `disk_bytes`: other sessions' copies are dropped first and their folders deleted now. A file is counted
+        in 4 KiB blocks; `exact`: `nbytes` is already a sum of such blocks (a job's bound, `SaveThread`).
+
+        Whether the bytes can fit at all is asked first: when not even dropping every other session's copy that
+        may go would make room, nothing is dropped (a refusal loses nothing else). The session's own durable
+        copy is never dropped for it either: it stays until its successor is durable (`StoreState.hand_over`).
+
+        Raises:
+            NoDiskRoom: The session alone would not fit.
+        """
+        if self.disk is None:
+            return 0  # saved to the remote tier: its memory is Redis's to limit (maxmemory), not `disk_bytes`
+        size = nbytes if exact else blocks(nbytes)
+        busy = False
+        with self.state.cond:
+            over = self.state.disk_used - self.state.deleting + size - self.config.disk_bytes
+            fits = over <= 0 or over <= self.evictable_bytes(e)  # (the common case asks no session)
+            busy = not fits and over <= self.evictable_bytes(e, pinned=True)
+            if fits:
+                self.state.reserve_disk(size)
+                fits = self.enforce_disk(e)
+                if not fits:  # (sessions pinned meanwhile: what was dropped went in good faith)
+                    self.state.release_disk(size)
+            deletes = self.state.take_deletes()
+        self.run_deletes(deletes)
+        if busy:
+            raise DiskBusy(f"session {e.key[1]!r} does not fit in the disk tier while the sessions that would make "
+                           "room for it are being read or written; retried")
+        if not fits:
+            raise NoDiskRoom(f"session {e.key[1]!r} is larger than the disk tier (`disk_bytes` "
+                             f"{self.config.disk_bytes}) next to the sessions that cannot leave it")
+        return size
+
+    def evictable_bytes(self, current: Entry, pinned: bool = False) -> int:
+        """The disk bytes dropping every other session's copy that may go now would free (lock held): copies that
+        are not pinned (`pinned`: those being loaded too, once their loads end; the other pins are the running
+        save's own, its links' sources), and shared files all of whose names are in them."""
+        entries, gone = self.state.entries, set()
+        total = 0
+        for key in self.state.disk_policy.victims():
+            e = entries.get(key)
+            if e is not None and e is not current and (e.pins == 0 or pinned and e.loading is not None):
+                total += e.disk_bytes
+                gone.add(key)
+        for e in self.replaced_copies(current, pinned):
+            total += e.disk_bytes
+            gone.add(e.key)
+        for nbytes, names in self.state.linked.values():
+            if names and all(key in gone for key, _ in names):
+                total += nbytes
+        return total
+
+    def run_deletes(self, deletes: list[tuple[Key, int, tuple | None]]) -> None:
+        """Runs queued deletions (save thread, without the lock; see `StoreState.deletes`). A deletion that fails
+        (EACCES, EIO) is logged and the others go on; the bytes are released from the count either way (what is left
+        is collected when the folder is next scanned)."""
+        try:
+            for key, nbytes, head in deletes:
+                try:
+                    self.run_delete(key, nbytes, head)
+                except OSError as exc:
+                    self.state.once.warning("delete", "disk tier: deleting files of session %r failed (%s)", key[1], exc)
+        finally:
+            if deletes:
+                with self.state.cond:
+                    self.state.deletes_done(deletes)
+                    self.state.cond.notify_all()  # a flush() may be waiting for them
+
+    def run_delete(self, key: Key, nbytes: int, head: tuple | None) -> None:
+        if head is None:
+            self.disk.remove(key)
+            return
+        manifest, chunk = head
+        try:
+            # Now, on this thread: behind the tier's write queue it would wait for every chunk queued before
+            # it (a timeout there would drop a copy whose manifest still lands later).
+            size = self.disk.write(key, MANIFEST, manifest.encode())
+        except OSError as exc:
+            # The index says the chunk is dropped, the disk still has the old manifest: make them agree by
+            # letting the whole disk copy go (a clean miss later; the chunk is deleted with the folder).
+            self.state.once.warning("head_drop", "disk tier: writing the manifest of partially evicted session %r "
+                               "failed (%s); its disk copy is dropped", key[1], exc)
+            with self.state.cond:
+                e = self.state.entries.get(key)
+                if e is not None and e.manifest is manifest:
+                    # The chunk is still there: count it with the folder, whose deletion removes it.
+                    self.state.set_files(e, {**e.files, chunk: nbytes} if chunk else e.files, e.manifest_size)
+                    self.drop_disk_copy(e)
+            return
+        if chunk is not None:
+            self.disk.delete(key, [chunk + CHUNK_SUFFIX])
+        with self.state.cond:
+            e = self.state.entries.get(key)
+            if e is not None and e.manifest is manifest:
+                self.state.set_files(e, e.files, size)
+
+    def drop_disk_copy(self, e: Entry) -> None:
+        """Removes a session from the disk tier; with no copy in host memory either, it is gone."""
+        self.state.drop_disk_copy(e)

@@ -7,8 +7,8 @@ import torch
 
 from hf_attnstore import AttnStore
 from hf_attnstore.store import StoreConfig
-from hf_attnstore.store import block_pool as block_pool_module
-from hf_attnstore.store.block_pool import BlockPool, BlockPoolConfig
+from hf_attnstore.lab import block_pool as block_pool_module
+from hf_attnstore.lab.block_pool import BlockPool, BlockPoolConfig
 from hf_attnstore.store.buffer import SessionBuffer
 from hf_attnstore.store.store import POOL_SESSION
 

@@ -28,10 +28,10 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
-
 import torch
 
-from .format import ChunkMeta, Manifest, StateRef
+from ..format import ChunkMeta, Manifest, StateRef
+
 
 Key = tuple[str, str]  # (model fingerprint, session id)
 T = TypeVar("T")
@@ -83,7 +83,7 @@ class Found:
     Example:
         >>> import tempfile
         >>> from hf_attnstore.store import AttnStore
-        >>> from hf_attnstore.store.disk import DiskTier
+        >>> from hf_attnstore.store.tiers.disk import DiskTier
         >>> kv = [torch.zeros(1, 2, 3, 4)]
         >>> with tempfile.TemporaryDirectory() as folder:
         ...     with AttnStore(host_bytes="1MiB", disk_dir=folder) as store:

@@ -7,7 +7,9 @@ simulated sessions, so the hit rates it reports come from the code that runs in 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Hashable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator
+
 
 
 def choose_victims(victims: Iterable[Hashable], size: Callable[[Hashable], int], movable: Callable[[Hashable], bool],
@@ -217,3 +219,170 @@ def choose_recompute(units: list[tuple[int, int, int]], head: int, eligible: int
     if best and best_s > load_s * (1 - RECOMPUTE_MARGIN):
         return 0, load_s, load_s
     return best, best_s, load_s
+
+
+class EvictionPolicy:
+    """Orders the keys of one tier for eviction.
+
+    The store that owns the tier calls these methods under its index lock, so a policy needs no locking.
+    The base class keeps keys in insertion order; subclasses decide what an access does.
+
+    Example:
+        >>> policy = EvictionPolicy()  # insertion order: first in, first out
+        >>> for key in ("a", "b", "c"):
+        ...     policy.insert(key)
+        >>> policy.touch("a"); policy.remove("b")
+        >>> list(policy.victims()), len(policy)
+        (['a', 'c'], 2)
+    """
+
+    looks_ahead = False  # whether `set_queue` changes the order (a scheduler may skip building the queue)
+
+    def __init__(self):
+        # The keys in eviction order (first = evict first); subclasses reorder it on access.
+        self.order: OrderedDict[Hashable, None] = OrderedDict()
+
+    def insert(self, key: Hashable) -> None:
+        """A key entered the tier."""
+        self.order[key] = None
+        self.order.move_to_end(key)
+
+    def touch(self, key: Hashable) -> None:
+        """A key was read or written."""
+
+    def remove(self, key: Hashable) -> None:
+        """A key left the tier."""
+        self.order.pop(key, None)
+
+    def set_queue(self, session_ids: list[str]) -> None:
+        """The session ids of the jobs waiting to run, first to run first (a scheduler's look-ahead window).
+        Ignored here; a scheduler-aware policy (lookahead.py) evicts the sessions of no waiting job first."""
+
+    def position(self, key: Hashable) -> int | None:
+        """Where the key's session's next job waits in the scheduler's queue (0 = next), or None if it has none
+        (or this policy does not look ahead)."""
+        return None
+
+    def victims(self) -> Iterator[Hashable]:
+        """Keys in the order they should be evicted (first = evict first).
+
+        Lazy, so that finding the first few victims of a large tier is cheap: the caller must not change
+        the tier while iterating (`placement.choose_victims` chooses first, then evicts).
+        """
+        yield from self.order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+class LRUPolicy(EvictionPolicy):
+    """Evicts the session whose last read or write is oldest.
+
+    Example:
+        >>> policy = LRUPolicy()
+        >>> for key in ("a", "b", "c"):
+        ...     policy.insert(key)
+        >>> policy.touch("a")
+        >>> list(policy.victims())
+        ['b', 'c', 'a']
+    """
+
+    def touch(self, key: Hashable) -> None:
+        if key in self.order:
+            self.order.move_to_end(key)
+
+
+class FIFOPolicy(EvictionPolicy):
+    """Evicts the session that entered the tier first, however recently it was used.
+
+    Example:
+        >>> policy = FIFOPolicy()
+        >>> for key in ("a", "b", "c"):
+        ...     policy.insert(key)
+        >>> policy.touch("a")
+        >>> list(policy.victims())
+        ['a', 'b', 'c']
+    """
+
+
+class LookaheadPolicy(EvictionPolicy):
+    """Evicts sessions with no queued job first (least recently used first), then sessions whose next
+    job is furthest away: the one nearest the tail of the look-ahead window goes first.
+
+    Used for both tiers: when demoting host → disk it keeps the sessions about to run in memory; when
+    dropping from disk it drops sessions outside the window first, then the last-arrived job's session.
+
+    The scheduler calls :meth:`set_queue` with the session ids of its waiting jobs, in order (the store
+    forwards :meth:`AttnStore.set_schedule`); keys are ``(fingerprint, session_id)``.
+
+    Example:
+        >>> policy = LookaheadPolicy()
+        >>> for sid in ("a", "b", "c", "d"):
+        ...     policy.insert(("model", sid))
+        >>> policy.set_queue(["c", "a"])  # c's job runs next, then a's
+        >>> [sid for _, sid in policy.victims()]  # idle sessions first, then the job furthest away
+        ['b', 'd', 'a', 'c']
+    """
+
+    looks_ahead = True
+
+    def __init__(self):
+        super().__init__()
+        self._next_job: dict[str, int] = {}
+
+    def set_queue(self, session_ids: list[str]) -> None:
+        """The session ids of the jobs in the look-ahead window, first to run first."""
+        # Built from the back so that a session's first (soonest) job wins; dict(zip) runs in C, and the
+        # scheduler calls this at every queue change with windows of thousands of jobs.
+        n = len(session_ids)
+        self._next_job = dict(zip(reversed(session_ids), range(n - 1, -1, -1)))
+
+    def position(self, key: Hashable) -> int | None:
+        """Where the session's next job is in the queue (0 = next), or None if it has none."""
+        return self._next_job.get(key[1])
+
+    def touch(self, key: Hashable) -> None:
+        if key in self.order:
+            self.order.move_to_end(key)
+
+    def victims(self) -> Iterator[Hashable]:
+        # Lazy: the idle sessions usually supply the victims, and the queued ones are only sorted if not.
+        yield from (k for k in self.order if k[1] not in self._next_job)
+        queued = [k for k in self.order if k[1] in self._next_job]
+        yield from sorted(queued, key=lambda k: -self._next_job[k[1]])
+
+
+POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "fifo": FIFOPolicy, "lookahead": LookaheadPolicy}
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """Creates a policy by name (``"lru"``, ``"fifo"`` or ``"lookahead"``).
+
+    Example:
+        >>> policy = make_policy("lru")
+        >>> for key in ("a", "b", "c"):
+        ...     policy.insert(key)
+        >>> policy.touch("a")
+        >>> list(policy.victims())  # least recently used first
+        ['b', 'c', 'a']
+    """
+    if name not in POLICIES:
+        raise ValueError(f"`policy`={name!r} is unknown; choose one of {', '.join(sorted(POLICIES))}")
+    return POLICIES[name]()
+
+
+__all__ = ["EvictionPolicy", "FIFOPolicy", "LRUPolicy", "LookaheadPolicy", "POLICIES", "make_policy"]
+
+
+def __getattr__(name: str):
+    """The block policies moved to the lab (`hf_attnstore.lab.block_policy`); their old names here keep working
+    for one release, with a `FutureWarning`."""
+    if name in ("BLOCK_POLICIES", "BlockKey", "HitDensityPolicy", "LeafFirstPolicy", "LeafLRUPolicy",
+                "RetentionPolicy", "SegmentedPolicy", "make_block_policy"):
+        import importlib
+        import warnings
+
+        warnings.warn(f"`hf_attnstore.store.policy.{name}` moved to `hf_attnstore.lab.block_policy.{name}`; the old "
+                      "path is removed in the next release", FutureWarning, stacklevel=2)
+        return getattr(importlib.import_module("hf_attnstore.lab.block_policy"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

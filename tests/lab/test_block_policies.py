@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from hf_attnstore.store.placement import choose_victims
-from hf_attnstore.store.policy import BLOCK_POLICIES, BlockKey, RetentionPolicy, make_block_policy
-from hf_attnstore.store.policy.density import HitDensityPolicy
+from hf_attnstore.store.policy import choose_victims
+from hf_attnstore.lab.block_policy import BLOCK_POLICIES, BlockKey, RetentionPolicy, make_block_policy
+from hf_attnstore.lab.block_policy import HitDensityPolicy
 
 K = BlockKey
 

@@ -27,12 +27,12 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass
-
 import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
-from .format import FORMAT, KV_DTYPES, STATE_PREFIX, FormatError, StateRef, checksum, metadata_digest, tensor_bytes
+from .format import FORMAT, FormatError, KV_DTYPES, STATE_PREFIX, StateRef, checksum, metadata_digest, tensor_bytes
+
 
 _NAME = re.compile(r"L\d{4}\.[cr]\d{1,3}|I\d{4}(?:\.h2o|\.alisa\d{1,6})?|S\d{4}")
 MAX_STATE_TENSORS = 4096

