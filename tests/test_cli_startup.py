@@ -7,6 +7,7 @@ import argparse
 import logging
 import subprocess
 import sys
+import warnings
 
 import pytest
 from fastapi.testclient import TestClient
@@ -109,9 +110,12 @@ def test_the_installed_command_prints_one_line_and_exits_2():
     assert done.stderr.count("\n") == 1 and "`--disk-dir` '/proc/nonexistent/kv'" in done.stderr, done.stderr
 
 
-def test_verbose_serve_logs_one_line_per_turn(model_dir, caplog):
-    args = build_parser().parse_args(["-v", "serve", "--model", model_dir, "--max-tokens", "3"])
-    server = build_server(args)
+def test_verbose_serve_logs_one_line_per_turn(model_dir, caplog, tmp_path):
+    args = build_parser().parse_args(["-v", "serve", "--model", model_dir, "--max-tokens", "3", "--disk-dir",
+                                      str(tmp_path / "kv"), "--max-batch-kv", "64MiB"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the server passes every option the current way
+        server = build_server(args)
     messages = [{"role": "user", "content": "why is the sky blue?"}]
     try:
         with TestClient(server.app) as client, caplog.at_level(logging.INFO, logger="hf_attnstore.turns"):
