@@ -128,7 +128,8 @@ class ChatPipeline:
                  **generate_kwargs):
         tuning = _tuning_of(tuning, generate_kwargs)  # old keywords: one more release, with a FutureWarning
         prefetch_window, eviction_window = tuning.prefetch_window, tuning.eviction_window
-        max_batch_tokens, max_batch_kv_bytes, histories = tuning.max_batch_tokens, tuning.max_batch_kv_bytes, tuning.histories
+        max_batch_tokens, max_batch_kv_bytes = tuning.max_batch_tokens, tuning.max_batch_kv_bytes
+        histories = tuning.histories
         legacy = {name: generate_kwargs.pop(name) for name in LEGACY_TRUNCATION if name in generate_kwargs}
         self.truncation = truncation_of(context_window, truncation, legacy, "ChatPipeline")
         truncation = self.truncation.mode
