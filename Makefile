@@ -42,7 +42,7 @@ $(VENV)/.installed: pyproject.toml setup.cfg $(LOCK)
 	touch $@
 
 demo: venv
-	$(VENV)/bin/python -m hf_attnstore demo
+	$(VENV)/bin/python -m hf_attnstore demo --plot demo_ttft.png
 
 N ?= 2
 POLICY ?= round_robin

@@ -1,19 +1,27 @@
 """`generate` with an AttnStoreCache: the second turn reuses the first turn's KV from the store.
 
-    python examples/generate_with_cache.py
+    python examples/generate_with_cache.py [--model HUB_ID_OR_FOLDER]
 
-Uses the bundled SmolLM2 (offline). Prints each turn's reused tokens and checks the reply against a plain
+Uses your model (`AutoModelForCausalLM.from_pretrained`) with `--model`, else the bundled SmolLM2 (offline). Prints each turn's reused tokens and checks the reply against a plain
 `generate` that recomputes the whole history. The conversation is re-rendered from text each turn, so the
 reply's re-tokenization may differ from the ids generated: the cache then reuses the common prefix
 (`ChatPipeline` and `attnstore serve` keep the exact ids and reuse everything).
 """
 
+import argparse
+
 import torch
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from hf_attnstore import AttnStore, AttnStoreCache, cache_kwargs, load_default_model
 
-model, tokenizer = load_default_model()
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", default=None, help="a Hub id or a folder (default: the bundled SmolLM2)")
+args = parser.parse_args()
+if args.model:
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
+else:
+    model, tokenizer = load_default_model()
 store = AttnStore(host_bytes="1GiB")
 messages = [{"role": "user", "content": "Name three colours."}]
 for turn, follow_up in enumerate(["And three animals?", None]):

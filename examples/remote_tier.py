@@ -11,7 +11,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from hf_attnstore import AttnStore, ChatPipeline, load_default_model
+from hf_attnstore import AttnStore, ChatPipeline, PipelineTuning, load_default_model
 from hf_attnstore.lab.redis_server import RedisServer
 
 parser = argparse.ArgumentParser()
@@ -26,8 +26,9 @@ with tempfile.TemporaryDirectory() as tmp:
         histories = {}  # the conversation itself, shared as clients or a conversation database would share it
         a = AttnStore(host_bytes="1GiB", disk_dir=Path(tmp) / "a", remote=url)
         b = AttnStore(host_bytes="1GiB", remote=url)  # stateless: no disk tier
-        with ChatPipeline(model, tokenizer, a, max_new_tokens=24, histories=histories) as on_a, \
-                ChatPipeline(model, tokenizer, b, max_new_tokens=24, histories=histories, prefetch_window=0) as on_b:
+        with ChatPipeline(model, tokenizer, a, max_new_tokens=24, tuning=PipelineTuning(histories=histories)) as on_a, \
+                ChatPipeline(model, tokenizer, b, max_new_tokens=24,
+                             tuning=PipelineTuning(histories=histories, prefetch_window=0)) as on_b:
             first = on_a.chat("carol", "What is a load balancer?", timeout=600)
             a.flush()  # write-behind, done before the next turn arrives
             second = on_b.chat("carol", "Why would sessions move between servers?", timeout=600)

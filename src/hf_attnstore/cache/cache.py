@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..store import AttnStore, validate_session_id
-from .config import SparseConfig, TruncationConfig
+from .config import SparseConfig, TruncationConfig, truncation_of
 from .fingerprint import model_fingerprint, salted_fingerprint
 from .hooks import install_generation_hook, install_hooks
 from .rope import RopeAdapter
@@ -73,9 +73,9 @@ class AttnStoreCache(DynamicCache):
         context_window: Maximum tokens the model may see; ``None`` disables truncation.
         truncation: ``"decoupled"`` (default), ``"importance"`` (drop the least important tokens rather than the
             oldest), ``"recompute"`` or ``"naive"`` (evaluation baseline only), or a whole
-            :class:`TruncationConfig` (then leave the three options below at their defaults).
-        truncation_ratio: Fraction of the window dropped at an overflow.
-        keep_first: Leading tokens always kept as attention sinks.
+            :class:`TruncationConfig` (with `context_window` in it, and its `truncation_ratio`, `keep_first` and
+            `keep_recent`; then leave `context_window` unset). ``truncation_ratio=`` and ``keep_first=`` as
+            keywords of their own still work for one release, with a ``FutureWarning``.
         save: If ``False`` the cache only reads: the turn reuses the stored KV but the store is left exactly
             as it was (for scoring, evaluation, or branching several continuations off one history).
         cache_salt: KV is stored under, and reused from, this salt only (vLLM's ``cache_salt``): requests with
@@ -128,22 +128,17 @@ class AttnStoreCache(DynamicCache):
         *,
         context_window: int | None = None,
         truncation: str | TruncationConfig = "decoupled",
-        truncation_ratio: float = 0.5,
-        keep_first: int = 4,
         save: bool = True,
         cache_salt: str | None = None,
         kv_budget: float | int | SparseConfig | None = None,
+        **legacy,
     ):
         if not isinstance(model, nn.Module) or not hasattr(model, "config"):
             raise TypeError(f"`model` must be a transformers model, got {type(model).__name__}")
         if not isinstance(store, AttnStore):
             raise TypeError(f"`store` must be an AttnStore, got {type(store).__name__}")
-        if isinstance(truncation, TruncationConfig):  # a caller's validated settings, taken as they are
-            if (context_window, truncation_ratio, keep_first) != (None, 0.5, 4):
-                raise TypeError("pass either a `TruncationConfig` as `truncation` or the separate options")
-            self.truncation = truncation
-        else:
-            self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
+        # `truncation_ratio` and `keep_first` as keywords of their own: one more release, with a FutureWarning.
+        self.truncation = truncation_of(context_window, truncation, legacy, "AttnStoreCache")
         self.session_id = validate_session_id(session_id)
         if kv_budget is not None and not isinstance(kv_budget, SparseConfig):
             kv_budget = SparseConfig(kv_budget)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 
 TRUNCATION_MODES = ("decoupled", "importance", "recompute", "naive")
@@ -55,6 +56,39 @@ class TruncationConfig:
                     f"`keep_first` ({self.keep_first}) must be smaller than `context_window` "
                     f"({self.context_window}): the kept sink tokens alone would fill the window"
                 )
+
+
+#: The keywords `AttnStoreCache` and `ChatPipeline` took before they moved into `TruncationConfig`.
+LEGACY_TRUNCATION = ("truncation_ratio", "keep_first")
+
+
+def truncation_of(context_window: int | None, truncation: str | TruncationConfig, legacy: dict, owner: str,
+                  stacklevel: int = 3) -> TruncationConfig:
+    """The TruncationConfig of `owner`'s everyday `context_window` and `truncation` (a mode or a whole config).
+
+    `legacy` holds ``truncation_ratio`` and ``keep_first`` if the caller passed them as keywords of their own (the
+    pre-TruncationConfig way): they still work for one release, with a ``FutureWarning``.
+
+    Raises:
+        TypeError: An unknown keyword, or a `TruncationConfig` together with separate options.
+
+    Example:
+        >>> truncation_of(2048, "recompute", {}, "AttnStoreCache")
+        TruncationConfig(context_window=2048, truncation_ratio=0.5, keep_first=4, mode='recompute', keep_recent=64)
+    """
+    unknown = sorted(set(legacy) - set(LEGACY_TRUNCATION))
+    if unknown:
+        raise TypeError(f"{owner} got unexpected keyword argument(s) {', '.join(f'`{n}`' for n in unknown)}")
+    if isinstance(truncation, TruncationConfig):  # a caller's validated settings, taken as they are
+        if context_window is not None or legacy:
+            raise TypeError("pass either a `TruncationConfig` as `truncation` or the separate options")
+        return truncation
+    if legacy:
+        names = sorted(legacy)
+        warnings.warn(f"passing {', '.join(f'`{n}`' for n in names)} to {owner} directly is deprecated and will be "
+                      f"removed in the next release: use `truncation=TruncationConfig(context_window, "
+                      f"{', '.join(f'{n}=...' for n in names)}, mode=...)`", FutureWarning, stacklevel=stacklevel)
+    return TruncationConfig(context_window, mode=truncation, **legacy)
 
 
 SPARSE_POLICIES = ("alisa", "h2o", "streaming", "quest", "sparq", "oracle")

@@ -29,27 +29,68 @@ def cache_root() -> Path:
     return Path(os.environ.get("HF_ATTNSTORE_CACHE", Path.home() / ".cache" / "hf_attnstore"))
 
 
+def gguf_version(path: Path) -> str:
+    """What identifies a GGUF checkpoint's version: its size and a digest of its first and last MiB (a header
+    and tensors of each end), not where it is installed or when: a reinstalled package, or a new venv, finds the
+    copy converted before.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     a, b = Path(folder) / "a.gguf", Path(folder) / "b.gguf"
+        ...     _ = a.write_bytes(b"GGUF" + bytes(100)), b.write_bytes(b"GGUF" + bytes(100))
+        ...     gguf_version(a) == gguf_version(b), len(gguf_version(a))
+        (True, 12)
+    """
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    # "v3": copies keyed by content (v2 was keyed by path, mtime and transformers version; v1 lacked
+    # `architectures` in config.json, which transformers serve and pipeline() need).
+    digest.update(b"v3")
+    return digest.hexdigest()[:12]
+
+
+def _quiet_loading():
+    """transformers' progress bars off for a while (the conversion's load: the user sees one loading bar)."""
+    import contextlib
+
+    from transformers.utils import logging as hf_logging
+
+    @contextlib.contextmanager
+    def quiet():
+        was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            if was:
+                hf_logging.enable_progress_bar()
+
+    return quiet()
+
+
 def _converted_gguf(folder: Path, gguf_file: str) -> Path:
-    """De-quantizes a GGUF checkpoint once and keeps it as fp32 safetensors.
+    """De-quantizes a GGUF checkpoint once per version (:func:`gguf_version`) and keeps it as fp32 safetensors.
 
     De-quantizing SmolLM2's GGUF takes ~27 s on two cores; loading the converted copy takes ~0.5 s. The
-    copy is keyed by the GGUF file's size and mtime and the transformers version, and written atomically
-    (temporary folder, then rename) so a crash never leaves a half-written model behind.
+    copy is written atomically (temporary folder, then rename) so a crash never leaves a half-written model
+    behind.
     """
-    import transformers
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = folder / gguf_file
-    stat = src.stat()
-    # "v2": copies before it lacked `architectures` in config.json (transformers serve and pipeline() need it).
-    tag = hashlib.sha256(f"{src.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|v2".encode())
-    target = cache_root() / "models" / f"{Path(gguf_file).stem}-{tag.hexdigest()[:12]}"
+    target = cache_root() / "models" / f"{Path(gguf_file).stem}-{gguf_version(src)}"
     if (target / "model.safetensors").exists():
         return target
-    logger.info("converting %s once to %s", src, target)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    logger.warning("converting %s once to %s (about half a minute)", gguf_file, target)
+    with _quiet_loading():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from ..cache.chat import clip_text
 from .costs import CostModel
 from .data import load_sharegpt
-from ..serving.pipeline import ChatPipeline, Reply
-from ..store import AttnStore
+from ..serving.pipeline import ChatPipeline, PipelineTuning, Reply
+from ..store import AttnStore, StoreTuning
 from ..store.stats import StoreStats
 
 
@@ -336,7 +336,7 @@ def run_store(model, tokenizer, trace: Trace, cfg: ReplayConfig, *, policy: str 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="attnstore-replay-") as folder:
         store = AttnStore(host_bytes=host_bytes, disk_dir=folder if disk else None, disk_bytes=1 << 50,
-                          policy=policy, idle_flush_s=0.05)
+                          policy=policy, tuning=StoreTuning(idle_flush_s=0.05))
         peaks = {"host": 0, "disk": 0}
 
         def sample():
@@ -346,7 +346,8 @@ def run_store(model, tokenizer, trace: Trace, cfg: ReplayConfig, *, policy: str 
 
         try:
             with ChatPipeline(model, tokenizer, store, context_window=cfg.context_window,
-                              max_new_tokens=cfg.max_new_tokens, prefetch_window=None if prefetch else 0) as pipe:
+                              max_new_tokens=cfg.max_new_tokens,
+                              tuning=PipelineTuning(prefetch_window=None if prefetch else 0)) as pipe:
                 records, end = drive(pipe, trace, label=label, timeout_s=cfg.timeout_s, progress=progress,
                                      on_turn=sample)
             store.flush(cfg.timeout_s)

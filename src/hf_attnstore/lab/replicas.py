@@ -27,9 +27,9 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from ..serving.pipeline import ChatPipeline
+from ..serving.pipeline import ChatPipeline, PipelineTuning
 from .replay import ReplayConfig, ReplayRun, Trace, TurnRecord, host_capacity
-from ..store import AttnStore
+from ..store import AttnStore, StoreTuning
 from ..store.stats import StoreStats
 
 BALANCERS = ("random", "sticky")
@@ -114,11 +114,12 @@ def run_replicas(model, tokenizer, trace: Trace, cfg: ReplayConfig, *, replicas:
             for r in range(replicas):
                 disk_dir = Path(folder) / f"replica{r}" if disk else None
                 stores.append(AttnStore(host_bytes=host_bytes, disk_dir=disk_dir, disk_bytes=1 << 50, policy="lru",
-                                        idle_flush_s=0.05, remote=remote))
+                                        tuning=StoreTuning(idle_flush_s=0.05), remote=remote))
             # No prefetching: the driver submits one turn at a time, so a prefetch could overlap nothing and
             # would only relabel a load from disk or Redis as a host hit.
             pipes = [ChatPipeline(model, tokenizer, store, context_window=cfg.context_window,
-                                  max_new_tokens=cfg.max_new_tokens, histories=histories, prefetch_window=0)
+                                  max_new_tokens=cfg.max_new_tokens,
+                                  tuning=PipelineTuning(histories=histories, prefetch_window=0))
                      for store in stores]
             try:
                 records, end = drive_replicas(pipes, stores, trace, balancer, cfg.seed, label=label,

@@ -7,10 +7,15 @@ each scrape): hits per tier, bytes used and limits per tier, bytes moved, evicti
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..store import AttnStore
+
+# One INFO line per served turn (`attnstore -v serve`): its own name, so that it can be turned on alone.
+turn_log = logging.getLogger("hf_attnstore.turns")
 
 # Seconds: TTFT on a CPU ranges from tens of ms (a resumed turn) to tens of s (a long cold prefill).
 _BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
@@ -156,6 +161,9 @@ class ServerMetrics:
         self.retention.labels(retention or "default").inc()
 
     def observe(self, reply) -> None:
+        turn_log.info("turn %r: kv %s, reused %d, prefilled %d, generated %d tokens, TTFT %.0f ms, queued %.0f ms",
+                      reply.session_id, reply.kv_source, reply.reused_tokens, reply.prefilled_tokens,
+                      reply.generated_tokens, 1000 * reply.ttft_s, 1000 * reply.queued_s)
         self.turns.labels(reply.kv_source).inc()
         self.tokens.labels("reused").inc(reply.reused_tokens)
         self.tokens.labels("prefilled").inc(reply.prefilled_tokens)

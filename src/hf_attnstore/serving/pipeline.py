@@ -13,7 +13,9 @@ import contextlib
 import logging
 import threading
 import time
+import warnings
 from collections import deque
+from dataclasses import dataclass, fields, replace
 from collections.abc import Iterator, MutableMapping
 from concurrent.futures import Future
 
@@ -22,7 +24,7 @@ from transformers import DynamicCache, LogitsProcessorList, StoppingCriteriaList
 
 from ..cache.cache import AttnStoreCache
 from ..cache.chat import ChatTokens
-from ..cache.config import SparseConfig, TruncationConfig
+from ..cache.config import LEGACY_TRUNCATION, SparseConfig, TruncationConfig, truncation_of
 from ..cache.fingerprint import salted_fingerprint
 from ..store import AttnStore, lookahead_windows, parse_bytes, validate_session_id
 from .jobs import Cancelled, Job, PipelineClosed, Prepared, Reply, Tee, token_logprobs  # noqa: F401 (Reply, PipelineClosed: re-exported)
@@ -33,40 +35,26 @@ from ..cache.upstream import cache_kwargs
 logger = logging.getLogger(__name__)
 
 
-class ChatPipeline:
-    """Multi-turn chat with KV reuse across turns.
+@dataclass(frozen=True)
+class PipelineTuning:
+    """The scheduling and batching knobs of a :class:`ChatPipeline`; most users set none of them.
 
     Args:
-        model, tokenizer: A causal LM and its tokenizer (with a chat template).
-        store: The :class:`AttnStore` holding sessions between turns, or ``None`` to recompute the whole
-            history every turn (the RE baseline: token truncation on overflow, no reuse).
-        context_window: Maximum tokens the model sees; overflowing sessions are truncated (decoupled).
-        truncation, truncation_ratio, keep_first: See :class:`AttnStoreCache`.
+        prefetch_window: Waiting jobs whose sessions are fetched ahead; default ``2 C_host / S_kv`` (twice
+            the host capacity over the mean session KV size, measured as the store fills: an upper bound,
+            since the store fetches in queue order only what fits).
+        eviction_window: Waiting jobs told to the eviction policy; default ``(C_host + C_disk) / S_kv``.
+        max_batch_tokens: With batching, the most tokens one iteration of the batch computes: the running
+            members' decoding step (one token each) and chunks of joining turns' prompts. A long prompt is then
+            prefilled in chunks between decoding steps, so running replies keep streaming (chunked prefill).
+            ``None`` (default) prefills each joining prompt in one forward: the fastest on a CPU. Must exceed
+            ``max_batch_size``.
         max_batch_kv_bytes: With batching, the most bytes of KV the batch cache may hold (``"2GiB"`` or a count):
             a turn joins only when every row, as wide as the widest, fits with the tokens the members may still
             decode; otherwise it waits, first in line, for members to leave (a turn alone always runs). What a GPU's
             memory bounds; with `kv_budget` rows are smaller, so more turns join. Not counted: while the batch cache
             grows, its old and new slabs coexist for the copy (up to about twice the bound), and a joining turn's
             own KV during its prefill. ``None`` (default): rows are bounded by `max_batch_size` alone.
-        kv_budget: Sparse window attention over every session (ALISA, see :class:`AttnStoreCache`): a fraction of
-            the history (``0.2``: 80% sparsity), a token count, or a :class:`~hf_attnstore.cache.SparseConfig`.
-            In a batch, a member's row holds only its budget, re-selected before every step (sparse_rows.py). Needs
-            a store.
-        system_prompt: A system message placed first in every session.
-        prefetch_window: Waiting jobs whose sessions are fetched ahead; default ``2 C_host / S_kv`` (twice
-            the host capacity over the mean session KV size, measured as the store fills: an upper bound,
-            since the store fetches in queue order only what fits).
-        eviction_window: Waiting jobs told to the eviction policy; default ``(C_host + C_disk) / S_kv``.
-        max_new_tokens: Reply length limit; other `generate` keyword arguments are passed through. A turn's
-            reply is also cut where the model's positions end (see :attr:`position_limit`): a prompt of ``P``
-            tokens gets at most ``position_limit - P`` (at least one), whatever it asked.
-        max_batch_size: Turns of different sessions decoded together (continuous batching: a turn joins or
-            leaves between decoding steps; see `batching.py`). 1 runs one turn at a time with `generate`.
-        max_batch_tokens: With batching, the most tokens one iteration of the batch computes: the running
-            members' decoding step (one token each) and chunks of joining turns' prompts. A long prompt is then
-            prefilled in chunks between decoding steps, so running replies keep streaming (chunked prefill).
-            ``None`` (default) prefills each joining prompt in one forward: the fastest on a CPU. Must exceed
-            ``max_batch_size``.
         histories: Where each session's token ids are kept between turns (the conversation itself, not its
             KV): a fresh dict by default. Replicas behind a load balancer share one mapping (standing in for
             the conversation database, or for clients that send the whole conversation), so a turn that
@@ -76,18 +64,72 @@ class ChatPipeline:
             never saw a conversation takes its ids from the store, the remote tier included.)
 
     Example:
+        >>> PipelineTuning(max_batch_tokens=512).max_batch_tokens
+        512
+    """
+
+    prefetch_window: int | None = None
+    eviction_window: int | None = None
+    max_batch_tokens: int | None = None
+    max_batch_kv_bytes: int | str | None = None
+    histories: MutableMapping[str, torch.Tensor] | None = None
+
+
+def _tuning_of(tuning: PipelineTuning | None, generate_kwargs: dict) -> PipelineTuning:
+    """`tuning`, with the knobs a caller passed as keywords of their own (the pre-PipelineTuning way, found among
+    the `generate` keyword arguments) moved into it, with a ``FutureWarning``: one more release."""
+    if tuning is not None and not isinstance(tuning, PipelineTuning):
+        raise TypeError(f"`tuning` must be a PipelineTuning, got {type(tuning).__name__}")
+    legacy = {f.name: generate_kwargs.pop(f.name) for f in fields(PipelineTuning) if f.name in generate_kwargs}
+    if not legacy:
+        return tuning or PipelineTuning()
+    names = sorted(legacy)
+    warnings.warn(f"passing {', '.join(f'`{n}`' for n in names)} to ChatPipeline directly is deprecated and will be "
+                  f"removed in the next release: use `tuning=PipelineTuning({', '.join(f'{n}=...' for n in names)})`",
+                  FutureWarning, stacklevel=3)
+    return replace(tuning or PipelineTuning(), **legacy)
+
+
+class ChatPipeline:
+    """Multi-turn chat with KV reuse across turns.
+
+    Args:
+        model, tokenizer: A causal LM and its tokenizer (with a chat template).
+        store: The :class:`AttnStore` holding sessions between turns, or ``None`` to recompute the whole
+            history every turn (the RE baseline: token truncation on overflow, no reuse).
+        context_window: Maximum tokens the model sees; overflowing sessions are truncated (decoupled).
+        truncation: See :class:`AttnStoreCache` (a mode, or a :class:`TruncationConfig`).
+        kv_budget: Sparse window attention over every session (ALISA, see :class:`AttnStoreCache`): a fraction of
+            the history (``0.2``: 80% sparsity), a token count, or a :class:`~hf_attnstore.cache.SparseConfig`.
+            In a batch, a member's row holds only its budget, re-selected before every step (sparse_rows.py). Needs
+            a store.
+        system_prompt: A system message placed first in every session.
+        max_new_tokens: Reply length limit; other `generate` keyword arguments are passed through. A turn's
+            reply is also cut where the model's positions end (see :attr:`position_limit`): a prompt of ``P``
+            tokens gets at most ``position_limit - P`` (at least one), whatever it asked.
+        max_batch_size: Turns of different sessions decoded together (continuous batching: a turn joins or
+            leaves between decoding steps; see `batching.py`). 1 runs one turn at a time with `generate`.
+        tuning: The scheduling and batching knobs (:class:`PipelineTuning`: prefetch and eviction windows,
+            chunked prefill, the batch's KV bound, shared histories). ``prefetch_window=`` and the others as
+            keywords of their own still work for one release, with a ``FutureWarning``.
+
+    Example:
         >>> pipe = ChatPipeline(model, tokenizer, AttnStore("2GiB"), max_new_tokens=64)  # doctest: +SKIP
         >>> pipe.chat("alice", "Hello!").text  # doctest: +SKIP
     """
 
     def __init__(self, model, tokenizer, store: AttnStore | None, *, context_window: int | None = None,
-                 truncation: str = "decoupled", truncation_ratio: float = 0.5, keep_first: int = 4,
-                 system_prompt: str | None = None, prefetch_window: int | None = None,
-                 eviction_window: int | None = None, max_new_tokens: int = 256,
-                 histories: MutableMapping[str, torch.Tensor] | None = None, max_batch_size: int = 1,
-                 max_batch_tokens: int | None = None, max_batch_kv_bytes: int | str | None = None,
-                 kv_budget: float | int | SparseConfig | None = None, **generate_kwargs):
-        self.truncation = TruncationConfig(context_window, truncation_ratio, keep_first, truncation)
+                 truncation: str | TruncationConfig = "decoupled", system_prompt: str | None = None,
+                 max_new_tokens: int = 256, max_batch_size: int = 1,
+                 kv_budget: float | int | SparseConfig | None = None, tuning: PipelineTuning | None = None,
+                 **generate_kwargs):
+        tuning = _tuning_of(tuning, generate_kwargs)  # old keywords: one more release, with a FutureWarning
+        prefetch_window, eviction_window = tuning.prefetch_window, tuning.eviction_window
+        max_batch_tokens, max_batch_kv_bytes = tuning.max_batch_tokens, tuning.max_batch_kv_bytes
+        histories = tuning.histories
+        legacy = {name: generate_kwargs.pop(name) for name in LEGACY_TRUNCATION if name in generate_kwargs}
+        self.truncation = truncation_of(context_window, truncation, legacy, "ChatPipeline")
+        truncation = self.truncation.mode
         if kv_budget is not None and store is None:
             raise ValueError("`kv_budget` keeps a stored session sparse: pass a store (without one, every turn "
                              "recomputes its whole history densely)")

@@ -16,7 +16,7 @@ import sys
 import warnings
 
 from .buffer import LoadError, LoadHandle, Segment, SessionBuffer, SessionKV, copy_into, dense
-from .config import StoreConfig, parse_bytes
+from .config import StoreConfig, StoreTuning, parse_bytes
 from .format import FormatError, bytes_per_token, make_geometry
 from .index import MAX_SESSION_ID_BYTES, validate_session_id
 from .loader import MIN_PREFILL_TOKENS, ResumeCosts
@@ -30,7 +30,7 @@ from .writer import TurnWriter
 
 __all__ = ["AttnStore", "Deadline", "DiskLockedError", "FormatError", "Found", "LoadError", "LoadHandle", "Match",
            "MAX_SESSION_ID_BYTES", "MIN_PREFILL_TOKENS", "OnceLogger", "RemoteUnavailableError", "ResumeCosts", "Segment", "SessionBuffer", "SessionKV", "SessionState",
-           "StoreConfig", "StoreIOError", "StoreStats", "TurnWriter", "bytes_per_token", "copy_into", "dense",
+           "StoreConfig", "StoreIOError", "StoreStats", "StoreTuning", "TurnWriter", "bytes_per_token", "copy_into", "dense",
            "connect_redis", "lookahead_windows", "make_geometry", "parse_bytes", "redacted", "selection_name", "validate_session_id"]
 
 # The modules of the release before, by their path under `hf_attnstore.store`, and where their code is now.

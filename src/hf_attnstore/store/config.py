@@ -1,13 +1,14 @@
-"""Typed settings of an AttnStore (`StoreConfig`, validated on construction), and byte sizes given as numbers or
-strings ("4GiB"): one parser for every size the store and the CLI take.
-"""
+"""Typed settings of an AttnStore: the everyday options, the tuning knobs (`StoreTuning`), the flat
+`StoreConfig` the store's modules read, and byte sizes given as numbers or strings ("4GiB"): one parser
+for every size the store and the CLI take."""
 
 from __future__ import annotations
 
 import math
 import os
 import re
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -290,6 +291,16 @@ class StoreConfig:
             raise ValueError(f"`kv_codec` must be None, 'int8' or 'int4', got {self.kv_codec!r}")
         return KVCodec(self.kv_codec, self.kv_codec_group)
 
+    @property
+    def tuning(self) -> StoreTuning:
+        """The tuning knobs of this config, as a :class:`StoreTuning` (the rest are the everyday options).
+
+        Example:
+            >>> StoreConfig(chunk_tokens=64).tuning.chunk_tokens
+            64
+        """
+        return StoreTuning(**{name: getattr(self, name) for name in TUNING})
+
     def layerwise_on(self, device: torch.device) -> bool:
         """Whether a session loading from disk is consumed layer by layer on `device` (see `preload`).
 
@@ -299,3 +310,93 @@ class StoreConfig:
             (False, True)
         """
         return self.preload if self.preload is not None else device.type == "cuda"
+
+
+# The options a user sets, as `AttnStore(...)` keywords; every other StoreConfig field is a StoreTuning field.
+EVERYDAY = ("host_bytes", "disk_dir", "disk_bytes", "remote", "remote_required", "policy", "ttl_s", "namespace",
+            "kv_codec", "share_prefixes", "partial_eviction", "recompute_by_cost")
+
+
+@dataclass(frozen=True)
+class StoreTuning:
+    """The tuning and research knobs of an :class:`~hf_attnstore.AttnStore`, in one place.
+
+    Each field means what the :class:`StoreConfig` field of the same name means (see there); the defaults are
+    StoreConfig's, and they are validated when the store's config is built. Most users set none of them.
+
+    Args:
+        chunk_tokens: Tokens per chunk file (256).
+        read_buffer_layers: How far the disk loader may run ahead of the model, in layers (None: no limit).
+        preload: Layer-wise loading (True), whole-session (False), or by device (None: layer-wise on CUDA).
+        idle_flush_s: A session whose last write is this old is persisted (0.5 s).
+        save_while_computing: Write ended turns behind at once, even while forwards run (False).
+        pin_memory: Page-locked host buffers (None: when CUDA is available).
+        fsync: Make disk writes durable (True; only tests and page-cache benchmarks turn it off).
+        io_timeout_s: Longest wait for one layer of a load, and for `flush` (60 s).
+        kv_codec_group: Values per scale of a lossy `kv_codec` (32).
+        kv_codec_host: With a lossy codec, keep the host copy encoded too (True).
+        sparse_copies: Disk and remote copies keep only the tokens a sparse session's next turn keeps (False).
+        block_pool: A pool of prefix blocks shared by every session (None).
+        remote_ttl_s: Expiry of what is written to the remote tier (None: until Redis evicts it).
+        remote_timeout_s: Socket timeout of each remote call (2 s).
+
+    Example:
+        >>> from hf_attnstore import AttnStore, StoreTuning
+        >>> store = AttnStore(host_bytes="64MiB", tuning=StoreTuning(chunk_tokens=64))
+        >>> store.config.chunk_tokens, store.config.tuning.chunk_tokens
+        (64, 64)
+        >>> store.close()
+    """
+
+    chunk_tokens: int = 256
+    read_buffer_layers: int | None = None
+    preload: bool | None = None
+    idle_flush_s: float = 0.5
+    save_while_computing: bool = False
+    pin_memory: bool | None = None
+    fsync: bool = True
+    io_timeout_s: float = 60.0
+    kv_codec_group: int = 32
+    kv_codec_host: bool = True
+    sparse_copies: bool = False
+    block_pool: object | None = None  # a lab.block_pool.BlockPoolConfig
+    remote_ttl_s: float | None = None
+    remote_timeout_s: float = 2.0
+
+
+TUNING = tuple(f.name for f in fields(StoreTuning))
+assert set(EVERYDAY) | set(TUNING) == {f.name for f in fields(StoreConfig)} and not set(EVERYDAY) & set(TUNING), \
+    "every StoreConfig field is either an everyday option or a StoreTuning field"
+
+
+def build_config(config: StoreConfig | None, tuning: StoreTuning | None, legacy: dict, **everyday) -> StoreConfig:
+    """The StoreConfig of ``AttnStore(...)``: its everyday keywords, `tuning`, or a whole `config`.
+
+    A tuning knob passed as a keyword of its own (`legacy`, the pre-StoreTuning way) still works for one release,
+    with a ``FutureWarning`` that says where it goes now; it overrides the same field of `tuning`.
+
+    Raises:
+        TypeError: An unknown keyword, or `config` together with other options.
+
+    Example:
+        >>> build_config(None, StoreTuning(fsync=False), {}, host_bytes="1MiB").fsync
+        False
+    """
+    unknown = sorted(set(legacy) - set(TUNING))
+    if unknown:
+        raise TypeError(f"unknown AttnStore option(s) {', '.join(f'`{n}`' for n in unknown)}: the everyday ones are "
+                        f"{', '.join(EVERYDAY)}; the tuning knobs go in `tuning=StoreTuning(...)`")
+    if tuning is not None and not isinstance(tuning, StoreTuning):
+        raise TypeError(f"`tuning` must be a StoreTuning, got {type(tuning).__name__}")
+    if config is not None:
+        defaults = StoreConfig.__dataclass_fields__
+        if legacy or tuning is not None or any(value != defaults[name].default for name, value in everyday.items()):
+            raise TypeError("pass either `config` or separate options, not both")
+        return config
+    if legacy:
+        warnings.warn(f"passing {', '.join(f'`{n}`' for n in sorted(legacy))} to AttnStore directly is deprecated "
+                      f"and will be removed in the next release: use `tuning=StoreTuning({', '.join(f'{n}=...' for n in sorted(legacy))})`",
+                      FutureWarning, stacklevel=3)
+        tuning = replace(tuning or StoreTuning(), **legacy)
+    tuning = tuning or StoreTuning()
+    return StoreConfig(**everyday, **{name: getattr(tuning, name) for name in TUNING})

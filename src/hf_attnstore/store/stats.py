@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 
 class OnceLogger:
@@ -35,6 +36,9 @@ class OnceLogger:
 class StoreStats:
     """Counters of an :class:`AttnStore` (a copy is returned by :meth:`AttnStore.stats`).
 
+    The figures a user reads first are in :meth:`summary` (one line) and the ``"usage"`` group; every field
+    belongs to one group of :attr:`GROUPS` (:meth:`grouped` returns them so), listed in docs/options.md.
+
     Example:
         >>> from hf_attnstore import AttnStore
         >>> store = AttnStore(host_bytes="1MiB")
@@ -42,7 +46,30 @@ class StoreStats:
         >>> stats = store.stats()
         >>> stats.lookups, stats.hits, stats.misses, stats.host_bytes_limit
         (1, 0, 1, 1048576)
+        >>> stats.summary()
+        '0 sessions (0 in host memory, 0 on disk); 1 lookups: 0 hits (host 0, disk 0, remote 0), 1 misses; host 0.0 of 1.0 MiB; errors 0'
+        >>> stats.grouped()["usage"]["misses"]
+        1
     """
+
+    #: Every field, by what it tells. "usage" comes first: what a user reads to see that the store works.
+    GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "usage": ("sessions", "host_sessions", "disk_sessions", "lookups", "hits_host", "hits_disk", "hits_remote",
+                  "misses", "prefix_hits", "host_bytes_used", "host_bytes_limit", "disk_bytes_used",
+                  "disk_bytes_limit"),
+        "errors": ("write_errors", "load_errors", "remote_errors", "stale_writes", "rejected_too_large",
+                   "rejected_no_room"),
+        "traffic": ("appended_tokens", "prefetches", "bytes_read", "read_seconds", "bytes_written", "write_seconds",
+                    "remote_bytes_read", "remote_read_seconds", "remote_bytes_written", "loads_in_flight",
+                    "saves_pending", "host_encoded_tokens", "states_kept", "states_refused"),
+        "eviction": ("demotions", "host_drops", "disk_drops", "head_drops", "head_dropped_tokens", "ttl_expired",
+                     "retained_dropped", "retained_sessions"),
+        "remote": ("remote_down", "remote_restarts", "remote_restores"),
+        "load_or_recompute": ("resume_decisions", "resume_recomputes", "resume_recomputed_tokens",
+                              "resume_load_gbps", "resume_prefill_tokens_per_s", "resume_load_estimate_s",
+                              "resume_chosen_estimate_s"),
+        "block_pool": ("block_lookups", "block_hit_tokens", "blocks_inserted", "blocks_evicted", "pool_blocks"),
+    }
 
     lookups: int = 0
     hits_host: int = 0
@@ -118,3 +145,26 @@ class StoreStats:
     @property
     def read_gbps(self) -> float:
         return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
+
+    @property
+    def errors(self) -> int:
+        """Failed writes, loads and remote calls, and refused appends: 0 on a healthy store."""
+        return sum(getattr(self, name) for name in self.GROUPS["errors"])
+
+    def grouped(self) -> dict[str, dict[str, int | float]]:
+        """The fields by group (see :attr:`GROUPS`), "usage" first."""
+        values = asdict(self)
+        return {group: {name: values[name] for name in names} for group, names in self.GROUPS.items()}
+
+    def summary(self) -> str:
+        """One line of what a user reads first: sessions, hits per tier, misses, memory, errors."""
+        line = (f"{self.sessions} sessions ({self.host_sessions} in host memory, {self.disk_sessions} on disk); "
+                f"{self.lookups} lookups: {self.hits} hits (host {self.hits_host}, disk {self.hits_disk}, remote "
+                f"{self.hits_remote}), {self.misses} misses; host {self.host_bytes_used / 2**20:.1f} of "
+                f"{self.host_bytes_limit / 2**20:.1f} MiB")
+        if self.disk_sessions or self.disk_bytes_used:
+            line += f", disk {self.disk_bytes_used / 2**20:.1f} of {self.disk_bytes_limit / 2**30:.1f} GiB"
+        if self.remote_down:
+            line += ", remote tier down"
+        return f"{line}; errors {self.errors}"
+

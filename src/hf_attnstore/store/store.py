@@ -31,7 +31,7 @@ import torch
 
 from .buffer import LoadError, SessionKV
 from .codec import serves
-from .config import StoreConfig
+from .config import StoreConfig, StoreTuning, build_config
 from .format import prefix_digest
 from .index import Entry, Eviction, Key, NoDiskRoom, StoreState, Write, validate_session_id
 from .loader import LoadPlanner, ResumeCosts
@@ -92,17 +92,21 @@ class AttnStore:
     """
 
     def __init__(self, host_bytes: int | str = "2GiB", disk_dir: str | os.PathLike | None = None, *,
-                 config: StoreConfig | None = None, **options):
-        """See :class:`StoreConfig` for every option (`disk_bytes`, `ttl_s`, `policy`, `namespace`, ...).
+                 disk_bytes: int | str = "100GiB", remote: str | None = None, remote_required: bool = False,
+                 policy: str = "lru", ttl_s: float | None = None, namespace: str | None = None,
+                 kv_codec: str | None = None, share_prefixes: bool = True, partial_eviction: bool = False,
+                 recompute_by_cost: bool = False, tuning: StoreTuning | None = None,
+                 config: StoreConfig | None = None, **legacy):
+        """The everyday options; the tuning knobs go in `tuning` (see :class:`StoreConfig` for what each means).
 
         Raises:
             TypeError: An unknown option, or one of the wrong type.
             DiskLockedError: Another store has `disk_dir` open.
         """
-        if config is None:
-            config = StoreConfig(host_bytes=host_bytes, disk_dir=disk_dir, **options)
-        elif options or disk_dir is not None:
-            raise TypeError("pass either `config` or separate options, not both")
+        config = build_config(config, tuning, legacy, host_bytes=host_bytes, disk_dir=disk_dir, disk_bytes=disk_bytes,
+                              remote=remote, remote_required=remote_required, policy=policy, ttl_s=ttl_s,
+                              namespace=namespace, kv_codec=kv_codec, share_prefixes=share_prefixes,
+                              partial_eviction=partial_eviction, recompute_by_cost=recompute_by_cost)
         self.config = config
         self._index = StoreState(config, has_disk=config.disk_dir is not None,
                                  has_lower=config.disk_dir is not None or config.remote is not None)

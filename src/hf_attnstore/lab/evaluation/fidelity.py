@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from ...cache.cache import AttnStoreCache
 from ...cache.chat import ChatTokens, clip_text
 from ..data import load_sharegpt
-from ...store import AttnStore
+from ...store import AttnStore, StoreTuning
 from ...cache.upstream import cache_kwargs
 
 
@@ -108,8 +108,8 @@ def codec_fidelity(model, tokenizer, codecs=("int8", "int4"), *, turns: int = 20
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="attnstore-codec-") as root:
-        stores = {name: AttnStore(host_bytes=2**62, disk_dir=f"{root}/{name}", kv_codec=name, fsync=False,
-                                  idle_flush_s=0.05) for name in codecs}
+        stores = {name: AttnStore(host_bytes=2**62, disk_dir=f"{root}/{name}", kv_codec=name,
+                                  tuning=StoreTuning(fsync=False, idle_flush_s=0.05)) for name in codecs}
         try:
             return _replay(model, tokenizer, {name: (store, True) for name, store in stores.items()}, turns,
                            max_new_tokens, max_user_tokens, max_turns_per_conversation, max_prompt_tokens, progress)

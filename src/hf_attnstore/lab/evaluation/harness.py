@@ -30,8 +30,8 @@ from lm_eval.api.registry import register_model
 from tqdm.auto import tqdm
 
 from ...cache.cache import AttnStoreCache
-from ...cache.config import SparseConfig
-from ...store import AttnStore
+from ...cache.config import SparseConfig, TruncationConfig
+from ...store import AttnStore, StoreTuning
 from ...cache.upstream import cache_kwargs
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,8 @@ class AttnStoreLM(TemplateLM):
             # The filler goes through a cold copy with the codec: written to a disk tier, evicted, and loaded
             # back (dequantized) by the first request; every request then reads the same lossy history.
             self._tmp = tempfile.TemporaryDirectory(prefix="attnstore-lm-eval-")
-            self._store = AttnStore(host_bytes=2**62, disk_dir=self._tmp.name, kv_codec=kv_codec, fsync=False)
+            self._store = AttnStore(host_bytes=2**62, disk_dir=self._tmp.name, kv_codec=kv_codec,
+                                    tuning=StoreTuning(fsync=False))
         # The filler's first turn is dense (nothing before it to select from) and stores its scores for the requests.
         self._sparse = None if kv_budget in (None, "", "none") else SparseConfig(float(kv_budget), policy=sparse_policy)
         self._label = truncation if self._sparse is None else f"{sparse_policy}@{float(kv_budget):g}"
@@ -157,8 +158,8 @@ class AttnStoreLM(TemplateLM):
         window = None if self.truncation == "none" else self.context_window
         mode = "decoupled" if self.truncation == "none" else self.truncation
         prompt = torch.cat([self._filler, torch.tensor(request_ids, dtype=torch.long)])
-        return AttnStoreCache(self.model, self._store, "filler", prompt, context_window=window, truncation=mode,
-                              keep_first=self.keep_first, truncation_ratio=self.truncation_ratio, save=False,
+        truncation = TruncationConfig(window, self.truncation_ratio, self.keep_first, mode)
+        return AttnStoreCache(self.model, self._store, "filler", prompt, truncation=truncation, save=False,
                               kv_budget=self._sparse)
 
     def _fit(self, context: list[int], continuation: list[int]) -> list[int]:

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from ...cache.cache import AttnStoreCache
 from ...cache.config import TruncationConfig
-from ...store import AttnStore
+from ...store import AttnStore, StoreTuning
 from ...cache.truncation import tokens_to_drop
 from ...cache.upstream import cache_kwargs
 
@@ -178,7 +178,8 @@ def _store_turns(model, config: TruncationConfig, mode: str, kv_codec: str | Non
         store = AttnStore(host_bytes=2**62)  # one session; the store only keeps it between turns
     else:
         tmp = tempfile.TemporaryDirectory(prefix="attnstore-ppl-")
-        store = AttnStore(host_bytes=2**62, disk_dir=tmp.name, kv_codec=kv_codec, fsync=False, idle_flush_s=0.05)
+        store = AttnStore(host_bytes=2**62, disk_dir=tmp.name, kv_codec=kv_codec,
+                          tuning=StoreTuning(fsync=False, idle_flush_s=0.05))
     if mode == "full":
         config = dataclasses.replace(config, context_window=None, mode="decoupled")
     else:

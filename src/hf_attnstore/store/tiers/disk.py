@@ -118,6 +118,7 @@ class DiskTier(Tier):
     Raises:
         DiskLockedError: Another store has the folder open.
         ValueError: The folder (or its ``sessions`` entry) exists but is not a folder.
+        OSError: The folder cannot be created or written (its message names `disk_dir`).
 
     Example:
         >>> import tempfile
@@ -145,8 +146,12 @@ class DiskTier(Tier):
         for path in (self.root, self.sessions_root):
             if path.exists() and not path.is_dir():
                 raise ValueError(f"`disk_dir`: {path} exists and is not a folder; pass a folder (or a new path)")
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:  # the same type (a PermissionError stays one), with a message that names the option
+            raise type(exc)(exc.errno, f"`disk_dir` {os.fspath(root)!r} cannot be created or written ({exc.strerror}): "
+                            "pass a folder this process can write, e.g. ~/.cache/hf_attnstore/kv") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
