@@ -30,7 +30,7 @@ from ..cache import upstream
 from ..cache.fingerprint import salted_fingerprint
 from .pipeline import ChatPipeline, Reply
 from .conversation import MessageTokens, ReplyMemo, SessionIndex
-from .forced import CallLayout, call_layout
+from .forced import CallLayout, ForcingUnsupported, call_layout, call_tags
 from .shared_state import SharedState
 from .structured import Grammars
 from .tools import ReplyParser, call_key
@@ -286,8 +286,10 @@ class ChatEngine:
             layout = self._layouts[tags] = call_layout(self.tokens.render, tags)
         return layout
 
-    def reply_parser(self, turn: RequestTurn, tools: list[dict], parallel: bool = True) -> ReplyParser:
-        """A parser of `turn`'s reply into content and tool calls.
+    def reply_parser(self, turn: RequestTurn, tools: list[dict], parallel: bool = True,
+                     drop_repeats: bool = False) -> ReplyParser:
+        """A parser of `turn`'s reply into content and tool calls (JSON-aware when the template's calls are a JSON
+        object between two tags; `drop_repeats` for a forced reply of several calls: `tools.ReplyParser`).
 
         Raises:
             ToolsUnsupported: No response template is known for this model.
@@ -297,7 +299,12 @@ class ChatEngine:
                                    "with (its tokenizer has none): start it with --response-template FILE, or "
                                    "send no tools")
         prompt = self.pipeline.tokenizer.decode(turn.model_ids)
-        return ReplyParser(self.pipeline.tokenizer, self.response_template, prompt, tools, parallel)
+        try:
+            tags = call_tags(self.response_template)
+        except ForcingUnsupported:  # calls written otherwise (XML arguments...): the template's parser alone
+            tags = None
+        return ReplyParser(self.pipeline.tokenizer, self.response_template, prompt, tools, parallel, tags,
+                           drop_repeats)
 
     def finish(self, turn: RequestTurn, reply: Reply, parser: ReplyParser | None = None) -> Remembered | None:
         """Records a finished turn: the session's ids for the index, and the reply's exact ids for the memo
@@ -310,6 +317,10 @@ class ChatEngine:
         if reply.cancelled:  # the client never saw the whole reply and will not send it back
             self._index(turn.session_id, turn.client_ids, list(reply.prompt_ids), scope)
             return None
+        if parser is not None and parser.kept_text is not None:
+            # A forced reply that ended on a repeated call: the client is given the calls before it, and sends
+            # those back; the memo's ids are theirs, so the repeat never enters the next prompt.
+            content = self._prefix_of(content, parser.kept_text)
         if parser is not None and parser.calls:
             # As the template renders it: special tokens kept.
             remembered = Remembered(self.pipeline.tokenizer.decode(content), content,
@@ -319,6 +330,17 @@ class ChatEngine:
         self.remember(remembered, scope)
         self._index(turn.session_id, turn.client_ids + content, list(reply.prompt_ids) + content, scope)
         return remembered
+
+    def _prefix_of(self, ids: list[int], text: str) -> list[int]:
+        """The longest prefix of `ids` that decodes to `text` (all of `ids` when none does)."""
+        decode = self.pipeline.tokenizer.decode
+        for k in range(len(ids), -1, -1):
+            decoded = decode(ids[:k])
+            if decoded == text:
+                return ids[:k]
+            if len(decoded) < len(text):
+                break
+        return ids
 
     def remember(self, reply: Remembered, scope: str = "") -> None:
         """Gives the memo a reply's exact ids (again: a stored response's, after a restart)."""

@@ -78,7 +78,7 @@ class ResponsesServing(OpenAIServing):
         if reply is None:
             return self.gone()
         if started.parser is not None:
-            self.parse_whole(started.parser, reply)
+            self.parse_whole(started.parser, reply, started.max_new)
         result = await self.finish(started, reply, body, response_id, scope)
         return JSONResponse(result, headers={"X-Session-ID": started.turn.session_id})
 
