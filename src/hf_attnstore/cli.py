@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from .cache.config import SPARSE_POLICIES, SparseConfig
+from .serving.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the id `attnstore serve` gives the bundled model
 
@@ -203,6 +204,8 @@ def build_server(args: argparse.Namespace) -> Server:
     from .serving.shared_state import SharedState, tokenizer_digest
     from .store import AttnStore
 
+    if args.response_template and args.tool_call_parser:
+        raise ValueError("--response-template and --tool-call-parser both say how tool calls are parsed: give one")
     model, tokenizer = load_default_model(args.model, dtype=args.dtype)
     name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     response_template = None
@@ -243,7 +246,8 @@ def build_server(args: argparse.Namespace) -> Server:
                              timeout_s=store.config.remote_timeout_s,
                              vocab_size=getattr(model.config.get_text_config(), "vocab_size", None))
     try:
-        engine = ChatEngine(pipe, max_pending=args.max_pending, response_template=response_template, shared=shared)
+        engine = ChatEngine(pipe, max_pending=args.max_pending, response_template=response_template, shared=shared,
+                            tool_call_parser=args.tool_call_parser)
     except ValueError:
         pipe.close(timeout=args.request_timeout)
         store.close()
@@ -472,6 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--response-template", default=None,
                     help="a JSON file in transformers' response-template format: how tool calls are parsed from "
                          "replies (default: the tokenizer's, else transformers serve's for the model's family)")
+    sv.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                    help="the tool-call format by name, as vLLM's flag (hermes: <tool_call>{json}</tool_call>), "
+                         "instead of --response-template (default: the tokenizer's, else transformers serve's for the "
+                         "model's family, else the format the chat template is recognised to write)")
     sv.add_argument("--request-timeout", type=float, default=600.0, help="longest wait for one turn, seconds")
     sv.set_defaults(func=_serve)
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from transformers import LogitsProcessorList
 
 from .base import OpenAIServing, Started, generate_options, sse_data, store_info, usage_of
+from .conversation import ToolsUnrenderable
 from .engine import ToolsUnsupported, RequestTurn
 from .errors import APIError
 from .forced import ForcingUnsupported, forced_call_processor
@@ -116,6 +117,8 @@ class ChatServing(OpenAIServing):
                 if body.parses_tool_calls() else None
         except ToolsUnsupported as exc:
             raise APIError(400, str(exc), param="tools")
+        except ToolsUnrenderable as exc:
+            raise APIError(400, str(exc), param=exc.param)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages")
         if forced is None:

@@ -21,6 +21,7 @@ tokens.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import uuid
 from concurrent.futures import Future
@@ -32,8 +33,11 @@ from .pipeline import ChatPipeline, Reply
 from .conversation import MessageTokens, ReplyMemo, SessionIndex
 from .forced import CallLayout, ForcingUnsupported, call_layout, call_tags
 from .shared_state import SharedState
+from . import tool_parsers
 from .structured import Grammars
 from .tools import ReplyParser, call_key
+
+logger = logging.getLogger(__name__)
 
 
 def _ids(value) -> list[int]:
@@ -107,7 +111,10 @@ class ChatEngine:
         max_sessions: Conversations the index remembers (least recently used forgotten first).
         response_template: How to parse tool calls out of replies (transformers' response-template format);
             default: the tokenizer's, else the one `transformers serve` uses for the model's family
-            (`upstream.response_template`). Without one, requests with tools are refused.
+            (`upstream.response_template`), else that of the format the chat template writes calls in, when it is
+            one we know (`tool_parsers.recognise`). Without one, requests with tools are refused.
+        tool_call_parser: A format by name instead (`tool_parsers.TOOL_CALL_PARSERS`: ``"hermes"``), built for this
+            chat template; one or the other of `response_template`.
         shared: The state replicas behind one load balancer share (`shared_state.SharedState`, in the Redis of
             the store's remote tier): where each session stands and the memo of generated replies, so that any
             replica continues a conversation another one served (found by its messages, or named). Default: this
@@ -119,9 +126,12 @@ class ChatEngine:
     """
 
     def __init__(self, pipeline: ChatPipeline, *, max_pending: int = 64, session_block: int = 16,
-                 max_sessions: int = 100_000, response_template: dict | None = None, shared: SharedState | None = None):
+                 max_sessions: int = 100_000, response_template: dict | None = None, shared: SharedState | None = None,
+                 tool_call_parser: str | None = None):
         if max_pending < 1:
             raise ValueError(f"`max_pending` must be at least 1, got {max_pending}")
+        if response_template is not None and tool_call_parser is not None:
+            raise ValueError("give a response template or a tool-call parser, not both")
         self.pipeline = pipeline
         self.shared = shared
         self.tokens = MessageTokens(pipeline.tokenizer, ReplyMemo(max_sessions, shared))
@@ -132,14 +142,34 @@ class ChatEngine:
         self._special = set(pipeline.tokenizer.all_special_ids)
         self._grammars: Grammars | None = None
         self._layouts: dict[tuple[str, str], CallLayout] = {}
-        config = getattr(pipeline.model, "config", None)
-        self.response_template = response_template if response_template is not None else \
-            upstream.response_template(pipeline.tokenizer, getattr(config, "model_type", None))
+        self.response_template, source = self._template(response_template, tool_call_parser)
+        logger.info("tool calls in replies are parsed with %s", source)
         if self.response_template is not None:
             try:  # a broken template is the server's configuration: refused now, not as every request's 400
                 pipeline.tokenizer.get_response_parser(self.response_template, prefix="")
             except Exception as exc:  # noqa: BLE001 - transformers' message says what is wrong
                 raise ValueError(f"the response template cannot parse replies: {exc}") from None
+
+    def _template(self, given: dict | None, name: str | None) -> tuple[dict | None, str]:
+        """The response template to parse replies with, and where it comes from (for the log)."""
+        if given is not None:
+            return given, "the response template given"
+        tokenizer = self.pipeline.tokenizer
+        if name is None:
+            config = getattr(self.pipeline.model, "config", None)
+            found = upstream.response_template(tokenizer, getattr(config, "model_type", None))
+            if found is not None:
+                return found, "the tokenizer's response template (or transformers serve's for its family)"
+            name = tool_parsers.recognise(self.tokens.render)
+            if name is None:
+                return None, "nothing: no response template is known, requests with tools are refused"
+            how = f"the {name} format, recognised in the chat template"
+        else:
+            how = f"the {name} format (--tool-call-parser)"
+        start = self.tokens.generation_prompt([{"role": "user", "content": "probe"}])
+        ends = [tokenizer.decode(self.pipeline.chat_tokens.eot_ids[:1]), tokenizer.eos_token]
+        ends = [end for end in ends if end and end.strip()]
+        return tool_parsers.named_template(name, start, ends), how
 
     # -- admission ------------------------------------------------------------------------------------
     def admit(self) -> None:

@@ -189,7 +189,7 @@ class ForcedCalls(LogitsProcessor):
         self._at = 0  # where the scan of the reply's bytes stands
         self._state, self._need = "opening", len(self._parts[0])  # the part being read, its bytes still to come
         self._json = JsonText()
-        self._body_at = 0
+        self._body_at, self._body = 0, b""
         self.calls: list[bytes] = []  # each complete call's JSON
         self.repeated = False  # the reply ended on a repeat of an earlier call
         self._start: int | None = None
@@ -218,9 +218,7 @@ class ForcedCalls(LogitsProcessor):
                 self._json.step(chr(self._bytes[self._at]))  # JSON's structure is ASCII: a byte is enough
                 self._at += 1
                 if self._json.done:
-                    body = bytes(self._bytes[self._body_at:self._at])
-                    self.repeated = body in self.calls
-                    self.calls.append(body)
+                    self._body = bytes(self._bytes[self._body_at:self._at])
                     self._state, self._need = "closing", len(self._parts[1])
                 continue
             step = min(self._need, len(self._bytes) - self._at)
@@ -230,7 +228,9 @@ class ForcedCalls(LogitsProcessor):
                 return
             if self._state == "opening":
                 self._state, self._json, self._body_at = "body", JsonText(), self._at
-            elif self._state == "closing":
+            elif self._state == "closing":  # a call is complete: the turn may end here (the grammar allows it)
+                self.repeated = self._body in self.calls
+                self.calls.append(self._body)
                 self._state, self._need = "between", len(self._parts[2])
             else:
                 self._state, self._need = "opening", len(self._parts[0])
@@ -256,4 +256,4 @@ def forced_call_processor(grammars: Grammars, template: dict, tools: list[dict],
     if len(grammar) > grammars.max_chars:
         raise GrammarError(f"the tools' parameters have more than {grammars.max_chars} characters of JSON")
     processor = grammars.compile(grammar, lark=True)
-    return ForcedCalls(processor, grammars, laid_out) if several else processor
+    return ForcedCalls(processor, grammars, laid_out, MAX_FORCED_CALLS) if several else processor

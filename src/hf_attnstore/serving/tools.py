@@ -181,6 +181,7 @@ class ReplyParser:
         self._raws: list[str] = []  # the text of each call closed so far
         self._fed = ""  # all the text fed
         self._ended = False  # the reply ended at a repeated call: what follows is not read
+        self._cut_call = False  # the reply was cut in a call
         self.kept_text: str | None = None  # the reply's text up to its last returned call, when a repeat followed
         self._names = {tool["function"]["name"] for tool in tools}
         # The reply is fed with its special tokens (templates close regions on them); content never shows them,
@@ -275,7 +276,7 @@ class ReplyParser:
         if cut and self._open is not None:
             logger.info("the reply was cut by its token limit in tool call %d: its %d complete call(s) are "
                         "returned, the cut one is dropped", self._open.index + 1, len(self.calls))
-            self._open = None
+            self._open, self._cut_call = None, True
             return "", []
         held, self._held = self._held, ""
         try:
@@ -413,8 +414,9 @@ class ReplyParser:
 
     @property
     def message_content(self) -> str | None:
-        """The message's content as returned: None for a reply that is only calls (whitespace around them)."""
-        return None if self.calls and not self.content.strip() else self.content
+        """The message's content as returned: None for a reply that is only calls (whitespace around them), the
+        one it was cut in included."""
+        return None if (self.calls or self._cut_call) and not self.content.strip() else self.content
 
     def arguments_of(self) -> list[tuple[str, dict]]:
         """The calls as (name, parsed arguments), for :func:`call_key`."""
