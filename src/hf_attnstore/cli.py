@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from .cache.config import SPARSE_POLICIES, SparseConfig
-from .serving.tool_parsers import TOOL_CALL_PARSERS
+from .serving.tools import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the id `attnstore serve` gives the bundled model
 

@@ -120,7 +120,7 @@ def test_a_forced_reply_ends_after_a_call_that_repeats_an_earlier_one():
 
 
 def test_a_forced_reply_ends_after_max_forced_calls(monkeypatch):
-    monkeypatch.setattr(forced, "MAX_FORCED_CALLS", 2)
+    monkeypatch.setattr(forced, "MAX_FORCED_CALLS", 2, raising=False)
     srv = preferring("\n".join(call_text("get_time", {"hours": h}) for h in (1, 2, 3)))
     try:
         r = srv.client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER, TIME],
@@ -208,3 +208,25 @@ def test_a_chat_template_whose_calls_are_hermes_needs_no_parser():
         assert choice.message.content == "Sure." and choice.message.tool_calls[0].function.name == "get_weather"
     finally:
         srv.close()
+
+
+def test_tool_call_parser_names_the_format(model_dir, tmp_path, capsys):
+    """`--tool-call-parser hermes` (vLLM's flag) instead of a JSON file: built for the served chat template."""
+    from hf_attnstore.cli import build_parser, build_server, main
+
+    template = tmp_path / "calls.jinja"
+    # Calls in a format no template is recognised by: the flag alone makes them parsed as hermes.
+    template.write_text(TOOL_TEMPLATE.replace("<tool_call>", "<call>"))
+    server = build_server(build_parser().parse_args(["serve", "--model", model_dir, "--chat-template", str(template),
+                                                     "--tool-call-parser", "hermes"]))
+    try:
+        parsed = server.engine.response_template
+        assert parsed["start_anchor"] == "<|assistant|>" and parsed["fields"]["tool_calls"]["close"] == "</tool_call>"
+        assert r"<\|end\|>" in parsed["fields"]["content"]["close_pattern"]
+    finally:
+        server.close()
+    assert main(["serve", "--model", model_dir, "--tool-call-parser", "hermes", "--response-template",
+                 str(tmp_path / "r.json")]) == 2
+    assert "--tool-call-parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an unknown name: argparse's one line, before anything loads
+        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])

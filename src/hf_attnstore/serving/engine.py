@@ -33,9 +33,8 @@ from .pipeline import ChatPipeline, Reply
 from .conversation import MessageTokens, ReplyMemo, SessionIndex
 from .forced import CallLayout, ForcingUnsupported, call_layout, call_tags
 from .shared_state import SharedState
-from . import tool_parsers
 from .structured import Grammars
-from .tools import ReplyParser, call_key
+from .tools import ReplyParser, call_key, named_template, recognise
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +111,8 @@ class ChatEngine:
         response_template: How to parse tool calls out of replies (transformers' response-template format);
             default: the tokenizer's, else the one `transformers serve` uses for the model's family
             (`upstream.response_template`), else that of the format the chat template writes calls in, when it is
-            one we know (`tool_parsers.recognise`). Without one, requests with tools are refused.
-        tool_call_parser: A format by name instead (`tool_parsers.TOOL_CALL_PARSERS`: ``"hermes"``), built for this
+            one we know (`tools.recognise`). Without one, requests with tools are refused.
+        tool_call_parser: A format by name instead (`tools.TOOL_CALL_PARSERS`: ``"hermes"``), built for this
             chat template; one or the other of `response_template`.
         shared: The state replicas behind one load balancer share (`shared_state.SharedState`, in the Redis of
             the store's remote tier): where each session stands and the memo of generated replies, so that any
@@ -160,7 +159,7 @@ class ChatEngine:
             found = upstream.response_template(tokenizer, getattr(config, "model_type", None))
             if found is not None:
                 return found, "the tokenizer's response template (or transformers serve's for its family)"
-            name = tool_parsers.recognise(self.tokens.render)
+            name = recognise(self.tokens.render)
             if name is None:
                 return None, "nothing: no response template is known, requests with tools are refused"
             how = f"the {name} format, recognised in the chat template"
@@ -169,7 +168,7 @@ class ChatEngine:
         start = self.tokens.generation_prompt([{"role": "user", "content": "probe"}])
         ends = [tokenizer.decode(self.pipeline.chat_tokens.eot_ids[:1]), tokenizer.eos_token]
         ends = [end for end in ends if end and end.strip()]
-        return tool_parsers.named_template(name, start, ends), how
+        return named_template(name, start, ends), how
 
     # -- admission ------------------------------------------------------------------------------------
     def admit(self) -> None:
