@@ -324,7 +324,7 @@ class ReplyParser:
                     # The turn ends after it (forced.ForcedCalls): the reply is the calls before it.
                     logger.info("a forced reply repeated its call %d as call %d: the turn ended there, the repeat "
                                 "is not returned", self._raws.index(opened.raw) + 1, len(self._raws) + 1)
-                    at = self._fed.rfind(self._tags[0] + opened.raw)
+                    at = self._fed.rfind(self._tags[0] + opened.raw) if self._tags is not None else -1
                     self.kept_text = self._fed[:at].rstrip() if at >= 0 else None
                     self._ended = True  # nothing after the repeat is read
                     break
