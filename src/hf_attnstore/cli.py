@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from .cache.config import SPARSE_POLICIES, SparseConfig
+from .serving.tools import TOOL_CALL_PARSERS
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the id `attnstore serve` gives the bundled model
 
@@ -267,6 +268,9 @@ def build_server(args: argparse.Namespace) -> Server:
     from .serving.shared_state import SharedState, tokenizer_digest
     from .store import AttnStore, StoreTuning
 
+    if args.response_template and args.tool_call_parser:
+        raise StartupError("--tool-call-parser", "--response-template and --tool-call-parser both say how tool calls "
+                           "are parsed: give one")
     chat_template = response_template = None
     for flag, path in (("--chat-template", args.chat_template), ("--response-template", args.response_template)):
         if path is None:
@@ -317,7 +321,8 @@ def build_server(args: argparse.Namespace) -> Server:
                              timeout_s=store.config.remote_timeout_s,
                              vocab_size=getattr(model.config.get_text_config(), "vocab_size", None))
     try:
-        engine = ChatEngine(pipe, max_pending=args.max_pending, response_template=response_template, shared=shared)
+        engine = ChatEngine(pipe, max_pending=args.max_pending, response_template=response_template, shared=shared,
+                            tool_call_parser=args.tool_call_parser)
     except ValueError:
         pipe.close(timeout=args.request_timeout)
         store.close()
@@ -559,6 +564,10 @@ def build_parser() -> argparse.ArgumentParser:
     every.add_argument("--response-template", default=None,
                        help="a JSON file in transformers' response-template format: how tool calls are parsed from "
                             "replies (default: the tokenizer's, else transformers serve's for the model's family)")
+    every.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                       help="the tool-call format by name, as vLLM's flag (hermes: <tool_call>{json}</tool_call>), "
+                            "instead of --response-template (default: the tokenizer's, else transformers serve's for "
+                            "the model's family, else the format the chat template is recognised to write)")
 
     tiers = sv.add_argument_group("tiers")
     tiers.add_argument("--disk-bytes", type=_byte_size("--disk-bytes"), default="100GiB",

@@ -42,3 +42,12 @@ class ForceReply(LogitsProcessor):
         forced = torch.full_like(scores, float("-inf"))
         forced[:, token] = 0.0
         return forced
+
+
+class Prefer(ForceReply):
+    """Makes `reply` (ids) then the end token by far the likeliest choice, without forbidding the rest: a
+    constraint that comes after it (a grammar, a forced turn's end) still decides among what it allows."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        forced = super().__call__(input_ids, scores)
+        return scores + 1e4 * (forced == 0.0)

@@ -179,7 +179,8 @@ def test_the_engines_response_template_serves_a_tokenizer_without_one():
 
 def test_tools_a_model_cannot_take_are_refused_naming_tools():
     plain = Server(template=char_tokenizer().chat_template)  # a template that ignores tools
-    no_parser = Server(response=None)  # a llama with no response template anywhere
+    # A llama with no response template anywhere, and calls in a format none recognises.
+    no_parser = Server(template=TOOL_TEMPLATE.replace("tool_call>", "call>"), response=None)
     try:
         for srv in (plain, no_parser):
             with pytest.raises(openai.BadRequestError) as err:

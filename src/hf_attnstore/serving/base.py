@@ -225,12 +225,12 @@ class OpenAIServing:
         self.metrics.observe(reply)
         return remembered
 
-    def parse_whole(self, parser: ReplyParser, reply) -> None:
+    def parse_whole(self, parser: ReplyParser, reply, max_new: int) -> None:
         """Parses a whole reply for tool calls (its ids decoded with their special tokens, on which templates close
         regions). Where the parser gives up, the calls closed before stay calls and the rest is content, as a
-        streamed reply gives them (a reply cut in its last call keeps its complete ones)."""
+        streamed reply gives them; a reply cut (at `max_new` tokens) in its last call keeps its complete ones."""
         parser.feed(self.engine.pipeline.tokenizer.decode(list(reply.generated_ids)))
-        parser.finish()
+        parser.finish(cut=self.engine.finish_reason(reply, max_new) == "length")
 
     def stream(self, started: Started, events: StreamEvents) -> StreamingResponse:
         """The turn's answer as server-sent events: `events` shape them, the loop here is every route's."""
@@ -252,15 +252,19 @@ class OpenAIServing:
             except asyncio.TimeoutError:  # cut: reported as an error below, not as a finished reply
                 started.cancel.set()
                 timed_out = True
-            if parser is not None:
-                for line in events.deltas(*parser.finish()):
-                    yield line
+            reply, failure = None, None
             try:
                 reply = await asyncio.wait_for(asyncio.wrap_future(started.future), self.timeout_s)
             except Exception as exc:  # noqa: BLE001 - reported in the stream: the status line is long gone
-                client = isinstance(exc, ValueError)
+                failure = exc
+            if parser is not None:  # the reply's end known first: a call it was cut in is no call, nor text
+                cut = reply is not None and self.engine.finish_reason(reply, started.max_new) == "length"
+                for line in events.deltas(*parser.finish(cut=cut)):
+                    yield line
+            if failure is not None:
+                client = isinstance(failure, ValueError)
                 self.metrics.errors.labels("400" if client else "500").inc()
-                lines = events.failed(error_body(f"the turn failed: {exc}",
+                lines = events.failed(error_body(f"the turn failed: {failure}",
                                                  "invalid_request_error" if client else "server_error"))
             else:
                 if timed_out:

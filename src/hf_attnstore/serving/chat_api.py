@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from transformers import LogitsProcessorList
 
 from .base import OpenAIServing, Started, generate_options, sse_data, store_info, usage_of
+from .conversation import ToolsUnrenderable
 from .engine import ToolsUnsupported, RequestTurn
 from .errors import APIError
 from .forced import ForcingUnsupported, forced_call_processor
@@ -56,7 +57,7 @@ class ChatServing(OpenAIServing):
         for i, (sample, reply) in enumerate(zip(samples, replies)):
             message = ResponseMessage(content=reply.text)
             if sample.parser is not None:
-                self.parse_whole(sample.parser, reply)
+                self.parse_whole(sample.parser, reply, sample.max_new)
                 message = ResponseMessage(content=sample.parser.message_content,
                                           tool_calls=sample.parser.calls or None)
             await self.record(sample.turn, reply, sample.parser)
@@ -103,6 +104,8 @@ class ChatServing(OpenAIServing):
     def _setup(self, body: ChatCompletionRequest, session: str | None, max_new: int, turn: RequestTurn | None = None,
                hint: str | None = None):
         """A request's turn (rendered, unless given), reply parser and options; APIErrors for the client's faults."""
+        forced = body.forced_functions()
+        several = forced is not None and body.tool_choice == "required" and body.parallel_tool_calls is not False
         try:
             tools = body.template_tools()
             if turn is None:
@@ -110,21 +113,21 @@ class ChatServing(OpenAIServing):
                                            body.cache_salt, tools, hint=hint)
             if body.prompt_cache_retention == "24h":  # OpenAI's longest: idleness does not expire it before
                 self.engine.pipeline.retain(turn.session_id, RETAIN_24H_S, turn.cache_salt)
-            parser = self.engine.reply_parser(turn, tools, body.parallel_tool_calls is not False) \
+            parser = self.engine.reply_parser(turn, tools, body.parallel_tool_calls is not False, drop_repeats=several) \
                 if body.parses_tool_calls() else None
         except ToolsUnsupported as exc:
             raise APIError(400, str(exc), param="tools")
+        except ToolsUnrenderable as exc:
+            raise APIError(400, str(exc), param=exc.param)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages")
-        forced = body.forced_functions()
         if forced is None:
             return turn, parser, self.turn_options(body, max_new)
         # A forced call: the reply is constrained to calls (a `response_format` is for text replies: not this one).
         options = generate_options(body, max_new)
         try:
             processor = forced_call_processor(self.engine.grammars, self.engine.response_template, tools, forced,
-                                              several=body.tool_choice == "required" and
-                                              body.parallel_tool_calls is not False, layout=self.engine.call_layout)
+                                              several=several, layout=self.engine.call_layout)
         except ForcingUnsupported as exc:
             raise APIError(400, str(exc), param="tool_choice")
         except ValueError as exc:  # GrammarError: a function's parameters llguidance cannot compile

@@ -25,6 +25,34 @@ from .tools import message_call_key
 _PROBE = "\x00attnstore-probe\x00"
 
 
+class ToolsUnrenderable(ValueError):
+    """The chat template fails to render the request's tools (a schema nested deeper than it can recurse...): the
+    client's error, naming the tool's field at fault in `param`.
+
+    Example:
+        >>> ToolsUnrenderable("tools.0.function.parameters", RecursionError()).param
+        'tools.0.function.parameters'
+    """
+
+    def __init__(self, param: str, error: BaseException, depth: int | None = None):
+        shown = param.replace(".function", "].function").replace("tools.", "tools[", 1) if param != "tools" else param
+        why = (f"its JSON is nested {depth} levels deep, more than the template can recurse into" if
+               isinstance(error, RecursionError) and depth is not None else f"{type(error).__name__}: {error}"[:300])
+        super().__init__(f"the chat template cannot render `{shown}`: {why}; send a flatter or smaller schema")
+        self.param = param
+
+
+def _depth(value) -> int:
+    """How deeply `value` (JSON: dicts and lists) nests (an iterative walk: it may be deeper than Python recurses)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
+    return deepest
+
+
 class ReplyMemo:
     """Replies this server generated: their text, as returned to the client, mapped to their exact ids.
 
@@ -135,12 +163,37 @@ class MessageTokens:
 
     def takes_tools(self, tools: list[dict]) -> bool:
         """Whether the chat template renders `tools` at all (a template that ignores them would let the model
-        answer without knowing them)."""
+        answer without knowing them).
+
+        Raises:
+            ToolsUnrenderable: The template renders tools, but fails on these (it names the tool at fault).
+        """
         probe = [{"role": "user", "content": _PROBE}]
+        plain = self._render(probe, True)
         try:
-            return self._render(probe, True, tools) != self._render(probe, True)
-        except Exception:  # noqa: BLE001 - a template that fails on tools cannot take them
+            return self._render(probe, True, tools) != plain
+        except Exception as exc:  # noqa: BLE001 - jinja's errors, a recursion: which tool is at fault is told below
+            error = exc
+        if not self._renders(probe, [{"type": "function", "function": {"name": "probe"}}]):
+            return False  # it fails on any tool: it does not take tools
+        for i, tool in enumerate(tools):
+            if self._renders(probe, [tool]):
+                continue
+            function = tool.get("function") or {}
+            bare = {**tool, "function": {k: v for k, v in function.items() if k != "parameters"}}
+            if "parameters" in function and self._renders(probe, [bare]):
+                param, depth = f"tools.{i}.function.parameters", _depth(function["parameters"])
+            else:
+                param, depth = f"tools.{i}.function", _depth(function)
+            raise ToolsUnrenderable(param, error, depth)
+        raise ToolsUnrenderable("tools", error)
+
+    def _renders(self, probe: list[dict], tools: list[dict]) -> bool:
+        try:
+            self._render(probe, True, tools)
+        except Exception:  # noqa: BLE001 - any failure: it does not
             return False
+        return True
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []

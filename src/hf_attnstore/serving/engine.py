@@ -21,6 +21,7 @@ tokens.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import uuid
 from concurrent.futures import Future
@@ -30,10 +31,12 @@ from ..cache import upstream
 from ..cache.fingerprint import salted_fingerprint
 from .pipeline import ChatPipeline, Reply
 from .conversation import MessageTokens, ReplyMemo, SessionIndex
-from .forced import CallLayout, call_layout
+from .forced import CallLayout, ForcingUnsupported, call_layout, call_tags
 from .shared_state import SharedState
 from .structured import Grammars
-from .tools import ReplyParser, call_key
+from .tools import ReplyParser, call_key, named_template, recognise
+
+logger = logging.getLogger(__name__)
 
 
 def _ids(value) -> list[int]:
@@ -107,7 +110,10 @@ class ChatEngine:
         max_sessions: Conversations the index remembers (least recently used forgotten first).
         response_template: How to parse tool calls out of replies (transformers' response-template format);
             default: the tokenizer's, else the one `transformers serve` uses for the model's family
-            (`upstream.response_template`). Without one, requests with tools are refused.
+            (`upstream.response_template`), else that of the format the chat template writes calls in, when it is
+            one we know (`tools.recognise`). Without one, requests with tools are refused.
+        tool_call_parser: A format by name instead (`tools.TOOL_CALL_PARSERS`: ``"hermes"``), built for this
+            chat template; one or the other of `response_template`.
         shared: The state replicas behind one load balancer share (`shared_state.SharedState`, in the Redis of
             the store's remote tier): where each session stands and the memo of generated replies, so that any
             replica continues a conversation another one served (found by its messages, or named). Default: this
@@ -119,9 +125,12 @@ class ChatEngine:
     """
 
     def __init__(self, pipeline: ChatPipeline, *, max_pending: int = 64, session_block: int = 16,
-                 max_sessions: int = 100_000, response_template: dict | None = None, shared: SharedState | None = None):
+                 max_sessions: int = 100_000, response_template: dict | None = None, shared: SharedState | None = None,
+                 tool_call_parser: str | None = None):
         if max_pending < 1:
             raise ValueError(f"`max_pending` must be at least 1, got {max_pending}")
+        if response_template is not None and tool_call_parser is not None:
+            raise ValueError("give a response template or a tool-call parser, not both")
         self.pipeline = pipeline
         self.shared = shared
         self.tokens = MessageTokens(pipeline.tokenizer, ReplyMemo(max_sessions, shared))
@@ -132,14 +141,34 @@ class ChatEngine:
         self._special = set(pipeline.tokenizer.all_special_ids)
         self._grammars: Grammars | None = None
         self._layouts: dict[tuple[str, str], CallLayout] = {}
-        config = getattr(pipeline.model, "config", None)
-        self.response_template = response_template if response_template is not None else \
-            upstream.response_template(pipeline.tokenizer, getattr(config, "model_type", None))
+        self.response_template, source = self._template(response_template, tool_call_parser)
+        logger.info("tool calls in replies are parsed with %s", source)
         if self.response_template is not None:
             try:  # a broken template is the server's configuration: refused now, not as every request's 400
                 pipeline.tokenizer.get_response_parser(self.response_template, prefix="")
             except Exception as exc:  # noqa: BLE001 - transformers' message says what is wrong
                 raise ValueError(f"the response template cannot parse replies: {exc}") from None
+
+    def _template(self, given: dict | None, name: str | None) -> tuple[dict | None, str]:
+        """The response template to parse replies with, and where it comes from (for the log)."""
+        if given is not None:
+            return given, "the response template given"
+        tokenizer = self.pipeline.tokenizer
+        if name is None:
+            config = getattr(self.pipeline.model, "config", None)
+            found = upstream.response_template(tokenizer, getattr(config, "model_type", None))
+            if found is not None:
+                return found, "the tokenizer's response template (or transformers serve's for its family)"
+            name = recognise(self.tokens.render)
+            if name is None:
+                return None, "nothing: no response template is known, requests with tools are refused"
+            how = f"the {name} format, recognised in the chat template"
+        else:
+            how = f"the {name} format (--tool-call-parser)"
+        start = self.tokens.generation_prompt([{"role": "user", "content": "probe"}])
+        ends = [tokenizer.decode(self.pipeline.chat_tokens.eot_ids[:1]), tokenizer.eos_token]
+        ends = [end for end in ends if end and end.strip()]
+        return named_template(name, start, ends), how
 
     # -- admission ------------------------------------------------------------------------------------
     def admit(self) -> None:
@@ -286,8 +315,10 @@ class ChatEngine:
             layout = self._layouts[tags] = call_layout(self.tokens.render, tags)
         return layout
 
-    def reply_parser(self, turn: RequestTurn, tools: list[dict], parallel: bool = True) -> ReplyParser:
-        """A parser of `turn`'s reply into content and tool calls.
+    def reply_parser(self, turn: RequestTurn, tools: list[dict], parallel: bool = True,
+                     drop_repeats: bool = False) -> ReplyParser:
+        """A parser of `turn`'s reply into content and tool calls (JSON-aware when the template's calls are a JSON
+        object between two tags; `drop_repeats` for a forced reply of several calls: `tools.ReplyParser`).
 
         Raises:
             ToolsUnsupported: No response template is known for this model.
@@ -297,7 +328,12 @@ class ChatEngine:
                                    "with (its tokenizer has none): start it with --response-template FILE, or "
                                    "send no tools")
         prompt = self.pipeline.tokenizer.decode(turn.model_ids)
-        return ReplyParser(self.pipeline.tokenizer, self.response_template, prompt, tools, parallel)
+        try:
+            tags = call_tags(self.response_template)
+        except ForcingUnsupported:  # calls written otherwise (XML arguments...): the template's parser alone
+            tags = None
+        return ReplyParser(self.pipeline.tokenizer, self.response_template, prompt, tools, parallel, tags,
+                           drop_repeats)
 
     def finish(self, turn: RequestTurn, reply: Reply, parser: ReplyParser | None = None) -> Remembered | None:
         """Records a finished turn: the session's ids for the index, and the reply's exact ids for the memo
@@ -310,6 +346,10 @@ class ChatEngine:
         if reply.cancelled:  # the client never saw the whole reply and will not send it back
             self._index(turn.session_id, turn.client_ids, list(reply.prompt_ids), scope)
             return None
+        if parser is not None and parser.kept_text is not None:
+            # A forced reply that ended on a repeated call: the client is given the calls before it, and sends
+            # those back; the memo's ids are theirs, so the repeat never enters the next prompt.
+            content = self._prefix_of(content, parser.kept_text)
         if parser is not None and parser.calls:
             # As the template renders it: special tokens kept.
             remembered = Remembered(self.pipeline.tokenizer.decode(content), content,
@@ -319,6 +359,17 @@ class ChatEngine:
         self.remember(remembered, scope)
         self._index(turn.session_id, turn.client_ids + content, list(reply.prompt_ids) + content, scope)
         return remembered
+
+    def _prefix_of(self, ids: list[int], text: str) -> list[int]:
+        """The longest prefix of `ids` that decodes to `text` (all of `ids` when none does)."""
+        decode = self.pipeline.tokenizer.decode
+        for k in range(len(ids), -1, -1):
+            decoded = decode(ids[:k])
+            if decoded == text:
+                return ids[:k]
+            if len(decoded) < len(text):
+                break
+        return ids
 
     def remember(self, reply: Remembered, scope: str = "") -> None:
         """Gives the memo a reply's exact ids (again: a stored response's, after a restart)."""

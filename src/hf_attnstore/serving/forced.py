@@ -13,6 +13,11 @@ exact ids back (`conversation.ReplyMemo`). The whitespace around the JSON and be
 template's own (`call_layout` renders a probe call once): Qwen's templates write ``<tool_call>\n{...}\n</tool_call>``,
 and a call generated without those newlines would be rendered back otherwise, ending reuse at the call. A named
 choice forces one call; ``"required"`` forces one, then allows more, unless ``parallel_tool_calls`` is false.
+
+A forced turn ends after its calls (`ForcedCalls`): with several allowed, the model may end after any call, and
+the turn ends for it after a call that repeats an earlier one of the same reply exactly (that repeat is not
+returned: a model that writes the same call again is looping, as small models do when told to call a tool) or
+after `MAX_FORCED_CALLS` calls.
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+from transformers import LogitsProcessor
+
 from .structured import GrammarError, GrammarProcessor, Grammars
+from .tools import JsonText
+
+MAX_FORCED_CALLS = 8  # calls of one forced reply at most (parallel calls; OpenAI's models rarely make more)
 
 # llguidance's JSON options (`x-guidance`): no free whitespace (a random model would fill replies with it), and
 # the separators `json.dumps` and Jinja's `tojson` write.
@@ -161,11 +172,76 @@ def forced_call_grammar(layout: CallLayout, tools: list[dict], names: list[str],
     return "\n".join(lines)
 
 
+class ForcedCalls(LogitsProcessor):
+    """A forced reply of several calls (`grammar`, laid out as `layout`), ended for the model after a call that
+    repeats an earlier one exactly, or after `max_calls` calls: only the end of turn is allowed then (the grammar
+    allows it after any call). It reads the reply's bytes as the grammar does (`Grammars.token_bytes`).
+
+    Example:
+        >>> processor = ForcedCalls(grammar, grammars, CallLayout("<c>", "</c>"))  # doctest: +SKIP
+    """
+
+    def __init__(self, grammar: GrammarProcessor, grammars: Grammars, layout: CallLayout,
+                 max_calls: int = MAX_FORCED_CALLS):
+        self.grammar, self.grammars, self.max_calls = grammar, grammars, max_calls
+        self._parts = [p.encode() for p in (layout.opening, layout.closing, layout.between)]
+        self._bytes = bytearray()
+        self._at = 0  # where the scan of the reply's bytes stands
+        self._state, self._need = "opening", len(self._parts[0])  # the part being read, its bytes still to come
+        self._json = JsonText()
+        self._body_at, self._body = 0, b""
+        self.calls: list[bytes] = []  # each complete call's JSON
+        self.repeated = False  # the reply ended on a repeat of an earlier call
+        self._start: int | None = None
+        self._consumed = 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = self.grammar(input_ids, scores)
+        if self._start is None:
+            self._start = int(input_ids.shape[1])
+        reply = input_ids[0, self._start:].tolist()
+        for token in reply[self._consumed:]:
+            self._bytes += self.grammars.token_bytes(token)
+        self._consumed = len(reply)
+        self._scan()
+        if not self.repeated and len(self.calls) < self.max_calls:
+            return scores
+        ends = self.grammar.end_ids
+        allowed = torch.full_like(scores, float("-inf"))
+        allowed[:, ends] = scores[:, ends]
+        return allowed
+
+    def _scan(self) -> None:
+        """Reads the new bytes: the grammar's parts (literals of known lengths) and each call's JSON."""
+        while self._at < len(self._bytes) and not self.repeated:
+            if self._state == "body":
+                self._json.step(chr(self._bytes[self._at]))  # JSON's structure is ASCII: a byte is enough
+                self._at += 1
+                if self._json.done:
+                    self._body = bytes(self._bytes[self._body_at:self._at])
+                    self._state, self._need = "closing", len(self._parts[1])
+                continue
+            step = min(self._need, len(self._bytes) - self._at)
+            self._at += step
+            self._need -= step
+            if self._need:
+                return
+            if self._state == "opening":
+                self._state, self._json, self._body_at = "body", JsonText(), self._at
+            elif self._state == "closing":  # a call is complete: the turn may end here (the grammar allows it)
+                self.repeated = self._body in self.calls
+                self.calls.append(self._body)
+                self._state, self._need = "between", len(self._parts[2])
+            else:
+                self._state, self._need = "opening", len(self._parts[0])
+
+
 def forced_call_processor(grammars: Grammars, template: dict, tools: list[dict], names: list[str],
                           several: bool, layout: Callable[[tuple[str, str]], CallLayout] | None = None
-                          ) -> GrammarProcessor:
+                          ) -> LogitsProcessor:
     """A processor that constrains a reply to calls of the functions `names` among `tools` (template form) in the
-    format of `template` (a response template), laid out as `layout(tags)` says (default: the bare tags).
+    format of `template` (a response template), laid out as `layout(tags)` says (default: the bare tags); with
+    `several`, ended after a repeated call or `MAX_FORCED_CALLS` calls (`ForcedCalls`).
 
     Raises:
         ForcingUnsupported: The format cannot be forced (`call_tags`).
@@ -175,7 +251,9 @@ def forced_call_processor(grammars: Grammars, template: dict, tools: list[dict],
         >>> processor = forced_call_processor(engine.grammars, engine.response_template, tools, ["f"], False)  # doctest: +SKIP
     """
     tags = call_tags(template)
-    grammar = forced_call_grammar(layout(tags) if layout else CallLayout(*tags), tools, names, several)
+    laid_out = layout(tags) if layout else CallLayout(*tags)
+    grammar = forced_call_grammar(laid_out, tools, names, several)
     if len(grammar) > grammars.max_chars:
         raise GrammarError(f"the tools' parameters have more than {grammars.max_chars} characters of JSON")
-    return grammars.compile(grammar, lark=True)
+    processor = grammars.compile(grammar, lark=True)
+    return ForcedCalls(processor, grammars, laid_out, MAX_FORCED_CALLS) if several else processor

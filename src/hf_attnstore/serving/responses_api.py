@@ -20,8 +20,9 @@ from .base import OpenAIServing, Started, store_info
 from .chat_api import ChatServing
 from .engine import ChatEngine, Remembered
 from .errors import APIError
-from .protocol import (ChatMessage, RequestLimits, ResponsesRequest, call_item, chat_request, echo_problem,
-                       message_item, output_items, response_object)
+from .protocol import (ChatMessage, FunctionCallItem, FunctionCallOutputItem, RequestLimits, ResponsesRequest,
+                       call_item, chat_request, echo_problem, message_item, output_items, response_object)
+from .protocol.common import tools_text_problem
 from .response_store import ResponseStore, StoredResponse, ids_array, new_response_id
 from .tools import message_call_key
 
@@ -43,6 +44,9 @@ class ResponsesServing(OpenAIServing):
     async def create(self, body: ResponsesRequest, request: Request):
         """Answers one Responses request (the route's handler)."""
         self.check_request(body)
+        text = tools_text_problem(body.tools, nested=False)  # before the echo check: it names the field
+        if text is not None:
+            raise APIError(400, text[1], param=text[0])
         for name in ("metadata", "tools", "text", "tool_choice", "instructions"):  # echoed in the response
             problem = echo_problem(name, getattr(body, name))
             if problem is not None:
@@ -56,6 +60,11 @@ class ResponsesServing(OpenAIServing):
         if body.previous_response_id is not None:
             history, session = await asyncio.to_thread(_history, self.engine, self.responses,
                                                        body.previous_response_id, scope, self.limits)
+        unanswered = _unanswered_output(body, history)
+        if unanswered is not None:  # OpenAI's rule and message
+            raise APIError(400, f"No tool call found for function call output with call_id {unanswered[:100]!r}: a "
+                           "`function_call_output` answers a `function_call` earlier in `input` or in the chain of "
+                           "`previous_response_id`", param="input")
         try:
             chat = chat_request(body, history)
         except ValidationError as exc:
@@ -78,7 +87,7 @@ class ResponsesServing(OpenAIServing):
         if reply is None:
             return self.gone()
         if started.parser is not None:
-            self.parse_whole(started.parser, reply)
+            self.parse_whole(started.parser, reply, started.max_new)
         result = await self.finish(started, reply, body, response_id, scope)
         return JSONResponse(result, headers={"X-Session-ID": started.turn.session_id})
 
@@ -226,10 +235,27 @@ def _not_found(response_id: str) -> APIError:
                     "or is older than the server keeps)", code="not_found")
 
 
+def _unanswered_output(body: ResponsesRequest, history: list[dict]) -> str | None:
+    """The call id of the first ``function_call_output`` of `body`'s input that answers no call before it: a
+    ``function_call`` earlier in the input or a call of the chain (`history`, chat messages); None if all do."""
+    if isinstance(body.input, str):
+        return None
+    calls = {call.get("id") for message in history for call in message.get("tool_calls") or ()}
+    for item in body.input:
+        if isinstance(item, FunctionCallItem):
+            calls.add(item.call_id)
+        elif isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+            return item.call_id
+    return None
+
+
 def _responses_param(param: str | None) -> str | None:
     """A chat field at fault, as the Responses request names it."""
     if param is None:
         return None
+    if param.startswith("tools.") and ".function" in param:  # chat's tools nest the function; Responses' are flat
+        head, _, rest = param.partition(".function")
+        return head + rest
     for chat, ours in (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
                        ("response_format", "text.format")):
         if param == chat or param.startswith(chat + "."):

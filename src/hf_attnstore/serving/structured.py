@@ -50,6 +50,7 @@ class Grammars:
     def __init__(self, tokenizer, end_ids: list[int], vocab_size: int):
         self.tokenizer, self.end_ids, self.vocab_size = tokenizer, list(end_ids), vocab_size
         self._lltok = None
+        self._special: torch.Tensor | None = None
         self._lock = threading.Lock()
 
     max_chars = MAX_SCHEMA_CHARS
@@ -65,6 +66,24 @@ class Grammars:
                     self._lltok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTexts(self.tokenizer,
                                                                                                  self.end_ids[0])))
             return self._lltok
+
+    def special_tokens(self) -> torch.Tensor:
+        """``[vocab]`` bool: the tokens llguidance takes as special (the end of turn and the like), found once."""
+        lltok = self._tokenizer()
+        with self._lock:
+            if self._special is None:
+                self._special = torch.tensor([lltok.is_special_token(i) for i in range(lltok.vocab_size)])
+            return self._special
+
+    def plain_ids(self, data: bytes) -> list[int]:
+        """`data` tokenized as text, a special token's text included (``<|im_end|>`` as the characters it is made
+        of, not as that token)."""
+        text = data.decode("utf-8", "ignore")
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of `token` as the grammar reads them (none for a special token)."""
+        return self._tokenizer().decode_bytes([int(token)])
 
     def processor(self, schema: dict | None) -> "GrammarProcessor":
         """A processor constraining a reply to JSON matching `schema` (None: any JSON object).
@@ -105,7 +124,7 @@ class Grammars:
         matcher = llguidance.LLMatcher(lltok, grammar)
         if matcher.is_error():
             raise GrammarError(f"the schema cannot be compiled: {matcher.get_error()[:500]}")
-        return GrammarProcessor(matcher, lltok.vocab_size, self.end_ids, self.vocab_size)
+        return GrammarProcessor(matcher, lltok.vocab_size, self.end_ids, self.vocab_size, self)
 
 
 class _TokenTexts:
@@ -131,16 +150,20 @@ class GrammarProcessor(LogitsProcessor):
     """Masks the tokens a grammar does not allow next (one turn: it follows that turn's tokens).
 
     The first call sees the prompt: what follows it is the reply, fed to the matcher token by token as later
-    calls see it. Once the grammar is complete, only the end tokens are allowed.
+    calls see it. Once the grammar is complete, only the end tokens are allowed; before, no special token is
+    (an end of turn would cut the reply where the grammar is not complete). A string the grammar forces that
+    spells a special token (``"<|im_end|>"`` in an ``enum``) is written as its characters: llguidance's mask
+    offers the special token alone there, which its own matcher then refuses.
 
     Example:
         >>> options["logits_processor"] = LogitsProcessorList([grammars.processor(schema)])  # doctest: +SKIP
     """
 
-    def __init__(self, matcher, tokenizer_vocab: int, end_ids: list[int], vocab_size: int):
+    def __init__(self, matcher, tokenizer_vocab: int, end_ids: list[int], vocab_size: int,
+                 grammars: Grammars | None = None):
         import llguidance.torch
 
-        self.matcher, self.end_ids = matcher, end_ids
+        self.matcher, self.end_ids, self.grammars = matcher, end_ids, grammars
         self.tokenizer_vocab, self.vocab_size = tokenizer_vocab, vocab_size
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, tokenizer_vocab)
         self._start: int | None = None
@@ -164,12 +187,28 @@ class GrammarProcessor(LogitsProcessor):
             return allowed
         llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
         width = min(self.tokenizer_vocab, scores.shape[-1])
+        allowed = allowed_tokens(self._bitmask, width)[0]
+        if self.grammars is not None and not self.matcher.is_accepting():
+            allowed &= ~self.grammars.special_tokens()[:width]
+            if not allowed.any():
+                allowed = self._forced_as_text(width)
         masked = scores[:, :width].contiguous().clone()
-        masked.masked_fill_(~allowed_tokens(self._bitmask.to(scores.device), width), float("-inf"))
+        masked.masked_fill_(~allowed.to(scores.device).unsqueeze(0), float("-inf"))
         if scores.shape[-1] == width:
             return masked
         # The model's logits past the tokenizer's vocabulary (padding) are never allowed.
         return torch.cat([masked, scores.new_full((1, scores.shape[-1] - width), float("-inf"))], dim=-1)
+
+
+    def _forced_as_text(self, width: int) -> torch.Tensor:
+        """The one token allowed where the grammar forces bytes and llguidance offers only a special token for
+        them: the first token of those bytes tokenized as text."""
+        plain = self.grammars.plain_ids(self.matcher.compute_ff_bytes())
+        if not plain or plain[0] >= width or self.matcher.validate_tokens(plain[:1]) != 1:
+            raise RuntimeError(f"the grammar allows no token here: {self.matcher.get_error() or 'nothing but a special token'}")
+        allowed = torch.zeros(width, dtype=torch.bool)
+        allowed[plain[0]] = True
+        return allowed
 
 
 def allowed_tokens(bitmask: torch.Tensor, width: int) -> torch.Tensor:

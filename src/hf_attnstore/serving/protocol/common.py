@@ -294,6 +294,37 @@ def surrogate_at(text: str) -> int | None:
     return None
 
 
+def tools_text_problem(tools: list[dict] | None, nested: bool) -> tuple[str, str] | None:
+    """The first field of `tools` that is not valid Unicode text (a lone surrogate: no tokenizer can take it), as
+    (``param``, what to do), or None. `nested`: chat completions' form (the function under ``"function"``), else
+    Responses' flat one.
+
+    Example:
+        >>> tools_text_problem([{"type": "function", "function": {"name": "f", "description": "a\\ud800"}}], True)[0]
+        'tools.0.function.description'
+    """
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function") if nested else tool
+        if not isinstance(function, dict):
+            continue
+        where = f"tools.{i}.function" if nested else f"tools.{i}"
+        for key in ("name", "description", "parameters"):
+            value = function.get(key)
+            if value is None:
+                continue
+            try:
+                text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            except (ValueError, TypeError, RecursionError):
+                continue  # not text: what renders it says what is wrong
+            bad = surrogate_at(text)
+            if bad is not None:
+                shown = where.replace(f"tools.{i}", f"tools[{i}]")
+                what = "a string or key of the schema" if key == "parameters" else "its text"
+                return f"{where}.{key}", (f"`{shown}.{key}` has a lone surrogate in {what} (at {bad}): it is not "
+                                          "Unicode text a tokenizer can take; send valid UTF-8 text")
+    return None
+
+
 def echo_problem(name: str, value) -> str | None:
     """Why a client's `value`, echoed back in a response as JSON, cannot be (a lone surrogate, NaN or an
     infinity), or None.

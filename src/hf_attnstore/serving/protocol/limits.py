@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ...cache.fingerprint import salted_fingerprint
 from ...store import MAX_SESSION_ID_BYTES
 from .chat import ChatCompletionRequest
-from .common import surrogate_at
+from .common import surrogate_at, tools_text_problem
 from .completions import CompletionRequest
 
 if TYPE_CHECKING:
@@ -110,6 +110,9 @@ class RequestLimits:
             return "n", f"`n` is {body.n}; at most {self.max_n} samples are accepted per request"
         if body.tools and len(body.tools) > self.max_tools:
             return "tools", f"the request has {len(body.tools)} tools; at most {self.max_tools} are accepted"
+        problem = tools_text_problem(body.template_tools(), nested=True)
+        if problem is not None:
+            return problem
         tool_chars = chars = len(json.dumps(body.template_tools())) if body.tools else 0
         for i, message in enumerate(body.messages):
             text = message.text()
