@@ -47,9 +47,9 @@ class ReuseFailed(Exception):
         ...     _ = model(cache.input_ids, **cache_kwargs(cache))
         >>> cache = AttnStoreCache(model, store, "alice", torch.tensor([[1, 5, 9, 4, 7]]))
         >>> def unreadable(*args, **kwargs):  # as if the stored KV were damaged
-        ...     del cache.turn.load_layer  # once
+        ...     del cache.turn.loader.load_layer  # once
         ...     raise ReuseFailed("layer 0")
-        >>> cache.turn.load_layer = unreadable
+        >>> cache.turn.loader.load_layer = unreadable  # the layers load through the turn's ReuseLoader
         >>> new = cache.input_ids[:, cache.get_seq_length():]  # the one token not reused
         >>> logits = model(new, **cache_kwargs(cache)).logits  # the wrapper recomputes the whole prompt instead
         >>> cache.recomputed, tuple(logits.shape), cache.get_seq_length()

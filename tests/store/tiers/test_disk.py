@@ -61,7 +61,7 @@ def test_appending_writes_only_new_chunks_and_truncation_only_the_manifest(kvdir
     # Truncation (keep tokens 0-1 and 5-8) changes only the manifest.
     snap = store.lookup("s", FP)
     writer = store.open_turn("s", FP, snap, torch.tensor([0, 1, 5, 6, 7, 8]))
-    from .kvdata import kv
+    from ..kvdata import kv
 
     assert writer.append(torch.tensor([10]), *kv([10]))
     store.flush()
@@ -315,7 +315,7 @@ def test_a_retained_session_outlives_the_ttl_until_its_retention_ends(kvdir, mon
 
 
 def test_capacity_still_evicts_a_retained_session_and_says_so():
-    from .kvdata import BYTES_PER_TOKEN
+    from ..kvdata import BYTES_PER_TOKEN
 
     store = AttnStore(host_bytes=2 * 16 * BYTES_PER_TOKEN)  # two sessions; no lower tier
     try:
