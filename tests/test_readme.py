@@ -152,7 +152,6 @@ def test_docs_options_names_every_option():
 
 def test_the_readme_and_the_docs_say_what_a_thing_is_not_which_issue_built_it():
     pages = [README, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
-    pages = [p for p in pages if p.name != "design.md"]  # being rewritten on its own
     cited = {p.name: re.findall(r"\bissues? \d+|issue-\d+", p.read_text()) for p in pages}
     assert not any(cited.values()), cited
     assert len(README.read_text().splitlines()) <= 160
