@@ -45,17 +45,6 @@ class MessageItem(OpenAIRequest):
     content: str | list[InputText]
     phase: Literal["commentary", "final_answer"] | None = None  # an assistant message's label: read, not rendered
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, content):
-        # Said before the union's own complaint ("Input should be a valid string"), which would not say why.
-        for part in content if isinstance(content, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in NOT_TEXT:
-                raise ValueError(f"`{kind}` content is not supported: the model this server runs reads text only; "
-                                 "send `input_text` parts")
-        return content
-
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
@@ -115,6 +104,33 @@ class CompactionItem(OpenAIRequest):
 
 
 Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, CompactionItem]
+
+
+def readable(items):
+    """`items` (a request's ``input``) unchanged, or a ValueError naming the first content part the model cannot
+    read (an image, a file...) or compaction item this server did not make: said before the union's own
+    complaints ("Input should be a valid string"), which would not say why.
+
+    Example:
+        >>> readable([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
+        Traceback (most recent call last):
+        ...
+        ValueError: input.0.content.0 is `input_image` content, which is not supported: the model this server runs reads text only; send `input_text` parts
+    """
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        if isinstance(item, dict) and item.get("type") == "compaction" and isinstance(item.get("encrypted_content"),
+                                                                                      str):
+            try:
+                compaction_summary(item["encrypted_content"])
+            except ValueError as exc:
+                raise ValueError(f"input.{i}.encrypted_content: {exc}") from None
+        content = item.get("content") if isinstance(item, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in NOT_TEXT:
+                raise ValueError(f"input.{i}.content.{j} is `{kind}` content, which is not supported: the model this "
+                                 "server runs reads text only; send `input_text` parts")
+    return items
 
 
 def compaction_content(summary: str) -> str:
@@ -237,6 +253,8 @@ class ResponsesRequest(SGLangFields):
                              and "role" in item else item for item in data["input"]]
         return data
 
+    _text_only = field_validator("input", mode="before")(classmethod(lambda cls, items: readable(items)))
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice_offered(cls, choice, info: ValidationInfo):
@@ -330,6 +348,8 @@ class CompactRequest(OpenAIRequest):
     instructions: str | None = None
     prompt_cache_key: str | None = None
     cache_salt: str | None = None  # vLLM's extension, as in every route
+
+    _text_only = field_validator("input", mode="before")(classmethod(lambda cls, items: readable(items)))
 
     def unsupported(self) -> None:
         return None
