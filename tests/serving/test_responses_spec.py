@@ -15,7 +15,6 @@ from transformers import LogitsProcessorList
 from hf_attnstore import AttnStore
 from hf_attnstore.serving import ChatEngine, create_app
 from hf_attnstore.serving.pipeline import ChatPipeline
-from hf_attnstore.serving.protocol import compaction_content
 
 from ..conftest import char_tokenizer, make_tiny
 from .test_responses import WEATHER, Forced, Server
@@ -196,6 +195,8 @@ CONVERSATION = [{"type": "message", "role": "user", "content": LAUNCH},
 
 
 def test_compact_keeps_the_user_messages_and_summarizes_the_rest_into_a_compaction_item(server):
+    from hf_attnstore.serving.protocol import compaction_content
+
     server.answer("Tuesday")  # the reply the conversation had, served first: its KV is stored
     served = post(server, input=CONVERSATION).json()
     server.answer("launch tue")
@@ -243,3 +244,20 @@ def test_compact_continues_a_chain_and_refuses_what_it_cannot_compact(server):
                                   {"type": "message", "role": "user", "content": "hi"}])
     assert foreign.status_code == 400 and foreign.json()["error"]["param"] == "input"
     assert "not made by this server" in foreign.json()["error"]["message"]
+
+
+def test_an_assistant_first_conversation_renders_under_a_template_that_opens_with_its_own_system_prompt():
+    from hf_attnstore.serving.conversation import MessageTokens, ReplyMemo
+
+    tok = char_tokenizer()
+    # SmolLM2's habit: a default system prompt when the conversation does not begin with one.
+    tok.chat_template = ("{% if messages[0]['role'] != 'system' %}<|system|>default<|end|>{% endif %}"
+                         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    memo = ReplyMemo()
+    memo.add("four", [7, 7, 7])  # a reply this server generated: its ids come back, after the template's own text
+    messages = [{"role": "assistant", "content": "four"}, {"role": "user", "content": "again"}]
+    ids = MessageTokens(tok, memo).prompt_ids(messages)
+    head = tok("<|system|>default<|end|><|assistant|>", add_special_tokens=False)["input_ids"]
+    rest = tok("<|end|><|user|>again<|end|><|assistant|>", add_special_tokens=False)["input_ids"]
+    assert ids == head + [7, 7, 7] + rest

@@ -100,6 +100,7 @@ class ChatServing(OpenAIServing):
         hint = None if session else (body.prompt_cache_key or body.user or None)
         self.metrics.prompt_cache(body.prompt_cache_key, body.prompt_cache_retention)
         max_new = body.max_new_tokens(self.default_max_tokens)
+
         def setup():
             made = self._setup(body, session, max_new, hint=hint)
             if check is not None:

@@ -263,16 +263,16 @@ class LocalResponse:
     """
 
     def __init__(self):
-        self.response_id: str | None = None
-        self.scope, self.session_id, self.point, self.history = "", "", "", []
+        self.keep(None, "", "", "", [])
 
-    def keep(self, response_id: str, scope: str, session_id: str, point: str, history: list[dict]) -> None:
+    def keep(self, response_id: str | None, scope: str, session_id: str, point: str, history: list[dict]) -> None:
         self.response_id, self.scope, self.session_id, self.point, self.history = \
             response_id, scope, session_id, point, history
 
     def evict(self, response_id: str | None) -> None:
+        """Forgets the kept response if it is `response_id` (the one a failed continuation named)."""
         if response_id is not None and response_id == self.response_id:
-            self.__init__()
+            self.keep(None, "", "", "", [])
 
 
 class ResponseEvents:
