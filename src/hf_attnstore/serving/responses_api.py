@@ -135,7 +135,8 @@ class ResponsesServing(OpenAIServing):
             raise APIError(400, "nothing to compact: send `input`, or `previous_response_id`", param="input")
         if isinstance(body.input, list) and not body.input:
             raise APIError(400, "`input` is empty: send the conversation to compact", param="input")
-        summarize = body.as_request(COMPACT_PROMPT, temperature=0.0)
+        # Greedy; a conversation over the context window is summarized from what fits (the server's truncation).
+        summarize = body.as_request(COMPACT_PROMPT, temperature=0.0, truncation="auto")
         begun = await self.begin(summarize, request, fresh=True)
         reply = await self.wait(begun.started, request, param="input")
         if reply is None:

@@ -75,7 +75,7 @@ class ResponsesSocket:
                 if text is None:
                     text = (message.get("bytes") or b"").decode("utf-8", "replace")
                 await self.turn(websocket, text, local)
-        except WebSocketDisconnect:
+        except (WebSocketDisconnect, OSError):  # uvicorn's ClientDisconnected is an OSError
             return  # the client went away: its turn (if one ran) was cancelled by the stream's loop
 
     def _failed(self, status: int) -> None:
