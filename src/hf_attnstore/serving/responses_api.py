@@ -186,7 +186,7 @@ class ResponsesServing(OpenAIServing):
         """A WebSocket turn's events (`ResponseEvents`, each one JSON message) and the loop that makes them (the
         streams' own, `OpenAIServing.stream`'s: timeouts, failures, a client gone)."""
         events = ResponseEvents(self, begun, local, websocket=True)
-        return events, self._sse(begun.started, events)
+        return events, self.stream_lines(begun.started, events)
 
     def shell(self, begun: "Begun", status: str, output: list[dict] | None = None) -> dict:
         """The response object before it is done (``in_progress``, or ``failed``): no usage, no completion."""
