@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of `attnstore serve`: an app factory, so tests build the app in-process.
 
 Routes: ``POST /v1/chat/completions`` (chat_api.py), ``POST /v1/completions`` (completions_api.py), ``POST
-/v1/responses`` with ``GET`` and ``DELETE /v1/responses/{id}`` (responses_api.py), each a handler over the shared
+/v1/responses`` with ``GET`` and ``DELETE /v1/responses/{id}`` and ``POST /v1/responses/compact``
+(responses_api.py), and its WebSocket mode on ``/v1/responses`` (responses_ws.py), each a handler over the shared
 base (base.py: model check, unsupported fields, admission, submission, waiting, one SSE loop); ``GET /v1/models``,
 ``GET /health``, ``GET /metrics`` (Prometheus text), and SGLang's ``GET /server_info`` and ``/model_info`` (what
 sglang-router reads a worker's model from), here. Errors are OpenAI-style error objects (errors.py),
@@ -28,6 +29,7 @@ from .protocol import ModelCard, ModelList, RequestLimits
 from .response_store import ResponseStore
 from .response_store_redis import RedisResponseStore
 from .responses_api import ResponsesServing
+from .responses_ws import ResponsesSocket
 
 
 def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int = 256,
@@ -116,6 +118,9 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
     app.post("/v1/chat/completions")(chat.create)
     app.post("/v1/completions")(completions.create)
     app.post("/v1/responses")(stored.create)
+    app.post("/v1/responses/compact")(stored.compact)
+    app.state.responses_socket = ResponsesSocket(stored)
+    app.websocket("/v1/responses")(app.state.responses_socket)
     app.get("/v1/responses/{response_id}")(stored.get)
     app.delete("/v1/responses/{response_id}")(stored.delete)
     return app

@@ -237,6 +237,10 @@ class OpenAIServing:
         return StreamingResponse(self._sse(started, events), media_type="text/event-stream",
                                  headers={"X-Session-ID": started.turn.session_id, "Cache-Control": "no-cache"})
 
+    def stream_lines(self, started: Started, events: StreamEvents):
+        """The lines `stream` sends, from the same loop, without the HTTP response (a WebSocket sends them itself)."""
+        return self._sse(started, events)
+
     async def _sse(self, started: Started, events: StreamEvents):
         parser = started.parser
         finished = timed_out = False

@@ -74,10 +74,12 @@ class ChatServing(OpenAIServing):
             result.attnstore.samples_reused_tokens = [r.reused_tokens for r in replies[1:]]
         return JSONResponse(result.model_dump(), headers={"X-Session-ID": turn.session_id})
 
-    async def start_turn(self, body: ChatCompletionRequest, request: Request, session: str | None = None) -> Started:
+    async def start_turn(self, body: ChatCompletionRequest, request: Request, session: str | None = None,
+                         check=None) -> Started:
         """Checks a chat request's sizes and session id, then starts its turn (`OpenAIServing.start`), on the
         session the client names, else `session`, else the one the index finds. The model and the unsupported
-        fields are checked before, once (`check_request`, on the request as the client sent it).
+        fields are checked before, once (`check_request`, on the request as the client sent it). `check(turn,
+        max_new)`, when given, checks the rendered turn before it is queued (raising `APIError`).
 
         Raises:
             APIError: 400 for a request over a limit, and `start`'s.
@@ -99,7 +101,14 @@ class ChatServing(OpenAIServing):
         hint = None if session else (body.prompt_cache_key or body.user or None)
         self.metrics.prompt_cache(body.prompt_cache_key, body.prompt_cache_retention)
         max_new = body.max_new_tokens(self.default_max_tokens)
-        return await self.start(lambda: self._setup(body, session, max_new, hint=hint), max_new, stream=body.stream)
+
+        def setup():
+            made = self._setup(body, session, max_new, hint=hint)
+            if check is not None:
+                check(made[0], max_new)
+            return made
+
+        return await self.start(setup, max_new, stream=body.stream)
 
     def _setup(self, body: ChatCompletionRequest, session: str | None, max_new: int, turn: RequestTurn | None = None,
                hint: str | None = None):

@@ -199,7 +199,11 @@ class MessageTokens:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def generation_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """What the template adds to open the assistant's reply after `messages`."""
+        """What the template adds to open the assistant's reply after `messages` (after none: what it adds after a
+        user message, since a template cannot render an empty conversation)."""
+        if not messages:
+            probe = [{"role": "user", "content": _PROBE}]
+            return self._render(probe, True, tools)[len(self._render(probe, False, tools)):]
         return self._render(messages, True, tools)[len(self._render(messages, False, tools)):]
 
     def prompt_ids(self, messages: list[dict], scope: str = "", tools: list[dict] | None = None) -> list[int]:
@@ -242,14 +246,18 @@ class MessageTokens:
         else:
             content = message.get("content") or ""
         opening = self.generation_prompt(history, tools)
+        head = ""
+        if not history and piece.find(opening) > 0:  # the conversation's first message: the template may open it
+            # with text of its own (a default system prompt) before the assistant's opening
+            head, piece = piece[:piece.find(opening)], piece[piece.find(opening):]
         at = piece.find(content, len(opening)) if content else -1
         if not piece.startswith(opening) or at < 0 or piece[len(opening):at].strip():
             # The template renders the reply otherwise than it was generated (it strips reasoning, or formats
             # tool calls its own way): as rendered; reuse ends there.
-            return self._encode(piece)
+            return self._encode(head + piece)
         known = self.memo.get(content, scope)
         content_ids = known if known is not None else self._encode(content)
-        return self._encode(opening) + content_ids + self._encode(piece[at + len(content):])
+        return self._encode(head) + self._encode(opening) + content_ids + self._encode(piece[at + len(content):])
 
 
 class _NotAppendable(Exception):

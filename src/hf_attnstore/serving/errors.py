@@ -12,8 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .metrics import ServerMetrics
 from .protocol import error_body, error_field, error_tag
 
-ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, GET and DELETE /v1/responses/{id}, "
-          "GET /v1/models, /health and /metrics")
+ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (or a WebSocket), GET and DELETE "
+          "/v1/responses/{id}, POST /v1/responses/compact, GET /v1/models, /health and /metrics")
 
 
 class APIError(Exception):

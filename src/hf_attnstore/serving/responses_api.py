@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -20,11 +22,17 @@ from .base import OpenAIServing, Started, store_info
 from .chat_api import ChatServing
 from .engine import ChatEngine, Remembered
 from .errors import APIError
-from .protocol import (ChatMessage, FunctionCallItem, FunctionCallOutputItem, RequestLimits, ResponsesRequest,
-                       call_item, chat_request, echo_problem, message_item, output_items, response_object)
+from .protocol import (ChatMessage, CompactRequest, FunctionCallItem, FunctionCallOutputItem, RequestLimits,
+                       ResponsesRequest, call_item, chat_request, compaction_content, echo_problem, message_item,
+                       output_items, response_object)
 from .protocol.common import tools_text_problem
 from .response_store import ResponseStore, StoredResponse, ids_array, new_response_id
 from .tools import message_call_key
+
+
+# The compaction turn's last message: what the model is asked to write into the compaction item.
+COMPACT_PROMPT = ("Summarize the conversation so far for its continuation: keep every fact, name, number, decision "
+                  "and open question, briefly. Write only the summary.")
 
 
 class ResponsesServing(OpenAIServing):
@@ -43,6 +51,28 @@ class ResponsesServing(OpenAIServing):
 
     async def create(self, body: ResponsesRequest, request: Request):
         """Answers one Responses request (the route's handler)."""
+        begun = await self.begin(body, request)
+        if body.stream:
+            return self.stream(begun.started, ResponseEvents(self, begun))
+        reply = await self.wait(begun.started, request, param="input")
+        if reply is None:
+            return self.gone()
+        if begun.started.parser is not None:
+            self.parse_whole(begun.started.parser, reply, begun.started.max_new)
+        result = await self.finish(begun, reply)
+        return JSONResponse(result, headers={"X-Session-ID": begun.started.turn.session_id})
+
+    async def begin(self, body: ResponsesRequest, request, local: "LocalResponse | None" = None,
+                    fresh: bool = False) -> "Begun":
+        """Checks a request, rebuilds the conversation it continues (from `local`, a WebSocket connection's most
+        recent response, when it is the one named; else from the stored responses) and queues its turn: what
+        answering it needs (`Begun`). `request` is the HTTP request or the WebSocket (its headers are read).
+        `fresh`: the turn runs on a new session of its own (it still reuses the longest stored prefix).
+
+        Raises:
+            APIError: 4xx for the client's mistakes (naming the field), 429 and 503 as every route.
+        """
+        created_at = int(time.time())  # fixed here: every event of the response and its stored copy carry it
         self.check_request(body)
         text = tools_text_problem(body.tools, nested=False)  # before the echo check: it names the field
         if text is not None:
@@ -58,8 +88,13 @@ class ResponsesServing(OpenAIServing):
         history: list[dict] = []
         session = None
         if body.previous_response_id is not None:
-            history, session = await asyncio.to_thread(_history, self.engine, self.responses,
-                                                       body.previous_response_id, scope, self.limits)
+            if local is not None and local.response_id == body.previous_response_id and local.scope == scope:
+                history = local.history  # the connection's own: no lookup, and `store: false` continues too
+                point = await asyncio.to_thread(self.engine.session_point, local.session_id, scope)
+                session = local.session_id if point in (None, local.point) else None
+            else:
+                history, session = await asyncio.to_thread(_history, self.engine, self.responses,
+                                                           body.previous_response_id, scope, self.limits)
         unanswered = _unanswered_output(body, history)
         if unanswered is not None:  # OpenAI's rule and message
             raise APIError(400, f"No tool call found for function call output with call_id {unanswered[:100]!r}: a "
@@ -74,22 +109,70 @@ class ResponsesServing(OpenAIServing):
                            param="input")
         except ValueError as exc:
             raise APIError(400, str(exc), param="tools" if str(exc).startswith("tools.") else "input")
+        window = self.engine.pipeline.truncation.context_window
+
+        def fits(turn, max_new: int) -> None:  # `truncation: "disabled"` (OpenAI's default): nothing is dropped
+            if body.truncation != "auto" and window is not None and len(turn.client_ids) + max_new > window:
+                raise APIError(400, f"the conversation ({len(turn.client_ids)} tokens) and its reply (up to "
+                               f"{max_new}) do not fit the context window ({window} tokens), and `truncation` is "
+                               '"disabled": send `truncation: "auto"` to drop the oldest tokens instead, or a shorter '
+                               "`input` or `max_output_tokens`", param="input", code="context_length_exceeded")
+
+        if fresh:
+            session = f"compact-{uuid.uuid4().hex}"
         try:
             # The chat request is checked for its sizes only: its model and fields are this request's, checked above.
-            started = await self.chat.start_turn(chat, request, session)
+            started = await self.chat.start_turn(chat, request, session, check=fits)
         except APIError as exc:
             exc.param = _responses_param(exc.param)
             raise
-        response_id = new_response_id()
-        if body.stream:
-            return self.stream(started, ResponseEvents(self, started, body, response_id, scope))
-        reply = await self.wait(started, request, param="input")
+        return Begun(started, body, new_response_id(), scope, created_at, history)
+
+    async def compact(self, body: CompactRequest, request: Request):
+        """``POST /v1/responses/compact``: the conversation (`body`'s input after the chain it names) as a compacted
+        window: its user messages as they were, then one ``compaction`` item holding a summary of the rest, which
+        the model writes (greedily, at most the server's default reply length) on a session of its own. Nothing is
+        stored and no session moves: the compacted window, sent back as a new chain's ``input``, starts a new
+        session, which reuses the longest stored prefix it shares; the conversation's own session stays as it
+        was, reusable by a client that goes on with the whole conversation."""
+        self.check_request(body)
+        if body.input is None and body.previous_response_id is None:
+            raise APIError(400, "nothing to compact: send `input`, or `previous_response_id`", param="input")
+        if isinstance(body.input, list) and not body.input:
+            raise APIError(400, "`input` is empty: send the conversation to compact", param="input")
+        # Greedy; a conversation over the context window is summarized from what fits (the server's truncation).
+        summarize = body.as_request(COMPACT_PROMPT, temperature=0.0, truncation="auto")
+        begun = await self.begin(summarize, request, fresh=True)
+        reply = await self.wait(begun.started, request, param="input")
         if reply is None:
             return self.gone()
-        if started.parser is not None:
-            self.parse_whole(started.parser, reply, started.max_new)
-        result = await self.finish(started, reply, body, response_id, scope)
-        return JSONResponse(result, headers={"X-Session-ID": started.turn.session_id})
+        turn = begun.started.turn
+        await self.record(turn, reply)
+        conversation = [*begun.history, *(m.model_dump(exclude_none=True) for m in summarize.input_messages()[:-1])]
+        kept = [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed", "role": "user",
+                 "content": [{"type": "input_text", "text": ChatMessage.model_validate(m).text() or ""}]}
+                for m in conversation if m.get("role") == "user"]
+        compaction = {"type": "compaction", "id": f"cmp_{uuid.uuid4().hex}",
+                      "encrypted_content": compaction_content(reply.text.strip())}
+        usage = {"input_tokens": len(turn.client_ids), "input_tokens_details": {"cached_tokens": reply.reused_tokens},
+                 "output_tokens": reply.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                 "total_tokens": len(turn.client_ids) + reply.generated_tokens}
+        return JSONResponse({"id": f"cmp_{uuid.uuid4().hex}", "object": "response.compaction",
+                             "created_at": begun.created_at, "output": [*kept, compaction], "usage": usage,
+                             "attnstore": store_info(turn, reply).model_dump()},
+                            headers={"X-Session-ID": turn.session_id})
+
+    def used(self, body: ResponsesRequest, max_new: int) -> dict:
+        """The sampling settings a turn runs with, as the response echoes them: the request's, else the
+        pipeline's defaults (greedy unless it samples), and the reply's cap."""
+        options = self.engine.pipeline.generate_kwargs
+        config = self.engine.pipeline.model.generation_config
+        sampling = options.get("do_sample", config.do_sample) if body.temperature is None else body.temperature > 0
+        temperature = body.temperature if body.temperature is not None else \
+            float(options.get("temperature", config.temperature or 1.0)) if sampling else 0.0
+        top_p = body.top_p if body.top_p is not None else \
+            float(options.get("top_p", config.top_p or 1.0)) if sampling else 1.0
+        return {"temperature": temperature, "top_p": top_p, "max_output_tokens": max_new}
 
     async def get(self, response_id: str):
         """``GET /v1/responses/{id}``: a stored response."""
@@ -104,24 +187,42 @@ class ResponsesServing(OpenAIServing):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
-    async def finish(self, started: Started, reply, body: ResponsesRequest, response_id: str, scope: str,
-                     streamed: list[dict] | None = None) -> dict:
+    def socket_events(self, begun: "Begun", local: "LocalResponse"):
+        """A WebSocket turn's events (`ResponseEvents`, each one JSON message) and the loop that makes them (the
+        streams' own, `OpenAIServing.stream`'s: timeouts, failures, a client gone)."""
+        events = ResponseEvents(self, begun, local, websocket=True)
+        return events, self.stream_lines(begun.started, events)
+
+    def shell(self, begun: "Begun", status: str, output: list[dict] | None = None) -> dict:
+        """The response object before it is done (``in_progress``, or ``failed``): no usage, no completion."""
+        return response_object(begun.body, begun.response_id, self.model_name, status, output or [],
+                               created_at=begun.created_at, used=self.used(begun.body, begun.started.max_new))
+
+    async def finish(self, begun: "Begun", reply, streamed: list[dict] | None = None,
+                     local: "LocalResponse | None" = None) -> dict:
         """The finished response: recorded (memo, index, metrics), stored when asked (off the event loop: a file
-        is written), as the response object (its output `streamed`, when it was: the items the client saw)."""
+        is written), as the response object (its output `streamed`, when it was: the items the client saw). With
+        `local` (a WebSocket connection's), the connection keeps it as its most recent response, stored or not."""
+        started, body, response_id, scope = begun.started, begun.body, begun.response_id, begun.scope
         turn, parser = started.turn, started.parser
         remembered = await self.record(turn, reply, parser)
-        items, message = output_items(parser.message_content if parser is not None else reply.text,
-                                      parser.calls if parser is not None else [])
-        items = streamed or items
         length = self.engine.finish_reason(reply, started.max_new, parser) == "length"
+        items, message = output_items(parser.message_content if parser is not None else reply.text,
+                                      parser.calls if parser is not None else [], "incomplete" if length else "completed")
+        items = streamed or items
         usage = {"input_tokens": len(turn.client_ids),
                  "input_tokens_details": {"cached_tokens": reply.reused_tokens},
                  "output_tokens": reply.generated_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                  "total_tokens": len(turn.client_ids) + reply.generated_tokens}
         result = response_object(body, response_id, self.model_name, "incomplete" if length else "completed", items,
-                                 usage, "max_output_tokens" if length else None, store_info(turn, reply).model_dump())
+                                 usage, "max_output_tokens" if length else None, store_info(turn, reply).model_dump(),
+                                 created_at=begun.created_at, used=self.used(body, started.max_new),
+                                 completed_at=int(time.time()))
+        new = [m.model_dump(exclude_none=True) for m in body.input_messages()]
+        if local is not None and remembered is not None:
+            point = await asyncio.to_thread(self.engine.session_point, turn.session_id, scope)
+            local.keep(response_id, scope, turn.session_id, point or "", [*begun.history, *new, message])
         if body.store and remembered is not None:
-            new = [m.model_dump(exclude_none=True) for m in body.input_messages()]
 
             def store():  # off the event loop: the session's ids may come from the shared Redis, the record goes to
                 # a file or to Redis
@@ -136,37 +237,86 @@ class ResponsesServing(OpenAIServing):
         return result
 
 
+@dataclass
+class Begun:
+    """A Responses request whose turn is queued: what answering it needs.
+
+    Example:
+        >>> begun = await responses.begin(body, request)  # doctest: +SKIP
+        >>> begun.started.turn.session_id  # doctest: +SKIP
+        'chat-...'
+    """
+
+    started: Started
+    body: ResponsesRequest
+    response_id: str
+    scope: str
+    created_at: int
+    history: list[dict]  # the conversation before this request's input (the chain it continues), as messages
+
+
+class LocalResponse:
+    """A WebSocket connection's most recent response (the spec's connection-local state): the conversation up to
+    its reply, as messages, and where its session stood, so that a continuation on the connection needs no
+    lookup, and a ``store: false`` response can be continued at all. One at a time: keeping a newer one forgets
+    it, and a failed continuation evicts it (`evict`).
+
+    Example:
+        >>> local = LocalResponse()
+        >>> local.keep("resp_1", "", "chat-1", "p", [{"role": "user", "content": "hi"}])
+        >>> local.response_id
+        'resp_1'
+    """
+
+    def __init__(self):
+        self.keep(None, "", "", "", [])
+
+    def keep(self, response_id: str | None, scope: str, session_id: str, point: str, history: list[dict]) -> None:
+        self.response_id, self.scope, self.session_id, self.point, self.history = \
+            response_id, scope, session_id, point, history
+
+    def evict(self, response_id: str | None) -> None:
+        """Forgets the kept response if it is `response_id` (the one a failed continuation named)."""
+        if response_id is not None and response_id == self.response_id:
+            self.keep(None, "", "", "", [])
+
+
 class ResponseEvents:
     """A response's streamed events (`base.StreamEvents`), as OpenAI sends them: created, in progress, each output
     item added, its text deltas (or a call's arguments) and done, then completed, incomplete or failed. No
     ``data: [DONE]``: the last event says the stream is over.
 
+    Over a WebSocket (`websocket`), each event is one JSON message instead of an SSE event, and `local` (the
+    connection's state) keeps the finished response.
+
     Example:
-        >>> return responses.stream(started, ResponseEvents(responses, started, body, "resp_1", ""))  # doctest: +SKIP
+        >>> return responses.stream(started, ResponseEvents(responses, begun))  # doctest: +SKIP
     """
 
     done = False
 
-    def __init__(self, serving: ResponsesServing, started: Started, body: ResponsesRequest, response_id: str,
-                 scope: str):
-        self.serving, self.started, self.body, self.response_id, self.scope = \
-            serving, started, body, response_id, scope
+    def __init__(self, serving: ResponsesServing, begun: Begun, local: LocalResponse | None = None,
+                 websocket: bool = False):
+        self.serving, self.begun, self.started, self.local, self.websocket = \
+            serving, begun, begun.started, local, websocket
         self.sequence = 0
         self.output: list[dict] = []  # items done so far
         self.open_message: dict | None = None  # the message item text is being streamed into
         self.open_calls: dict[int, tuple[int, str]] = {}  # a call being streamed: its output index and item id
-        self.shell = response_object(body, response_id, serving.model_name, "in_progress", [])
+        self.shell = serving.shell(begun, "in_progress")
+        self.status: str | None = None  # the terminal event's status, once sent
 
     def _event(self, kind: str, **data) -> str:
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.sequence - 1, **data})}\n\n"
+        payload = json.dumps({'type': kind, 'sequence_number': self.sequence - 1, **data})
+        return payload if self.websocket else f"event: {kind}\ndata: {payload}\n\n"
 
-    def _close_message(self) -> list[str]:
+    def _close_message(self, status: str = "completed") -> list[str]:
         if self.open_message is None:
             return []
         item, index = self.open_message, len(self.output)
         text = item["text"]
-        done = message_item(item["id"], text, "completed")
+        done = message_item(item["id"], text, status)
         part = done["content"][0]
         self.open_message = None
         self.output.append(done)
@@ -216,18 +366,22 @@ class ResponseEvents:
         return lines
 
     async def finished(self, reply) -> list[str]:
-        lines = self._close_message()
         parser = self.started.parser
+        length = self.serving.engine.finish_reason(reply, self.started.max_new, parser) == "length"
+        lines = self._close_message("incomplete" if length else "completed")  # a cut message is incomplete
         if parser is not None and parser.failed:
             parser.content, parser.calls = reply.text, []  # as the whole-reply path: all content
         # The streamed items (and their ids) are what the client saw: the stored response is them.
-        result = await self.serving.finish(self.started, reply, self.body, self.response_id, self.scope, self.output)
+        result = await self.serving.finish(self.begun, reply, self.output, self.local)
+        self.status = result["status"]
         kind = "response.incomplete" if result["status"] == "incomplete" else "response.completed"
         return lines + [self._event(kind, response=result)]
 
     def failed(self, error: dict) -> list[str]:
-        # Nothing is stored: a failed response cannot be continued.
-        return [self._event("response.failed", response={**self.shell, "status": "failed", "error": error["error"]})]
+        # Nothing is stored: a failed response cannot be continued. The spec's schema wants the error's code.
+        self.status = "failed"
+        error = {**error["error"], "code": error["error"].get("code") or error["error"].get("type") or "server_error"}
+        return [self._event("response.failed", response={**self.shell, "status": "failed", "error": error})]
 
 
 def _not_found(response_id: str) -> APIError:

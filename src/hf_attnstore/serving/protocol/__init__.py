@@ -25,18 +25,18 @@ from .common import (OTHER_TOOL_CHOICE, TOOL_NAME, AttnStoreInfo, CompletionBase
                      surrogate_at)
 from .completions import DEFAULT_MAX_TOKENS, CompletionRequest, completion_logprobs, completion_object
 from .limits import RequestLimits
-from .responses import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, FunctionToolChoice, InputText, Item,
+from .responses import (CompactionItem, CompactRequest, FunctionCallItem, FunctionCallOutputItem, FunctionTool, FunctionToolChoice, InputText, Item,
                         MessageItem, ResponsesRequest, call_item, chat_request, message_item, output_items,
-                        response_object)
+                        compaction_content, response_object)
 
 __all__ = [
     "AttnStoreInfo", "ChatCompletion", "ChatCompletionChunk", "ChatCompletionRequest", "ChatMessage", "Choice",
-    "ChunkChoice", "CompletionBase", "CompletionRequest", "DEFAULT_MAX_TOKENS", "Delta", "FunctionDelta", "OTHER_TOOL_CHOICE",
+    "ChunkChoice", "CompactRequest", "CompactionItem", "CompletionBase", "CompletionRequest", "DEFAULT_MAX_TOKENS", "Delta", "FunctionDelta", "OTHER_TOOL_CHOICE",
     "FunctionCall", "FunctionCallItem", "FunctionCallOutputItem", "FunctionDef", "FunctionTool", "FunctionToolChoice",
     "InputText", "Item", "MessageItem", "ModelCard", "ModelList", "NamedToolChoice", "OpenAIRequest",
     "PromptTokensDetails", "RequestLimits", "ResponseMessage", "ResponsesRequest", "SGLangFields", "StreamOptions", "TOOL_NAME",
     "TextPart", "ToolCallDelta", "ToolCallIn", "ToolCallOut", "ToolDef", "Usage", "call_item", "chat_request",
-    "check_tool_choice", "completion_logprobs", "completion_object", "echo_problem", "error_body", "error_field",
+    "check_tool_choice", "compaction_content", "completion_logprobs", "completion_object", "echo_problem", "error_body", "error_field",
     "error_tag", "json_object_text", "message_item", "output_items", "response_format_schema", "response_object",
     "stop_strings", "surrogate_at",
 ]
