@@ -97,3 +97,10 @@ def test_an_old_path_leaves_the_module_its_own_spec():
         sys.modules.pop("hf_attnstore.store.placement", None)
         module = importlib.import_module("hf_attnstore.store.placement")
     assert module.__spec__.name == "hf_attnstore.store.policy"
+
+
+def test_reloading_the_facade_keeps_one_finder():
+    import hf_attnstore.store as facade
+
+    importlib.reload(facade)
+    assert sum(type(f).__qualname__ == "_MovedModules" for f in sys.meta_path) == 1

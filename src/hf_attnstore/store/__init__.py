@@ -76,6 +76,9 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     PREFIX = __name__ + "."
 
+    def __init__(self):
+        self.specs: dict[str, importlib.machinery.ModuleSpec] = {}  # each new module's own spec, seen before any alias
+
     def find_spec(self, fullname, path=None, target=None):
         old = fullname[len(self.PREFIX):] if fullname.startswith(self.PREFIX) else None
         if old not in MOVED:
@@ -87,14 +90,17 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         module = importlib.import_module(spec.origin)
-        spec.loader_state = module.__spec__  # the import system sets the alias's spec on it: put its own back
+        # The import system sets the alias's spec on the module it is handed: its own is put back (exec_module),
+        # the one it had before any alias touched it (two threads importing two aliases of one module at once).
+        if module.__spec__.name == spec.origin:
+            self.specs.setdefault(spec.origin, module.__spec__)
         return module
 
     def exec_module(self, module):
-        module.__spec__ = module.__spec__.loader_state  # the module is the new one, already executed
+        module.__spec__ = self.specs[module.__name__]  # the module is the new one, already executed
 
 
-if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+if not any(type(f).__qualname__ == _MovedModules.__qualname__ for f in sys.meta_path):  # once, reloads too
     sys.meta_path.append(_MovedModules())
 # `hf_attnstore.store.policy` was a package: its old submodules (`policy.lru`, ...) are found through this finder.
 sys.modules[__name__ + ".policy"].__path__ = []

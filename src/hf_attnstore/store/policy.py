@@ -376,7 +376,9 @@ def make_policy(name: str) -> EvictionPolicy:
     return POLICIES[name]()
 
 
-__all__ = ["EvictionPolicy", "FIFOPolicy", "LRUPolicy", "LookaheadPolicy", "POLICIES", "make_policy"]
+__all__ = ["ATTENTION_TOKENS", "EvictionPolicy", "FIFOPolicy", "HEAD_SEARCH", "LRUPolicy", "LookaheadPolicy", "POLICIES",
+           "RECOMPUTE_MARGIN", "choose_head_drops", "choose_recompute", "choose_victims", "head_drop_candidates",
+           "lookahead_windows", "make_policy", "recompute_cost"]
 
 
 def __getattr__(name: str):

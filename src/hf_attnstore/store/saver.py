@@ -699,9 +699,6 @@ def _settle(future: Future, timeout: float) -> int | None:
         return None
 
 
-logger = logging.getLogger(__name__)
-
-
 class Refill:
     """What the store does when its remote tier lost data (see the module docstring).
 

@@ -613,8 +613,9 @@ class AttnStore:
     @property
     def costs(self) -> ResumeCosts:
         """The measured rates that `recompute_by_cost` decides by: each lower tier's load rate (measured by the
-        load thread) and each model's prefill rate (reported by `AttnStoreCache` under the `prefill_key` it
-        passes to `lookup`, through :meth:`ResumeCosts.observe_prefill`).
+        load thread) and each model's prefill rate (reported by `AttnStoreCache`, when the store's
+        `recompute_by_cost` is on, under the `prefill_key` it passes to `lookup`, through
+        :meth:`ResumeCosts.observe_prefill`; a caller may report its own).
 
         Example:
             >>> store = AttnStore(host_bytes="1MiB")
