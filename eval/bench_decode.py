@@ -88,11 +88,14 @@ def main(argv=None) -> int:
 
     from hf_attnstore.cache.layers import AttnStoreLayer
 
+    from hf_attnstore.cache.load import ReuseLoader
+    from hf_attnstore.cache.record import Recorder
     from hf_attnstore.cache.turn import CacheTurn
 
     setattr(AttnStoreCache, "__init__", timed(AttnStoreCache.__init__))
-    for name in ("begin_forward", "end_forward", "record", "load_layer"):
-        setattr(CacheTurn, name, timed(getattr(CacheTurn, name)))
+    for cls, name in ((CacheTurn, "begin_forward"), (CacheTurn, "end_forward"), (Recorder, "record"),
+                      (ReuseLoader, "load_layer")):  # the layers record and load through these two directly
+        setattr(cls, name, timed(getattr(cls, name)))
     for cls in (DynamicLayer, AttnStoreLayer):
         cls.update = timed(cls.update)
     if args.resume:

@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from hf_attnstore.cli import build_parser, build_server
-from hf_attnstore.store.redis_server import free_port
+from hf_attnstore.lab.redis_server import free_port
 
 pytestmark = pytest.mark.integration  # the bundled model's weights
 
