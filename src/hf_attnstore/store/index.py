@@ -33,6 +33,8 @@ from dataclasses import fields
 import enum
 from dataclasses import dataclass, field
 import hashlib
+import heapq
+from itertools import islice
 import torch
 
 from .buffer import LoadHandle, SessionBuffer, SessionKV
@@ -945,10 +947,13 @@ class PrefixTable:
         levels: list[list[tuple[Key, int]]] = []
         for k, h in enumerate(block_hashes(token_ids)):
             users = self._sessions.get((fingerprint, h))
-            found = [key for key in reversed(users or {}) if key != exclude]
+            # The newest `limit` sharers only, not all of them: one system prompt is shared by every session of
+            # the store, and this runs for each block of every prompt (at most `limit` + 1 keys read per block:
+            # `exclude` is one key).
+            found = list(islice((key for key in reversed(users or {}) if key != exclude), limit))
             if not found:
                 break
-            levels.append([(key, (k + 1) * BLOCK) for key in found[:limit]])
+            levels.append([(key, (k + 1) * BLOCK) for key in found])
         if not every_depth:
             return levels[-1] if levels else []
         out, seen = [], set()
