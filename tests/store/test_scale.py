@@ -8,13 +8,18 @@ the index would read more with more sessions.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
+import pytest
 import torch
 
+from hf_attnstore import AttnStore
 from hf_attnstore.store.index import BLOCK, PrefixTable
 
-FP = "f" * 64
+from .kvdata import BYTES_PER_TOKEN, FP, write_turn
+from .test_state import FAST
+
 SYSTEM = torch.arange(1000, 1000 + 16 * BLOCK)  # a shared system prompt of 1,024 tokens
 FEW, MANY = 40, 400
 
@@ -24,6 +29,11 @@ class Reads:
 
     def __init__(self):
         self.n = 0
+        self.thread = threading.get_ident()  # the store's threads read the index too, at their own pace
+
+    def add(self) -> None:
+        if threading.get_ident() == self.thread:
+            self.n += 1
 
     def counting(self, collection):
         """A copy of `collection` (a dict, an OrderedDict or a set) whose iterations and lookups add to the count."""
@@ -31,7 +41,7 @@ class Reads:
 
         def walk(items):
             for item in items:
-                reads.n += 1
+                reads.add()
                 yield item
 
         if isinstance(collection, set):
@@ -55,11 +65,11 @@ class Reads:
                 return walk(super().items())
 
             def get(self, key, default=None):
-                reads.n += 1
+                reads.add()
                 return super().get(key, default)
 
             def __getitem__(self, key):
-                reads.n += 1
+                reads.add()
                 return super().__getitem__(key)
         return CountedDict(collection)
 
@@ -88,3 +98,45 @@ def test_a_prefix_lookup_reads_the_newest_sharers_of_each_block_not_all_of_them(
         assert few == many, (every_depth, few, many)
         # The same answer as a scan: the newest 4 sessions sharing the 16 blocks of the system prompt.
         assert found_many == [((FP, f"s{i}"), 16 * BLOCK) for i in range(MANY - 1, MANY - 5, -1)]
+
+
+def _held(tmp_path, sessions: int, **config) -> AttnStore:
+    """A store holding `sessions` sessions of 64 tokens, all on disk, the last few also in host memory (clean)."""
+    store = AttnStore(host_bytes=8 * 64 * BYTES_PER_TOKEN, disk_dir=str(tmp_path / f"n{sessions}"),
+                      **{**FAST, "chunk_tokens": 64, **config})
+    for i in range(sessions):
+        ids = list(range(i * 64, (i + 1) * 64))
+        write_turn(store, f"s{i}", ids)
+    store.flush()
+    return store
+
+
+def _count_index(store: AttnStore) -> Reads:
+    """Wraps the index's collections in counting ones (see `Reads`); only this thread's reads count."""
+    index, reads = store._index, Reads()
+    with index.lock:
+        index.entries = reads.counting(index.entries)
+        index.dirty = reads.counting(index.dirty)
+        for policy in (index.host.policy, index.disk_policy):
+            policy.order = reads.counting(policy.order)
+    return reads
+
+
+@pytest.mark.parametrize("policy", ["lru", "lookahead"])
+def test_making_host_room_walks_the_policys_order_only_as_far_as_it_evicts(tmp_path, policy):
+    counts, demoted = [], []
+    for sessions in (FEW, MANY):
+        store = _held(tmp_path, sessions, policy=policy)
+        store.set_schedule([f"s{sessions - 1}", f"s{sessions - 2}"])  # the newest two have jobs waiting
+        host = [k[1] for k in store._index.host.policy.victims()]
+        reads = _count_index(store)
+        with store._index.lock:
+            freed = store._eviction.make_host_room(3 * 64 * BYTES_PER_TOKEN, exclude=None)
+        counts.append(reads.n)
+        demoted.append([sid for sid in host if store._index.entries[(FP, sid)].host is None])
+        store.close()
+        assert freed
+    assert counts[0] == counts[1], counts
+    # The same victims, the policy's first (the least recently used; with a look-ahead, not the queued ones).
+    assert [len(d) for d in demoted] == [3, 3]
+    assert demoted[1] == [f"s{MANY - 8 + i}" for i in range(3)]

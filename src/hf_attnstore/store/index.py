@@ -81,6 +81,11 @@ class StoreState:
         # file system keeps the bytes as long, so deleting one session never takes a chunk another manifest names.
         self.linked: dict[tuple, list] = {}
         self.dirty: set[Key] = set()
+        # The entries whose write is `Write.DEMOTE` (`set_write` keeps it): the host bytes already on their way out,
+        # which eviction counts before choosing more victims. A set, not a running sum of those bytes: what a
+        # session's leaving frees changes when another session starts or stops sharing its segments
+        # (`HostTier.freed_by`), and these are few (as many as the room being made needs), however many are held.
+        self.demoting: set[Entry] = set()
         self.remirror: set[Key] = set()  # sessions to copy again to a mirror tier that lost its data (refill.py)
         self.next_chunk: dict[Key, int] = {}  # per session, only ever grows
         # Deletions for the save thread, in order: (key, bytes freed, None) deletes a session's folder;
@@ -437,17 +442,28 @@ class StoreState:
     def mark_dirty(self, e: Entry, write: Write | None = None) -> None:
         """The session has tokens to write (`write`: how soon, else as it was)."""
         if write is not None:
-            e.write = write
+            self.set_write(e, write)
         self.dirty.add(e.key)
 
     def mark_clean(self, e: Entry, write: Write | None = None) -> None:
         """Nothing of the session is to be written now (`write`: what then, else as it was)."""
         if write is not None:
-            e.write = write
+            self.set_write(e, write)
         self.dirty.discard(e.key)
 
     def set_write(self, e: Entry, write: Write) -> None:
+        """What the save thread does with the session's unwritten tokens (the one writer of `Entry.write`)."""
         e.write = write
+        if write is Write.DEMOTE:
+            self.demoting.add(e)
+        else:
+            self.demoting.discard(e)
+
+    def demoting_entries(self) -> list[Entry]:
+        """The indexed entries being written out of host memory (`Write.DEMOTE`); forgets those no longer indexed."""
+        gone = [e for e in self.demoting if self.entries.get(e.key) is not e]
+        self.demoting.difference_update(gone)
+        return list(self.demoting)
 
     def new_history(self, e: Entry) -> None:
         """A new generation: a save in flight may hold tokens past a cut or of a replaced copy, and must not
@@ -489,7 +505,7 @@ class StoreState:
             self.drop(e)
             return
         self.set_manifest(e, None, {})
-        e.write = Write.NEVER  # not written again this turn: it would only push another session out
+        self.set_write(e, Write.NEVER)  # not written again this turn: it would only push another session out
         self.delete_folder(e)
 
     def start_load(self, e: Entry, buf: SessionBuffer, job) -> None:
@@ -548,19 +564,21 @@ class StoreState:
     def save_failed(self, e: Entry, error: BaseException | None = None, retry_at: float = 0.0) -> None:
         """A write of the session failed: retried after `retry_at` (`error`; None: written whole again at once)."""
         if error is not None:
-            e.last_error, e.write = error, Write.FAILED
+            e.last_error = error
+            self.set_write(e, Write.FAILED)
             e.retry_at = retry_at
         e.failures += 1
 
     def never_write(self, e: Entry, error: BaseException) -> None:
         """The session is larger than the lower tier can hold: not written again until its next turn."""
         self.dirty.discard(e.key)
-        e.write, e.last_error = Write.NEVER, error
+        e.last_error = error
+        self.set_write(e, Write.NEVER)
 
     def save_ok(self, e: Entry) -> None:
         e.failures, e.last_error = 0, None
         if e.write is Write.FAILED:
-            e.write = Write.BEHIND
+            self.set_write(e, Write.BEHIND)
 
     def saved(self, e: Entry, manifest: Manifest, chunks: dict) -> None:
         """The session's own copy is durable as `manifest`: the older copy it was handed is collected."""
@@ -631,6 +649,7 @@ class StoreState:
         e.chunks = {}
         old.generation = max(old.generation, e.generation) + 1  # no snapshot of the failed load is of its lineage
         self.entries[e.key] = old
+        self.set_write(old, old.write)  # (counted again among the demotions if it was one)
         self.disk_policy.insert(e.key)
         if refuse is not None:
             old.refused = refuse
@@ -702,7 +721,7 @@ class StoreState:
         """The turn's appends are refused (the session outgrew the host tier): its host copy may go."""
         e.writers.discard(turn)
         if e.pins == 0:
-            e.write = Write.BEHIND
+            self.set_write(e, Write.BEHIND)
             self.release_host(e)
 
     def owned_by(self, e: Entry, turn: int, live) -> None:
@@ -712,7 +731,7 @@ class StoreState:
         e.writers = {turn}
         e.prefix_blocks = 0  # the new turn's history is offered again as it grows
         if e.write is Write.NEVER:
-            e.write = Write.BEHIND  # a new turn: the disk tier may have room again
+            self.set_write(e, Write.BEHIND)  # a new turn: the disk tier may have room again
 
 
 MAX_SESSION_ID_BYTES = 4096
@@ -1084,7 +1103,8 @@ class Eviction:
             return True  # the common case, once per appended token: no scan of the index
         self.state.apply_ended_turns()
         host = self.state.host
-        freeing = sum(host.freed_by(e) for e in self.state.entries.values() if e.write is Write.DEMOTE)
+        # Bytes already on their way out: the demotions in flight, not a sum over every entry.
+        freeing = sum(host.freed_by(e) for e in self.state.demoting_entries())
         entries = self.state.entries
 
         def movable(key) -> bool:  # already being written out counts in `freeing`; pinned ones stay
