@@ -81,6 +81,16 @@ class StoreState:
         # file system keeps the bytes as long, so deleting one session never takes a chunk another manifest names.
         self.linked: dict[tuple, list] = {}
         self.dirty: set[Key] = set()
+        # The save worker's queue of those (`next_dirty`): each dirty key is in exactly one of `_due_urgent` (a flush
+        # or a demotion), `_due` (to look at, first come first) and `_parked` (not to be written yet: until a time
+        # in `_wakeups`, until the model is quiet (`_parked_quiet`), or until the entry changes, `_wake`). So the
+        # worker looks at each key once per change of its entry, not at every dirty key for each piece of work.
+        self._due_urgent: OrderedDict[Key, None] = OrderedDict()
+        self._due: OrderedDict[Key, None] = OrderedDict()
+        self._parked: dict[Key, float | None] = {}
+        self._parked_quiet: dict[Key, None] = {}
+        self._wakeups: list[tuple[float, int, Key]] = []  # (time, sequence, key), a heap; stale items are skipped
+        self._wakeup_seq = 0
         # The entries whose write is `Write.DEMOTE` (`set_write` keeps it): the host bytes already on their way out,
         # which eviction counts before choosing more victims. A set, not a running sum of those bytes: what a
         # session's leaving frees changes when another session starts or stops sharing its segments
@@ -131,12 +141,13 @@ class StoreState:
         """Makes `buf` the session's host copy (replacing any other), or lets it go (None): its bytes are freed
         when the last snapshot of it is."""
         if buf is None and e.host is not None:
-            self.dirty.discard(e.key)  # what is not written by now is given up with the buffer
+            self._undirty(e.key)  # what is not written by now is given up with the buffer
             self.host.policy.remove(e.key)
         elif buf is not None and e.host is None:
             self.host.policy.insert(e.key)
         e.host = buf
         self.account(e)
+        self._wake(e.key)
 
     def account(self, e: Entry) -> None:
         """Brings the host tier's count up to date after the session's buffer grew, shrank or changed."""
@@ -149,6 +160,7 @@ class StoreState:
             self.disk_policy.insert(e.key)
         e.manifest = manifest
         e.chunks = {c: chunks[c] for c in {s.chunk for s in manifest.spans}} if manifest else {}
+        self._wake(e.key)  # what is left to write changed
 
     def set_files(self, e: Entry, files: dict[str, int], manifest_size: int) -> int:
         """Sets the session's files (lock held). Returns the bytes of shared files whose last name went with
@@ -217,6 +229,7 @@ class StoreState:
         if self.entries.get(e.key) is e:
             del self.entries[e.key]
             self.prefixes.remove(e.key)
+            self._wake(e.key)  # (a dirty mark of the key is looked at, and forgotten)
         self.set_host(e, None)
         self.set_manifest(e, None, {})
         if self.has_disk:
@@ -227,6 +240,7 @@ class StoreState:
         if self.entries.get(e.key) is e:
             del self.entries[e.key]
             self.prefixes.remove(e.key)
+            self._wake(e.key)
         self.set_host(e, None)
         if e.manifest is not None:
             self.disk_policy.remove(e.key)
@@ -294,7 +308,7 @@ class StoreState:
                   mirrored=set(e.mirrored), refused=e.refused)
         self.unindex(e)
         self.entries[c.key] = c
-        self.set_manifest(c, e.manifest, e.chunks)
+        self.set_manifest(c, e.manifest, e.chunks)  # (wakes the key: another entry is to be looked at)
         if c.manifest is not None and not c.manifest.head:
             self.prefixes.add(c.key, c.manifest.token_ids)
         c.files, c.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
@@ -334,6 +348,7 @@ class StoreState:
         commit them (it would describe a history that no longer exists)."""
         e.host.truncate(length)
         self.account(e)  # a state of the cut tokens went with them
+        self._wake(e.key)
         e.generation += 1
         if e.persisted > length:
             self.set_manifest(e, e.manifest.select([(0, length)]), e.chunks)
@@ -385,7 +400,7 @@ class StoreState:
         self.account(e)
         self.stats.states_kept += 1
         if self.has_lower and e.dirty:
-            self.dirty.add(e.key)
+            self._mark(e.key)
             self.cond.notify_all()
 
     def keep_encoded(self, e: Entry, encoded: list = ()) -> None:
@@ -438,18 +453,19 @@ class StoreState:
 
     def unpin(self, e: Entry) -> None:
         e.pins -= 1
+        self._wake(e.key)  # a save that waited for the pin may run
 
     def mark_dirty(self, e: Entry, write: Write | None = None) -> None:
         """The session has tokens to write (`write`: how soon, else as it was)."""
         if write is not None:
             self.set_write(e, write)
-        self.dirty.add(e.key)
+        self._mark(e.key)
 
     def mark_clean(self, e: Entry, write: Write | None = None) -> None:
         """Nothing of the session is to be written now (`write`: what then, else as it was)."""
         if write is not None:
             self.set_write(e, write)
-        self.dirty.discard(e.key)
+        self._undirty(e.key)
 
     def set_write(self, e: Entry, write: Write) -> None:
         """What the save thread does with the session's unwritten tokens (the one writer of `Entry.write`)."""
@@ -458,6 +474,7 @@ class StoreState:
             self.demoting.add(e)
         else:
             self.demoting.discard(e)
+        self._wake(e.key)  # urgent or not, backing off or not
 
     def demoting_entries(self) -> list[Entry]:
         """The indexed entries being written out of host memory (`Write.DEMOTE`); forgets those no longer indexed."""
@@ -514,19 +531,21 @@ class StoreState:
         e.pins += 1
         self.set_host(e, buf)
         self.loads_active += 1
+        self._wake(e.key)
 
     def end_load(self, e: Entry, handle) -> None:
         e.pins -= 1
         self.loads_active -= 1
         if e.loading is handle:
             e.loading, e.load_job = None, None
+        self._wake(e.key)
 
     def loaded_remote(self, e: Entry, dirty: bool) -> None:
         """A copy found remotely is local now (`dirty`: to be written to the lower tier behind the turn)."""
         e.remote = None
         e.last_write = time.monotonic()
         if dirty:
-            self.dirty.add(e.key)
+            self._mark(e.key)
 
     def give_up_remote(self, e: Entry) -> None:
         """A remote copy adopted over an unsaved new history failed to load: the older copy stays."""
@@ -568,10 +587,11 @@ class StoreState:
             self.set_write(e, Write.FAILED)
             e.retry_at = retry_at
         e.failures += 1
+        self._wake(e.key)
 
     def never_write(self, e: Entry, error: BaseException) -> None:
         """The session is larger than the lower tier can hold: not written again until its next turn."""
-        self.dirty.discard(e.key)
+        self._undirty(e.key)
         e.last_error = error
         self.set_write(e, Write.NEVER)
 
@@ -587,7 +607,62 @@ class StoreState:
 
     def forget_dirty(self, key: Key) -> None:
         """A session gone, or with nothing to write, leaves the dirty set."""
+        self._undirty(key)
+
+    # -- the save worker's queue of dirty sessions (see `__init__`) ------------------------------------------
+    def _mark(self, key: Key) -> None:
+        self.dirty.add(key)
+        self._wake(key)
+
+    def _undirty(self, key: Key) -> None:
         self.dirty.discard(key)
+        self._due_urgent.pop(key, None)
+        self._due.pop(key, None)
+        self._parked.pop(key, None)
+        self._parked_quiet.pop(key, None)
+
+    def _wake(self, key: Key) -> None:
+        """The key's entry changed (or was replaced): if it is dirty, the save worker looks at it again. Called by
+        every method here that changes what `SavePlanner.next_save` decides from (the entry, its host copy's
+        length, durable copy, write, pins, load); a wrong wake-up costs one look, a missed one a stalled save."""
+        if key not in self.dirty:
+            return
+        e = self.entries.get(key)
+        urgent = e is not None and e.urgent
+        if key in (self._due_urgent if urgent else self._due):
+            return
+        self._parked.pop(key, None)
+        self._parked_quiet.pop(key, None)
+        (self._due if urgent else self._due_urgent).pop(key, None)
+        (self._due_urgent if urgent else self._due)[key] = None
+
+    def next_dirty(self, now: float, quiet: bool) -> Key | None:
+        """The next dirty session for the save worker to look at (lock held): urgent ones first, then in the order
+        they became due; None when every dirty session is parked. The worker either chooses it or parks or forgets
+        it (`park_dirty`, `forget_dirty`) before asking again."""
+        while self._wakeups and self._wakeups[0][0] <= now:
+            until, _, key = heapq.heappop(self._wakeups)
+            if key in self._parked and self._parked[key] == until:
+                self._wake(key)
+        if quiet and self._parked_quiet:
+            for key in list(self._parked_quiet):
+                self._wake(key)
+        for due in (self._due_urgent, self._due):
+            if due:
+                return next(iter(due))
+        return None
+
+    def park_dirty(self, key: Key, until: float | None = None, quiet: bool = False) -> None:
+        """The dirty session is not to be written now: looked at again at `until` (a monotonic time), once the
+        model is quiet (`quiet`), or when its entry changes (`_wake`), whichever comes first."""
+        self._due_urgent.pop(key, None)
+        self._due.pop(key, None)
+        self._parked[key] = until
+        if until is not None:
+            self._wakeup_seq += 1
+            heapq.heappush(self._wakeups, (until, self._wakeup_seq, key))
+        if quiet:
+            self._parked_quiet[key] = None
 
     def refuse_remote(self, e: Entry, signature: tuple | None) -> None:
         """A remote copy that failed to verify or load is not tried again (`remote_signature`)."""
@@ -598,6 +673,7 @@ class StoreState:
         if last_access is not None:
             e.last_access = last_access
         self.entries[e.key] = e
+        self._wake(e.key)
 
     def reopened(self, e: Entry, manifest: Manifest, files: dict, manifest_size: int, chunks: dict,
                  last_access: float) -> None:
@@ -634,6 +710,7 @@ class StoreState:
             n.mirrored = {span.digest for span in manifest.spans}
         n.last_access = time.monotonic()
         self.entries[n.key] = n
+        self._wake(n.key)
         return n
 
     def restore_local(self, e: Entry, refuse: tuple | None = None) -> bool:
@@ -649,7 +726,7 @@ class StoreState:
         e.chunks = {}
         old.generation = max(old.generation, e.generation) + 1  # no snapshot of the failed load is of its lineage
         self.entries[e.key] = old
-        self.set_write(old, old.write)  # (counted again among the demotions if it was one)
+        self.set_write(old, old.write)  # (counted again among the demotions if it was one; its dirty mark looked at)
         self.disk_policy.insert(e.key)
         if refuse is not None:
             old.refused = refuse
@@ -716,6 +793,7 @@ class StoreState:
         self.touch(e)
         self.stats.appended_tokens += tokens
         e.last_write = time.monotonic()
+        self._wake(e.key)  # a whole chunk to write now, perhaps
 
     def writer_refused(self, e: Entry, turn: int) -> None:
         """The turn's appends are refused (the session outgrew the host tier): its host copy may go."""
