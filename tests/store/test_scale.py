@@ -160,3 +160,36 @@ def test_the_save_worker_takes_its_next_job_from_a_queue_not_a_scan_of_the_dirty
             index.forward_ended()
         store.close()
     assert counts[0] == counts[1], counts
+
+
+def test_expiry_pops_the_sessions_due_not_every_session_held(monkeypatch):
+    import time
+
+    clock = [time.monotonic()]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])  # the store's clock
+    counts = []
+    for sessions in (FEW, MANY):
+        store = AttnStore(host_bytes="16MiB", ttl_s=100)
+        for i in range(5):
+            write_turn(store, f"old{i}", [i, i + 1])
+        store.retain("old4", FP, 1000)
+        clock[0] += 60
+        assert store.lookup("old0", FP) is not None  # used: its TTL starts again
+        for i in range(sessions):
+            write_turn(store, f"s{i}", [i, i + 1])
+        clock[0] += 50  # old1, old2, old3 idle for more than 100 s now; old4 too, but retained
+        with store._index.lock:
+            store._index.apply_ended_turns()  # (the turns' ends, each the work of its own turn)
+            reads = _count_index(store)
+            store._index.expire()
+            counts.append(reads.n)
+        assert {"old0", "old4"} <= {sid for _, sid in store._index.entries} and len(store._index.entries) == sessions + 2
+        assert store.stats().ttl_expired == 3
+        with store._index.lock:  # nothing more is due: nothing is read
+            reads = _count_index(store)
+            store._index.expire()
+            assert reads.n == 0
+        clock[0] += 60  # now the many are idle for 110 s: they expire, old0 (touched 110 s ago) too
+        assert store.lookup("old4", FP) is not None and len(store._index.entries) == 1
+        store.close()
+    assert counts[0] == counts[1], counts

@@ -121,6 +121,15 @@ class StoreState:
         # Sessions a client asked to keep (OpenAI's `prompt_cache_retention`): key -> monotonic deadline before
         # which `ttl_s` does not expire them. Capacity may still evict them (counted in `retained_dropped`).
         self.retained: OrderedDict[Key, float] = OrderedDict()
+        self._retained_until: list[tuple[float, Key]] = []  # (deadline, key), a heap: `expire` forgets past ones
+        # Expiry by idleness (`ttl_s`) from a time-ordered heap, not a scan of every entry at each lookup: per key one
+        # live item (`_expiry_at`: its time), a lower bound of when the session may expire. A touch only moves
+        # that later, so it pushes nothing; `expire` pops what is due and pushes again what was touched or retained
+        # since. Sessions due but pinned or running a turn wait in `_expiry_blocked`, looked at by every `expire`.
+        self._expiry: list[tuple[float, int, Key]] = []
+        self._expiry_at: dict[Key, float] = {}
+        self._expiry_blocked: dict[Key, None] = {}
+        self._expiry_seq = 0
 
     def take_deletes(self) -> list[tuple[Key, int, tuple | None]]:
         """The queued deletions, for the save thread to run (lock held)."""
@@ -308,6 +317,7 @@ class StoreState:
                   mirrored=set(e.mirrored), refused=e.refused)
         self.unindex(e)
         self.entries[c.key] = c
+        self._expires(c.key, c.last_access)
         self.set_manifest(c, e.manifest, e.chunks)  # (wakes the key: another entry is to be looked at)
         if c.manifest is not None and not c.manifest.head:
             self.prefixes.add(c.key, c.manifest.token_ids)
@@ -319,8 +329,12 @@ class StoreState:
         deadlines holds at most `MAX_RETAINED` sessions (the earliest asked for go first)."""
         self.retained[key] = max(self.retained.get(key, 0.0), time.monotonic() + seconds)
         self.retained.move_to_end(key)
+        heapq.heappush(self._retained_until, (self.retained[key], key))
         while len(self.retained) > MAX_RETAINED:
-            self.retained.popitem(last=False)
+            gone, _ = self.retained.popitem(last=False)
+            e = self.entries.get(gone)
+            if e is not None:
+                self._expires(gone, e.last_access)  # no longer kept: it may expire sooner than its item says
 
     def is_retained(self, key: Key, now: float | None = None) -> bool:
         return self.retained.get(key, 0.0) > (time.monotonic() if now is None else now)
@@ -330,18 +344,54 @@ class StoreState:
         if self.is_retained(e.key):
             self.stats.retained_dropped += 1
 
+    def _expires(self, key: Key, last_access: float) -> None:
+        """The session `key` may expire `ttl_s` after `last_access` (an entry indexed, or no longer retained): pushed
+        unless its live item is no later already."""
+        ttl = self.config.ttl_s
+        if ttl is None:
+            return
+        at = last_access + ttl
+        if self._expiry_at.get(key, float("inf")) > at:
+            self._expiry_at[key] = at
+            self._expiry_seq += 1
+            heapq.heappush(self._expiry, (at, self._expiry_seq, key))
+
     def expire(self) -> None:
+        """Forgets past retention deadlines and drops the sessions idle for longer than `ttl_s` (not pinned, running
+        no turn, not retained). Pops only what is due: its work is the sessions expiring, not the sessions held."""
         now = time.monotonic()
-        for key in [k for k, until in self.retained.items() if until <= now]:
-            del self.retained[key]
+        while self._retained_until and self._retained_until[0][0] <= now:
+            until, key = heapq.heappop(self._retained_until)
+            if self.retained.get(key) == until:
+                del self.retained[key]
         ttl = self.config.ttl_s
         if ttl is None:
             return
         self.apply_ended_turns()
-        for e in [e for e in self.entries.values() if now - e.last_access > ttl and e.pins == 0 and not e.writers
-                  and not self.is_retained(e.key, now)]:
-            self.drop(e)
-            self.stats.ttl_expired += 1
+        due = list(self._expiry_blocked)
+        while self._expiry and self._expiry[0][0] <= now:
+            at, _, key = heapq.heappop(self._expiry)
+            if self._expiry_at.get(key) == at:  # (else a stale item: the key has an earlier one, or none)
+                del self._expiry_at[key]
+                due.append(key)
+        for key in due:
+            self._expiry_blocked.pop(key, None)
+            e = self.entries.get(key)
+            if e is None:
+                continue
+            if now - e.last_access > ttl and not self.is_retained(key, now):
+                if e.pins == 0 and not e.writers:
+                    self.drop(e)
+                    self.stats.ttl_expired += 1
+                else:
+                    self._expiry_blocked[key] = None  # looked at again by the next call
+                continue
+            at = max(e.last_access + ttl, self.retained.get(key, 0.0))  # touched or retained since
+            if at <= now:
+                self._expiry_blocked[key] = None  # (on the boundary: the next call decides)
+            else:
+                self._expiry_at.pop(key, None)
+                self._expires(key, at - ttl)
 
     def cut(self, e: Entry, length: int) -> None:
         """Shortens a session. A new generation: a save in flight may hold tokens past the cut, and must not
@@ -674,6 +724,7 @@ class StoreState:
             e.last_access = last_access
         self.entries[e.key] = e
         self._wake(e.key)
+        self._expires(e.key, e.last_access)
 
     def reopened(self, e: Entry, manifest: Manifest, files: dict, manifest_size: int, chunks: dict,
                  last_access: float) -> None:
@@ -681,6 +732,7 @@ class StoreState:
         e.last_access = last_access
         self.next_chunk[e.key] = manifest.next_chunk
         self.entries[e.key] = e
+        self._expires(e.key, last_access)
         self.set_manifest(e, manifest, chunks)
         self.set_files(e, files, manifest_size)
         if not manifest.head:
@@ -711,6 +763,7 @@ class StoreState:
         n.last_access = time.monotonic()
         self.entries[n.key] = n
         self._wake(n.key)
+        self._expires(n.key, n.last_access)
         return n
 
     def restore_local(self, e: Entry, refuse: tuple | None = None) -> bool:
@@ -726,6 +779,7 @@ class StoreState:
         e.chunks = {}
         old.generation = max(old.generation, e.generation) + 1  # no snapshot of the failed load is of its lineage
         self.entries[e.key] = old
+        self._expires(e.key, old.last_access)
         self.set_write(old, old.write)  # (counted again among the demotions if it was one; its dirty mark looked at)
         self.disk_policy.insert(e.key)
         if refuse is not None:
