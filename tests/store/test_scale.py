@@ -193,3 +193,22 @@ def test_expiry_pops_the_sessions_due_not_every_session_held(monkeypatch):
         assert store.lookup("old4", FP) is not None and len(store._index.entries) == 1
         store.close()
     assert counts[0] == counts[1], counts
+
+
+def test_a_call_naming_a_session_finds_its_entries_without_walking_every_entry():
+    counts = []
+    for sessions in (FEW, MANY):
+        store = AttnStore(host_bytes="16MiB")
+        for i in range(sessions):
+            write_turn(store, f"s{i}", [i, i + 1])
+        write_turn(store, "s3", [7, 8, 9], fp="another-model")  # the same session id under another model
+        with store._index.lock:
+            store._index.apply_ended_turns()
+            reads = _count_index(store)
+        assert "s3" in store and "nobody" not in store
+        store.evict("s3")  # no lower tier: both of its entries go
+        assert not store.delete("s3") and store.delete("s4", FP)
+        counts.append(reads.n)
+        assert len(store._index.entries) == sessions - 2
+        store.close()
+    assert counts[0] == counts[1], counts

@@ -72,6 +72,9 @@ class StoreState:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)  # notified whenever saves, loads or room may proceed
         self.entries: dict[Key, Entry] = {}
+        # The keys of `entries` by session id (one per fingerprint, `keys_of`): a call naming a session (`evict`,
+        # `delete`, a prefetch) finds its entries without walking every entry.
+        self._keys_by_sid: dict[str, dict[Key, None]] = {}
         self.host = HostTier(config.host_bytes, config.policy, config.pin_memory)
         self.disk_policy = make_policy(config.policy)
         self.stats = StoreStats(host_bytes_limit=config.host_bytes, disk_bytes_limit=config.disk_bytes)
@@ -135,6 +138,17 @@ class StoreState:
         """The queued deletions, for the save thread to run (lock held)."""
         deletes, self.deletes = self.deletes, []
         return deletes
+
+    def keys_of(self, session_id: str) -> list[Key]:
+        """The indexed keys of a session id (one per model that stored it), without a walk of every entry."""
+        return list(self._keys_by_sid.get(session_id, ()))
+
+    def _forget_key(self, key: Key) -> None:
+        keys = self._keys_by_sid.get(key[1])
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self._keys_by_sid[key[1]]
 
     def check_open(self) -> None:
         if self.closed:
@@ -237,6 +251,7 @@ class StoreState:
         """Removes a session from the index and (asynchronously) from disk."""
         if self.entries.get(e.key) is e:
             del self.entries[e.key]
+            self._forget_key(e.key)
             self.prefixes.remove(e.key)
             self._wake(e.key)  # (a dirty mark of the key is looked at, and forgotten)
         self.set_host(e, None)
@@ -248,6 +263,7 @@ class StoreState:
         """Takes an entry out of the index, host memory and the disk policy, leaving its files (lock held)."""
         if self.entries.get(e.key) is e:
             del self.entries[e.key]
+            self._forget_key(e.key)
             self.prefixes.remove(e.key)
             self._wake(e.key)
         self.set_host(e, None)
@@ -317,6 +333,7 @@ class StoreState:
                   mirrored=set(e.mirrored), refused=e.refused)
         self.unindex(e)
         self.entries[c.key] = c
+        self._keys_by_sid.setdefault(c.key[1], {})[c.key] = None
         self._expires(c.key, c.last_access)
         self.set_manifest(c, e.manifest, e.chunks)  # (wakes the key: another entry is to be looked at)
         if c.manifest is not None and not c.manifest.head:
@@ -705,6 +722,8 @@ class StoreState:
     def park_dirty(self, key: Key, until: float | None = None, quiet: bool = False) -> None:
         """The dirty session is not to be written now: looked at again at `until` (a monotonic time), once the
         model is quiet (`quiet`), or when its entry changes (`_wake`), whichever comes first."""
+        if key not in self.dirty:
+            return
         self._due_urgent.pop(key, None)
         self._due.pop(key, None)
         self._parked[key] = until
@@ -723,6 +742,7 @@ class StoreState:
         if last_access is not None:
             e.last_access = last_access
         self.entries[e.key] = e
+        self._keys_by_sid.setdefault(e.key[1], {})[e.key] = None
         self._wake(e.key)
         self._expires(e.key, e.last_access)
 
@@ -732,6 +752,7 @@ class StoreState:
         e.last_access = last_access
         self.next_chunk[e.key] = manifest.next_chunk
         self.entries[e.key] = e
+        self._keys_by_sid.setdefault(e.key[1], {})[e.key] = None
         self._expires(e.key, last_access)
         self.set_manifest(e, manifest, chunks)
         self.set_files(e, files, manifest_size)
@@ -762,6 +783,7 @@ class StoreState:
             n.mirrored = {span.digest for span in manifest.spans}
         n.last_access = time.monotonic()
         self.entries[n.key] = n
+        self._keys_by_sid.setdefault(n.key[1], {})[n.key] = None
         self._wake(n.key)
         self._expires(n.key, n.last_access)
         return n
