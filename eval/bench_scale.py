@@ -91,6 +91,9 @@ def open_store(args, folder: str) -> AttnStore:
     return AttnStore(host_bytes=args.host_bytes, disk_dir=folder, fsync=False, chunk_tokens=args.chunk_tokens)
 
 
+FLUSH_S = 3600.0  # the saves behind N writes can take minutes on a loaded machine: flush() waits for them
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1000,10000,100000", help="sessions held, comma-separated (default %(default)s)")
@@ -124,9 +127,9 @@ def main() -> int:
         for n in sizes:
             while sessions.count < n:
                 sessions.write(store)
-            store.flush()
+            store.flush(timeout=FLUSH_S)
             write_s = timed(lambda r: sessions.write(store), args.reps)
-            store.flush()
+            store.flush(timeout=FLUSH_S)
             held = sessions.count
 
             def resume(r):
@@ -149,7 +152,7 @@ def main() -> int:
             recent = [f"chat-{held - 1 - r}" for r in range(args.reps)]  # in host memory, saved (flushed)
             evict_s = timed(lambda r: store.evict(recent[r]), args.reps)
             rss = rss_mib()
-            store.flush()
+            store.flush(timeout=FLUSH_S)
             t = time.perf_counter()
             store.close()
             store = open_store(args, folder)
