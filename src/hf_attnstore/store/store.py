@@ -551,7 +551,9 @@ class AttnStore:
             def settled() -> bool:  # every pending write has completed or failed again, every deletion is done
                 if self._index.closed:
                     return True
-                if any(e.loading is not None and e.remote is not None for e in self._index.entries.values()):
+                # (Asked again at every save's end: the entries are walked only while some load is in flight.)
+                if self._index.loads_active and any(e.loading is not None and e.remote is not None
+                                                    for e in self._index.entries.values()):
                     return False  # a session found in the remote tier is loading: once local, it is written too
                 return self._index.deletions == 0 and not self._index.remirror and all(
                     self._index.entries.get(k) is None or self._index.entries[k].write is Write.FAILED
