@@ -99,6 +99,7 @@ class StoreState:
         # session's leaving frees changes when another session starts or stops sharing its segments
         # (`HostTier.freed_by`), and these are few (as many as the room being made needs), however many are held.
         self.demoting: set[Entry] = set()
+        self.pinned: set[Entry] = set()  # the entries with pins (`pin`, `start_load`): loads and writes in flight
         self.remirror: set[Key] = set()  # sessions to copy again to a mirror tier that lost its data (refill.py)
         self.next_chunk: dict[Key, int] = {}  # per session, only ever grows
         # Deletions for the save thread, in order: (key, bytes freed, None) deletes a session's folder;
@@ -517,9 +518,12 @@ class StoreState:
     def pin(self, e: Entry) -> None:
         """A load or a write of the session is in flight: its buffers must not change, eviction skips it."""
         e.pins += 1
+        self.pinned.add(e)
 
     def unpin(self, e: Entry) -> None:
         e.pins -= 1
+        if e.pins == 0:
+            self.pinned.discard(e)
         self._wake(e.key)  # a save that waited for the pin may run
 
     def mark_dirty(self, e: Entry, write: Write | None = None) -> None:
@@ -542,6 +546,12 @@ class StoreState:
         else:
             self.demoting.discard(e)
         self._wake(e.key)  # urgent or not, backing off or not
+
+    def room_coming(self, exclude: Entry) -> bool:
+        """Whether another indexed host session is being written out of host memory or is pinned (a load or a write
+        in flight): host room may come. Asked from the demotions and pins in flight, not from every entry."""
+        return any(x is not exclude and self.entries.get(x.key) is x and x.host is not None
+                   and (x.write is Write.DEMOTE or x.pins) for x in self.demoting | self.pinned)
 
     def demoting_entries(self) -> list[Entry]:
         """The indexed entries being written out of host memory (`Write.DEMOTE`); forgets those no longer indexed."""
@@ -596,12 +606,15 @@ class StoreState:
         """A load of the session into `buf` is submitted (`job`, load_thread.py): pinned until `end_load`."""
         e.loading, e.load_job = job.handle, job
         e.pins += 1
+        self.pinned.add(e)
         self.set_host(e, buf)
         self.loads_active += 1
         self._wake(e.key)
 
     def end_load(self, e: Entry, handle) -> None:
         e.pins -= 1
+        if e.pins == 0:
+            self.pinned.discard(e)
         self.loads_active -= 1
         if e.loading is handle:
             e.loading, e.load_job = None, None
