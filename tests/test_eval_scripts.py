@@ -110,6 +110,9 @@ RUNS = {
                                                      "--chunk-tokens", "32", "--tiers", "disk", "--target", "0"),
                               expect=("| disk (cold) | ",)),
     "bench_remote": Script("bench_remote.py", TINY_RESUME, expect=("AS-disk    median", "AS-remote  median")),
+    # Two sizes, so the store grows, is timed and reopened twice (the numbers are a real run's only at 1k-100k).
+    "bench_scale": Script("bench_scale.py", ("--sizes", "10,20", "--reps", "2", "--system", "128", "--own", "16"),
+                          expect=("| sessions held | ", "| 12 | ", "| 22 | ")),
     "bench_serve": Script("bench_serve.py", ("--users", "2", "--turns", "2", "--systems", "attnstore",
                                              "--max-tokens", "4", "--message-chars", "200", "--disk-dir", "{tmp}"),
                           expect=("| 2 | attnstore | ",)),

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import heapq
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields
+from itertools import islice
 
 import torch
 
@@ -69,6 +71,9 @@ class StoreState:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)  # notified whenever saves, loads or room may proceed
         self.entries: dict[Key, Entry] = {}
+        # The keys of `entries` by session id (one per fingerprint, `keys_of`): a call naming a session (`evict`,
+        # `delete`, a prefetch) finds its entries without walking every entry.
+        self._keys_by_sid: dict[str, dict[Key, None]] = {}
         self.host = HostTier(config.host_bytes, config.policy, config.pin_memory)
         self.disk_policy = make_policy(config.policy)
         self.stats = StoreStats(host_bytes_limit=config.host_bytes, disk_bytes_limit=config.disk_bytes)
@@ -78,6 +83,22 @@ class StoreState:
         # file system keeps the bytes as long, so deleting one session never takes a chunk another manifest names.
         self.linked: dict[tuple, list] = {}
         self.dirty: set[Key] = set()
+        # The save worker's queue of those (`next_dirty`): each dirty key is in exactly one of `_due_urgent` (a flush
+        # or a demotion), `_due` (to look at, first come first) and `_parked` (not to be written yet: until a time
+        # in `_wakeups`, until the model is quiet (`_parked_quiet`), or until the entry changes, `_wake`). So the
+        # worker looks at each key once per change of its entry, not at every dirty key for each piece of work.
+        self._due_urgent: OrderedDict[Key, None] = OrderedDict()
+        self._due: OrderedDict[Key, None] = OrderedDict()
+        self._parked: dict[Key, float | None] = {}
+        self._parked_quiet: dict[Key, None] = {}
+        self._wakeups: list[tuple[float, int, Key]] = []  # (time, sequence, key), a heap; stale items are skipped
+        self._wakeup_seq = 0
+        # The entries whose write is `Write.DEMOTE` (`set_write` keeps it): the host bytes already on their way out,
+        # which eviction counts before choosing more victims. A set, not a running sum of those bytes: what a
+        # session's leaving frees changes when another session starts or stops sharing its segments
+        # (`HostTier.freed_by`), and these are few (as many as the room being made needs), however many are held.
+        self.demoting: set[Entry] = set()
+        self.pinned: set[Entry] = set()  # the entries with pins (`pin`, `start_load`): loads and writes in flight
         self.remirror: set[Key] = set()  # sessions to copy again to a mirror tier that lost its data (saver.py)
         self.next_chunk: dict[Key, int] = {}  # per session, only ever grows
         # Deletions for the save thread, in order: (key, bytes freed, None) deletes a session's folder;
@@ -103,11 +124,31 @@ class StoreState:
         # Sessions a client asked to keep (OpenAI's `prompt_cache_retention`): key -> monotonic deadline before
         # which `ttl_s` does not expire them. Capacity may still evict them (counted in `retained_dropped`).
         self.retained: OrderedDict[Key, float] = OrderedDict()
+        self._retained_until: list[tuple[float, Key]] = []  # (deadline, key), a heap: `expire` forgets past ones
+        # Expiry by idleness (`ttl_s`) from a time-ordered heap, not a scan of every entry at each lookup: per key one
+        # live item (`_expiry_at`: its time), a lower bound of when the session may expire. A touch only moves
+        # that later, so it pushes nothing; `expire` pops what is due and pushes again what was touched or retained
+        # since. Sessions due but pinned or running a turn wait in `_expiry_blocked`, looked at by every `expire`.
+        self._expiry: list[tuple[float, int, Key]] = []
+        self._expiry_at: dict[Key, float] = {}
+        self._expiry_blocked: dict[Key, None] = {}
+        self._expiry_seq = 0
 
     def take_deletes(self) -> list[tuple[Key, int, tuple | None]]:
         """The queued deletions, for the save thread to run (lock held)."""
         deletes, self.deletes = self.deletes, []
         return deletes
+
+    def keys_of(self, session_id: str) -> list[Key]:
+        """The indexed keys of a session id (one per model that stored it), without a walk of every entry."""
+        return list(self._keys_by_sid.get(session_id, ()))
+
+    def _forget_key(self, key: Key) -> None:
+        keys = self._keys_by_sid.get(key[1])
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self._keys_by_sid[key[1]]
 
     def check_open(self) -> None:
         if self.closed:
@@ -123,12 +164,13 @@ class StoreState:
         """Makes `buf` the session's host copy (replacing any other), or lets it go (None): its bytes are freed
         when the last snapshot of it is."""
         if buf is None and e.host is not None:
-            self.dirty.discard(e.key)  # what is not written by now is given up with the buffer
+            self._undirty(e.key)  # what is not written by now is given up with the buffer
             self.host.policy.remove(e.key)
         elif buf is not None and e.host is None:
             self.host.policy.insert(e.key)
         e.host = buf
         self.account(e)
+        self._wake(e.key)
 
     def account(self, e: Entry) -> None:
         """Brings the host tier's count up to date after the session's buffer grew, shrank or changed."""
@@ -141,6 +183,7 @@ class StoreState:
             self.disk_policy.insert(e.key)
         e.manifest = manifest
         e.chunks = {c: chunks[c] for c in {s.chunk for s in manifest.spans}} if manifest else {}
+        self._wake(e.key)  # what is left to write changed
 
     def set_files(self, e: Entry, files: dict[str, int], manifest_size: int) -> int:
         """Sets the session's files (lock held). Returns the bytes of shared files whose last name went with
@@ -208,7 +251,9 @@ class StoreState:
         """Removes a session from the index and (asynchronously) from disk."""
         if self.entries.get(e.key) is e:
             del self.entries[e.key]
+            self._forget_key(e.key)
             self.prefixes.remove(e.key)
+            self._wake(e.key)  # (a dirty mark of the key is looked at, and forgotten)
         self.set_host(e, None)
         self.set_manifest(e, None, {})
         if self.has_disk:
@@ -218,7 +263,9 @@ class StoreState:
         """Takes an entry out of the index, host memory and the disk policy, leaving its files (lock held)."""
         if self.entries.get(e.key) is e:
             del self.entries[e.key]
+            self._forget_key(e.key)
             self.prefixes.remove(e.key)
+            self._wake(e.key)
         self.set_host(e, None)
         if e.manifest is not None:
             self.disk_policy.remove(e.key)
@@ -286,7 +333,9 @@ class StoreState:
                   mirrored=set(e.mirrored), refused=e.refused)
         self.unindex(e)
         self.entries[c.key] = c
-        self.set_manifest(c, e.manifest, e.chunks)
+        self._keys_by_sid.setdefault(c.key[1], {})[c.key] = None
+        self._expires(c.key, c.last_access)
+        self.set_manifest(c, e.manifest, e.chunks)  # (wakes the key: another entry is to be looked at)
         if c.manifest is not None and not c.manifest.head:
             self.prefixes.add(c.key, c.manifest.token_ids)
         c.files, c.manifest_size, e.files, e.manifest_size = e.files, e.manifest_size, {}, 0
@@ -297,8 +346,12 @@ class StoreState:
         deadlines holds at most `MAX_RETAINED` sessions (the earliest asked for go first)."""
         self.retained[key] = max(self.retained.get(key, 0.0), time.monotonic() + seconds)
         self.retained.move_to_end(key)
+        heapq.heappush(self._retained_until, (self.retained[key], key))
         while len(self.retained) > MAX_RETAINED:
-            self.retained.popitem(last=False)
+            gone, _ = self.retained.popitem(last=False)
+            e = self.entries.get(gone)
+            if e is not None:
+                self._expires(gone, e.last_access)  # no longer kept: it may expire sooner than its item says
 
     def is_retained(self, key: Key, now: float | None = None) -> bool:
         return self.retained.get(key, 0.0) > (time.monotonic() if now is None else now)
@@ -308,24 +361,61 @@ class StoreState:
         if self.is_retained(e.key):
             self.stats.retained_dropped += 1
 
+    def _expires(self, key: Key, last_access: float) -> None:
+        """The session `key` may expire `ttl_s` after `last_access` (an entry indexed, or no longer retained): pushed
+        unless its live item is no later already."""
+        ttl = self.config.ttl_s
+        if ttl is None:
+            return
+        at = last_access + ttl
+        if self._expiry_at.get(key, float("inf")) > at:
+            self._expiry_at[key] = at
+            self._expiry_seq += 1
+            heapq.heappush(self._expiry, (at, self._expiry_seq, key))
+
     def expire(self) -> None:
+        """Forgets past retention deadlines and drops the sessions idle for longer than `ttl_s` (not pinned, running
+        no turn, not retained). Pops only what is due: its work is the sessions expiring, not the sessions held."""
         now = time.monotonic()
-        for key in [k for k, until in self.retained.items() if until <= now]:
-            del self.retained[key]
+        while self._retained_until and self._retained_until[0][0] <= now:
+            until, key = heapq.heappop(self._retained_until)
+            if self.retained.get(key) == until:
+                del self.retained[key]
         ttl = self.config.ttl_s
         if ttl is None:
             return
         self.apply_ended_turns()
-        for e in [e for e in self.entries.values() if now - e.last_access > ttl and e.pins == 0 and not e.writers
-                  and not self.is_retained(e.key, now)]:
-            self.drop(e)
-            self.stats.ttl_expired += 1
+        due = list(self._expiry_blocked)
+        while self._expiry and self._expiry[0][0] <= now:
+            at, _, key = heapq.heappop(self._expiry)
+            if self._expiry_at.get(key) == at:  # (else a stale item: the key has an earlier one, or none)
+                del self._expiry_at[key]
+                due.append(key)
+        for key in due:
+            self._expiry_blocked.pop(key, None)
+            e = self.entries.get(key)
+            if e is None:
+                continue
+            if now - e.last_access > ttl and not self.is_retained(key, now):
+                if e.pins == 0 and not e.writers:
+                    self.drop(e)
+                    self.stats.ttl_expired += 1
+                else:
+                    self._expiry_blocked[key] = None  # looked at again by the next call
+                continue
+            at = max(e.last_access + ttl, self.retained.get(key, 0.0))  # touched or retained since
+            if at <= now:
+                self._expiry_blocked[key] = None  # (on the boundary: the next call decides)
+            else:
+                self._expiry_at.pop(key, None)
+                self._expires(key, at - ttl)
 
     def cut(self, e: Entry, length: int) -> None:
         """Shortens a session. A new generation: a save in flight may hold tokens past the cut, and must not
         commit them (it would describe a history that no longer exists)."""
         e.host.truncate(length)
         self.account(e)  # a state of the cut tokens went with them
+        self._wake(e.key)
         e.generation += 1
         if e.persisted > length:
             self.set_manifest(e, e.manifest.select([(0, length)]), e.chunks)
@@ -377,7 +467,7 @@ class StoreState:
         self.account(e)
         self.stats.states_kept += 1
         if self.has_lower and e.dirty:
-            self.dirty.add(e.key)
+            self._mark(e.key)
             self.cond.notify_all()
 
     def keep_encoded(self, e: Entry, encoded: list = ()) -> None:
@@ -427,24 +517,46 @@ class StoreState:
     def pin(self, e: Entry) -> None:
         """A load or a write of the session is in flight: its buffers must not change, eviction skips it."""
         e.pins += 1
+        self.pinned.add(e)
 
     def unpin(self, e: Entry) -> None:
         e.pins -= 1
+        if e.pins == 0:
+            self.pinned.discard(e)
+        self._wake(e.key)  # a save that waited for the pin may run
 
     def mark_dirty(self, e: Entry, write: Write | None = None) -> None:
         """The session has tokens to write (`write`: how soon, else as it was)."""
         if write is not None:
-            e.write = write
-        self.dirty.add(e.key)
+            self.set_write(e, write)
+        self._mark(e.key)
 
     def mark_clean(self, e: Entry, write: Write | None = None) -> None:
         """Nothing of the session is to be written now (`write`: what then, else as it was)."""
         if write is not None:
-            e.write = write
-        self.dirty.discard(e.key)
+            self.set_write(e, write)
+        self._undirty(e.key)
 
     def set_write(self, e: Entry, write: Write) -> None:
+        """What the save thread does with the session's unwritten tokens (the one writer of `Entry.write`)."""
         e.write = write
+        if write is Write.DEMOTE:
+            self.demoting.add(e)
+        else:
+            self.demoting.discard(e)
+        self._wake(e.key)  # urgent or not, backing off or not
+
+    def room_coming(self, exclude: Entry) -> bool:
+        """Whether another indexed host session is being written out of host memory or is pinned (a load or a write
+        in flight): host room may come. Asked from the demotions and pins in flight, not from every entry."""
+        return any(x is not exclude and self.entries.get(x.key) is x and x.host is not None
+                   and (x.write is Write.DEMOTE or x.pins) for x in self.demoting | self.pinned)
+
+    def demoting_entries(self) -> list[Entry]:
+        """The indexed entries being written out of host memory (`Write.DEMOTE`); forgets those no longer indexed."""
+        gone = [e for e in self.demoting if self.entries.get(e.key) is not e]
+        self.demoting.difference_update(gone)
+        return list(self.demoting)
 
     def new_history(self, e: Entry) -> None:
         """A new generation: a save in flight may hold tokens past a cut or of a replaced copy, and must not
@@ -486,28 +598,33 @@ class StoreState:
             self.drop(e)
             return
         self.set_manifest(e, None, {})
-        e.write = Write.NEVER  # not written again this turn: it would only push another session out
+        self.set_write(e, Write.NEVER)  # not written again this turn: it would only push another session out
         self.delete_folder(e)
 
     def start_load(self, e: Entry, buf: SessionBuffer, job) -> None:
         """A load of the session into `buf` is submitted (`job`, loader.py): pinned until `end_load`."""
         e.loading, e.load_job = job.handle, job
         e.pins += 1
+        self.pinned.add(e)
         self.set_host(e, buf)
         self.loads_active += 1
+        self._wake(e.key)
 
     def end_load(self, e: Entry, handle) -> None:
         e.pins -= 1
+        if e.pins == 0:
+            self.pinned.discard(e)
         self.loads_active -= 1
         if e.loading is handle:
             e.loading, e.load_job = None, None
+        self._wake(e.key)
 
     def loaded_remote(self, e: Entry, dirty: bool) -> None:
         """A copy found remotely is local now (`dirty`: to be written to the lower tier behind the turn)."""
         e.remote = None
         e.last_write = time.monotonic()
         if dirty:
-            self.dirty.add(e.key)
+            self._mark(e.key)
 
     def give_up_remote(self, e: Entry) -> None:
         """A remote copy adopted over an unsaved new history failed to load: the older copy stays."""
@@ -545,19 +662,22 @@ class StoreState:
     def save_failed(self, e: Entry, error: BaseException | None = None, retry_at: float = 0.0) -> None:
         """A write of the session failed: retried after `retry_at` (`error`; None: written whole again at once)."""
         if error is not None:
-            e.last_error, e.write = error, Write.FAILED
+            e.last_error = error
+            self.set_write(e, Write.FAILED)
             e.retry_at = retry_at
         e.failures += 1
+        self._wake(e.key)
 
     def never_write(self, e: Entry, error: BaseException) -> None:
         """The session is larger than the lower tier can hold: not written again until its next turn."""
-        self.dirty.discard(e.key)
-        e.write, e.last_error = Write.NEVER, error
+        self._undirty(e.key)
+        e.last_error = error
+        self.set_write(e, Write.NEVER)
 
     def save_ok(self, e: Entry) -> None:
         e.failures, e.last_error = 0, None
         if e.write is Write.FAILED:
-            e.write = Write.BEHIND
+            self.set_write(e, Write.BEHIND)
 
     def saved(self, e: Entry, manifest: Manifest, chunks: dict) -> None:
         """The session's own copy is durable as `manifest`: the older copy it was handed is collected."""
@@ -566,7 +686,64 @@ class StoreState:
 
     def forget_dirty(self, key: Key) -> None:
         """A session gone, or with nothing to write, leaves the dirty set."""
+        self._undirty(key)
+
+    # -- the save worker's queue of dirty sessions (see `__init__`) ------------------------------------------
+    def _mark(self, key: Key) -> None:
+        self.dirty.add(key)
+        self._wake(key)
+
+    def _undirty(self, key: Key) -> None:
         self.dirty.discard(key)
+        self._due_urgent.pop(key, None)
+        self._due.pop(key, None)
+        self._parked.pop(key, None)
+        self._parked_quiet.pop(key, None)
+
+    def _wake(self, key: Key) -> None:
+        """The key's entry changed (or was replaced): if it is dirty, the save worker looks at it again. Called by
+        every method here that changes what `SavePlanner.next_save` decides from (the entry, its host copy's
+        length, durable copy, write, pins, load); a wrong wake-up costs one look, a missed one a stalled save."""
+        if key not in self.dirty:
+            return
+        e = self.entries.get(key)
+        urgent = e is not None and e.urgent
+        if key in (self._due_urgent if urgent else self._due):
+            return
+        self._parked.pop(key, None)
+        self._parked_quiet.pop(key, None)
+        (self._due if urgent else self._due_urgent).pop(key, None)
+        (self._due_urgent if urgent else self._due)[key] = None
+
+    def next_dirty(self, now: float, quiet: bool) -> Key | None:
+        """The next dirty session for the save worker to look at (lock held): urgent ones first, then in the order
+        they became due; None when every dirty session is parked. The worker either chooses it or parks or forgets
+        it (`park_dirty`, `forget_dirty`) before asking again."""
+        while self._wakeups and self._wakeups[0][0] <= now:
+            until, _, key = heapq.heappop(self._wakeups)
+            if key in self._parked and self._parked[key] == until:
+                self._wake(key)
+        if quiet and self._parked_quiet:
+            for key in list(self._parked_quiet):
+                self._wake(key)
+        for due in (self._due_urgent, self._due):
+            if due:
+                return next(iter(due))
+        return None
+
+    def park_dirty(self, key: Key, until: float | None = None, quiet: bool = False) -> None:
+        """The dirty session is not to be written now: looked at again at `until` (a monotonic time), once the
+        model is quiet (`quiet`), or when its entry changes (`_wake`), whichever comes first."""
+        if key not in self.dirty:
+            return
+        self._due_urgent.pop(key, None)
+        self._due.pop(key, None)
+        self._parked[key] = until
+        if until is not None:
+            self._wakeup_seq += 1
+            heapq.heappush(self._wakeups, (until, self._wakeup_seq, key))
+        if quiet:
+            self._parked_quiet[key] = None
 
     def refuse_remote(self, e: Entry, signature: tuple | None) -> None:
         """A remote copy that failed to verify or load is not tried again (`remote_signature`)."""
@@ -577,6 +754,9 @@ class StoreState:
         if last_access is not None:
             e.last_access = last_access
         self.entries[e.key] = e
+        self._keys_by_sid.setdefault(e.key[1], {})[e.key] = None
+        self._wake(e.key)
+        self._expires(e.key, e.last_access)
 
     def reopened(self, e: Entry, manifest: Manifest, files: dict, manifest_size: int, chunks: dict,
                  last_access: float) -> None:
@@ -584,6 +764,8 @@ class StoreState:
         e.last_access = last_access
         self.next_chunk[e.key] = manifest.next_chunk
         self.entries[e.key] = e
+        self._keys_by_sid.setdefault(e.key[1], {})[e.key] = None
+        self._expires(e.key, last_access)
         self.set_manifest(e, manifest, chunks)
         self.set_files(e, files, manifest_size)
         if not manifest.head:
@@ -613,6 +795,9 @@ class StoreState:
             n.mirrored = {span.digest for span in manifest.spans}
         n.last_access = time.monotonic()
         self.entries[n.key] = n
+        self._keys_by_sid.setdefault(n.key[1], {})[n.key] = None
+        self._wake(n.key)
+        self._expires(n.key, n.last_access)
         return n
 
     def restore_local(self, e: Entry, refuse: tuple | None = None) -> bool:
@@ -628,6 +813,8 @@ class StoreState:
         e.chunks = {}
         old.generation = max(old.generation, e.generation) + 1  # no snapshot of the failed load is of its lineage
         self.entries[e.key] = old
+        self._expires(e.key, old.last_access)
+        self.set_write(old, old.write)  # (counted again among the demotions if it was one; its dirty mark looked at)
         self.disk_policy.insert(e.key)
         if refuse is not None:
             old.refused = refuse
@@ -694,12 +881,13 @@ class StoreState:
         self.touch(e)
         self.stats.appended_tokens += tokens
         e.last_write = time.monotonic()
+        self._wake(e.key)  # a whole chunk to write now, perhaps
 
     def writer_refused(self, e: Entry, turn: int) -> None:
         """The turn's appends are refused (the session outgrew the host tier): its host copy may go."""
         e.writers.discard(turn)
         if e.pins == 0:
-            e.write = Write.BEHIND
+            self.set_write(e, Write.BEHIND)
             self.release_host(e)
 
     def owned_by(self, e: Entry, turn: int, live) -> None:
@@ -709,7 +897,7 @@ class StoreState:
         e.writers = {turn}
         e.prefix_blocks = 0  # the new turn's history is offered again as it grows
         if e.write is Write.NEVER:
-            e.write = Write.BEHIND  # a new turn: the disk tier may have room again
+            self.set_write(e, Write.BEHIND)  # a new turn: the disk tier may have room again
 
 
 MAX_SESSION_ID_BYTES = 4096
@@ -944,10 +1132,13 @@ class PrefixTable:
         levels: list[list[tuple[Key, int]]] = []
         for k, h in enumerate(block_hashes(token_ids)):
             users = self._sessions.get((fingerprint, h))
-            found = [key for key in reversed(users or {}) if key != exclude]
+            # The newest `limit` sharers only, not all of them: one system prompt is shared by every session of
+            # the store, and this runs for each block of every prompt (at most `limit` + 1 keys read per block:
+            # `exclude` is one key).
+            found = list(islice((key for key in reversed(users or {}) if key != exclude), limit))
             if not found:
                 break
-            levels.append([(key, (k + 1) * BLOCK) for key in found[:limit]])
+            levels.append([(key, (k + 1) * BLOCK) for key in found])
         if not every_depth:
             return levels[-1] if levels else []
         out, seen = [], set()
@@ -1078,7 +1269,8 @@ class Eviction:
             return True  # the common case, once per appended token: no scan of the index
         self.state.apply_ended_turns()
         host = self.state.host
-        freeing = sum(host.freed_by(e) for e in self.state.entries.values() if e.write is Write.DEMOTE)
+        # Bytes already on their way out: the demotions in flight, not a sum over every entry.
+        freeing = sum(host.freed_by(e) for e in self.state.demoting_entries())
         entries = self.state.entries
 
         def movable(key) -> bool:  # already being written out counts in `freeing`; pinned ones stay

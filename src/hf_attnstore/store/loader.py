@@ -86,7 +86,7 @@ class LoadPlanner:
         started = 0
         first = self.wanted[0][1] if self.wanted else None  # the session whose turn runs next, when keyed
         for fingerprint, sid in self.wanted:
-            for e in [e for k, e in self.state.entries.items() if k[1] == sid and (fingerprint is None or k[0] == fingerprint)]:
+            for e in [self.state.entries[k] for k in self.state.keys_of(sid) if fingerprint is None or k[0] == fingerprint]:
                 if e.host is None and (e.manifest or e.remote) is not None:
                     if not self.start(e, must_fit=True, prefill_key=self.wanted_key if sid == first else None):
                         return started  # in order: a later session must not take the room of an earlier one

@@ -334,6 +334,23 @@ class LookaheadPolicy(EvictionPolicy):
     def __init__(self):
         super().__init__()
         self._next_job: dict[str, int] = {}
+        # Each session id's keys (one per fingerprint), in `order`'s order: the queued sessions are found from the
+        # queue (a few thousand jobs at most), not by walking every key the tier holds.
+        self._by_sid: dict[str, dict[Hashable, None]] = {}
+
+    def insert(self, key: Hashable) -> None:
+        super().insert(key)
+        keys = self._by_sid.setdefault(key[1], {})
+        keys.pop(key, None)
+        keys[key] = None
+
+    def remove(self, key: Hashable) -> None:
+        super().remove(key)
+        keys = self._by_sid.get(key[1])
+        if keys is not None:
+            keys.pop(key, None)
+            if not keys:
+                del self._by_sid[key[1]]
 
     def set_queue(self, session_ids: list[str]) -> None:
         """The session ids of the jobs in the look-ahead window, first to run first."""
@@ -349,12 +366,17 @@ class LookaheadPolicy(EvictionPolicy):
     def touch(self, key: Hashable) -> None:
         if key in self.order:
             self.order.move_to_end(key)
+            keys = self._by_sid[key[1]]
+            del keys[key]
+            keys[key] = None
 
     def victims(self) -> Iterator[Hashable]:
         # Lazy: the idle sessions usually supply the victims, and the queued ones are only sorted if not.
         yield from (k for k in self.order if k[1] not in self._next_job)
-        queued = [k for k in self.order if k[1] in self._next_job]
-        yield from sorted(queued, key=lambda k: -self._next_job[k[1]])
+        # Furthest job first; a session id's keys (several models) keep `order`'s order, as a stable sort of
+        # `order` would give them.
+        for sid in sorted((sid for sid in self._next_job if sid in self._by_sid), key=lambda sid: -self._next_job[sid]):
+            yield from list(self._by_sid[sid])
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "fifo": FIFOPolicy, "lookahead": LookaheadPolicy}

@@ -97,6 +97,9 @@ class SavePlanner:
                 deletes = self.state.take_deletes()
                 e = self.next_save()
                 job = self.save_job(e) if e is not None else None
+                if e is not None and job is None:
+                    # Nothing due after all: looked at again soon, not first every time, before the others.
+                    self.state.park_dirty(e.key, until=time.monotonic() + self.config.idle_flush_s)
                 if self.state.closed:
                     self.state.unqueue_remirror()  # closing: copies for other replicas are not waited for
                 elif job is None:
@@ -122,28 +125,39 @@ class SavePlanner:
             self.config.save_while_computing and now - e.last_write >= self.config.idle_flush_s)
 
     def next_save(self) -> Entry | None:
+        """The dirty session to write now, urgent ones first (lock held), or None. Taken from the state's queue of
+        dirty sessions (`StoreState.next_dirty`): each one looked at and not due is parked until what it waits for
+        (a time, the model's quiet, a change of its entry), so this looks at the sessions that changed, not at
+        every dirty one."""
         now = time.monotonic()
-        best = None
-        for key in list(self.state.dirty):
+        quiet, idle_s = self.compute_quiet(now), self.config.idle_flush_s
+        while (key := self.state.next_dirty(now, quiet)) is not None:
             e = self.state.entries.get(key)
             if e is None or not e.dirty:
                 self.state.forget_dirty(key)
                 continue
             if e.write is Write.FAILED and now < e.retry_at:
-                continue  # backing off after a failure; flush() and demotions retry at once
+                self.state.park_dirty(key, until=e.retry_at)  # backing off; flush() and demotions retry at once
+                continue
             if e.pins or e.loading is not None:
+                self.state.park_dirty(key)  # until unpinned or loaded (`StoreState.unpin`, `end_load`)
                 continue
             if e.host.missing_head > e.persisted:
                 # Tokens without KV in the buffer yet (a head the turn recomputes): never written, whatever the
                 # buffer holds there. `AttnStore.fill_head` marks the session again once they are filled.
+                self.state.park_dirty(key)
                 continue
-            idle = now - e.last_write >= self.config.idle_flush_s
+            idle = now - e.last_write >= idle_s
             if not self.may_write(e, now):
-                continue  # write behind: wait for the gap after the turn (see `compute_quiet`)
+                # Write behind: wait for the gap after the turn (see `compute_quiet`), or for this session's turn to
+                # have ended (`save_while_computing`).
+                self.state.park_dirty(key, until=e.last_write + idle_s if self.config.save_while_computing else None,
+                                      quiet=True)
+                continue
             if e.urgent or idle or e.length - e.persisted >= self.config.chunk_tokens:
-                if best is None or (e.urgent and not best.urgent):
-                    best = e
-        return best
+                return e
+            self.state.park_dirty(key, until=e.last_write + idle_s)  # or until appends make a whole chunk
+        return None
 
     def save_job(self, e: Entry) -> SaveJob | None:
         """What `next_save` chose to write now (lock held), or None when nothing is due after all."""

@@ -467,8 +467,9 @@ class AttnStore:
         """
         validate_session_id(session_id)
         with self._index.lock:
-            for e in [e for k, e in self._index.entries.items() if k[1] == session_id and e.host is not None]:
-                self._eviction.evict_from_host(e)
+            for e in [self._index.entries[k] for k in self._index.keys_of(session_id)]:
+                if e.host is not None:
+                    self._eviction.evict_from_host(e)
 
     def retain(self, session_id: str, fingerprint: str, seconds: float) -> None:
         """Keeps the session from expiring by idleness (`ttl_s`) for `seconds` from now, whether it is stored yet
@@ -505,8 +506,8 @@ class AttnStore:
         """
         validate_session_id(session_id)
         with self._index.lock:
-            victims = [e for k, e in self._index.entries.items()
-                       if k[1] == session_id and (fingerprint is None or k[0] == fingerprint)]
+            victims = [self._index.entries[k] for k in self._index.keys_of(session_id)
+                       if fingerprint is None or k[0] == fingerprint]
             for e in victims:
                 self._index.drop(e)
                 if self._remote is not None:
@@ -555,7 +556,9 @@ class AttnStore:
             def settled() -> bool:  # every pending write has completed or failed again, every deletion is done
                 if self._index.closed:
                     return True
-                if any(e.loading is not None and e.remote is not None for e in self._index.entries.values()):
+                # (Asked again at every save's end: the entries are walked only while some load is in flight.)
+                if self._index.loads_active and any(e.loading is not None and e.remote is not None
+                                                    for e in self._index.entries.values()):
                     return False  # a session found in the remote tier is loading: once local, it is written too
                 return self._index.deletions == 0 and not self._index.remirror and all(
                     self._index.entries.get(k) is None or self._index.entries[k].write is Write.FAILED
@@ -702,7 +705,7 @@ class AttnStore:
     def __contains__(self, session_id: str) -> bool:
         validate_session_id(session_id)
         with self._index.lock:
-            return any(sid == session_id for _, sid in self._index.entries)
+            return bool(self._index.keys_of(session_id))
 
     def close(self, flush: bool = True) -> None:
         """Persists pending writes (unless `flush=False`) and stops the I/O threads. Idempotent.

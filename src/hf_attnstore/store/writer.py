@@ -17,7 +17,7 @@ import torch
 from .buffer import LoadError, SessionKV, ranges
 from .config import StoreConfig
 from .format import KV_DTYPES, make_geometry
-from .index import BLOCK, Entry, Eviction, Key, StoreState, Write
+from .index import BLOCK, Entry, Eviction, Key, StoreState
 from .states import SessionState
 from .tiers.base import Tier
 
@@ -312,9 +312,7 @@ class TurnSink:
                 self.state.cond.notify_all()
                 try:
                     while not self.eviction.make_host_room(room, exclude=e):
-                        if time.monotonic() >= deadline or not any(
-                                x is not e and x.host is not None and (x.write is Write.DEMOTE or x.pins)
-                                for x in self.state.entries.values()):
+                        if time.monotonic() >= deadline or not self.state.room_coming(e):
                             break  # nothing is being written out or loaded: waiting would only stall the turn
                         self.state.cond.wait(timeout=0.05)
                         if self.state.entries.get(writer.key) is not e or e.owner != writer.turn or e.host is not buf:

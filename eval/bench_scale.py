@@ -1,0 +1,177 @@
+"""Scale (issue 56): per-turn store work with 1k, 10k, 100k sessions held over one shared system prompt.
+
+    python eval/bench_scale.py                      # N = 1,000, 10,000, 100,000
+    python eval/bench_scale.py --sizes 1000,10000   # fewer
+
+One store with a disk tier and a 256 MiB host tier grows to each N in turn: a first session stores the system prompt
+(`--system` tokens), and every other session is a new conversation over it, planned as a turn plans it
+(`AttnStore.find` offers the shared prefix; `open_turn` starts from its snapshot) and then appends its own
+`--own` tokens. KV is written directly through the public API (`open_turn(...).append(...)`) with tiny per-layer
+tensors (`--layers` x `--heads` x `--head-dim`, float16): no model runs, so what is timed is the store alone.
+
+At each N, once the saves have landed (`flush`, untimed), it times (median of `--reps`): writing one more session
+(find, open_turn, append, close: the turn's own calls; its save runs behind it), planning a resumed turn of an
+older session (`find` with its history and a new message), planning a new conversation over the shared prompt
+(`find`, shared match), evicting one session from host memory (`evict`), and reopening the store (close,
+construct on the same folder, first `find`); and the process's RSS. The run fails unless every resumed plan
+found the session's own KV and every new conversation the shared prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from hf_attnstore import AttnStore
+
+FP = "bench-scale-model"
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Sessions:
+    """Writes the sessions of the benchmark into a store (see the module docstring)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.system = torch.arange(10, 10 + args.system)
+        self.count = 0  # sessions written besides the system prompt's
+        shape = (1, args.heads, args.own, args.head_dim)
+        self.own_kv = [torch.randn(shape, dtype=torch.float16) for _ in range(args.layers)]
+        self.system_kv = [torch.randn((1, args.heads, args.system, args.head_dim), dtype=torch.float16)
+                          for _ in range(args.layers)]
+
+    def own_ids(self, i: int) -> torch.Tensor:
+        return torch.arange(args_base(i), args_base(i) + self.args.own)
+
+    def ids(self, i: int) -> torch.Tensor:
+        return torch.cat([self.system, self.own_ids(i)])
+
+    def write_system(self, store: AttnStore) -> None:
+        with store.open_turn("system", FP, None, torch.empty(0)) as turn:
+            assert turn.append(self.system, self.system_kv, self.system_kv)
+
+    def write(self, store: AttnStore) -> None:
+        """One more conversation over the system prompt, planned as a turn plans it."""
+        i, self.count = self.count, self.count + 1
+        sid = f"chat-{i}"
+        found = store.find(sid, FP, self.ids(i))
+        shared = found.shared
+        if shared is None or shared.length < self.args.system:
+            raise SystemExit(f"session {sid}: the shared system prompt was not found ({found})")
+        with store.open_turn(sid, FP, shared.snapshot, torch.arange(self.args.system)) as turn:
+            assert turn.append(self.own_ids(i), self.own_kv, self.own_kv)
+
+
+def args_base(i: int) -> int:
+    return 1_000_000 + 1000 * i  # each session's own ids, distinct from every other's
+
+
+def timed(fn, reps: int) -> float:
+    times = []
+    for r in range(reps):
+        t = time.perf_counter()
+        fn(r)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def open_store(args, folder: str) -> AttnStore:
+    return AttnStore(host_bytes=args.host_bytes, disk_dir=folder, fsync=False, chunk_tokens=args.chunk_tokens)
+
+
+FLUSH_S = 3600.0  # the saves behind N writes can take minutes on a loaded machine: flush() waits for them
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="1000,10000,100000", help="sessions held, comma-separated (default %(default)s)")
+    parser.add_argument("--system", type=int, default=1024, help="tokens of the shared system prompt (default %(default)s)")
+    parser.add_argument("--own", type=int, default=128, help="each session's own tokens after it (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=2, help="layers of the tiny KV (default %(default)s)")
+    parser.add_argument("--heads", type=int, default=1, help="KV heads per layer (default %(default)s)")
+    parser.add_argument("--head-dim", type=int, default=8, help="head dimension (default %(default)s)")
+    parser.add_argument("--host-bytes", default="256MiB", help="the host tier's size (default %(default)s)")
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="the store's chunk_tokens (default %(default)s)")
+    parser.add_argument("--reps", type=int, default=20, help="repetitions of each timed operation (default %(default)s)")
+    parser.add_argument("--disk-dir", help="the disk tier's folder (default: a temporary one, deleted after)")
+    args = parser.parse_args()
+    sizes = sorted(int(n) for n in args.sizes.split(","))
+    if not sizes or sizes[0] < 1:
+        parser.error("`--sizes` must list positive session counts, e.g. 1000,10000")
+    temp = tempfile.TemporaryDirectory(prefix="bench-scale-") if args.disk_dir is None else None
+    folder = args.disk_dir or temp.name
+    sessions = Sessions(args)
+    store = open_store(args, folder)
+    sessions.write_system(store)
+    print(f"system prompt {args.system} tokens, {args.own} own tokens per session, KV {args.layers}x{args.heads}x"
+          f"{args.head_dim} float16, host tier {args.host_bytes}, disk tier, chunk_tokens {args.chunk_tokens}; "
+          f"medians of {args.reps}")
+    print()
+    print("| sessions held | write one session | plan a resumed turn | plan a new conversation (shared prompt) "
+          "| evict one session | reopen (close, open, first find) | sessions/s reopened | RSS |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    problems = []
+    try:
+        for n in sizes:
+            while sessions.count < n:
+                sessions.write(store)
+            store.flush(timeout=FLUSH_S)
+            write_s = timed(lambda r: sessions.write(store), args.reps)
+            store.flush(timeout=FLUSH_S)
+            held = sessions.count
+
+            def resume(r):
+                i = (r * 7919) % held  # spread over old (on disk) and new (in host memory) sessions
+                prompt = torch.cat([sessions.ids(i), torch.tensor([5, 6, 7])])
+                found = store.find(f"chat-{i}", FP, prompt)
+                if found.own is None or found.own.length != args.system + args.own:
+                    problems.append(f"N={n}: the resumed session chat-{i} was not found whole")
+                if found.own is not None and found.own.snapshot.loader is not None:
+                    found.own.snapshot.loader.wait_all()  # (its load, outside the timing of the next plan)
+
+            resume_s = timed(resume, args.reps)
+
+            def new_chat(r):
+                found = store.find(f"new-{n}-{r}", FP, torch.cat([sessions.system, torch.tensor([5, 6, 7])]))
+                if found.shared is None or found.shared.length < args.system:
+                    problems.append(f"N={n}: a new conversation did not find the shared system prompt")
+
+            new_s = timed(new_chat, args.reps)
+            recent = [f"chat-{held - 1 - r}" for r in range(args.reps)]  # in host memory, saved (flushed)
+            evict_s = timed(lambda r: store.evict(recent[r]), args.reps)
+            rss = rss_mib()
+            store.flush(timeout=FLUSH_S)
+            t = time.perf_counter()
+            store.close()
+            store = open_store(args, folder)
+            found = store.find("chat-0", FP, torch.cat([sessions.ids(0), torch.tensor([5])]))
+            reopen_s = time.perf_counter() - t
+            if found.own is None:
+                problems.append(f"N={n}: chat-0 was not found after the reopen")
+            elif found.own.snapshot.loader is not None:
+                found.own.snapshot.loader.wait_all()
+            print(f"| {held:,} | {write_s * 1e3:.2f} ms | {resume_s * 1e3:.2f} ms | {new_s * 1e3:.2f} ms | "
+                  f"{evict_s * 1e3:.2f} ms | {reopen_s:.2f} s | {held / reopen_s:,.0f} | {rss:,.0f} MiB |", flush=True)
+    finally:
+        store.close(flush=False)
+        if temp is not None:
+            temp.cleanup()
+    for problem in problems[:10]:
+        print("FAILED:", problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
