@@ -367,6 +367,10 @@ class StoreTuning:
 TUNING = tuple(f.name for f in fields(StoreTuning))
 assert set(EVERYDAY) | set(TUNING) == {f.name for f in fields(StoreConfig)} and not set(EVERYDAY) & set(TUNING), \
     "every StoreConfig field is either an everyday option or a StoreTuning field"
+# StoreTuning repeats StoreConfig's defaults (each is a frozen dataclass users read): they must not drift apart, or
+# `tuning=StoreTuning()` would change a store that passes nothing.
+assert all(f.default == StoreConfig.__dataclass_fields__[f.name].default for f in fields(StoreTuning)), \
+    "StoreTuning's defaults are StoreConfig's"
 
 
 def build_config(config: StoreConfig | None, tuning: StoreTuning | None, legacy: dict, **everyday) -> StoreConfig:
