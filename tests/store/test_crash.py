@@ -23,18 +23,23 @@ CHILD = textwrap.dedent('''
     from tests.store.kvdata import FP, kv
     store = AttnStore(host_bytes="64MiB", disk_dir={kvdir!r}, chunk_tokens=8, idle_flush_s=0.01)
     lengths = {{}}
+    def say(*words):
+        # One write per line: with PYTHONUNBUFFERED, print writes each word apart, and a kill between two of
+        # them would leave a torn line.
+        sys.stdout.write(" ".join(words) + "\\n")
+        sys.stdout.flush()
     for step in range(100000):
         sid = f"s{{step % 5}}"
         n = lengths.get(sid, 0)
         new = list(range(n, n + 1 + step % 7))
         snap = store.lookup(sid, FP)
         writer = store.open_turn(sid, FP, snap, torch.arange(n))
-        print("TRY", sid, n + len(new), flush=True)
+        say("TRY", sid, str(n + len(new)))
         writer.append(torch.tensor(new), *kv(new))
         lengths[sid] = n + len(new)
         if step % 3 == 0:
             store.flush()
-            print("ACK", " ".join(f"{{k}}={{v}}" for k, v in lengths.items()), flush=True)
+            say("ACK", *(f"{{k}}={{v}}" for k, v in lengths.items()))
 ''')
 
 
@@ -61,6 +66,12 @@ def test_sigkill_during_saves(tmp_path, kill_after_acks):
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(10)
+    # The child may have gone on after the last ACK we read, and a state it saved then is a state it tried: the
+    # TRY line is written whole before the append begins.
+    for line in child.stdout:
+        word, *rest = line.split() if line.endswith("\n") else ("",)
+        if word == "TRY":
+            tried.setdefault(rest[0], set()).add(int(rest[1]))
     with AttnStore(host_bytes="64MiB", disk_dir=kvdir) as store:
         for sid, sizes in tried.items():
             snap = store.lookup(sid, FP)

@@ -256,7 +256,12 @@ CHAIN = textwrap.dedent('''
         turn.append(torch.tensor(SYSTEM + [0]), *kv(SYSTEM + [0]))
     store.flush()
     alive = {{"s0"}}
-    print("ACK", *sorted(alive), flush=True)
+    def say(*words):
+        # One write per line: with PYTHONUNBUFFERED, print writes each word apart, and a kill between two of
+        # them would leave a torn line.
+        sys.stdout.write(" ".join(words) + "\\n")
+        sys.stdout.flush()
+    say("ACK", *sorted(alive))
     for step in range(1, 100000):
         # Each session starts from the previous one's shared prompt, so the shared files pass from owner
         # to owner while the older sessions are deleted.
@@ -266,11 +271,11 @@ CHAIN = textwrap.dedent('''
             turn.append(torch.tensor([step]), *kv([step]))
         alive.add(sid)
         if step >= 2:
-            print("DEL", f"s{{step - 2}}", flush=True)
+            say("DEL", f"s{{step - 2}}")
             store.delete(f"s{{step - 2}}")
             alive.discard(f"s{{step - 2}}")
         store.flush()  # each session is on disk before the next one is saved: it links its files
-        print("ACK", *sorted(alive), flush=True)
+        say("ACK", *sorted(alive))
 ''')
 
 
@@ -297,9 +302,10 @@ def test_sigkill_while_shared_chunks_pass_between_sessions(tmp_path, kill_after_
         child.send_signal(signal.SIGKILL)
         child.wait(10)
     # The child may have gone on after the last ACK we read: a deletion it began is announced first (DEL), so
-    # the lines it wrote before the kill say which sessions are gone on purpose.
+    # the lines it wrote before the kill say which sessions are gone on purpose. A line the kill cut short
+    # announced nothing: the deletion comes after the whole line is written.
     for line in child.stdout:
-        word, *rest = line.split()
+        word, *rest = line.split() if line.endswith("\n") else ("",)
         if word == "DEL":
             deleted.add(rest[0])
     with AttnStore(host_bytes="64MiB", disk_dir=kvdir, chunk_tokens=CHUNK) as store:
