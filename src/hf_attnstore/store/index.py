@@ -1124,18 +1124,21 @@ class PrefixTable:
                     del self._sessions[(key[0], h)]
 
     def candidates(self, fingerprint: str, token_ids: torch.Tensor, exclude: Key | None = None,
-                   limit: int = 4, every_depth: bool = False) -> list[tuple[Key, int]]:
+                   limit: int = 4, every_depth: bool = False, oldest: int = 0) -> list[tuple[Key, int]]:
         """Up to `limit` sessions sharing the longest whole-block prefix with `token_ids`, newest first, each with
         the tokens that prefix covers (a lower bound: the store extends it by comparing ids). `every_depth`: also
         up to `limit` of those sharing each shorter prefix, deepest first (for a caller that may use less of a
-        session than it shares: a dense turn reuses a session's exact tokens only)."""
+        session than it shares: a dense turn reuses a session's exact tokens only). `oldest`: also up to that
+        many of the oldest sharers, after the newest (the likeliest to be saved already)."""
         levels: list[list[tuple[Key, int]]] = []
         for k, h in enumerate(block_hashes(token_ids)):
-            users = self._sessions.get((fingerprint, h))
+            users = self._sessions.get((fingerprint, h)) or {}
             # The newest `limit` sharers only, not all of them: one system prompt is shared by every session of
-            # the store, and this runs for each block of every prompt (at most `limit` + 1 keys read per block:
-            # `exclude` is one key).
-            found = list(islice((key for key in reversed(users or {}) if key != exclude), limit))
+            # the store, and this runs for each block of every prompt (at most `limit` + `oldest` + 2 keys read
+            # per block: `exclude` is one key).
+            found = list(islice((key for key in reversed(users) if key != exclude), limit))
+            if oldest:
+                found += [key for key in islice((key for key in users if key != exclude), oldest) if key not in found]
             if not found:
                 break
             levels.append([(key, (k + 1) * BLOCK) for key in found])

@@ -209,8 +209,9 @@ class SavePlanner:
         if self.disk is None or self.lower is not self.disk or not self.config.share_prefixes:
             return (), set()
         chunk, best, mirrored = self.config.chunk_tokens, (), set()
-        # More candidates than a turn's lookup takes: the newest are often sessions not on disk yet.
-        for key, _ in self.state.prefixes.candidates(e.key[0], ids, exclude=e.key, limit=16):
+        # More candidates than a turn's lookup takes: the newest are often sessions not on disk yet (while the saves
+        # lag behind new sessions, all of them are), so the oldest too, the likeliest to be on disk.
+        for key, _ in self.state.prefixes.candidates(e.key[0], ids, exclude=e.key, limit=16, oldest=4):
             other = self.state.entries.get(key)
             manifest = other.manifest if other is not None else None
             if manifest is None or manifest.head or manifest.state is not None or other.layout != e.layout:

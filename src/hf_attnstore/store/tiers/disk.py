@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -47,6 +48,18 @@ class DiskLockedError(RuntimeError):
 def _numpy(t: torch.Tensor):
     """A writable numpy view of a contiguous CPU tensor (bf16 through int16: numpy has no bf16)."""
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    """The file's `size` bytes (a file shorter than its `fstat` said reads short, and fails to parse)."""
+    parts, offset = [], 0
+    while offset < size:
+        part = os.pread(fd, size - offset, offset)
+        if not part:
+            break
+        parts.append(part)
+        offset += len(part)
+    return b"".join(parts)
 
 
 def _write_bytes(fd: int, data: bytes) -> None:
@@ -201,8 +214,8 @@ class DiskTier(Tier):
         os.link(src, dst, follow_symlinks=False)
         if self.fsync:
             _fsync_dir(folder)
-        stat = dst.stat()
-        return stat.st_size, (stat.st_dev, stat.st_ino)
+        st = dst.stat()
+        return st.st_size, (st.st_dev, st.st_ino)
 
     def read_state(self, key: Key, ref: StateRef) -> bytes:
         path = self.session_dir(*key) / (ref.name + CHUNK_SUFFIX)
@@ -337,52 +350,96 @@ class DiskTier(Tier):
 
         Temporary files, orphan chunks and sessions whose manifest or chunk headers fail validation
         (damaged, truncated, another format, copied from another session's folder) are deleted.
+
+        Each folder is listed once, and a shared prefix's file (one inode under many sessions' names) has its
+        header and ids read once per scan, not once per name: with one system prompt shared by every session,
+        that is most of the reading.
         """
-        found = []
-        for folder in self.sessions_root.iterdir():
-            if not folder.is_dir() or folder.is_symlink():
+        found, shared = [], {}
+        with os.scandir(self.sessions_root) as listing:
+            folders = [(item.name, item.is_dir(follow_symlinks=False)) for item in listing]
+        for name, is_dir in folders:
+            folder = self.sessions_root / name
+            if not is_dir:
                 self._remove(folder)
                 continue
-            for tmp in folder.glob(TMP_PREFIX + "*"):
-                self._remove(tmp)  # a crash's leftovers (the lock says no other store is writing)
-            try:
-                manifest, sizes, layout, codecs, inodes, sparse = self._validate(folder)
-            except (OSError, FormatError) as exc:
-                logger.warning("disk tier: removing damaged session folder %s (%s)", folder.name, exc)
-                self._remove(folder)
-                continue
-            self.collect_garbage(manifest.fingerprint, manifest.session_id, set(sizes))
-            stat = (folder / MANIFEST).stat()
-            found.append(ScannedSession(manifest, sizes, layout, stat.st_mtime, stat.st_size, codecs, inodes, sparse))
+            item = self.scan_folder(folder, shared)
+            if item is not None:
+                found.append(item)
         found.sort(key=lambda item: item.mtime)
         yield from found
 
-    def _validate(self, folder: Path) -> tuple[Manifest, dict[str, int], tuple, frozenset, dict]:
+    def scan_folder(self, folder: Path, shared: dict | None = None) -> ScannedSession | None:
+        """Validates one session's folder (see :meth:`scan`): its session, or None (the folder is removed).
+        `shared`: a cache of shared files' headers across the folders of one scan."""
+        try:
+            names = os.listdir(folder)
+        except OSError as exc:
+            logger.warning("disk tier: removing unreadable session folder %s (%s)", folder.name, exc)
+            self._remove(folder)
+            return None
+        for name in names:
+            if name.startswith(TMP_PREFIX):
+                self._remove(folder / name)  # a crash's leftovers (the lock says no other store is writing)
+        try:
+            manifest, sizes, layout, codecs, inodes, sparse, mstat = self._validate(folder, {} if shared is None
+                                                                                    else shared)
+        except (OSError, FormatError) as exc:
+            logger.warning("disk tier: removing damaged session folder %s (%s)", folder.name, exc)
+            self._remove(folder)
+            return None
+        for name in names:  # orphan chunks (a crash between a link or a chunk and the manifest naming it)
+            if (name.endswith(CHUNK_SUFFIX) and not name.startswith(TMP_PREFIX)
+                    and name[: -len(CHUNK_SUFFIX)] not in sizes):
+                self._remove(folder / name)
+        return ScannedSession(manifest, sizes, layout, mstat.st_mtime, mstat.st_size, codecs, inodes, sparse)
+
+    def _validate(self, folder: Path, shared: dict) -> tuple:
         path = folder / MANIFEST
-        if not path.is_file() or path.is_symlink():
-            raise FormatError("no manifest")
-        manifest = Manifest.decode(path.read_bytes())
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # (a symlink fails: ELOOP, an OSError)
+        try:
+            mstat = os.fstat(fd)
+            if not stat.S_ISREG(mstat.st_mode):
+                raise FormatError("no manifest")
+            manifest = Manifest.decode(_read_all(fd, mstat.st_size))
+        finally:
+            os.close(fd)
         if session_dirname(manifest.fingerprint, manifest.session_id) != folder.name:
             raise FormatError("manifest does not belong to this folder")
         sizes, pos, layouts, metas, codecs, inodes, sparse = {}, manifest.head, set(), [], set(), {}, False
         for span in manifest.spans:
-            fd, meta = self.open_chunk(manifest.fingerprint, manifest.session_id, span.chunk, span.owner)
+            owner = span.owner or manifest.session_id
             try:
-                metas.append(meta)
-                layouts.add((meta.geometry, meta.dtype))
-                codecs.add(meta.accuracy)  # a derived chunk counts as lossy
-                sparse |= meta.kept is not None
-                if span.end > meta.n_tokens:
-                    raise FormatError("span beyond the chunk's tokens")
-                ids = self.read_ids(fd, meta)[span.start : span.end]
-                if not torch.equal(ids, manifest.token_ids[pos : pos + span.length]):
-                    raise FormatError("chunk ids disagree with the manifest")
-                stat = os.fstat(fd)
-                sizes[span.chunk] = (stat.st_size, meta.n_tokens)
-                if stat.st_nlink > 1:  # a shared prefix's chunk (hard links): counted once by the store
-                    inodes[span.chunk] = (stat.st_dev, stat.st_ino)
+                fd = os.open(folder / (span.chunk + CHUNK_SUFFIX), os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError as exc:
+                raise FormatError(f"chunk {span.chunk} is missing or not a regular file") from exc
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise FormatError(f"chunk {span.chunk} is missing or not a regular file")
+                # One inode's header is the same under every name: read once per scan (the key holds what the
+                # header is checked against, and what would change were the file rewritten).
+                cache_key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, manifest.fingerprint, owner)
+                cached = shared.get(cache_key) if st.st_nlink > 1 else None
+                if cached is None:
+                    meta = read_chunk_meta(file_reader(fd), st.st_size, manifest.fingerprint, owner)
+                    cached = (meta, self.read_ids(fd, meta))
+                    if st.st_nlink > 1:
+                        shared[cache_key] = cached
+                meta, chunk_ids = cached
             finally:
                 os.close(fd)
+            metas.append(meta)
+            layouts.add((meta.geometry, meta.dtype))
+            codecs.add(meta.accuracy)  # a derived chunk counts as lossy
+            sparse |= meta.kept is not None
+            if span.end > meta.n_tokens:
+                raise FormatError("span beyond the chunk's tokens")
+            if not torch.equal(chunk_ids[span.start : span.end], manifest.token_ids[pos : pos + span.length]):
+                raise FormatError("chunk ids disagree with the manifest")
+            sizes[span.chunk] = (st.st_size, meta.n_tokens)
+            if st.st_nlink > 1:  # a shared prefix's chunk (hard links): counted once by the store
+                inodes[span.chunk] = (st.st_dev, st.st_ino)
             pos += span.length
         if len(layouts) != 1:
             raise FormatError("chunks of one session disagree on shapes or dtype (or there are none)")
@@ -392,7 +449,7 @@ class DiskTier(Tier):
             if not path.is_file() or path.is_symlink():
                 raise FormatError("the manifest's state file is missing")
             sizes[manifest.state.name] = (path.stat().st_size, 0)
-        return manifest, sizes, layouts.pop(), frozenset(codecs), inodes, sparse
+        return manifest, sizes, layouts.pop(), frozenset(codecs), inodes, sparse, mstat
 
     @staticmethod
     def _remove(path: Path) -> None:
