@@ -291,7 +291,9 @@ def build_server(args: argparse.Namespace) -> Server:
                       recompute_by_cost=args.recompute_by_cost, ttl_s=args.ttl,
                       # Replicas sharing the state: an ended turn is written at once, for whichever replica
                       # serves the next one (a busy replica is never quiet).
-                      tuning=StoreTuning(sparse_copies=args.sparse_copies,
+                      # A server answers at once: the sessions on disk are indexed behind it, each one a
+                      # request names first.
+                      tuning=StoreTuning(sparse_copies=args.sparse_copies, reopen_in_background=True,
                                          save_while_computing=args.remote is not None and not args.no_shared_state))
     try:
         model, tokenizer = _load_model(args)

@@ -106,6 +106,13 @@ class StoreConfig:
         pin_memory: Page-lock host buffers (async GPU copies). ``None`` = when CUDA is available.
         fsync: Make disk writes durable. Only tests and benchmarks of the page cache turn it off.
         io_timeout_s: Longest wait for one layer of a load, and for `flush`.
+        reopen_in_background: How a store reopens a `disk_dir` that holds sessions. ``False`` (default): the
+            constructor indexes every one before it returns (about 1,000-2,000 sessions a second on one core).
+            ``True``: it returns at once and a thread indexes them while the store serves; a call that names a
+            session (`find`, `lookup`, `open_turn`, `delete`, ...) indexes that one first, so a resumed session is
+            never missed, but a shared prefix held only by sessions not indexed yet is (recomputed), and
+            `sessions`, `stats` and the disk limit count what is indexed so far (`reopening`, `wait_reopened`).
+            ``attnstore serve`` sets it: a server with 100,000 sessions answers its first turn at once.
         remote: URL of the shared remote tier (Redis or Valkey): ``redis://[[user]:password@]host:port/db``,
             ``rediss://`` (TLS) or ``unix:///path.sock?db=0``. Sessions are copied there after the disk tier
             (write-behind), or saved there directly when there is no `disk_dir`, and a session missing here, or
@@ -200,6 +207,7 @@ class StoreConfig:
     pin_memory: bool | None = None
     fsync: bool = True
     io_timeout_s: float = 60.0
+    reopen_in_background: bool = False
     namespace: str | None = None
     kv_codec: str | None = None
     kv_codec_group: int = 32
@@ -333,6 +341,8 @@ class StoreTuning:
         pin_memory: Page-locked host buffers (None: when CUDA is available).
         fsync: Make disk writes durable (True; only tests and page-cache benchmarks turn it off).
         io_timeout_s: Longest wait for one layer of a load, and for `flush` (60 s).
+        reopen_in_background: Index the sessions of a reopened `disk_dir` on a thread while the store serves
+            (False: before the constructor returns).
         kv_codec_group: Values per scale of a lossy `kv_codec` (32).
         kv_codec_host: With a lossy codec, keep the host copy encoded too (True).
         sparse_copies: Disk and remote copies keep only the tokens a sparse session's next turn keeps (False).
@@ -356,6 +366,7 @@ class StoreTuning:
     pin_memory: bool | None = None
     fsync: bool = True
     io_timeout_s: float = 60.0
+    reopen_in_background: bool = False
     kv_codec_group: int = 32
     kv_codec_host: bool = True
     sparse_copies: bool = False

@@ -116,8 +116,9 @@ class AttnStore:
         self._threads: list[threading.Thread] = []
         self._remote: RemoteTier | None = None
         try:
-            if self._disk is not None:
-                self._reopen()
+            self._reopening = Reopening(self) if self._disk is not None else None
+            if self._reopening is not None and not config.reopen_in_background:
+                self._reopening.run()
             if config.remote is not None:
                 # Unreachable at start: the tier starts down (misses, reconnected in the background), unless
                 # `remote_required`. Refused credentials and malformed URLs always raise.
@@ -146,6 +147,8 @@ class AttnStore:
             self._saves = SavePlanner(self._index, self._eviction, self._loads, config, self._lower, self._disk,
                                       mirror=self._remote if self._lower is self._disk else None)
             self._threads += [self._loads.loader.thread, self._saves.thread.thread]
+        if self._reopening is not None and self._reopening.active:
+            self._reopening.start()  # last: a session it indexes may be loaded, saved or evicted at once
 
     def _find_remote(self, key: Key):
         """The remote tier's copy of a session, if it may serve here (`RemoteChoice.find`; network I/O: call
@@ -179,6 +182,7 @@ class AttnStore:
             True
         """
         key = (fingerprint, validate_session_id(session_id))
+        self._claim(key)
         self._index.publish_states([key])  # the previous turn's cache may still be open (and hold the states)
         found = self._find_remote(key)  # network I/O: outside the lock
         with self._index.lock:
@@ -234,6 +238,28 @@ class AttnStore:
                 self._index.once.warning("disk_read", "disk tier: reading session %r failed (%s); a miss now, its disk "
                                    "copy is kept", e.key[1], error)
         self._loads.finish(job, error)
+
+    def _claim(self, key: Key) -> None:
+        """While the store reopens in the background, indexes the session this call names first (`Reopening`)."""
+        if self._reopening is not None and self._reopening.active:
+            self._reopening.claim(key)
+
+    @property
+    def reopening(self) -> bool:
+        """Whether sessions found on disk are still being indexed (only with `reopen_in_background`)."""
+        return self._reopening is not None and self._reopening.active
+
+    def wait_reopened(self, timeout: float | None = None) -> bool:
+        """Waits until every session found on disk is indexed (`reopen_in_background`); returns whether they are
+        (False: `timeout` seconds passed first). Immediate for a store that reopened before its constructor returned.
+
+        Example:
+            >>> store = AttnStore(host_bytes="1MiB")
+            >>> store.wait_reopened(timeout=1), store.reopening
+            (True, False)
+            >>> store.close()
+        """
+        return self._reopening is None or self._reopening.wait(timeout)
 
     def lookup_prefix(self, fingerprint: str, token_ids: torch.Tensor, exclude: str | None = None,
                       longer_than: int = 0, exact: bool = False) -> tuple[str, int] | None:
@@ -334,6 +360,7 @@ class AttnStore:
             (True, 'alice', 100)
         """
         key = (fingerprint, validate_session_id(session_id))
+        self._claim(key)
         ids = torch.as_tensor(prompt_ids).detach().to("cpu", torch.long).view(-1)
         self._index.publish_states([key])  # the previous turn's cache may still be open (and hold the states)
         remote = self._find_remote(key)  # network I/O: outside the lock
@@ -392,6 +419,7 @@ class AttnStore:
             [5, 6, 9]
         """
         key = (fingerprint, validate_session_id(session_id))
+        self._claim(key)
         with self._index.lock:
             self._index.check_open()
             self._next_turn += 1
@@ -425,6 +453,9 @@ class AttnStore:
         wanted = [validate_session_id(s) for s in session_ids]
         fingerprints = [fingerprint] if fingerprint is None or isinstance(fingerprint, str) else list(fingerprint)
         keys = [(fp, sid) for sid in dict.fromkeys(wanted) for fp in fingerprints]
+        for key in keys:
+            if key[0] is not None:
+                self._claim(key)
         found = {}
         if self._remote is not None:
             for key in keys:
@@ -488,6 +519,7 @@ class AttnStore:
         if not seconds > 0:
             raise ValueError(f"`seconds` must be positive, got {seconds!r}")
         key = (fingerprint, validate_session_id(session_id))
+        self._claim(key)
         with self._index.lock:
             self._index.check_open()
             self._index.retain(key, float(seconds))
@@ -505,7 +537,11 @@ class AttnStore:
             (True, False)
         """
         validate_session_id(session_id)
+        if fingerprint is not None:
+            self._claim((fingerprint, session_id))
         with self._index.lock:
+            if fingerprint is None and self._reopening is not None:
+                self._reopening.forget(session_id)  # its folders not indexed yet go when the reopen reaches them
             victims = [self._index.entries[k] for k in self._index.keys_of(session_id)
                        if fingerprint is None or k[0] == fingerprint]
             for e in victims:
@@ -604,6 +640,7 @@ class AttnStore:
             ([5, 6, 7], None)
         """
         key = (fingerprint, validate_session_id(session_id))
+        self._claim(key)
         found = self._find_remote(key)  # network I/O: outside the lock
         with self._index.lock:
             e = self._adopt(key, found)
@@ -681,6 +718,7 @@ class AttnStore:
             ('host', None)
         """
         validate_session_id(session_id)
+        self._claim((fingerprint, session_id))
         with self._index.lock:
             e = self._index.entries.get((fingerprint, session_id))
             if e is None:
@@ -729,6 +767,8 @@ class AttnStore:
                 self._loads.loader.stop()
             for thread in self._threads:
                 thread.join(timeout=self.config.io_timeout_s)
+            if self._reopening is not None:
+                self._reopening.close()  # (it stops at the next folder: the index is closed)
             if self._disk is not None:
                 self._disk.close()
             if self._remote is not None:
@@ -768,38 +808,161 @@ class AttnStore:
             self._index.forward_ended()
             self._index.cond.notify_all()
 
-    def _reopen(self) -> None:
+class Reopening:
+    """Indexes the sessions a disk tier holds when the store opens on it.
+
+    At once, before the constructor returns (`run`), or on a thread while the store serves (`start`, with
+    `reopen_in_background`): then every call that names a session claims it first (`claim`), which indexes that
+    session's folder (named by its key) at once if the thread has not, so a resumed session is never missed. A
+    folder is handled once, by whichever comes first; the thread changes nothing on disk (a crash's temporary
+    files, a damaged folder) without the index's lock, and never a folder a call claimed. A session deleted by id
+    alone while the thread runs (`forget`) has its folders removed when the thread reaches them.
+
+    Example:
+        >>> import tempfile, torch
+        >>> kv = [torch.zeros(1, 2, 3, 4)]
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     with AttnStore(host_bytes="1MiB", disk_dir=folder) as store:
+        ...         with store.open_turn("chat-1", "model-a", None, torch.empty(0)) as turn:
+        ...             _ = turn.append(torch.tensor([5, 6, 7]), kv, kv)
+        ...     with AttnStore(host_bytes="1MiB", disk_dir=folder,
+        ...                    tuning=StoreTuning(reopen_in_background=True)) as store:
+        ...         length = store.lookup("chat-1", "model-a").length  # indexed by this call, or by the thread
+        ...         print(length, store.wait_reopened(timeout=60), store.reopening)
+        3 True False
+    """
+
+    def __init__(self, store: "AttnStore"):
+        self.index, self.disk, self.config = store._index, store._disk, store.config
+        self.active = True  # read without the lock by the calls (a stale True only costs taking it)
+        self.done = threading.Event()
+        self.handled: set[str] = set()  # folder names indexed, claimed or removed (lock held)
+        self.forgotten: set[str] = set()  # session ids deleted while reopening, for any model (lock held)
+        self.links: dict[tuple, list] = {}  # a shared file -> [its names counted as shared yet, first holder]
+        self.thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        """Indexes every session now (the constructor's reopen)."""
+        sessions = list(self.disk.scan())
+        with self.index.lock:
+            for found in sessions:
+                self._index_one(found)
+            self._finish()
+
+    def start(self) -> None:
+        """Indexes the sessions on a thread (`reopen_in_background`)."""
+        self.thread = threading.Thread(target=self._scan, name="attnstore-reopen", daemon=True)
+        self.thread.start()
+
+    def _scan(self) -> None:
+        shared: dict = {}  # shared files' headers, read once per scan
+        try:
+            folders = self.disk.folders(oldest_first=True)  # so the policies' order is the last accesses'
+            for folder in folders:
+                if self.index.closed:
+                    return
+                with self.index.lock:
+                    if folder.name in self.handled:
+                        continue
+                try:
+                    found, doomed = self.disk.scan_folder(folder, shared)
+                    with self.index.lock:
+                        if folder.name in self.handled or self.index.closed:
+                            continue  # a call claimed it meanwhile (and may be writing there)
+                        self.handled.add(folder.name)
+                        self.disk.remove_paths(doomed)
+                        if found is not None:
+                            self._index_one(found)
+                except Exception as exc:  # one folder's failure must not stop the rest: report it, go on
+                    logger.exception("disk tier: reopening %s failed (%s); the session is not served", folder.name,
+                                     exc)
+        except Exception as exc:
+            logger.exception("disk tier: the reopen scan failed (%s); sessions not indexed yet are indexed when "
+                             "named", exc)
+        finally:
+            with self.index.cond:
+                self._finish()
+                self.index.cond.notify_all()
+
+    def claim(self, key: Key) -> None:
+        """Indexes the session's folder now if the thread has not handled it (a call names it)."""
+        if not self.active:
+            return
+        folder = self.disk.session_dir(*key)
+        with self.index.lock:
+            if not self.active or folder.name in self.handled:
+                return
+            self.handled.add(folder.name)  # first: the thread skips it from now on
+            if key in self.index.entries:
+                return  # (indexed some other way: the thread never touches it now)
+            # One folder's reading under the lock, once per session while reopening: simpler than any handshake
+            # with the thread, and a call that names it must wait for it anyway.
+            found, doomed = self.disk.scan_folder(folder)
+            self.disk.remove_paths(doomed)
+            if found is not None:
+                self._index_one(found)
+
+    def forget(self, session_id: str) -> None:
+        """The session is deleted for every model (lock held): folders of it not indexed yet go when reached."""
+        if self.active:
+            self.forgotten.add(session_id)
+
+    def wait(self, timeout: float | None) -> bool:
+        return self.done.wait(timeout)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=self.config.io_timeout_s)
+
+    def _index_one(self, found) -> None:
+        """Indexes one valid session found on disk (lock held)."""
+        manifest = found.manifest
+        key = (manifest.fingerprint, manifest.session_id)
+        if manifest.length == 0 or key in self.index.entries:
+            return
+        if manifest.session_id in self.forgotten:
+            self.disk.remove(key)
+            return
+        if not all(serves(self.config.codec, c) for c in found.codecs):
+            # Stored with a codec less accurate than this store's (e.g. int4 KV reopened by a lossless
+            # store): never served, so its files go rather than hold disk space nothing counts.
+            self.index.once.warning("codec", "disk tier: sessions stored with a less accurate codec than "
+                                    "kv_codec=%r are removed (recomputed when used)", self.config.kv_codec)
+            self.disk.remove(key)
+            return
+        if found.sparse and not self.config.sparse_copies:  # likewise: sparse cold copies, not asked for
+            self.index.once.warning("sparse", "disk tier: sessions kept as sparse cold copies are removed "
+                                    "(`sparse_copies` is off; recomputed when used)")
+            self.disk.remove(key)
+            return
+        e = Entry(key=key, layout=found.layout)
         now_wall, now = time.time(), time.monotonic()
-        names: dict[tuple, list] = {}  # a shared prefix's file (hard links) -> the sessions' names of it
-        for found in self._disk.scan():
-            manifest = found.manifest
-            if manifest.length == 0:
-                continue
-            if not all(serves(self.config.codec, c) for c in found.codecs):
-                # Stored with a codec less accurate than this store's (e.g. int4 KV reopened by a lossless
-                # store): never served, so its files go rather than hold disk space nothing counts.
-                self._index.once.warning("codec", "disk tier: sessions stored with a less accurate codec than "
-                                   "kv_codec=%r are removed (recomputed when used)", self.config.kv_codec)
-                self._disk.remove((manifest.fingerprint, manifest.session_id))
-                continue
-            if found.sparse and not self.config.sparse_copies:  # likewise: sparse cold copies, not asked for
-                self._index.once.warning("sparse", "disk tier: sessions kept as sparse cold copies are removed "
-                                         "(`sparse_copies` is off; recomputed when used)")
-                self._disk.remove((manifest.fingerprint, manifest.session_id))
-                continue
-            e = Entry(key=(manifest.fingerprint, manifest.session_id), layout=found.layout)
-            # (The prefix table is rebuilt from the manifests, never read from a file.)
-            self._index.reopened(e, manifest, {name: size for name, (size, _) in found.chunks.items()},
-                                 found.manifest_size, found.chunks, now - max(0.0, now_wall - found.mtime))
-            for name, inode in found.inodes.items():
-                names.setdefault(inode, []).append((e, name, found.chunks[name][0]))
+        # (The prefix table is rebuilt from the manifests, never read from a file.)
+        self.index.reopened(e, manifest, {name: size for name, (size, _) in found.chunks.items()},
+                            found.manifest_size, found.chunks, now - max(0.0, now_wall - found.mtime))
         # Shared files are counted once, from the names the valid manifests reference (the scan collected the
-        # others): the file system's links are the reference counts, rebuilt here, never read from a file.
-        for inode, holders in names.items():
-            if len(holders) > 1:
-                for e, name, size in holders:
-                    self._index.mark_linked(e, name, inode, size)
-        self._index.expire()
+        # others): the file system's links are the reference counts, rebuilt here, never read from a file. A file
+        # is counted as shared from its second holder on; one whose first holder is gone meanwhile stays that
+        # holder's no longer.
+        for name, inode in found.inodes.items():
+            size = found.chunks[name][0]
+            family = self.links.get(inode)
+            if family is None:
+                self.links[inode] = [False, (e, name, size)]
+                continue
+            if not family[0]:
+                first, first_name, first_size = family[1]
+                if self.index.entries.get(first.key) is first and first_name in first.files:
+                    self.index.mark_linked(first, first_name, inode, first_size)
+                family[0], family[1] = True, None
+            self.index.mark_linked(e, name, inode, size)
+
+    def _finish(self) -> None:
+        """The reopen is over (lock held): what it held is dropped, and sessions past their TTL expire."""
+        self.active = False
+        self.handled, self.forgotten, self.links = set(), set(), {}
+        self.index.expire()
+        self.done.set()
 
 
 @dataclass(frozen=True)

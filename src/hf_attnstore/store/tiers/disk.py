@@ -356,43 +356,64 @@ class DiskTier(Tier):
         that is most of the reading.
         """
         found, shared = [], {}
-        with os.scandir(self.sessions_root) as listing:
-            folders = [(item.name, item.is_dir(follow_symlinks=False)) for item in listing]
-        for name, is_dir in folders:
-            folder = self.sessions_root / name
-            if not is_dir:
-                self._remove(folder)
-                continue
-            item = self.scan_folder(folder, shared)
+        for folder in self.folders():
+            item, doomed = self.scan_folder(folder, shared)
+            for path in doomed:
+                self._remove(path)
             if item is not None:
                 found.append(item)
         found.sort(key=lambda item: item.mtime)
         yield from found
 
-    def scan_folder(self, folder: Path, shared: dict | None = None) -> ScannedSession | None:
-        """Validates one session's folder (see :meth:`scan`): its session, or None (the folder is removed).
+    def folders(self, oldest_first: bool = False) -> list[Path]:
+        """The session folders (anything else under ``sessions/`` is removed), optionally oldest manifest first
+        (a folder without one first of all)."""
+        with os.scandir(self.sessions_root) as listing:
+            items = [(item.name, item.is_dir(follow_symlinks=False)) for item in listing]
+        folders = []
+        for name, is_dir in items:
+            if is_dir:
+                folders.append(self.sessions_root / name)
+            else:
+                self._remove(self.sessions_root / name)
+        if oldest_first:
+            def mtime(folder: Path) -> float:
+                try:
+                    return os.stat(folder / MANIFEST, follow_symlinks=False).st_mtime
+                except OSError:
+                    return 0.0
+            folders.sort(key=mtime)
+        return folders
+
+    def scan_folder(self, folder: Path, shared: dict | None = None) -> tuple[ScannedSession | None, list[Path]]:
+        """Validates one session's folder (see :meth:`scan`) without changing it: its session (None: the folder is
+        damaged) and what to remove (a crash's temporary files, orphan chunks, or the whole damaged folder).
         `shared`: a cache of shared files' headers across the folders of one scan."""
         try:
             names = os.listdir(folder)
+        except FileNotFoundError:
+            return None, []
         except OSError as exc:
             logger.warning("disk tier: removing unreadable session folder %s (%s)", folder.name, exc)
-            self._remove(folder)
-            return None
-        for name in names:
-            if name.startswith(TMP_PREFIX):
-                self._remove(folder / name)  # a crash's leftovers (the lock says no other store is writing)
+            return None, [folder]
+        # A crash's leftovers (the lock says no other store is writing).
+        doomed = [folder / name for name in names if name.startswith(TMP_PREFIX)]
         try:
             manifest, sizes, layout, codecs, inodes, sparse, mstat = self._validate(folder, {} if shared is None
                                                                                     else shared)
         except (OSError, FormatError) as exc:
             logger.warning("disk tier: removing damaged session folder %s (%s)", folder.name, exc)
-            self._remove(folder)
-            return None
+            return None, [folder]
         for name in names:  # orphan chunks (a crash between a link or a chunk and the manifest naming it)
             if (name.endswith(CHUNK_SUFFIX) and not name.startswith(TMP_PREFIX)
                     and name[: -len(CHUNK_SUFFIX)] not in sizes):
-                self._remove(folder / name)
-        return ScannedSession(manifest, sizes, layout, mstat.st_mtime, mstat.st_size, codecs, inodes, sparse)
+                doomed.append(folder / name)
+        return ScannedSession(manifest, sizes, layout, mstat.st_mtime, mstat.st_size, codecs, inodes, sparse), doomed
+
+    def remove_paths(self, paths: list[Path]) -> None:
+        """Removes what :meth:`scan_folder` said to (a folder with all it holds)."""
+        for path in paths:
+            self._remove(path)
 
     def _validate(self, folder: Path, shared: dict) -> tuple:
         path = folder / MANIFEST

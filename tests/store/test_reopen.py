@@ -1,0 +1,174 @@
+"""Reopening a disk tier: at once, or in the background while the store serves (`reopen_in_background`).
+
+The background scan is held at a gate (a patched `DiskTier.scan_folder` that waits on its thread) so that what a
+call does while sessions are not indexed yet is tested deterministically, not by timing."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from hf_attnstore import AttnStore, StoreTuning
+from hf_attnstore.store.tiers.disk import DiskTier
+
+from .kvdata import FP
+from .test_shared_disk import CHUNK, SYSTEM, du_once, expect_prefix, start_from, store_dir
+
+
+def open_store(path, background: bool, **kw) -> AttnStore:
+    return AttnStore(host_bytes="64MiB", disk_dir=path, tuning=StoreTuning(
+        chunk_tokens=CHUNK, idle_flush_s=0.01, fsync=False, reopen_in_background=background), **kw)
+
+
+def fill(path, n: int = 6) -> list[str]:
+    """Session s0 holds the shared prompt and one token; s1..s{n-1} start from it (its files linked)."""
+    store = open_store(path, background=False)
+    from .kvdata import kv
+    with store.open_turn("s0", FP, None, torch.empty(0)) as turn:
+        assert turn.append(torch.tensor(SYSTEM + [0]), *kv(SYSTEM + [0]))
+    store.flush()
+    for i in range(1, n):
+        start_from(store, f"s{i}", "s0", len(SYSTEM), [i])
+        store.flush()
+    store.close()
+    return [f"s{i}" for i in range(n)]
+
+
+class Gate:
+    """Holds the reopen thread before each folder it scans until `release`; calls on other threads pass."""
+
+    def __init__(self, monkeypatch):
+        self.open, self.waiting, self.scanned = threading.Event(), threading.Event(), []
+        original = DiskTier.scan_folder
+
+        def scan_folder(tier, folder, shared=None):
+            if threading.current_thread().name == "attnstore-reopen":
+                self.waiting.set()
+                assert self.open.wait(60), "the test never released the reopen thread"
+                self.scanned.append(folder.name)
+            return original(tier, folder, shared)
+
+        monkeypatch.setattr(DiskTier, "scan_folder", scan_folder)
+
+    def release(self) -> None:
+        self.open.set()
+
+
+def test_a_background_reopen_indexes_what_a_reopen_at_once_does(tmp_path):
+    sids = fill(tmp_path)
+    with open_store(tmp_path, background=False) as store:
+        want = (store.sessions(), store.stats().disk_bytes_used)
+    with open_store(tmp_path, background=True) as store:
+        assert store.wait_reopened(timeout=60) and not store.reopening
+        assert (store.sessions(), store.stats().disk_bytes_used) == want
+        assert want == (sids, du_once(tmp_path))  # the shared files counted once, as on the disk
+        for i, sid in enumerate(sids):
+            expect_prefix(store.lookup(sid, FP), SYSTEM + [i])
+
+
+def test_a_session_named_while_the_scan_has_not_reached_it_is_indexed_by_that_call(tmp_path, monkeypatch):
+    sids = fill(tmp_path)
+    gate = Gate(monkeypatch)
+    with open_store(tmp_path, background=True) as store:
+        assert gate.waiting.wait(60) and store.reopening
+        assert store.sessions() == []  # nothing indexed yet: the thread waits at the gate
+        snap = store.lookup("s3", FP)  # indexed now, by this call
+        expect_prefix(snap, SYSTEM + [3])
+        assert store.tier_of("s4", FP) == "disk" and store.token_ids("s5", FP).tolist() == SYSTEM + [5]
+        found = store.find("s2", FP, torch.tensor(SYSTEM + [2, 9]))
+        assert found.own is not None and found.own.length == len(SYSTEM) + 1
+        assert store.sessions() == ["s2", "s3", "s4", "s5"]
+        gate.release()
+        assert store.wait_reopened(timeout=60)
+        # Each folder once: the thread read the others, and skipped the four the calls indexed (but the one it was
+        # holding at the gate, read and then dropped), and nothing is counted twice.
+        assert store.sessions() == sids and store.stats().disk_bytes_used == du_once(tmp_path)
+        claimed = {store_dir(tmp_path, sid).name for sid in ("s2", "s3", "s4", "s5")}
+        assert set(gate.scanned) | claimed == {p.name for p in (tmp_path / "sessions").iterdir()}
+        assert len(set(gate.scanned) & claimed) <= 1
+
+
+def test_a_session_extended_while_the_store_reopens_keeps_its_history(tmp_path, monkeypatch):
+    fill(tmp_path)
+    gate = Gate(monkeypatch)
+    with open_store(tmp_path, background=True) as store:
+        assert gate.waiting.wait(60)
+        base = store.lookup("s1", FP)
+        from .kvdata import kv
+        with store.open_turn("s1", FP, base, torch.arange(base.length)) as turn:
+            assert turn.append(torch.tensor([77]), *kv([77]))
+        store.flush()
+        gate.release()
+        assert store.wait_reopened(timeout=60)
+        expect_prefix(store.lookup("s1", FP), SYSTEM + [1, 77])
+        used = store.stats().disk_bytes_used
+    with open_store(tmp_path, background=False) as store:  # and so it is on disk
+        expect_prefix(store.lookup("s1", FP), SYSTEM + [1, 77])
+        assert store.stats().disk_bytes_used == used == du_once(tmp_path)
+
+
+@pytest.mark.parametrize("with_fingerprint", [True, False])
+def test_a_session_deleted_before_the_scan_reaches_it_stays_deleted(tmp_path, monkeypatch, with_fingerprint):
+    fill(tmp_path)
+    gate = Gate(monkeypatch)
+    with open_store(tmp_path, background=True) as store:
+        assert gate.waiting.wait(60)
+        # By id alone the store cannot name the folder (its name hashes the model too): the scan removes it.
+        assert store.delete("s2", FP if with_fingerprint else None) is with_fingerprint
+        gate.release()
+        assert store.wait_reopened(timeout=60)
+        assert store.lookup("s2", FP) is None and "s2" not in store.sessions()
+        store.flush()
+        assert not store_dir(tmp_path, "s2").exists()
+        expect_prefix(store.lookup("s3", FP), SYSTEM + [3])  # its shared files are still there for the others
+        assert store.stats().disk_bytes_used == du_once(tmp_path)
+    with open_store(tmp_path, background=False) as store:
+        assert store.lookup("s2", FP) is None
+
+
+def test_the_scan_survives_a_failing_folder_and_reports_it(tmp_path, monkeypatch, caplog):
+    fill(tmp_path, n=4)
+    bad = store_dir(tmp_path, "s1").name
+    original = DiskTier.scan_folder
+
+    def scan_folder(tier, folder, shared=None):
+        if folder.name == bad:
+            raise RuntimeError("injected")
+        return original(tier, folder, shared)
+
+    monkeypatch.setattr(DiskTier, "scan_folder", scan_folder)
+    with caplog.at_level(logging.ERROR), open_store(tmp_path, background=True) as store:
+        assert store.wait_reopened(timeout=60)
+        assert store.sessions() == ["s0", "s2", "s3"]
+    assert any("reopening" in r.getMessage() and "injected" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(DiskTier, "scan_folder", original)
+    with open_store(tmp_path, background=True) as store:  # nothing was lost: the next reopen finds it
+        assert store.wait_reopened(timeout=60) and store.sessions() == ["s0", "s1", "s2", "s3"]
+
+
+def test_closing_while_the_store_reopens_stops_the_scan_and_loses_nothing(tmp_path, monkeypatch):
+    sids = fill(tmp_path)
+    gate = Gate(monkeypatch)
+    store = open_store(tmp_path, background=True)
+    assert gate.waiting.wait(60)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    gate.release()
+    closer.join(60)
+    assert not closer.is_alive() and store._reopening.thread is not None and not store._reopening.thread.is_alive()
+    assert len(gate.scanned) < len(sids)  # it stopped early
+    with open_store(tmp_path, background=False) as store:
+        assert store.sessions() == sids
+
+
+def test_a_damaged_folder_is_removed_by_the_scan_and_the_rest_serve(tmp_path):
+    fill(tmp_path, n=3)
+    manifest = store_dir(tmp_path, "s1") / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:-10])
+    with open_store(tmp_path, background=True) as store:
+        assert store.wait_reopened(timeout=60)
+        assert store.sessions() == ["s0", "s2"] and not store_dir(tmp_path, "s1").exists()
+        assert store.stats().disk_bytes_used == du_once(tmp_path)
