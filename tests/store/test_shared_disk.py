@@ -169,6 +169,65 @@ def test_reopen_rebuilds_the_sharing_from_the_manifests(tmp_path):
     again.close()
 
 
+def test_sessions_saved_behind_many_newer_sharers_still_link_the_prefix(tmp_path):
+    """While saves lag behind new sessions, a session's newest sharers are all unsaved: the oldest one, on disk,
+    is the one to link from. 20 sessions start from a's prompt during a forward (their saves wait), then save:
+    each links a's files, none writes the prompt again."""
+    store = disk_store(tmp_path)
+    with store.open_turn("a", FP, None, torch.empty(0)) as turn:
+        turn.append(torch.tensor(SYSTEM + [1]), *kv(SYSTEM + [1]))
+    store.flush()
+    store.forward_started()  # saves wait for the model's quiet moment
+    sids = [f"n{i}" for i in range(20)]
+    for i, sid in enumerate(sids):
+        start_from(store, sid, "a", len(SYSTEM), [100 + i])
+    store.forward_finished()
+    store.flush()
+    _, a_files = folder_files(tmp_path, "a")
+    inodes = {st.st_ino for st in list(a_files.values())[:3]}
+    for sid in sids:
+        manifest, files = folder_files(tmp_path, sid)
+        shared = [st for span, st in zip(manifest.spans, files.values()) if span.owner == "a"]
+        assert len(shared) == 3 and {st.st_ino for st in shared} <= inodes, sid
+    assert used(store) == du_once(tmp_path)
+    store.close()
+
+
+def test_a_prompt_shared_past_the_link_limit_is_copied_once_per_limit(tmp_path, monkeypatch):
+    """The file system allows a file so many names (65,000 on ext4; 4 here): the session refused one writes its
+    own copy, and later sessions link that copy, even while their newest sharers are all unsaved."""
+    import errno
+    from hf_attnstore.store.tiers.disk import DiskTier
+
+    original, refused = DiskTier.link, []
+
+    def link(tier, source, name, key, new_name):
+        if (store_dir(tmp_path, source[1]) / (name + ".safetensors")).stat().st_nlink >= 4:
+            refused.append(key[1])
+            raise OSError(errno.EMLINK, "Too many links")
+        return original(tier, source, name, key, new_name)
+
+    monkeypatch.setattr(DiskTier, "link", link)
+    store = disk_store(tmp_path)
+    with store.open_turn("a", FP, None, torch.empty(0)) as turn:
+        turn.append(torch.tensor(SYSTEM + [1]), *kv(SYSTEM + [1]))
+    store.flush()
+    store.forward_started()  # the saves of all 31 wait: each save's newest 16 sharers are unsaved
+    sids = [f"n{i}" for i in range(31)]
+    for i, sid in enumerate(sids):
+        start_from(store, sid, "a", len(SYSTEM), [100 + i])
+    store.forward_finished()
+    store.flush()
+    firsts = {folder_files(tmp_path, sid)[1][folder_files(tmp_path, sid)[0].spans[0].chunk].st_ino
+              for sid in ["a"] + sids}
+    # 32 sessions, 4 names a file: 8 files of the prompt's first chunk, one copy per refusal, each refused once.
+    assert len(firsts) == 8 and len(refused) == 7 and len(set(refused)) == 7
+    assert used(store) == du_once(tmp_path)
+    for i, sid in enumerate(sids):
+        expect_prefix(store.lookup(sid, FP), SYSTEM + [100 + i])
+    store.close()
+
+
 def test_share_prefixes_off_links_nothing(tmp_path):
     store = disk_store(tmp_path, share_prefixes=False)
     with store.open_turn("a", FP, None, torch.empty(0)) as turn:

@@ -82,6 +82,10 @@ class StoreState:
         # -> [bytes, {(key, name)}], counted in `disk_used` once while any name is left, whoever names them. The
         # file system keeps the bytes as long, so deleting one session never takes a chunk another manifest names.
         self.linked: dict[tuple, list] = {}
+        # Shared files that refused another name (the file system's link limit, 65,000 on ext4) -> the session that
+        # wrote its own copy instead: new sessions link that copy (`SavePlanner.shared_chunks`), so a prompt shared
+        # by more sessions than the limit is on disk once per 65,000 of them.
+        self.full_links: dict[tuple, Key] = {}
         self.dirty: set[Key] = set()
         # The save worker's queue of those (`next_dirty`): each dirty key is in exactly one of `_due_urgent` (a flush
         # or a demotion), `_due` (to look at, first come first) and `_parked` (not to be written yet: until a time
@@ -206,6 +210,14 @@ class StoreState:
             family = self.linked[inode] = [blocks(nbytes), set()]
             self.disk_used += family[0]
         family[1].add((e.key, name))
+
+    def link_refused(self, source: Key, name: str, copy: Key) -> None:
+        """The file system refused another name for `source`'s shared file `name` (its link limit): session `copy`
+        writes its own instead, which later sessions link (`full_links`; lock held)."""
+        e = self.entries.get(source)
+        inode = e.linked.get(name) if e is not None else None
+        if inode is not None:
+            self.full_links[inode] = copy
 
     def add_link(self, e: Entry, name: str, inode: tuple, nbytes: int, source: Key, source_name: str) -> None:
         """Records that the save thread made the session's file `name` a link of `source`'s file `source_name`

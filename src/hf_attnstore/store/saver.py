@@ -14,6 +14,7 @@ one that is not is gone (a clean miss). A store without a remote tier never runs
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -83,6 +84,12 @@ class SavePlanner:
     def reserve(self, e: Entry, nbytes: int, exact: bool = False) -> int:
         """Disk bytes reserved for files of `nbytes` the save thread is about to write (`Eviction.reserve_disk`)."""
         return self.eviction.reserve_disk(e, nbytes, exact)
+
+    def link_refused(self, source: Key, chunk: str, copy: Key) -> None:
+        """The file system refused another name for `source`'s shared file `chunk` (its link limit): session
+        `copy` writes its own instead, which later sessions link."""
+        with self.state.lock:
+            self.state.link_refused(source, chunk, copy)
 
     def warn(self, kind: str, message: str, *args) -> None:
         """Logs a warning of this kind once per store."""
@@ -208,12 +215,14 @@ class SavePlanner:
         session would write. Only with a disk tier and `share_prefixes`."""
         if self.disk is None or self.lower is not self.disk or not self.config.share_prefixes:
             return (), set()
-        chunk, best, mirrored = self.config.chunk_tokens, (), set()
+        chunk, best, mirrored, full = self.config.chunk_tokens, (), set(), self.state.full_links
         # More candidates than a turn's lookup takes: the newest are often sessions not on disk yet (while the saves
         # lag behind new sessions, all of them are), so the oldest too, the likeliest to be on disk.
         for key, _ in self.state.prefixes.candidates(e.key[0], ids, exclude=e.key, limit=16, oldest=4):
-            other = self.state.entries.get(key)
-            manifest = other.manifest if other is not None else None
+            other = self.successor(self.state.entries.get(key), full)
+            if other is None or other.key == e.key:
+                continue
+            key, manifest = other.key, other.manifest  # (the links name the session whose files they are)
             if manifest is None or manifest.head or manifest.state is not None or other.layout != e.layout:
                 continue  # (another KV layout under one fingerprint: only through the raw store API)
             links, pos = [], 0
@@ -221,7 +230,7 @@ class SavePlanner:
                 whole = span.start == 0 and span.end == chunk and other.chunks.get(span.chunk, (0, 0))[1] == chunk
                 # (An inexact chunk, computed under sparse attention, is not what this session's exact KV is.)
                 if not whole or span.rebased or span.chunk not in other.files or pos + chunk > ids.numel() \
-                        or pos + chunk > manifest.exact_tokens \
+                        or pos + chunk > manifest.exact_tokens or other.linked.get(span.chunk) in full \
                         or not torch.equal(manifest.token_ids[pos: pos + chunk], ids[pos: pos + chunk]):
                     break
                 links.append((key, span))
@@ -230,6 +239,18 @@ class SavePlanner:
                 best = tuple(links)
                 mirrored = other.mirrored & {span.digest for _, span in links}
         return best, mirrored
+
+    def successor(self, other: Entry | None, full: dict) -> Entry | None:
+        """`other`, or the session that copied its first shared file when that file was at its link limit (and
+        so on: one step per 65,000 sessions; lock held)."""
+        seen = set()
+        while other is not None and other.manifest is not None and other.manifest.spans:
+            copy = full.get(other.linked.get(other.manifest.spans[0].chunk))
+            if copy is None or copy in seen:
+                break
+            seen.add(copy)
+            other = self.state.entries.get(copy)
+        return other
 
     def files_to_keep(self, job: SaveJob, manifest: Manifest | None) -> tuple[set[str], bool]:
         """The session's files that must stay after a save, and whether any may be kept at all (False: the session
@@ -486,6 +507,9 @@ class SaveThread:
         except OSError as exc:
             if isinstance(exc, FileNotFoundError):  # its session deleted it meanwhile
                 logger.debug("prefix sharing: a shared chunk went before it was linked; the session writes its own")
+            elif exc.errno == errno.EMLINK:  # the file has as many names as the file system allows
+                logger.debug("prefix sharing: a shared chunk is at its link limit; the session writes its own")
+                self.planner.link_refused(source, span.chunk, job.entry.key)
             else:  # no hard links here (a file system without them, a file at its link limit)
                 self.planner.warn("link", "%s tier: linking a shared prefix's chunk failed (%s); sessions write their "
                                   "own copies", self.tier.name, exc)

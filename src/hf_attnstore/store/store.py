@@ -855,17 +855,15 @@ class Reopening:
         self.thread.start()
 
     def _scan(self) -> None:
-        shared: dict = {}  # shared files' headers, read once per scan
         try:
             folders = self.disk.folders(oldest_first=True)  # so the policies' order is the last accesses'
-            for folder in folders:
+            # (Read a few folders ahead on the tier's threads: a folder claimed meanwhile is read for nothing.)
+            for folder, found, doomed, error in self.disk.read_folders(folders):
                 if self.index.closed:
                     return
-                with self.index.lock:
-                    if folder.name in self.handled:
-                        continue
                 try:
-                    found, doomed = self.disk.scan_folder(folder, shared)
+                    if error is not None:
+                        raise error
                     with self.index.lock:
                         if folder.name in self.handled or self.index.closed:
                             continue  # a call claimed it meanwhile (and may be writing there)

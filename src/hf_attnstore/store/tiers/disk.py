@@ -12,8 +12,9 @@ import os
 import secrets
 import shutil
 import stat
+from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -355,15 +356,43 @@ class DiskTier(Tier):
         header and ids read once per scan, not once per name: with one system prompt shared by every session,
         that is most of the reading.
         """
-        found, shared = [], {}
-        for folder in self.folders():
-            item, doomed = self.scan_folder(folder, shared)
+        found = []
+        for folder, item, doomed, error in self.read_folders(self.folders()):
+            if error is not None:  # not a damaged folder: kept as it is, and not served
+                logger.error("disk tier: reading %s failed (%s); the session is not served", folder.name, error)
             for path in doomed:
                 self._remove(path)
             if item is not None:
                 found.append(item)
         found.sort(key=lambda item: item.mtime)
         yield from found
+
+    # Folders read at once by `read_folders`. A reopen of a large store is bound by the disk's latency, not the
+    # CPU (a cold folder: ~0.2 ms to list, ~0.5 ms per file read on this project's VM), and reads in flight
+    # together overlap (the threads wait in the kernel, outside the GIL).
+    READ_THREADS = 8
+
+    def read_folders(self, folders: list[Path], shared: dict | None = None) -> Iterator[tuple]:
+        """``(folder, session or None, what to remove, error or None)`` for each folder, in order
+        (:meth:`scan_folder`, which changes nothing: the caller removes), read by `READ_THREADS` threads a few
+        folders ahead. `error`: an unexpected failure reading that folder (a damaged one is not an error: it is
+        to be removed). `shared`: see :meth:`scan_folder` (one is made if not given)."""
+        shared = {} if shared is None else shared
+        with ThreadPoolExecutor(self.READ_THREADS, thread_name_prefix="attnstore-scan") as pool:
+            ahead: deque = deque()
+            position = 0
+            while ahead or position < len(folders):
+                while position < len(folders) and len(ahead) < 4 * self.READ_THREADS:
+                    folder = folders[position]
+                    ahead.append((folder, pool.submit(self.scan_folder, folder, shared)))
+                    position += 1
+                folder, future = ahead.popleft()
+                try:
+                    found, doomed = future.result()
+                except Exception as exc:  # one folder's failure is that folder's: the others are read
+                    yield folder, None, [], exc
+                else:
+                    yield folder, found, doomed, None
 
     def folders(self, oldest_first: bool = False) -> list[Path]:
         """The session folders (anything else under ``sessions/`` is removed), optionally oldest manifest first
