@@ -9,9 +9,11 @@ One store with a disk tier and a 256 MiB host tier grows to each N in turn: a fi
 `--own` tokens. KV is written directly through the public API (`open_turn(...).append(...)`) with tiny per-layer
 tensors (`--layers` x `--heads` x `--head-dim`, float16): no model runs, so what is timed is the store alone.
 
-At each N, once the saves have landed (`flush`, untimed), it times (median of `--reps`): writing one more session
-(find, open_turn, append, close: the turn's own calls; its save runs behind it), planning a resumed turn of an
-older session (`find` with its history and a new message), planning a new conversation over the shared prompt
+At each N it prints the rate the store grew at (writes and their saves, to the last `flush`), then, once the saves
+have landed, times (median of `--reps`): writing one more session (find, open_turn, append, close: the turn's own
+calls, each with the saves quiet: its save is flushed after it, untimed), planning a resumed turn of an older
+session (`find` with its history and a new message; a session on disk starts loading, and that load is waited
+for untimed), planning a new conversation over the shared prompt
 (`find`, shared match), evicting one session from host memory (`evict`), and reopening the store (construct
 on the same folder, first `find`); and the process's RSS. Then, in a fresh process each (so that
 nothing of this one's memory is counted): reopening in the background (`reopen_in_background`: the time from
@@ -34,7 +36,7 @@ import time
 
 import torch
 
-from hf_attnstore import AttnStore
+from hf_attnstore import AttnStore, StoreTuning
 
 FP = "bench-scale-model"
 
@@ -85,17 +87,21 @@ def args_base(i: int) -> int:
     return 1_000_000 + 1000 * i  # each session's own ids, distinct from every other's
 
 
-def timed(fn, reps: int) -> float:
+def timed(fn, reps: int, after=None) -> float:
+    """The median time of ``fn(r)`` over `reps`; ``after(r, result)`` runs after each, untimed."""
     times = []
     for r in range(reps):
         t = time.perf_counter()
-        fn(r)
+        result = fn(r)
         times.append(time.perf_counter() - t)
+        if after is not None:
+            after(r, result)
     return statistics.median(times)
 
 
 def open_store(args, folder: str) -> AttnStore:
-    return AttnStore(host_bytes=args.host_bytes, disk_dir=folder, fsync=False, chunk_tokens=args.chunk_tokens)
+    return AttnStore(host_bytes=args.host_bytes, disk_dir=folder,
+                     tuning=StoreTuning(fsync=False, chunk_tokens=args.chunk_tokens))
 
 
 FLUSH_S = 3600.0  # the saves behind N writes can take minutes on a loaded machine: flush() waits for them
@@ -157,18 +163,22 @@ def main() -> int:
           f"{args.head_dim} float16, host tier {args.host_bytes}, disk tier, chunk_tokens {args.chunk_tokens}; "
           f"medians of {args.reps}")
     print()
-    print("| sessions held | write one session | plan a resumed turn | plan a new conversation (shared prompt) "
+    print("| sessions held | grown at (write + save) | write one session | plan a resumed turn "
+          "| plan a new conversation (shared prompt) "
           "| evict one session | reopen (open, first find) | sessions/s reopened | RSS "
           "| background reopen: first turn's find | all indexed | index memory per session |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     problems = []
     try:
         for n in sizes:
+            grown, t = n - sessions.count, time.perf_counter()
             while sessions.count < n:
                 sessions.write(store)
             store.flush(timeout=FLUSH_S)
-            write_s = timed(lambda r: sessions.write(store), args.reps)
-            store.flush(timeout=FLUSH_S)
+            grow_rate = grown / (time.perf_counter() - t)
+            # Each write timed with the saves quiet (flushed after it, untimed): the turn's own calls, not the GIL
+            # shared with the save of the one before (the growth rate above counts the saves).
+            write_s = timed(lambda r: sessions.write(store), args.reps, after=lambda r, _: store.flush(timeout=FLUSH_S))
             held = sessions.count
 
             def resume(r):
@@ -177,10 +187,13 @@ def main() -> int:
                 found = store.find(f"chat-{i}", FP, prompt)
                 if found.own is None or found.own.length != args.system + args.own:
                     problems.append(f"N={n}: the resumed session chat-{i} was not found whole")
-                if found.own is not None and found.own.snapshot.loader is not None:
-                    found.own.snapshot.loader.wait_all()  # (its load, outside the timing of the next plan)
+                return found
 
-            resume_s = timed(resume, args.reps)
+            def loaded(r, found):  # a session on disk starts loading: its load is waited for untimed
+                if found.own is not None and found.own.snapshot.loader is not None:
+                    found.own.snapshot.loader.wait_all()
+
+            resume_s = timed(resume, args.reps, after=loaded)
 
             def new_chat(r):
                 found = store.find(f"new-{n}-{r}", FP, torch.cat([sessions.system, torch.tensor([5, 6, 7])]))
@@ -204,7 +217,7 @@ def main() -> int:
                 problems.append(f"N={n}: chat-0 was not found after the reopen")
             elif found.own.snapshot.loader is not None:
                 found.own.snapshot.loader.wait_all()
-            print(f"| {held:,} | {write_s * 1e3:.2f} ms | {resume_s * 1e3:.2f} ms | {new_s * 1e3:.2f} ms | "
+            print(f"| {held:,} | {grow_rate:,.0f} sessions/s | {write_s * 1e3:.2f} ms | {resume_s * 1e3:.2f} ms | {new_s * 1e3:.2f} ms | "
                   f"{evict_s * 1e3:.2f} ms | {reopen_s:.2f} s | {held / reopen_s:,.0f} | {rss:,.0f} MiB | "
                   f"{bg['first'] * 1e3:.0f} ms | {bg['whole']:.2f} s | {bg['mib'] * 2**20 / bg['held'] / 1024:.1f} KiB |",
                   flush=True)

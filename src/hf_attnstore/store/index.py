@@ -164,6 +164,15 @@ class StoreState:
         if e.manifest is not None:
             self.disk_policy.touch(e.key)
 
+    def order_disk_by_access(self) -> None:
+        """Puts the disk copies' eviction order in the order of the sessions' last accesses (lock held): once,
+        after a reopen that indexed them in the disk's order."""
+        keys = sorted((e.last_access, i, key) for i, (key, e) in enumerate(self.entries.items())
+                      if e.manifest is not None)
+        for *_, key in keys:
+            self.disk_policy.remove(key)
+            self.disk_policy.insert(key)
+
     def set_host(self, e: Entry, buf: SessionBuffer | None) -> None:
         """Makes `buf` the session's host copy (replacing any other), or lets it go (None): its bytes are freed
         when the last snapshot of it is."""

@@ -856,9 +856,9 @@ class Reopening:
 
     def _scan(self) -> None:
         try:
-            folders = self.disk.folders(oldest_first=True)  # so the policies' order is the last accesses'
-            # (Read a few folders ahead on the tier's threads: a folder claimed meanwhile is read for nothing.)
-            for folder, found, doomed, error in self.disk.read_folders(folders):
+            # (Each folder is looked up just before it is read: one a call has claimed is not read at all.)
+            unclaimed = (folder for folder in self.disk.folders() if not self._handled(folder.name))
+            for folder, found, doomed, error in self.disk.read_folders(unclaimed):
                 if self.index.closed:
                     return
                 try:
@@ -879,8 +879,15 @@ class Reopening:
                              "named", exc)
         finally:
             with self.index.cond:
+                # Indexed in the disk's order, not the sessions' last accesses (a reopen at once sorts first): the
+                # eviction order is put right once, those used since start-up last (they were just touched).
+                self.index.order_disk_by_access()
                 self._finish()
                 self.index.cond.notify_all()
+
+    def _handled(self, name: str) -> bool:
+        with self.index.lock:
+            return name in self.handled
 
     def claim(self, key: Key) -> None:
         """Indexes the session's folder now if the thread has not handled it (a call names it)."""
