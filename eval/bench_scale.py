@@ -12,11 +12,11 @@ tensors (`--layers` x `--heads` x `--head-dim`, float16): no model runs, so what
 At each N it prints the rate the store grew at (writes and their saves, to the last `flush`), then, once the saves
 have landed, times (median of `--reps`): writing one more session (find, open_turn, append, close: the turn's own
 calls, each with the saves quiet: its save is flushed after it, untimed), planning a resumed turn of an older
-session (`find` with its history and a new message; a session on disk starts loading, and that load is waited
-for untimed), planning a new conversation over the shared prompt
+session (`find` with its history and a new message; each of them evicted to disk first, at every N, so the
+plan includes starting its load, which is waited for untimed), planning a new conversation over the shared prompt
 (`find`, shared match), evicting one session from host memory (`evict`), and reopening the store (construct
-on the same folder, first `find`); and the process's RSS. Then, in a fresh process each (so that
-nothing of this one's memory is counted): reopening in the background (`reopen_in_background`: the time from
+on the same folder, first `find`; with `--cold`, from a dropped page cache); and the process's RSS. Then, in a
+fresh process each (so that nothing of this one's memory is counted): reopening in the background (`reopen_in_background`: the time from
 the constructor to the first turn's `find` of an old session, and until every session is indexed), and the
 index's memory per session (that process's RSS once all are indexed, less the same process's RSS before it
 opened the store, over N; no KV is in host memory after a reopen). The run fails unless every resumed plan
@@ -127,6 +127,14 @@ store.close(flush=False)
 """
 
 
+def cold(args) -> None:
+    """With `--cold`: the kernel's page cache is dropped, so a reopen reads the disk (as after a reboot)."""
+    if args.cold:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+
+
 def reopen_in_background(args, folder: str, sessions: "Sessions") -> dict:
     """Reopens the folder in the background in a fresh process (see `REOPEN`); its measurements."""
     prompt = torch.cat([sessions.ids(0), torch.tensor([5])]).tolist()
@@ -150,7 +158,11 @@ def main() -> int:
     parser.add_argument("--chunk-tokens", type=int, default=256, help="the store's chunk_tokens (default %(default)s)")
     parser.add_argument("--reps", type=int, default=20, help="repetitions of each timed operation (default %(default)s)")
     parser.add_argument("--disk-dir", help="the disk tier's folder (default: a temporary one, deleted after)")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the page cache before each reopen (as after a reboot; needs root)")
     args = parser.parse_args()
+    if args.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        parser.error("`--cold` drops the page cache through /proc/sys/vm/drop_caches: run it as root, or without it")
     sizes = sorted(int(n) for n in args.sizes.split(","))
     if not sizes or sizes[0] < 1:
         parser.error("`--sizes` must list positive session counts, e.g. 1000,10000")
@@ -181,8 +193,12 @@ def main() -> int:
             write_s = timed(lambda r: sessions.write(store), args.reps, after=lambda r, _: store.flush(timeout=FLUSH_S))
             held = sessions.count
 
+            resumed = [(r * 7919) % held for r in range(args.reps)]  # spread over old and new sessions
+            for i in resumed:  # each on disk only, at every N: the plan includes starting its load
+                store.evict(f"chat-{i}")
+
             def resume(r):
-                i = (r * 7919) % held  # spread over old (on disk) and new (in host memory) sessions
+                i = resumed[r]
                 prompt = torch.cat([sessions.ids(i), torch.tensor([5, 6, 7])])
                 found = store.find(f"chat-{i}", FP, prompt)
                 if found.own is None or found.own.length != args.system + args.own:
@@ -206,9 +222,11 @@ def main() -> int:
             rss = rss_mib()
             store.flush(timeout=FLUSH_S)
             store.close()
+            cold(args)
             bg = reopen_in_background(args, folder, sessions)  # (a fresh process: it takes the folder's lock)
             if bg["held"] < held + 1:
                 problems.append(f"N={n}: the background reopen indexed {bg['held']} of {held + 1} sessions")
+            cold(args)
             t = time.perf_counter()  # (the close above is untimed: the saves had landed, it stops threads)
             store = open_store(args, folder)
             found = store.find("chat-0", FP, torch.cat([sessions.ids(0), torch.tensor([5])]))

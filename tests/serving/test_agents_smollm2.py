@@ -101,3 +101,18 @@ def test_streamed_calls_add_up_to_the_final_arguments(client):
     whole = api.chat.completions.create(**ask).choices[0].message.tool_calls[0]
     assert first.function.name == whole.function.name and pieces > 1
     assert arguments == whole.function.arguments and valid(whole.function.name, arguments)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "Count from 1 to 5."}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "x"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+])
+def test_the_tools_template_renders_a_chat_without_tools_as_the_models_own(smollm2, messages):
+    """Without tools, chatml_tools.jinja is SmolLM2's own template, its default system prompt included (without it
+    the 135M model ran "Count from 1 to 5." on to the token cap: the compliance suite's streaming test)."""
+    _, tokenizer = smollm2
+    template = (EXAMPLES / "chatml_tools.jinja").read_text()
+    own = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         chat_template=template) == own

@@ -879,9 +879,10 @@ class Reopening:
                              "named", exc)
         finally:
             with self.index.cond:
-                # Indexed in the disk's order, not the sessions' last accesses (a reopen at once sorts first): the
-                # eviction order is put right once, those used since start-up last (they were just touched).
-                self.index.order_disk_by_access()
+                if not self.index.closed:
+                    # Indexed in the disk's order, not the sessions' last accesses (a reopen at once sorts first):
+                    # the eviction order is put right once, those used since start-up last (they were just touched).
+                    self.index.order_disk_by_access()
                 self._finish()
                 self.index.cond.notify_all()
 
@@ -966,7 +967,8 @@ class Reopening:
         """The reopen is over (lock held): what it held is dropped, and sessions past their TTL expire."""
         self.active = False
         self.handled, self.forgotten, self.links = set(), set(), {}
-        self.index.expire()
+        if not self.index.closed:
+            self.index.expire()
         self.done.set()
 
 
