@@ -156,6 +156,10 @@ def test_closing_while_the_store_reopens_stops_the_scan_and_loses_nothing(tmp_pa
     assert gate.waiting.wait(60)
     closer = threading.Thread(target=store.close)
     closer.start()
+    for _ in range(6000):  # the thread is released once the store is closed, so that it stops at the next folder
+        if store._index.closed:
+            break
+        threading.Event().wait(0.01)
     gate.release()
     closer.join(60)
     assert not closer.is_alive() and store._reopening.thread is not None and not store._reopening.thread.is_alive()
@@ -188,3 +192,52 @@ def test_a_damaged_folder_is_removed_by_the_scan_and_the_rest_serve(tmp_path):
         assert store.wait_reopened(timeout=60)
         assert store.sessions() == ["s0", "s2"] and not store_dir(tmp_path, "s1").exists()
         assert store.stats().disk_bytes_used == du_once(tmp_path)
+
+
+def test_a_session_deleted_by_id_while_the_store_reopens_is_not_served_from_redis_after(tmp_path, monkeypatch):
+    """Its remote copy goes with its folder when the thread reaches it, as `delete` removes an indexed one's."""
+    from hf_attnstore.lab.redis_server import RedisServer
+
+    with RedisServer(tmp_path / "redis") as server:
+        fill(tmp_path / "kv", n=3)
+        with open_store(tmp_path / "kv", background=False, remote=server.url) as store:
+            for sid in ("s0", "s1", "s2"):  # every session mirrored to Redis
+                store.retain(sid, FP, 3600)
+            store.flush()
+            from .kvdata import kv
+            with store.open_turn("s1", FP, store.lookup("s1", FP), torch.arange(len(SYSTEM) + 1)) as turn:
+                assert turn.append(torch.tensor([55]), *kv([55]))  # a write: s1 is copied to Redis behind the disk
+            store.flush()
+            assert store.stats().remote_bytes_written > 0
+        gate = Gate(monkeypatch)
+        with open_store(tmp_path / "kv", background=True, remote=server.url) as store:
+            assert gate.waiting.wait(60)
+            store.delete("s1")
+            gate.release()
+            assert store.wait_reopened(timeout=60)
+            store.flush()
+            assert store.lookup("s1", FP) is None  # neither the disk copy nor the remote one
+        with open_store(tmp_path / "kv", background=False, remote=server.url) as store:
+            assert store.lookup("s1", FP) is None and store.lookup("s2", FP) is not None
+
+
+def test_a_claim_that_fails_is_a_miss_and_the_next_call_tries_again(tmp_path, monkeypatch, caplog):
+    fill(tmp_path, n=3)
+    gate = Gate(monkeypatch)
+    original, failing = DiskTier.scan_folder, {store_dir(tmp_path, "s2").name}
+
+    def scan_folder(tier, folder, shared=None):
+        if folder.name in failing and threading.current_thread().name != "attnstore-reopen":
+            failing.clear()
+            raise OSError("injected")
+        return original(tier, folder, shared)
+
+    with open_store(tmp_path, background=True) as store:
+        assert gate.waiting.wait(60)
+        monkeypatch.setattr(DiskTier, "scan_folder", scan_folder)  # (the gate's wrapper is what the thread runs)
+        with caplog.at_level(logging.ERROR):
+            assert store.lookup("s2", FP) is None
+        assert any("injected" in r.getMessage() for r in caplog.records)
+        expect_prefix(store.lookup("s2", FP), SYSTEM + [2])  # tried again, and found
+        gate.release()
+        assert store.wait_reopened(timeout=60) and store.sessions() == ["s0", "s1", "s2"]

@@ -107,12 +107,13 @@ class StoreConfig:
         fsync: Make disk writes durable. Only tests and benchmarks of the page cache turn it off.
         io_timeout_s: Longest wait for one layer of a load, and for `flush`.
         reopen_in_background: How a store reopens a `disk_dir` that holds sessions. ``False`` (default): the
-            constructor indexes every one before it returns (about 1,000-2,000 sessions a second on one core).
-            ``True``: it returns at once and a thread indexes them while the store serves; a call that names a
-            session (`find`, `lookup`, `open_turn`, `delete`, ...) indexes that one first, so a resumed session is
-            never missed, but a shared prefix held only by sessions not indexed yet is (recomputed), and
-            `sessions`, `stats` and the disk limit count what is indexed so far (`reopening`, `wait_reopened`).
-            ``attnstore serve`` sets it: a server with 100,000 sessions answers its first turn at once.
+            constructor indexes every one before it returns (measured on this project's VM: 1,600-1,850 sessions a
+            second from the page cache, 650-800 from a cold disk). ``True``: it returns at once and a thread
+            indexes them while the store serves; a call that names a session with its model (`find`, `lookup`,
+            `open_turn`, ...) indexes that one first, so a resumed session is never missed, but a shared prefix
+            held only by sessions not indexed yet is (recomputed), and `sessions`, `stats` and the disk limit
+            count what is indexed so far (`reopening`, `wait_reopened`). ``attnstore serve`` sets it: with
+            100,000 sessions held its first turn was planned 11 ms after start-up (docs/benchmarks.md, "Scale").
         remote: URL of the shared remote tier (Redis or Valkey): ``redis://[[user]:password@]host:port/db``,
             ``rediss://`` (TLS) or ``unix:///path.sock?db=0``. Sessions are copied there after the disk tier
             (write-behind), or saved there directly when there is no `disk_dir`, and a session missing here, or

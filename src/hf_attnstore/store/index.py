@@ -228,6 +228,11 @@ class StoreState:
         if inode is not None:
             self.full_links[inode] = copy
 
+    def forget_full_link(self, inode: tuple) -> None:
+        """The copy that stood for a full shared file is gone (lock held): the file may be offered again (a link
+        it refuses names a new copy)."""
+        self.full_links.pop(inode, None)
+
     def add_link(self, e: Entry, name: str, inode: tuple, nbytes: int, source: Key, source_name: str) -> None:
         """Records that the save thread made the session's file `name` a link of `source`'s file `source_name`
         (lock held). The file joins its family (by identity, whoever else names it now); the source's name
@@ -252,6 +257,7 @@ class StoreState:
         if family[1]:
             return 0
         del self.linked[inode]
+        self.full_links.pop(inode, None)  # (the file is gone: its identity may be a new file's)
         self.disk_used -= family[0]
         return family[0]
 

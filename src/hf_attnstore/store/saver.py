@@ -245,11 +245,17 @@ class SavePlanner:
         so on: one step per 65,000 sessions; lock held)."""
         seen = set()
         while other is not None and other.manifest is not None and other.manifest.spans:
-            copy = full.get(other.linked.get(other.manifest.spans[0].chunk))
+            inode = other.linked.get(other.manifest.spans[0].chunk)
+            copy = full.get(inode)
             if copy is None or copy in seen:
                 break
             seen.add(copy)
-            other = self.state.entries.get(copy)
+            successor = self.state.entries.get(copy)
+            if successor is None or successor.manifest is None:
+                if successor is None:  # the copy is gone: the full file is offered again, and a refusal names a new one
+                    self.state.forget_full_link(inode)
+                return None if successor is not None else other
+            other = successor
         return other
 
     def files_to_keep(self, job: SaveJob, manifest: Manifest | None) -> tuple[set[str], bool]:

@@ -526,7 +526,8 @@ class AttnStore:
 
     def delete(self, session_id: str, fingerprint: str | None = None) -> bool:
         """Removes the session's KV from every tier, for every model (or only that stored under `fingerprint`).
-        Returns whether anything was removed.
+        Returns whether anything was removed (while the store reopens in the background, sessions not indexed yet
+        are removed when they are reached, and do not count here unless `fingerprint` names them).
 
         Example:
             >>> store = AttnStore(host_bytes="1MiB")
@@ -814,9 +815,10 @@ class Reopening:
     At once, before the constructor returns (`run`), or on a thread while the store serves (`start`, with
     `reopen_in_background`): then every call that names a session claims it first (`claim`), which indexes that
     session's folder (named by its key) at once if the thread has not, so a resumed session is never missed. A
-    folder is handled once, by whichever comes first; the thread changes nothing on disk (a crash's temporary
-    files, a damaged folder) without the index's lock, and never a folder a call claimed. A session deleted by id
-    alone while the thread runs (`forget`) has its folders removed when the thread reaches them.
+    folder is handled once, by whichever comes first; the thread changes nothing in a session's folder (a crash's
+    temporary files, a damaged folder) without the index's lock, and never a folder a call claimed. A session
+    deleted by id alone while the thread runs (`forget`) has its folders, and their remote copies, removed when the
+    thread reaches them.
 
     Example:
         >>> import tempfile, torch
@@ -834,6 +836,7 @@ class Reopening:
 
     def __init__(self, store: "AttnStore"):
         self.index, self.disk, self.config = store._index, store._disk, store.config
+        self.store = weakref.proxy(store)  # (its remote tier, made after this: a forgotten session's copy there)
         self.active = True  # read without the lock by the calls (a stale True only costs taking it)
         self.done = threading.Event()
         self.handled: set[str] = set()  # folder names indexed, claimed or removed (lock held)
@@ -868,23 +871,31 @@ class Reopening:
                         if folder.name in self.handled or self.index.closed:
                             continue  # a call claimed it meanwhile (and may be writing there)
                         self.handled.add(folder.name)
-                        self.disk.remove_paths(doomed)
-                        if found is not None:
-                            self._index_one(found)
+                        try:
+                            self.disk.remove_paths(doomed)
+                            if found is not None:
+                                self._index_one(found)
+                        except BaseException:
+                            self.handled.discard(folder.name)  # a call naming it tries again
+                            raise
                 except Exception as exc:  # one folder's failure must not stop the rest: report it, go on
-                    logger.exception("disk tier: reopening %s failed (%s); the session is not served", folder.name,
-                                     exc)
+                    logger.exception("disk tier: reopening %s failed (%s); it is tried again when a call names it",
+                                     folder.name, exc)
         except Exception as exc:
             logger.exception("disk tier: the reopen scan failed (%s); sessions not indexed yet are indexed when "
                              "named", exc)
         finally:
             with self.index.cond:
-                if not self.index.closed:
-                    # Indexed in the disk's order, not the sessions' last accesses (a reopen at once sorts first):
-                    # the eviction order is put right once, those used since start-up last (they were just touched).
-                    self.index.order_disk_by_access()
-                self._finish()
-                self.index.cond.notify_all()
+                try:
+                    if not self.index.closed:
+                        # Indexed in the disk's order, not the sessions' last accesses (a reopen at once sorts
+                        # first): the eviction order is put right once, those used since start-up last.
+                        self.index.order_disk_by_access()
+                except Exception as exc:
+                    logger.exception("disk tier: ordering the reopened sessions failed (%s)", exc)
+                finally:
+                    self._finish()
+                    self.index.cond.notify_all()
 
     def _handled(self, name: str) -> bool:
         with self.index.lock:
@@ -896,17 +907,21 @@ class Reopening:
             return
         folder = self.disk.session_dir(*key)
         with self.index.lock:
-            if not self.active or folder.name in self.handled:
+            if not self.active or self.index.closed or folder.name in self.handled:
                 return
             self.handled.add(folder.name)  # first: the thread skips it from now on
             if key in self.index.entries:
                 return  # (indexed some other way: the thread never touches it now)
             # One folder's reading under the lock, once per session while reopening: simpler than any handshake
             # with the thread, and a call that names it must wait for it anyway.
-            found, doomed = self.disk.scan_folder(folder)
-            self.disk.remove_paths(doomed)
-            if found is not None:
-                self._index_one(found)
+            try:
+                found, doomed = self.disk.scan_folder(folder)
+                self.disk.remove_paths(doomed)
+                if found is not None:
+                    self._index_one(found)
+            except Exception as exc:  # the call goes on with a miss; the next one naming it tries again
+                self.handled.discard(folder.name)
+                logger.exception("disk tier: reopening %s failed (%s); served as a miss", folder.name, exc)
 
     def forget(self, session_id: str) -> None:
         """The session is deleted for every model (lock held): folders of it not indexed yet go when reached."""
@@ -928,6 +943,9 @@ class Reopening:
             return
         if manifest.session_id in self.forgotten:
             self.disk.remove(key)
+            remote = getattr(self.store, "_remote", None)
+            if remote is not None:
+                remote.remove(key)  # as `delete` removes an indexed session's: never resurrected from there
             return
         if not all(serves(self.config.codec, c) for c in found.codecs):
             # Stored with a codec less accurate than this store's (e.g. int4 KV reopened by a lossless
