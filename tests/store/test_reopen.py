@@ -216,6 +216,8 @@ def test_a_session_deleted_by_id_while_the_store_reopens_is_not_served_from_redi
             gate.release()
             assert store.wait_reopened(timeout=60)
             store.flush()
+            # The remote deletion is queued on the tier's writer, which `flush` does not wait for: wait for it here.
+            store._remote._writer.submit(lambda: None).result(timeout=30)
             assert store.lookup("s1", FP) is None  # neither the disk copy nor the remote one
         with open_store(tmp_path / "kv", background=False, remote=server.url) as store:
             assert store.lookup("s1", FP) is None and store.lookup("s2", FP) is not None

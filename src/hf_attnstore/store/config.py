@@ -107,7 +107,7 @@ class StoreConfig:
         fsync: Make disk writes durable. Only tests and benchmarks of the page cache turn it off.
         io_timeout_s: Longest wait for one layer of a load, and for `flush`.
         reopen_in_background: How a store reopens a `disk_dir` that holds sessions. ``False`` (default): the
-            constructor indexes every one before it returns (measured on this project's VM: 1,600-1,850 sessions a
+            constructor indexes every one before it returns (measured on this project's VM: 1,580-1,850 sessions a
             second from the page cache, 650-800 from a cold disk). ``True``: it returns at once and a thread
             indexes them while the store serves; a call that names a session with its model (`find`, `lookup`,
             `open_turn`, ...) indexes that one first, so a resumed session is never missed, but a shared prefix

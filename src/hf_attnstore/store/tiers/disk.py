@@ -359,8 +359,7 @@ class DiskTier(Tier):
         for folder, item, doomed, error in self.read_folders(self.folders()):
             if error is not None:  # not a damaged folder: kept as it is, and not served
                 logger.error("disk tier: reading %s failed (%s); the session is not served", folder.name, error)
-            for path in doomed:
-                self._remove(path)
+            self.remove_paths(doomed)
             if item is not None:
                 found.append(item)
         found.sort(key=lambda item: item.mtime)
