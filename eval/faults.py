@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import multiprocessing.util
 import os
 import random
 import shutil
@@ -500,6 +501,9 @@ SCENARIOS = ["kill", "corruption", "openers", "ids", "full", "capacity", "thread
 def run(only: list[str], quick: bool, seed: int = 0) -> list[dict]:
     """The rows of the scenarios `only`. Every temporary folder they make lies in one folder of the run, removed
     when it ends, also after a failure (a scenario that stops early leaves nothing behind)."""
+    # multiprocessing makes its own folder on first use and removes it at exit, after this run's folder is gone:
+    # made now, it lies outside this run's folder (in it, its removal at exit failed with FileNotFoundError).
+    multiprocessing.util.get_temp_dir()
     previous = tempfile.tempdir
     with tempfile.TemporaryDirectory(prefix="attnstore-faults-", ignore_cleanup_errors=True) as folder:
         tempfile.tempdir = folder

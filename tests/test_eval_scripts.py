@@ -201,3 +201,14 @@ def test_eval_script(name, results):
         check(log)
     assert not result["left"], f"eval/{run.script} left {result['left']} in the temporary folder"
     assert not result["scratch"], f"eval/{run.script} left {result['scratch']} in the folder it was given"
+
+
+def test_the_scale_plot_draws_the_rows(tmp_path, monkeypatch):
+    """bench_scale --plot: the table's times against sessions held, one PNG."""
+    monkeypatch.syspath_prepend(str(ROOT / "eval"))
+    import bench_scale
+
+    rows = [{"held": n, "write one session": 1e-3, "plan a resumed turn": 2e-3, "plan a new conversation": 3e-4,
+             "evict one session": 2e-5, "sessions/s reopened": 700.0, "all indexed": n / 650} for n in (1020, 10020)]
+    bench_scale.plot(rows, str(tmp_path / "scale.png"))
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -212,3 +212,49 @@ def test_a_call_naming_a_session_finds_its_entries_without_walking_every_entry()
         assert len(store._index.entries) == sessions - 2
         store.close()
     assert counts[0] == counts[1], counts
+
+
+def _gauges_by_scan(store: AttnStore) -> tuple[int, int, int]:
+    """(host, disk, retained sessions) counted over every entry, as `stats()` once did."""
+    import time
+
+    index, now = store._index, time.monotonic()
+    with index.lock:
+        entries = list(index.entries.items())
+        return (sum(e.host is not None for _, e in entries), sum(e.manifest is not None for _, e in entries),
+                sum(index.is_retained(key, now) for key, _ in entries))
+
+
+def test_the_stats_read_no_entry_and_their_gauges_equal_a_scan(tmp_path):
+    """The pipeline reads `stats()` before every scheduling step (its look-ahead windows): its gauges are kept as the
+    index changes. After loads, evictions, deletions, a replaced history and a reopen they equal a count over every
+    entry."""
+    counts = []
+    for sessions in (FEW, MANY):
+        store = _held(tmp_path, sessions)
+        store.retain("s1", FP, 1000)
+        store.retain("gone", FP, 1000)  # retained, never stored: not a held session
+        with store._index.lock:
+            reads = _count_index(store)
+        s = store.stats()
+        counts.append(reads.n)
+        assert (s.host_sessions, s.disk_sessions, s.retained_sessions) == _gauges_by_scan(store) == (8, sessions, 1)
+        for i in range(0, sessions, 7):  # loaded back into host memory (evicting others)
+            snapshot = store.lookup(f"s{i}", FP)
+            snapshot.loader is None or snapshot.loader.wait_all()
+        store.evict("s2")
+        store.delete("s3")
+        write_turn(store, "s5", list(range(9000, 9064)))  # a new history under an old id
+        write_turn(store, "new", list(range(7000, 7010)))  # in host memory only, until its save
+        s = store.stats()
+        assert (s.host_sessions, s.disk_sessions, s.retained_sessions) == _gauges_by_scan(store), s
+        store.flush()
+        s = store.stats()
+        assert (s.host_sessions, s.disk_sessions) == _gauges_by_scan(store)[:2] and s.disk_sessions == sessions, s
+        store.close()
+        reopened = AttnStore(host_bytes=8 * 64 * BYTES_PER_TOKEN, disk_dir=str(tmp_path / f"n{sessions}"),
+                             **{**FAST, "chunk_tokens": 64})
+        s = reopened.stats()
+        assert (s.host_sessions, s.disk_sessions) == _gauges_by_scan(reopened)[:2] == (0, sessions), s
+        reopened.close()
+    assert counts[0] == counts[1], counts

@@ -530,15 +530,18 @@ class StoreState:
     def stats_snapshot(self, local_disk: bool, remote_down: int) -> StoreStats:
         """A copy of the counters with the gauges of this moment."""
         s = StoreStats(**{f.name: getattr(self.stats, f.name) for f in fields(StoreStats)})
+        # Gauges kept as the index changes, not counted over the entries: the scheduler reads them before every
+        # step (`ChatPipeline` sizes its look-ahead windows by them), so a scan would grow each step with the
+        # sessions held. Each tier's eviction order holds exactly the sessions that tier holds.
         s.sessions = len(self.entries)
-        s.host_sessions = sum(e.host is not None for e in self.entries.values())
-        s.disk_sessions = sum(e.manifest is not None for e in self.entries.values()) if local_disk else 0
+        s.host_sessions = len(self.host.policy)
+        s.disk_sessions = len(self.disk_policy) if local_disk else 0
         s.host_bytes_used, s.disk_bytes_used = self.host.used, self.disk_used
         s.loads_in_flight, s.saves_pending = self.loads_active, len(self.dirty)
         s.pool_blocks = len(self.blocks) if self.blocks is not None else 0
         s.remote_down = remote_down
-        now = time.monotonic()
-        s.retained_sessions = sum(self.is_retained(key, now) for key in self.entries)
+        now = time.monotonic()  # (a walk of the retained sessions only: most servers retain few or none)
+        s.retained_sessions = sum(until > now and key in self.entries for key, until in self.retained.items())
         return s
 
     def pin(self, e: Entry) -> None:
