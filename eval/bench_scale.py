@@ -240,6 +240,8 @@ def main() -> int:
                 deadline = time.monotonic() + 60
                 while store.stats().loads_in_flight and time.monotonic() < deadline:
                     time.sleep(0.001)
+                if store.stats().loads_in_flight:
+                    problems.append(f"N={n}: a resumed session's load did not end within 60 s")
 
             resume_s = timed(resume, args.reps, after=loaded)
 

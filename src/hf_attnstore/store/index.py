@@ -540,7 +540,7 @@ class StoreState:
         s.loads_in_flight, s.saves_pending = self.loads_active, len(self.dirty)
         s.pool_blocks = len(self.blocks) if self.blocks is not None else 0
         s.remote_down = remote_down
-        now = time.monotonic()  # (a walk of the retained sessions only: most servers retain few or none)
+        now = time.monotonic()  # (a walk of the sessions with a retention deadline, not of every session)
         s.retained_sessions = sum(until > now and key in self.entries for key, until in self.retained.items())
         return s
 
