@@ -59,6 +59,13 @@ test-fast: venv
 # changes under a stamp.
 test-latest:
 	$(call build_venv,.venv-latest,--upgrade --upgrade-strategy only-if-needed transformers)
+	@# pip falls back to an older release, silently, when the newest one's dependencies are not on the registry:
+	@# say so, so that "newest" in this job's log is true or visibly not.
+	@newest=$$(.venv-latest/bin/python -m pip index versions transformers 2>/dev/null | sed -n 's/^transformers (\(.*\))$$/\1/p'); \
+	 have=$$(.venv-latest/bin/python -c "import transformers; print(transformers.__version__)"); \
+	 if [ -n "$$newest" ] && [ "$$newest" != "$$have" ]; then \
+	   echo "test-latest: transformers $$newest is the newest on the registry, but $$have is what installs here" \
+	        "(its dependencies do not resolve: '.venv-latest/bin/pip install transformers==$$newest' says why)"; fi
 	.venv-latest/bin/python -m pytest -q tests
 
 test-oldest:
