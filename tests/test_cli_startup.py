@@ -85,6 +85,21 @@ def test_a_bad_size_is_refused_when_the_command_line_is_read(flag, value, no_mod
     assert f"argument {flag}: {value!r} is not a byte size" in err
 
 
+@pytest.mark.parametrize("value, words", [
+    ('{"presence": 0.5}', "presence: Extra inputs are not permitted"),
+    ('{"top_p": 0}', "top_p: Input should be greater than 0"),
+    ('{"top_k": true}', "top_k: Input should be a valid integer"),
+    ("[0.5]", "give an object of sampling fields, not list"),
+    ("presence_penalty=0.5", "not JSON"),
+])
+def test_bad_sampling_defaults_are_refused_when_the_command_line_is_read(value, words, no_model, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--sampling-defaults", value])
+    assert done.value.code == 2
+    err = one_line(capsys)
+    assert "argument --sampling-defaults: " in err and words in err, err
+
+
 def test_a_locked_disk_dir_and_a_dead_required_remote_are_one_line(tmp_path, no_model, capsys):
     with AttnStore(host_bytes="1MiB", disk_dir=str(tmp_path)):
         assert main(["serve", "--disk-dir", str(tmp_path)]) == 2

@@ -329,7 +329,8 @@ def build_server(args: argparse.Namespace) -> Server:
         pipe.close(timeout=args.request_timeout)
         store.close()
         raise
-    app = create_app(engine, name, default_max_tokens=args.max_tokens, request_timeout_s=args.request_timeout)
+    app = create_app(engine, name, default_max_tokens=args.max_tokens, request_timeout_s=args.request_timeout,
+                     sampling_defaults=getattr(args, "sampling_defaults", None))
     return Server(app, engine, pipe, store, name, args.request_timeout)
 
 
@@ -430,6 +431,16 @@ def _token_count(text: str) -> int:
     if not 0 <= value <= 1e13 or value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r} must be a whole number of tokens in [0, 1e13]")
     return int(value)
+
+
+def _sampling_defaults(text: str):
+    """`--sampling-defaults`: a JSON object of sampling fields (`SamplingDefaults`)."""
+    from .serving.protocol import SamplingDefaults
+
+    try:
+        return SamplingDefaults.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _kv_budget(text: str) -> float | int:
@@ -607,6 +618,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="bytes of KV the batch cache may hold (e.g. 2GiB): a turn joins only when the batch's rows "
                       "and the tokens they may still decode fit, else it waits for members to leave (default: no limit "
                       "but --max-batch-size); with --kv-budget rows are smaller, so more turns join")
+    tune.add_argument("--sampling-defaults", type=_sampling_defaults, default=None, metavar="JSON",
+                      help="sampling fields for requests that leave them out, a JSON object of temperature, top_p, "
+                      "top_k, presence_penalty, frequency_penalty (e.g. '{\"presence_penalty\": 0.5}': a small "
+                      "model's greedy loops end); what a request sends wins. Default: none (unset fields follow the model's "
+                      "generation config)")
     tune.add_argument("--max-pending", type=int, default=64, help="requests admitted at once; more get 429")
     tune.add_argument("--request-timeout", type=float, default=600.0, help="longest wait for one turn, seconds")
     tune.add_argument("--kv-budget", type=_kv_budget, default=None,

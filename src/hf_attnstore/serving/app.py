@@ -25,7 +25,7 @@ from .completions_api import CompletionsServing
 from .engine import ChatEngine
 from .errors import BodyLimit, add_error_handlers
 from .metrics import ServerMetrics
-from .protocol import ModelCard, ModelList, RequestLimits
+from .protocol import ModelCard, ModelList, RequestLimits, SamplingDefaults
 from .response_store import ResponseStore
 from .response_store_redis import RedisResponseStore
 from .responses_api import ResponsesServing
@@ -34,7 +34,8 @@ from .responses_ws import ResponsesSocket
 
 def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int = 256,
                request_timeout_s: float = 600.0, limits: RequestLimits | None = None,
-               responses: ResponseStore | RedisResponseStore | None = None) -> FastAPI:
+               responses: ResponseStore | RedisResponseStore | None = None,
+               sampling_defaults: SamplingDefaults | dict | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under the model id `model_name`.
 
     Args:
@@ -48,9 +49,13 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
         responses: Where ``/v1/responses`` keeps stored responses; default: the replicas' shared Redis when the
             engine has a shared state (`RedisResponseStore`), else in memory, and in ``<disk_dir>/responses`` when
             the store has a disk tier (chains then survive a restart).
+        sampling_defaults: Sampling fields filled in where a request leaves them out (`SamplingDefaults`, or a
+            dict of its fields: ``temperature``, ``top_p``, ``top_k``, ``presence_penalty``,
+            ``frequency_penalty``); what a request sends wins. Default: none (greedy, no penalty).
 
     Raises:
-        ValueError: A `default_max_tokens` that is not a positive integer or does not fit the context window.
+        ValueError: A `default_max_tokens` that is not a positive integer or does not fit the context window; a
+            `sampling_defaults` field that is unknown or out of its range.
 
     Example:
         >>> app = create_app(ChatEngine(ChatPipeline(model, tok, AttnStore("2GiB"))), "smollm2")  # doctest: +SKIP
@@ -63,6 +68,8 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
         raise ValueError(f"`default_max_tokens` ({default_max_tokens}) is longer than the longest reply the context "
                          f"window allows ({limits.max_tokens}): lower it (--max-tokens) or widen the window "
                          "(--context-window)")
+    if isinstance(sampling_defaults, dict):
+        sampling_defaults = SamplingDefaults.of(sampling_defaults)
     app = FastAPI(title="attnstore serve")
     app.add_middleware(BodyLimit, limit=limits.body_bytes)
     metrics = ServerMetrics(engine.pipeline.store, engine.pending, engine.pipeline.batch_memory)
@@ -112,8 +119,9 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # The three OpenAI routes: handlers over one base (base.OpenAIServing), each holding only what differs.
-    chat = ChatServing(engine, metrics, model_name, limits, request_timeout_s, default_max_tokens)
-    completions = CompletionsServing(engine, metrics, model_name, limits, request_timeout_s, default_max_tokens)
+    chat = ChatServing(engine, metrics, model_name, limits, request_timeout_s, default_max_tokens, sampling_defaults)
+    completions = CompletionsServing(engine, metrics, model_name, limits, request_timeout_s, default_max_tokens,
+                                     sampling_defaults)
     stored = ResponsesServing(chat, responses)
     app.post("/v1/chat/completions")(chat.create)
     app.post("/v1/completions")(completions.create)

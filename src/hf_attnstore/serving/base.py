@@ -29,7 +29,7 @@ from .errors import APIError
 from .metrics import ServerMetrics
 from .penalties import OpenAIPenalties
 from .pipeline import PipelineClosed
-from .protocol import AttnStoreInfo, PromptTokensDetails, RequestLimits, Usage, error_body
+from .protocol import AttnStoreInfo, PromptTokensDetails, RequestLimits, SamplingDefaults, Usage, error_body
 from .tools import ReplyParser
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class OpenAIServing:
         limits: The most a request may ask for.
         timeout_s: Longest a request waits for its turn to finish.
         default_max_tokens: Reply length when a chat request sets none.
+        sampling: The sampling fields filled in where a request leaves them out (default: none).
 
     Example:
         >>> serving = OpenAIServing(engine, metrics, "smollm2", limits, 600.0, 256)  # doctest: +SKIP
@@ -106,9 +107,10 @@ class OpenAIServing:
     """
 
     def __init__(self, engine: ChatEngine, metrics: ServerMetrics, model_name: str, limits: RequestLimits,
-                 timeout_s: float, default_max_tokens: int):
+                 timeout_s: float, default_max_tokens: int, sampling: SamplingDefaults | None = None):
         self.engine, self.metrics, self.model_name, self.limits = engine, metrics, model_name, limits
         self.timeout_s, self.default_max_tokens = timeout_s, default_max_tokens
+        self.sampling = sampling if sampling is not None else SamplingDefaults()
 
     # -- checks -------------------------------------------------------------------------------------------
     def check_request(self, body) -> None:

@@ -36,6 +36,7 @@ class ChatServing(OpenAIServing):
     async def create(self, body: ChatCompletionRequest, request: Request):
         """Answers one chat-completions request (the route's handler)."""
         self.check_request(body)
+        body = self.sampling.fill(body)  # the server's defaults for what the request leaves out
         started = await self.start_turn(body, request)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:

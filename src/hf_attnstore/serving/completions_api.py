@@ -36,6 +36,7 @@ class CompletionsServing(OpenAIServing):
     async def create(self, body: CompletionRequest, request: Request):
         """Answers one completions request (the route's handler)."""
         self.check_request(body)
+        body = self.sampling.fill(body)  # the server's defaults for what the request leaves out
         problem = self.limits.check_completion(body)
         if problem:
             raise APIError(400, problem[1], param=problem[0])

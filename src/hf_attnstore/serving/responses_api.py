@@ -46,7 +46,7 @@ class ResponsesServing(OpenAIServing):
 
     def __init__(self, chat: ChatServing, responses: ResponseStore):
         super().__init__(chat.engine, chat.metrics, chat.model_name, chat.limits, chat.timeout_s,
-                         chat.default_max_tokens)
+                         chat.default_max_tokens, chat.sampling)
         self.chat, self.responses = chat, responses
 
     async def create(self, body: ResponsesRequest, request: Request):
@@ -74,6 +74,7 @@ class ResponsesServing(OpenAIServing):
         """
         created_at = int(time.time())  # fixed here: every event of the response and its stored copy carry it
         self.check_request(body)
+        body = self.sampling.fill(body)  # the server's defaults for what the request leaves out (and echoed)
         text = tools_text_problem(body.tools, nested=False)  # before the echo check: it names the field
         if text is not None:
             raise APIError(400, text[1], param=text[0])

@@ -20,7 +20,7 @@ from .chat import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, C
                    FunctionDef, FunctionDelta, NamedToolChoice, ResponseMessage, TextPart, ToolCallDelta, ToolCallIn,
                    ToolCallOut, ToolDef)
 from .common import (OTHER_TOOL_CHOICE, TOOL_NAME, AttnStoreInfo, CompletionBase, FunctionCall, ModelCard, ModelList,
-                     OpenAIRequest, PromptTokensDetails, SGLangFields, StreamOptions, Usage, check_tool_choice, echo_problem,
+                     OpenAIRequest, PromptTokensDetails, SamplingDefaults, SGLangFields, StreamOptions, Usage, check_tool_choice, echo_problem,
                      error_body, error_field, error_tag, json_object_text, response_format_schema, stop_strings,
                      surrogate_at)
 from .completions import DEFAULT_MAX_TOKENS, CompletionRequest, completion_logprobs, completion_object
@@ -34,7 +34,7 @@ __all__ = [
     "ChunkChoice", "CompactRequest", "CompactionItem", "CompletionBase", "CompletionRequest", "DEFAULT_MAX_TOKENS", "Delta", "FunctionDelta", "OTHER_TOOL_CHOICE",
     "FunctionCall", "FunctionCallItem", "FunctionCallOutputItem", "FunctionDef", "FunctionTool", "FunctionToolChoice",
     "InputText", "Item", "MessageItem", "ModelCard", "ModelList", "NamedToolChoice", "OpenAIRequest",
-    "PromptTokensDetails", "RequestLimits", "ResponseMessage", "ResponsesRequest", "SGLangFields", "StreamOptions", "TOOL_NAME",
+    "PromptTokensDetails", "RequestLimits", "ResponseMessage", "ResponsesRequest", "SGLangFields", "SamplingDefaults", "StreamOptions", "TOOL_NAME",
     "TextPart", "ToolCallDelta", "ToolCallIn", "ToolCallOut", "ToolDef", "Usage", "call_item", "chat_request",
     "check_tool_choice", "compaction_content", "completion_logprobs", "completion_object", "echo_problem", "error_body", "error_field",
     "error_tag", "json_object_text", "message_item", "output_items", "response_format_schema", "response_object",

@@ -110,6 +110,75 @@ class SGLangFields(OpenAIRequest):
         return None
 
 
+class SamplingDefaults(BaseModel):
+    """The sampling fields a server fills in where a request leaves them out (``attnstore serve
+    --sampling-defaults``; SGLang's ``--preferred-sampling-params``, vLLM's ``--override-generation-config``):
+    what a request sends always wins, and Responses echo the values used. Only the fields a route's request has
+    are filled. Unknown fields and values out of OpenAI's ranges are refused, so a typo is not a silent no-op.
+
+    Why a server has them: a small model decoded greedily can loop (SmolLM2-135M answers "Count from 1 to 3." with
+    ``1. 1. 1. 1. 2. 2. ...`` to the token cap); a presence penalty ends that for every client without each one
+    asking for it.
+
+    Example:
+        >>> defaults = SamplingDefaults.model_validate({"presence_penalty": 0.5})
+        >>> from hf_attnstore.serving.protocol import CompletionRequest
+        >>> body = defaults.fill(CompletionRequest(model="m", prompt="hi", presence_penalty=0.1))
+        >>> body.presence_penalty, defaults.fill(CompletionRequest(model="m", prompt="hi")).presence_penalty
+        (0.1, 0.5)
+        >>> SamplingDefaults.model_validate({"presence": 0.5})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        pydantic_core._pydantic_core.ValidationError: ...
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+
+    def fill(self, body):
+        """`body` with each default set where the request has the field and left it out (a copy; `body` itself
+        when there is nothing to fill). A ``null`` counts as left out (OpenAI's "the default"); ``top_k: -1`` is
+        SGLang's explicit "no top-k filtering", so a request that sends it keeps it."""
+        update = {name: value for name, value in self.model_dump(exclude_none=True).items()
+                  if name in type(body).model_fields and getattr(body, name) is None
+                  and not (name == "top_k" and name in body.model_fields_set)}
+        return body.model_copy(update=update) if update else body
+
+    @classmethod
+    def parse(cls, text: str) -> "SamplingDefaults":
+        """The defaults a JSON object gives (the command line's form).
+
+        Raises:
+            ValueError: Text that is not a JSON object, an unknown field, or a value out of its range: the
+                message names the field and the fields there are.
+        """
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not JSON ({exc}): give an object, e.g. '{{\"presence_penalty\": 0.5}}'") from None
+        return cls.of(data)
+
+    @classmethod
+    def of(cls, data) -> "SamplingDefaults":
+        """The defaults a dict of fields gives.
+
+        Raises:
+            ValueError: Not a dict, an unknown field, or a value out of its range (as `parse`).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"give an object of sampling fields, not {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValueError as exc:
+            errors = getattr(exc, "errors", lambda: [])()
+            first = errors[0] if errors else {"loc": (), "msg": str(exc)}
+            where = ".".join(str(part) for part in first["loc"]) or "the object"
+            raise ValueError(f"{where}: {first['msg']} (the fields: {', '.join(cls.model_fields)})") from None
+
 # SGLang's fields that change the answer away from their default, with what they do (sglang's protocol.py defaults).
 _SGLANG_DEFAULTS = (
     ("min_p", 0.0, "min-p sampling"),
