@@ -170,6 +170,35 @@ def test_linear_attention_layer_state_interface():
             "LinearAttentionCacheLayerMixin / DummyLayer", "the layer class hierarchy changed")
 
 
+def test_restored_linear_states_count_their_tokens_and_the_length_is_an_int():
+    """lfm2's layer 0 is a convolution: from 5.25 its own counter (`cumulative_length_linear`) is the cache's length,
+    so restored states must set it, and the cache must hand out an int, not the counter (that the store's buffer
+    once kept and added to, moving the layer's count: layers._restore, AttnStoreCache.get_seq_length)."""
+    model, store = make_tiny("lfm2"), AttnStore(host_bytes="64MiB")
+    ids = random_ids(20, 3)
+    with AttnStoreCache(model, store, "s", ids) as first:
+        model(first.input_ids, **upstream.cache_kwargs(first))
+    cache = AttnStoreCache(model, store, "s", torch.cat([ids, random_ids(4, 4)], dim=1))
+    assert cache.reused_tokens == 20 and isinstance(cache.layers[0], upstream.LinearAttentionCacheLayerMixin)
+    length = cache.get_seq_length()
+    require(type(length) is int and length == 20, "Cache.get_seq_length() over a linear-attention layer 0",
+            f"it is {length!r} after restoring 20 tokens")
+    for layer in cache.layers:
+        counter = getattr(layer, "cumulative_length_linear", None)
+        require(counter is None or int(counter) == 20, "LinearAttentionLayer.cumulative_length_linear",
+                f"a restored layer counts {counter!r} tokens, not 20 (upstream.set_linear_length)")
+    cache.close()
+
+
+def test_our_loaders_load_a_checkpoint_without_the_hubs_kernels(tmp_path):
+    """5.25 turns `use_kernels` on by default in `from_pretrained`; our loaders pass `upstream.LOAD_KWARGS`."""
+    make_tiny("llama").save_pretrained(tmp_path)
+    params = inspect.signature(transformers.PreTrainedModel.from_pretrained).parameters
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, **upstream.LOAD_KWARGS)
+    require(not getattr(model, "use_kernels", False), "PreTrainedModel.from_pretrained(use_kernels=False)",
+            f"the model was loaded with the Hub's kernels on (from_pretrained's parameters: {list(params)})")
+
+
 def test_layer_types_and_kwargs_of_a_config():
     model = make_tiny("mistral")
     types, kwargs = upstream.layer_types(model.config)

@@ -19,7 +19,7 @@ from .hooks import install_generation_hook, install_hooks
 from .rope import RopeAdapter
 from .layout import LayerLayout
 from .turn import CacheTurn, check_scored, head_prefill_key, regime_keys
-from .upstream import Cache, DynamicCache
+from .upstream import Cache, DynamicCache, seq_length
 
 
 def _as_prompt_ids(input_ids) -> torch.Tensor:
@@ -301,6 +301,11 @@ class AttnStoreCache(DynamicCache):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The tokens the cache holds, as an int (`upstream.seq_length`: from transformers 5.25 a linear-attention
+        layer 0 reports its own counter, a tensor it adds to in place)."""
+        return seq_length(super().get_seq_length(layer_idx))
 
     # -- operations a single-session cache does not support -------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:

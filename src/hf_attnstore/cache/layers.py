@@ -38,6 +38,7 @@ from .upstream import (
     DynamicSlidingWindowLayer,
     LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
+    set_linear_length,
 )
 
 
@@ -436,6 +437,7 @@ def _restore(layer: LinearAttentionCacheLayerMixin, idx: int, state: SessionStat
             layer.lazy_initialization(recurrent_states=rec, state_idx=i)
             layer.recurrent_states[i].copy_(rec)
         layer.has_previous_state[i] = conv is not None or rec is not None
+    set_linear_length(layer, state.tokens)  # 5.25+: the layer's own token count, which models place by
 
 
 def state_tensors(layers: list) -> dict[str, torch.Tensor] | None:

