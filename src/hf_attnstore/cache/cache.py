@@ -304,7 +304,8 @@ class AttnStoreCache(DynamicCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """The tokens the cache holds, as an int (`upstream.seq_length`: from transformers 5.25 a linear-attention
-        layer 0 reports its own counter, a tensor it adds to in place)."""
+        layer 0 reports its own counter, a tensor it adds to in place; on CUDA the int costs one sync per call,
+        that is per forward)."""
         return seq_length(super().get_seq_length(layer_idx))
 
     # -- operations a single-session cache does not support -------------------------------------------

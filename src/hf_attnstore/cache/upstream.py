@@ -46,7 +46,8 @@ from transformers.cache_utils import (  # noqa: F401  (re-exported: the rest of 
 __all__ = ["Cache", "DummyLayer", "DynamicCache", "DynamicLayer", "DynamicSlidingWindowLayer",
            "LinearAttentionCacheLayerMixin", "LinearAttentionLayer", "CACHE_ARG", "CACHE_ARGS", "cache_kwargs",
            "cache_from", "output_cache", "base_model", "generic_prepare_inputs", "CANDIDATE_GENERATOR", "find_rotary",
-           "rope_type", "rope_limit", "layer_types", "LOAD_KWARGS", "seq_length", "set_linear_length", "tested_range_warning", "warn_if_untested", "decoding_plan",
+           "rope_type", "rope_limit", "layer_types", "LOAD_KWARGS", "seq_length", "set_linear_length",
+           "tested_range_warning", "warn_if_untested", "decoding_plan",
            "GENERATE_ARGS", "response_template", "register_attention", "sdpa_attention", "attention_implementation",
            "set_attention_implementation", "eager_attention"]
 

@@ -51,7 +51,8 @@ def create_app(engine: ChatEngine, model_name: str, *, default_max_tokens: int =
             the store has a disk tier (chains then survive a restart).
         sampling_defaults: Sampling fields filled in where a request leaves them out (`SamplingDefaults`, or a
             dict of its fields: ``temperature``, ``top_p``, ``top_k``, ``presence_penalty``,
-            ``frequency_penalty``); what a request sends wins. Default: none (greedy, no penalty).
+            ``frequency_penalty``); what a request sends wins. Default: none (unset fields follow the model's
+            generation config).
 
     Raises:
         ValueError: A `default_max_tokens` that is not a positive integer or does not fit the context window; a
